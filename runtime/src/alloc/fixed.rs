@@ -1,0 +1,104 @@
+//! Fixed segments (PyTorch's native mode): one backend allocation per segment, sized by
+//! [`segment_size`], split into blocks; released whole when every block in it is free.
+
+use super::block::{Block, BlockId, BlockState, PoolKind};
+use super::pool::segment_size;
+use super::state::{Segment, State};
+use super::GrowError;
+use crate::backend::{Backend, StreamId};
+
+impl State {
+    /// Allocates a new fixed segment for a request of `size` and returns its first block,
+    /// split to `size` and not indexed.
+    pub fn grow_fixed(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<BlockId, GrowError> {
+        let seg_size = segment_size(size).ok_or(GrowError::TooLarge)?;
+        self.check_limit(seg_size)?;
+        let base = backend.alloc_segment(seg_size, stream)?;
+        let small = pool.is_small();
+        let seg = self.segs.insert(Segment {
+            base,
+            size: seg_size,
+            stream,
+            pool,
+            growable: false,
+            mapped: seg_size,
+            first: 0,
+        });
+        let id = self.blocks.insert(Block {
+            addr: base,
+            size: seg_size,
+            requested: 0,
+            seg,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            mapped: true,
+            stream,
+            pool,
+            other_streams: Vec::new(),
+            generation: 0,
+        });
+        self.segs[seg].first = id;
+        let s = &mut self.stats;
+        s.reserved_bytes.add(small, seg_size);
+        s.segment.add(small, 1);
+        s.num_device_alloc += 1;
+        if seg_size >= self.cfg.max_split_size {
+            s.oversize_segments.add(1);
+        }
+        self.split_to(id, size);
+        Ok(id)
+    }
+
+    /// Returns every fixed segment whose memory is all free to the backend; returns the bytes
+    /// released.
+    pub fn release_fixed(&mut self, backend: &dyn Backend) -> u64 {
+        let whole: Vec<BlockId> = self
+            .free
+            .iter()
+            .flat_map(|f| f.ids())
+            .filter(|&id| {
+                let b = &self.blocks[id];
+                b.prev.is_none() && b.next.is_none() && !self.segs[b.seg].growable
+            })
+            .collect();
+        let mut released = 0;
+        for id in whole {
+            let (seg, addr, size, small) = {
+                let b = &self.blocks[id];
+                (b.seg, b.addr, b.size, b.pool.is_small())
+            };
+            if let Err(e) = backend.free_segment(addr, size) {
+                // Keep the segment: memory the device did not take back is still ours.
+                tracing::warn!(error = %e, "freeing a cached segment failed; keeping it");
+                continue;
+            }
+            self.index_remove(id);
+            self.blocks.remove(id);
+            self.segs.remove(seg);
+            let s = &mut self.stats;
+            s.reserved_bytes.sub(small, size);
+            s.segment.sub(small, 1);
+            s.num_device_free += 1;
+            if size >= self.cfg.max_split_size {
+                s.oversize_segments.sub(1);
+            }
+            released += size;
+        }
+        released
+    }
+
+    /// Fails when growing by `bytes` would pass the device-wide limit.
+    pub fn check_limit(&self, bytes: u64) -> Result<(), GrowError> {
+        match self.limit {
+            Some(limit) if self.reserved().saturating_add(bytes) > limit => Err(GrowError::Limit),
+            _ => Ok(()),
+        }
+    }
+}

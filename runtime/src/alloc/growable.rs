@@ -1,0 +1,219 @@
+//! Growable ("expandable") segments: one large virtual address range per pool and stream,
+//! physical pages mapped where blocks need them and unmapped from free space under pressure or on
+//! `empty_cache`. Fragmentation of the address space costs nothing; physical memory follows live
+//! bytes at page granularity.
+
+use super::block::{Block, BlockId, BlockState, PoolKind};
+use super::state::{Segment, State};
+use super::GrowError;
+use crate::backend::{Backend, StreamId};
+
+impl State {
+    /// Maps pages so that a free block of at least `size` exists on (`pool`, `stream`), placing
+    /// them where the fewest new pages are needed; returns that block split to `size`, not indexed.
+    pub fn grow_growable(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        total: u64,
+    ) -> Result<BlockId, GrowError> {
+        let g = self.granularity;
+        let (hole, cost) = match self.cheapest_hole(pool, stream, size) {
+            Some(c) => c,
+            None => {
+                let va = size
+                    .checked_next_multiple_of(g)
+                    .ok_or(GrowError::TooLarge)?
+                    .max(total.checked_next_multiple_of(g).unwrap_or(u64::MAX / 2));
+                let id = self.reserve_range(backend, pool, stream, va)?;
+                (id, size.next_multiple_of(g))
+            }
+        };
+        self.check_limit(cost)?;
+        let addr = self.blocks[hole].addr;
+        backend.map(addr, cost)?;
+        let small = pool.is_small();
+        let s = &mut self.stats;
+        s.reserved_bytes.add(small, cost);
+        s.num_device_alloc += 1;
+        s.num_map += 1;
+        s.mapped_bytes_total += cost;
+        let seg = self.blocks[hole].seg;
+        self.segs[seg].mapped += cost;
+
+        // The hole becomes [mapped part][rest, still unmapped].
+        self.index_remove(hole);
+        if cost < self.blocks[hole].size {
+            let rest = self.split_at(hole, addr + cost);
+            self.index_insert(rest);
+        }
+        self.blocks[hole].mapped = true;
+        let id = self.coalesce(hole);
+        debug_assert!(
+            self.blocks[id].size >= size,
+            "mapped enough for the request"
+        );
+        self.split_to(id, size);
+        Ok(id)
+    }
+
+    /// The unmapped free block to map into for a request of `size`, and how many bytes to map.
+    /// A hole right after a mapped free block needs only the pages that block lacks.
+    fn cheapest_hole(&self, pool: PoolKind, stream: StreamId, size: u64) -> Option<(BlockId, u64)> {
+        let g = self.granularity;
+        let mut best: Option<(u64, u64, BlockId)> = None;
+        for &(_, addr, id) in self.unmapped[pool as usize].range((stream, 0, 0)..(stream + 1, 0, 0))
+        {
+            let u = &self.blocks[id];
+            let free_mapped = |n: Option<BlockId>| {
+                n.map(|n| &self.blocks[n])
+                    .filter(|b| b.is_free() && b.mapped)
+                    .map_or(0, |b| b.size)
+            };
+            let before = free_mapped(u.prev);
+            let need = size.saturating_sub(before).next_multiple_of(g);
+            let cost = if need <= u.size {
+                need
+            } else if before + u.size + free_mapped(u.next) >= size {
+                u.size
+            } else {
+                continue;
+            };
+            if best.is_none_or(|(c, a, _)| (cost, addr) < (c, a)) {
+                best = Some((cost, addr, id));
+            }
+        }
+        best.map(|(c, _, id)| (id, c))
+    }
+
+    /// Reserves a new address range of `va` bytes: one unmapped free block, indexed.
+    fn reserve_range(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        va: u64,
+    ) -> Result<BlockId, GrowError> {
+        let base = backend.reserve(va)?;
+        let seg = self.segs.insert(Segment {
+            base,
+            size: va,
+            stream,
+            pool,
+            growable: true,
+            mapped: 0,
+            first: 0,
+        });
+        let id = self.blocks.insert(Block {
+            addr: base,
+            size: va,
+            requested: 0,
+            seg,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            mapped: false,
+            stream,
+            pool,
+            other_streams: Vec::new(),
+            generation: 0,
+        });
+        self.segs[seg].first = id;
+        self.stats.segment.add(pool.is_small(), 1);
+        self.index_insert(id);
+        Ok(id)
+    }
+
+    /// Unmaps every page of growable segments that holds no live byte; returns the bytes unmapped.
+    /// With `release_ranges`, address ranges left with no mapped page are released too.
+    pub fn release_pages(&mut self, backend: &dyn Backend, release_ranges: bool) -> u64 {
+        let g = self.granularity;
+        let candidates: Vec<BlockId> = self
+            .free
+            .iter()
+            .flat_map(|f| f.ids())
+            .filter(|&id| {
+                let b = &self.blocks[id];
+                self.segs[b.seg].growable && b.addr.next_multiple_of(g) + g <= b.end()
+            })
+            .collect();
+        if !candidates.is_empty() {
+            // Another stream's queued work may still touch these pages: wait before unmapping.
+            if let Err(e) = backend.synchronize() {
+                tracing::warn!(error = %e, "synchronize before unmapping failed; keeping pages");
+                return 0;
+            }
+            self.stats.num_sync_all_streams += 1;
+        }
+        let mut released = 0;
+        for id in candidates {
+            let (lo, hi) = {
+                let b = &self.blocks[id];
+                (b.addr.next_multiple_of(g), b.end() / g * g)
+            };
+            if let Err(e) = backend.unmap(lo, hi - lo) {
+                tracing::warn!(error = %e, "unmapping free pages failed; keeping them");
+                continue;
+            }
+            self.index_remove(id);
+            // [head, still mapped][lo..hi unmapped][tail, still mapped]
+            let mut mid = id;
+            if self.blocks[id].addr < lo {
+                mid = self.split_at(id, lo);
+                self.index_insert(id);
+            }
+            if hi < self.blocks[mid].end() {
+                let tail = self.split_at(mid, hi);
+                self.index_insert(tail);
+            }
+            let (small, seg) = {
+                let b = &mut self.blocks[mid];
+                b.mapped = false;
+                (b.pool.is_small(), b.seg)
+            };
+            let mid = self.coalesce(mid);
+            self.index_insert(mid);
+            self.segs[seg].mapped -= hi - lo;
+            let s = &mut self.stats;
+            s.reserved_bytes.sub(small, hi - lo);
+            s.num_device_free += 1;
+            s.num_unmap += 1;
+            s.unmapped_bytes_total += hi - lo;
+            released += hi - lo;
+        }
+        if release_ranges {
+            self.release_empty_ranges(backend);
+        }
+        released
+    }
+
+    /// Releases growable address ranges that hold no block and no mapped page.
+    fn release_empty_ranges(&mut self, backend: &dyn Backend) {
+        let empty: Vec<(u32, BlockId)> = self
+            .segs
+            .iter()
+            .filter(|(_, s)| s.growable && s.mapped == 0)
+            .filter(|(_, s)| {
+                let b = &self.blocks[s.first];
+                b.is_free() && b.next.is_none()
+            })
+            .map(|(i, s)| (i, s.first))
+            .collect();
+        for (seg, first) in empty {
+            let (base, size, small) = {
+                let s = &self.segs[seg];
+                (s.base, s.size, s.pool.is_small())
+            };
+            if let Err(e) = backend.release(base, size) {
+                tracing::warn!(error = %e, "releasing an address range failed; keeping it");
+                continue;
+            }
+            self.index_remove(first);
+            self.blocks.remove(first);
+            self.segs.remove(seg);
+            self.stats.segment.sub(small, 1);
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! The caching allocator: pools of blocks carved from device segments, handed out best-fit,
+//! split and merged, cached on free, returned to the device on `empty_cache` or under pressure.
+//!
+//! Layering: it calls only the [`Backend`] below it. All state sits behind one mutex; the
+//! cache-hit path (a free block of the right size exists) makes no backend call except the
+//! backend's `check_request` hook (a no-op on real devices).
+
+mod block;
+mod fixed;
+mod growable;
+mod pool;
+mod snapshot;
+mod state;
+mod stats;
+mod summary;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use block::PoolKind;
+pub use pool::{MIN_BLOCK, SMALL_SIZE};
+pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
+pub use stats::{MemoryStats, PoolStats, Stat};
+
+use crate::backend::{Backend, BackendError, StreamId};
+use crate::config::AllocatorConfig;
+use crate::error::{Error, OomError};
+use block::{BlockId, BlockState};
+use state::State;
+
+/// A live allocation: what the allocator handed out. Freed with [`CachingAllocator::free`];
+/// [`crate::DeviceBuffer`] does that on drop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Bytes of the block (the request rounded up).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The stream the allocation belongs to.
+    pub stream: StreamId,
+    block: BlockId,
+    generation: u32,
+}
+
+/// Why growing the cache failed.
+#[derive(Debug)]
+pub(crate) enum GrowError {
+    /// The backend failed (out-of-memory or otherwise).
+    Backend(BackendError),
+    /// The device-wide limit would be passed.
+    Limit,
+    /// The request cannot be represented.
+    TooLarge,
+}
+
+impl From<BackendError> for GrowError {
+    fn from(e: BackendError) -> Self {
+        GrowError::Backend(e)
+    }
+}
+
+/// A caching device allocator over a [`Backend`]. Thread-safe; share it through an `Arc` (or a
+/// [`crate::Device`], which does).
+///
+/// ```
+/// use std::sync::Arc;
+/// use oomguard_runtime::{alloc::CachingAllocator, backend::sim::SimDevice, AllocatorConfig, ByteSize};
+/// let a = CachingAllocator::new(Arc::new(SimDevice::new(ByteSize::gib(1))), AllocatorConfig::default());
+/// let x = a.allocate(1000, 0).unwrap();
+/// assert_eq!(x.size, 1024);
+/// a.free(x).unwrap();
+/// assert_eq!(a.stats().allocated_bytes.all.current, 0);
+/// a.empty_cache().unwrap();
+/// assert_eq!(a.stats().reserved_bytes.all.current, 0);
+/// ```
+#[derive(Debug)]
+pub struct CachingAllocator {
+    backend: Arc<dyn Backend>,
+    state: Mutex<State>,
+    total: u64,
+}
+
+impl CachingAllocator {
+    /// An allocator over `backend`. Growable segments are used when the configuration asks for
+    /// them and the backend supports them.
+    pub fn new(backend: Arc<dyn Backend>, config: AllocatorConfig) -> Self {
+        let growable = config.expandable_segments && backend.supports_growable();
+        let total = backend.mem_info().map(|m| m.total).unwrap_or(0);
+        let granularity = backend.granularity().max(MIN_BLOCK);
+        Self {
+            state: Mutex::new(State::new(config, growable, granularity)),
+            backend,
+            total,
+        }
+    }
+
+    /// The backend below this allocator.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> AllocatorConfig {
+        self.lock().cfg.clone()
+    }
+
+    /// Whether growable segments are in use.
+    pub fn uses_growable_segments(&self) -> bool {
+        self.lock().growable
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Every mutation of the state completes before anything that can panic is called, so
+        // the state behind a poisoned lock is consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Allocates `bytes` on `stream`: from the cache when a free block fits, otherwise from the
+    /// device. On out-of-memory it frees the cache and retries once before returning
+    /// [`Error::Oom`].
+    pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
+        if let Err(e) = self.backend.check_request(bytes) {
+            let mut st = self.lock();
+            return Err(self.fail(&mut st, bytes, e));
+        }
+        let mut st = self.lock();
+        let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
+        let pool = pool::pool_for(size);
+        if !st.pending.is_empty() {
+            self.process_events(&mut st, false);
+        }
+        let id = match st.take_free(pool, stream, size) {
+            Some(id) => id,
+            None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+        };
+        st.mark_allocated(id, bytes);
+        let b = &st.blocks[id];
+        Ok(Allocation {
+            ptr: b.addr,
+            size: b.size,
+            requested: bytes,
+            stream,
+            block: id,
+            generation: b.generation,
+        })
+    }
+
+    /// The device must give more memory: grow; on out-of-memory release the cache and try again.
+    fn allocate_slow(
+        &self,
+        st: &mut State,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        bytes: u64,
+    ) -> Result<BlockId, Error> {
+        if let Some(t) = st.cfg.garbage_collection_threshold {
+            if st.reserved() as f64 + size as f64 > t * self.total as f64 {
+                self.release_cache(st);
+                if let Some(id) = st.take_free(pool, stream, size) {
+                    return Ok(id);
+                }
+            }
+        }
+        let first = self.grow(st, pool, stream, size);
+        let err = match first {
+            Ok(id) => return Ok(id),
+            Err(GrowError::TooLarge) => return Err(too_large(bytes)),
+            Err(GrowError::Backend(e)) if !e.is_oom() => return Err(Error::Backend(e)),
+            Err(e) => e,
+        };
+        // Out of memory: wait for pending cross-stream frees, give the cache back, retry.
+        st.stats.num_alloc_retries += 1;
+        self.process_events(st, true);
+        if let Some(id) = st.take_free(pool, stream, size) {
+            return Ok(id);
+        }
+        self.release_cache(st);
+        match self.grow(st, pool, stream, size) {
+            Ok(id) => Ok(id),
+            Err(GrowError::Backend(e)) if !e.is_oom() => Err(Error::Backend(e)),
+            Err(GrowError::Backend(e)) => Err(self.fail(st, bytes, e)),
+            Err(_) => Err(self.fail(
+                st,
+                bytes,
+                match err {
+                    GrowError::Backend(e) => e,
+                    _ => {
+                        BackendError::oom("limit", "the device-wide memory limit would be exceeded")
+                    }
+                },
+            )),
+        }
+    }
+
+    fn grow(
+        &self,
+        st: &mut State,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<BlockId, GrowError> {
+        if st.growable {
+            st.grow_growable(&*self.backend, pool, stream, size, self.total)
+        } else {
+            st.grow_fixed(&*self.backend, pool, stream, size)
+        }
+    }
+
+    /// Builds the out-of-memory error (and counts it).
+    fn fail(&self, st: &mut State, bytes: u64, cause: BackendError) -> Error {
+        if !cause.is_oom() {
+            return Error::Backend(cause);
+        }
+        st.stats.num_ooms += 1;
+        let info = self.backend.mem_info().unwrap_or_default();
+        let allocated = st.stats.allocated_bytes.all.current;
+        Error::Oom(OomError {
+            requested: bytes,
+            device: self.backend.ordinal(),
+            device_total: info.total,
+            device_free: info.free,
+            allocated,
+            reserved_unallocated: st.reserved().saturating_sub(allocated),
+            largest_free_block: st.largest_free(),
+            cause: Some(cause.to_string()),
+        })
+    }
+
+    /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
+    fn release_cache(&self, st: &mut State) -> u64 {
+        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, false)
+    }
+
+    /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live:
+    /// freed already, or from another allocator.
+    pub fn free(&self, a: Allocation) -> Result<(), Error> {
+        let mut st = self.lock();
+        let live = st.blocks.get(a.block).is_some_and(|b| {
+            b.state == BlockState::Allocated && b.generation == a.generation && b.addr == a.ptr
+        });
+        if !live {
+            return Err(Error::InvalidArgument(format!(
+                "free of {:#x}: not a live allocation of this allocator (double free?)",
+                a.ptr
+            )));
+        }
+        st.unmark_allocated(a.block);
+        let others = std::mem::take(&mut st.blocks[a.block].other_streams);
+        if others.is_empty() {
+            st.release_block(a.block);
+            return Ok(());
+        }
+        // Used on other streams: reuse only after their work queued so far has finished.
+        let mut events = Vec::with_capacity(others.len());
+        for s in others {
+            match self.backend.record_event(s) {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "record_event failed; synchronizing instead");
+                    let _ = self.backend.synchronize();
+                }
+            }
+        }
+        st.blocks[a.block].state = BlockState::PendingFree;
+        st.pending.push((a.block, events));
+        Ok(())
+    }
+
+    /// Marks an allocation as used by `stream` as well as its own, as PyTorch's `record_stream`:
+    /// when freed, it is not reused until the work queued on `stream` by then has completed.
+    pub fn record_stream(&self, a: &Allocation, stream: StreamId) -> Result<(), Error> {
+        let mut st = self.lock();
+        match st.blocks.get(a.block) {
+            Some(b) if b.state == BlockState::Allocated && b.generation == a.generation => {}
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "record_stream on {:#x}: not a live allocation",
+                    a.ptr
+                )))
+            }
+        }
+        let b = &mut st.blocks[a.block];
+        if stream != b.stream && !b.other_streams.contains(&stream) {
+            b.other_streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Frees pending blocks whose events have completed (all of them, waiting, with `wait`).
+    fn process_events(&self, st: &mut State, wait: bool) {
+        let pending = std::mem::take(&mut st.pending);
+        for (id, events) in pending {
+            let mut left = Vec::new();
+            for ev in events {
+                let done = if wait {
+                    self.backend.wait_event(ev).map(|_| true)
+                } else {
+                    self.backend.event_done(ev)
+                };
+                match done {
+                    Ok(true) => {}
+                    Ok(false) => left.push(ev),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "event query failed; synchronizing");
+                        let _ = self.backend.synchronize();
+                    }
+                }
+            }
+            if left.is_empty() {
+                st.release_block(id);
+            } else {
+                st.pending.push((id, left));
+            }
+        }
+    }
+
+    /// Returns every cached unused segment and page to the device (waiting for pending
+    /// cross-stream frees first). Allocated memory is untouched.
+    pub fn empty_cache(&self) -> Result<(), Error> {
+        let mut st = self.lock();
+        self.process_events(&mut st, true);
+        st.release_fixed(&*self.backend);
+        st.release_pages(&*self.backend, true);
+        Ok(())
+    }
+
+    /// A copy of the statistics.
+    pub fn stats(&self) -> MemoryStats {
+        let st = self.lock();
+        let mut s = st.stats;
+        s.largest_free_block = st.largest_free();
+        s
+    }
+
+    /// Resets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.lock().stats.reset_peaks();
+    }
+
+    /// Caps the bytes this allocator may hold from the device (`None`: no cap), as PyTorch's
+    /// `set_per_process_memory_fraction`. Memory already held stays; growth past the cap fails
+    /// with out-of-memory after the cache is released.
+    pub fn set_memory_limit(&self, limit: Option<u64>) {
+        self.lock().limit = limit;
+    }
+
+    /// The cap set by [`CachingAllocator::set_memory_limit`].
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.lock().limit
+    }
+
+    /// Device capacity as the backend reported it when the allocator was made.
+    pub fn device_total(&self) -> u64 {
+        self.total
+    }
+}
+
+fn too_large(bytes: u64) -> Error {
+    Error::InvalidArgument(format!(
+        "allocation of {bytes} bytes is too large to represent"
+    ))
+}

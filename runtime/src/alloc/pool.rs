@@ -1,0 +1,158 @@
+//! Pools: the free-block index (best fit by stream, size, address) and PyTorch's size classes.
+
+use std::collections::BTreeSet;
+
+use super::block::{BlockId, PoolKind};
+use crate::backend::StreamId;
+use crate::config::AllocatorConfig;
+
+/// Every block size is a multiple of this.
+pub const MIN_BLOCK: u64 = 512;
+/// Requests up to this size go to the small pool.
+pub const SMALL_SIZE: u64 = 1 << 20;
+/// Segment size of the small pool.
+pub const SMALL_SEGMENT: u64 = 2 << 20;
+/// Requests below this size in the large pool share 20 MiB segments.
+pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
+/// Segment size for large requests below [`MIN_LARGE_ALLOC`].
+pub const LARGE_SEGMENT: u64 = 20 << 20;
+/// Larger requests get segments rounded up to this.
+pub const ROUND_LARGE: u64 = 2 << 20;
+
+/// Free blocks of one pool, ordered by (stream, size, address) so that the first entry at or
+/// after `(stream, size, 0)` is the best fit.
+#[derive(Debug, Default)]
+pub(crate) struct FreeIndex {
+    set: BTreeSet<(StreamId, u64, u64, BlockId)>,
+}
+
+impl FreeIndex {
+    #[inline]
+    pub fn insert(&mut self, stream: StreamId, size: u64, addr: u64, id: BlockId) {
+        let fresh = self.set.insert((stream, size, addr, id));
+        debug_assert!(fresh, "block {id} was already free-listed");
+    }
+    #[inline]
+    pub fn remove(&mut self, stream: StreamId, size: u64, addr: u64, id: BlockId) {
+        let was = self.set.remove(&(stream, size, addr, id));
+        debug_assert!(was, "block {id} was not free-listed");
+    }
+    /// The smallest free block on `stream` of at least `size` bytes (lowest address on ties).
+    #[inline]
+    pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
+        self.set
+            .range((stream, size, 0, 0)..(stream, u64::MAX, u64::MAX, BlockId::MAX))
+            .next()
+            .map(|&(_, s, _, id)| (s, id))
+    }
+    pub fn contains(&self, stream: StreamId, size: u64, addr: u64, id: BlockId) -> bool {
+        self.set.contains(&(stream, size, addr, id))
+    }
+    pub fn largest(&self) -> u64 {
+        self.set.iter().map(|e| e.1).max().unwrap_or(0)
+    }
+    pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.set.iter().map(|e| e.3)
+    }
+    pub fn len(&self) -> usize {
+        self.set.len()
+    }
+}
+
+/// The pool a request of `size` (rounded) bytes goes to.
+#[inline]
+pub(crate) fn pool_for(size: u64) -> PoolKind {
+    if size <= SMALL_SIZE {
+        PoolKind::Small
+    } else {
+        PoolKind::Large
+    }
+}
+
+/// Rounds a request as PyTorch does: to 512 bytes, or to the next power-of-two division when
+/// `roundup_power2_divisions` asks for it. `None` on overflow.
+#[inline]
+pub(crate) fn round_size(size: u64, cfg: &AllocatorConfig) -> Option<u64> {
+    if size <= MIN_BLOCK {
+        return Some(MIN_BLOCK);
+    }
+    let div = cfg.divisions_for(size);
+    if div > 1 && size > MIN_BLOCK * div {
+        return next_division(size, div).checked_next_multiple_of(MIN_BLOCK);
+    }
+    size.checked_next_multiple_of(MIN_BLOCK)
+}
+
+/// Rounds `size` up to the next of `divisions` equal steps between two powers of two.
+fn next_division(size: u64, divisions: u64) -> u64 {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let floor = 1u64 << (63 - size.leading_zeros());
+    let step = floor / divisions;
+    if step == 0 {
+        return floor.saturating_mul(2);
+    }
+    let down = size & !(step - 1);
+    if down == size {
+        size
+    } else {
+        down.saturating_add(step)
+    }
+}
+
+/// Size of a fixed segment for a rounded request, as PyTorch: 2 MiB for the small pool, 20 MiB
+/// for large requests under 10 MiB, otherwise the request rounded up to 2 MiB.
+#[inline]
+pub(crate) fn segment_size(size: u64) -> Option<u64> {
+    if size <= SMALL_SIZE {
+        Some(SMALL_SEGMENT)
+    } else if size < MIN_LARGE_ALLOC {
+        Some(LARGE_SEGMENT)
+    } else {
+        size.checked_next_multiple_of(ROUND_LARGE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_matches_pytorch() {
+        let cfg = AllocatorConfig::default();
+        assert_eq!(round_size(0, &cfg), Some(512));
+        assert_eq!(round_size(1, &cfg), Some(512));
+        assert_eq!(round_size(513, &cfg), Some(1024));
+        assert_eq!(round_size(u64::MAX, &cfg), None);
+        let cfg = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
+        // 1.1 GiB rounds to 1.25 GiB with 4 divisions
+        assert_eq!(round_size(1_181_116_006, &cfg), Some(1_342_177_280));
+        assert_eq!(round_size(1 << 30, &cfg), Some(1 << 30));
+        // small sizes (<= 512 * divisions) keep plain rounding
+        assert_eq!(round_size(1500, &cfg), Some(1536));
+    }
+
+    #[test]
+    fn segment_sizes() {
+        assert_eq!(segment_size(512), Some(2 << 20));
+        assert_eq!(segment_size(3 << 20), Some(20 << 20));
+        assert_eq!(segment_size((10 << 20) + 512), Some(12 << 20));
+    }
+
+    #[test]
+    fn best_fit_prefers_smallest_then_lowest() {
+        let mut f = FreeIndex::default();
+        f.insert(0, 4096, 100, 1);
+        f.insert(0, 2048, 300, 2);
+        f.insert(0, 2048, 200, 3);
+        f.insert(1, 1024, 0, 4);
+        assert_eq!(f.best_fit(0, 1000), Some((2048, 3)));
+        assert_eq!(f.best_fit(0, 3000), Some((4096, 1)));
+        assert_eq!(f.best_fit(0, 5000), None);
+        assert_eq!(f.best_fit(1, 1024), Some((1024, 4)));
+        assert_eq!(f.best_fit(2, 1), None);
+        f.remove(0, 2048, 200, 3);
+        assert_eq!(f.best_fit(0, 1000), Some((2048, 2)));
+    }
+}

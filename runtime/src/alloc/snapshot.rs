@@ -1,0 +1,230 @@
+//! Snapshots of the allocator's segments and blocks, and a consistency check over them.
+
+use std::collections::HashSet;
+
+use super::block::{BlockState, PoolKind};
+use super::state::State;
+use super::CachingAllocator;
+use crate::backend::StreamId;
+
+/// State of a block in a snapshot (PyTorch's names in the comments).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockStatus {
+    /// Handed out (`active_allocated`).
+    Allocated,
+    /// Freed, awaiting another stream (`active_awaiting_free`).
+    PendingFree,
+    /// Free and backed by memory (`inactive`).
+    Free,
+    /// Free address space with no memory behind it (growable segments only).
+    Unmapped,
+}
+
+/// A block in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Device address.
+    pub addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes the caller asked for (allocated blocks).
+    pub requested: u64,
+    /// Its state.
+    pub status: BlockStatus,
+}
+
+/// A segment in a snapshot, with its blocks in address order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Base address.
+    pub base: u64,
+    /// Bytes (fixed) or reserved address range (growable).
+    pub size: u64,
+    /// Bytes backed by device memory.
+    pub mapped: u64,
+    /// Stream it serves.
+    pub stream: StreamId,
+    /// Pool it serves.
+    pub pool: PoolKind,
+    /// Whether it is a growable segment.
+    pub growable: bool,
+    /// Its blocks, tiling it.
+    pub blocks: Vec<BlockInfo>,
+}
+
+impl CachingAllocator {
+    /// The segments and their blocks, in address order.
+    pub fn snapshot(&self) -> Vec<SegmentInfo> {
+        let st = self.lock();
+        let mut out: Vec<SegmentInfo> = st
+            .segs
+            .iter()
+            .map(|(_, s)| {
+                let mut blocks = Vec::new();
+                let mut cur = Some(s.first);
+                while let Some(id) = cur {
+                    let b = &st.blocks[id];
+                    blocks.push(BlockInfo {
+                        addr: b.addr,
+                        size: b.size,
+                        requested: b.requested,
+                        status: match (b.state, b.mapped) {
+                            (BlockState::Allocated, _) => BlockStatus::Allocated,
+                            (BlockState::PendingFree, _) => BlockStatus::PendingFree,
+                            (BlockState::Free, true) => BlockStatus::Free,
+                            (BlockState::Free, false) => BlockStatus::Unmapped,
+                        },
+                    });
+                    cur = b.next;
+                }
+                SegmentInfo {
+                    base: s.base,
+                    size: s.size,
+                    mapped: s.mapped,
+                    stream: s.stream,
+                    pool: s.pool,
+                    growable: s.growable,
+                    blocks,
+                }
+            })
+            .collect();
+        out.sort_by_key(|s| s.base);
+        out
+    }
+
+    /// Checks every internal invariant; `Err` describes the first violation. For tests and
+    /// fuzzing: blocks tile their segments, neighbours link both ways, no two free neighbours of
+    /// the same mapped state, free blocks indexed exactly once, statistics equal a recount.
+    #[doc(hidden)]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.lock().check()
+    }
+}
+
+impl State {
+    fn check(&self) -> Result<(), String> {
+        let mut seen = HashSet::new();
+        let (mut alloc_bytes, mut allocs, mut active_bytes, mut reserved) =
+            (0u64, 0u64, 0u64, 0u64);
+        for (sid, s) in self.segs.iter() {
+            let mut cur = Some(s.first);
+            let mut expect_addr = s.base;
+            let mut prev = None;
+            let mut mapped = 0;
+            while let Some(id) = cur {
+                let b = self
+                    .blocks
+                    .get(id)
+                    .ok_or(format!("segment {sid}: dangling block {id}"))?;
+                if !seen.insert(id) {
+                    return Err(format!("block {id} reached twice"));
+                }
+                if b.seg != sid || b.addr != expect_addr || b.prev != prev || b.size == 0 {
+                    return Err(format!(
+                        "segment {sid}: block {id} breaks the tiling: {b:?}"
+                    ));
+                }
+                if b.stream != s.stream || b.pool != s.pool {
+                    return Err(format!(
+                        "block {id} has another stream or pool than its segment"
+                    ));
+                }
+                if b.mapped {
+                    mapped += b.size;
+                } else if !s.growable
+                    || b.addr % self.granularity != 0
+                    || b.size % self.granularity != 0
+                {
+                    return Err(format!(
+                        "block {id}: unmapped but not whole pages of a growable segment"
+                    ));
+                }
+                if let Some(p) = prev {
+                    let pb = &self.blocks[p];
+                    if pb.is_free() && b.is_free() && pb.mapped == b.mapped {
+                        return Err(format!("free neighbours {p} and {id} not merged"));
+                    }
+                }
+                match b.state {
+                    BlockState::Allocated => {
+                        alloc_bytes += b.size;
+                        allocs += 1;
+                        active_bytes += b.size;
+                    }
+                    BlockState::PendingFree => active_bytes += b.size,
+                    BlockState::Free => {
+                        let indexed = if b.mapped {
+                            self.free[b.pool as usize].contains(b.stream, b.size, b.addr, id)
+                        } else {
+                            self.unmapped[b.pool as usize].contains(&(b.stream, b.addr, id))
+                        };
+                        if !indexed {
+                            return Err(format!("free block {id} is not indexed"));
+                        }
+                    }
+                }
+                expect_addr = b.end();
+                prev = Some(id);
+                cur = b.next;
+            }
+            if expect_addr != s.base + s.size {
+                return Err(format!(
+                    "segment {sid}: blocks end at {expect_addr:#x}, not at its end"
+                ));
+            }
+            // Mapped pages of a growable segment cover the mapped blocks, rounded out to pages.
+            if s.growable {
+                if mapped > s.mapped {
+                    return Err(format!("segment {sid}: mapped blocks exceed mapped pages"));
+                }
+            } else if s.mapped != s.size {
+                return Err(format!("fixed segment {sid} is not fully mapped"));
+            }
+            reserved += s.mapped;
+        }
+        if seen.len() != self.blocks.len() {
+            return Err(format!(
+                "{} blocks belong to no segment",
+                self.blocks.len() - seen.len()
+            ));
+        }
+        let indexed = self.free[0].len()
+            + self.free[1].len()
+            + self.unmapped[0].len()
+            + self.unmapped[1].len();
+        let free_blocks = self.blocks.iter().filter(|(_, b)| b.is_free()).count();
+        if indexed != free_blocks {
+            return Err(format!(
+                "{indexed} indexed free blocks, {free_blocks} free blocks"
+            ));
+        }
+        let st = &self.stats;
+        let checks = [
+            (
+                "allocated_bytes",
+                st.allocated_bytes.all.current,
+                alloc_bytes,
+            ),
+            ("allocation", st.allocation.all.current, allocs),
+            ("active_bytes", st.active_bytes.all.current, active_bytes),
+            ("reserved_bytes", st.reserved_bytes.all.current, reserved),
+            ("segment", st.segment.all.current, self.segs.len() as u64),
+        ];
+        for (name, kept, counted) in checks {
+            if kept != counted {
+                return Err(format!("stat {name}: kept {kept}, recounted {counted}"));
+            }
+        }
+        for p in [
+            &st.allocated_bytes,
+            &st.reserved_bytes,
+            &st.active_bytes,
+            &st.requested_bytes,
+        ] {
+            if p.all.current != p.small.current + p.large.current {
+                return Err("pool stats do not add up to all".to_string());
+            }
+        }
+        Ok(())
+    }
+}

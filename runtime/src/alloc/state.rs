@@ -1,0 +1,278 @@
+//! The allocator's state under its lock: blocks, segments, free indexes and statistics, with the
+//! operations every path shares (take a free block, split, free, coalesce).
+
+use std::collections::BTreeSet;
+
+use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
+use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
+use super::stats::MemoryStats;
+use crate::backend::{EventId, StreamId};
+use crate::config::AllocatorConfig;
+
+/// A segment: a fixed piece of device memory, or a growable virtual address range.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub base: u64,
+    /// Fixed: its bytes. Growable: the reserved address range.
+    pub size: u64,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    pub growable: bool,
+    /// Bytes backed by physical memory (fixed: `size`).
+    pub mapped: u64,
+    pub first: BlockId,
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    pub cfg: AllocatorConfig,
+    /// Growable segments are in use (configured and supported by the backend).
+    pub growable: bool,
+    pub granularity: u64,
+    pub blocks: Arena<Block>,
+    pub segs: Arena<Segment>,
+    /// Mapped free blocks, per pool.
+    pub free: [FreeIndex; 2],
+    /// Unmapped free blocks of growable segments, per pool: (stream, address, id).
+    pub unmapped: [BTreeSet<(StreamId, u64, BlockId)>; 2],
+    /// Blocks freed by their owner that wait for other streams' events.
+    pub pending: Vec<(BlockId, Vec<EventId>)>,
+    pub stats: MemoryStats,
+    /// Device-wide cap on reserved bytes (`set_memory_fraction`).
+    pub limit: Option<u64>,
+}
+
+impl State {
+    pub fn new(cfg: AllocatorConfig, growable: bool, granularity: u64) -> Self {
+        let mut stats = MemoryStats {
+            max_split_size: cfg.max_split_size,
+            ..MemoryStats::default()
+        };
+        stats.max_split_size = cfg.max_split_size;
+        Self {
+            cfg,
+            growable,
+            granularity,
+            blocks: Arena::default(),
+            segs: Arena::default(),
+            free: [FreeIndex::default(), FreeIndex::default()],
+            unmapped: [BTreeSet::new(), BTreeSet::new()],
+            pending: Vec::new(),
+            stats,
+            limit: None,
+        }
+    }
+
+    /// Whether a free block counts as "inactive split": mapped memory that is free but not a
+    /// whole fixed segment.
+    fn inactive_split(&self, b: &Block) -> bool {
+        b.mapped && (self.segs[b.seg].growable || b.prev.is_some() || b.next.is_some())
+    }
+
+    /// Puts a free block into the index that matches its mapped state.
+    pub fn index_insert(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
+        if b.mapped {
+            if self.inactive_split(b) {
+                let small = b.pool.is_small();
+                self.stats.inactive_split.add(small, 1);
+                self.stats.inactive_split_bytes.add(small, size);
+            }
+            self.free[pool].insert(stream, size, addr, id);
+        } else {
+            let fresh = self.unmapped[pool].insert((stream, addr, id));
+            debug_assert!(fresh);
+        }
+    }
+
+    /// Takes a free block out of its index.
+    pub fn index_remove(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
+        if b.mapped {
+            if self.inactive_split(b) {
+                let small = b.pool.is_small();
+                self.stats.inactive_split.sub(small, 1);
+                self.stats.inactive_split_bytes.sub(small, size);
+            }
+            self.free[pool].remove(stream, size, addr, id);
+        } else {
+            let was = self.unmapped[pool].remove(&(stream, addr, id));
+            debug_assert!(was);
+        }
+    }
+
+    /// The cache-hit path: the best-fitting free block for `size` on `stream`, taken out of the
+    /// index and split to size. PyTorch's rules: a request below `max_split_size` never takes an
+    /// oversize block, an oversize request takes one only within 20 MiB of its size.
+    #[inline]
+    pub fn take_free(&mut self, pool: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
+        let (found, id) = self.free[pool as usize].best_fit(stream, size)?;
+        let max_split = self.cfg.max_split_size;
+        if (size < max_split && found >= max_split)
+            || (size >= max_split && found >= size.saturating_add(20 << 20))
+        {
+            return None;
+        }
+        self.index_remove(id);
+        self.split_to(id, size);
+        Some(id)
+    }
+
+    /// Splits free block `id` (not indexed) so that it is `size` bytes, when the rest is worth
+    /// keeping as a block of its own; the rest goes back into the index.
+    pub fn split_to(&mut self, id: BlockId, size: u64) {
+        let b = &self.blocks[id];
+        let rest = b.size - size;
+        let worth = if b.pool.is_small() || self.segs[b.seg].growable {
+            rest >= MIN_BLOCK
+        } else {
+            size < self.cfg.max_split_size && rest > SMALL_SIZE
+        };
+        if !worth {
+            return;
+        }
+        let tail = Block {
+            addr: b.addr + size,
+            size: rest,
+            requested: 0,
+            seg: b.seg,
+            prev: Some(id),
+            next: b.next,
+            state: BlockState::Free,
+            mapped: b.mapped,
+            stream: b.stream,
+            pool: b.pool,
+            other_streams: Vec::new(),
+            generation: 0,
+        };
+        let tail_id = self.blocks.insert(tail);
+        if let Some(n) = self.blocks[tail_id].next {
+            self.blocks[n].prev = Some(tail_id);
+        }
+        let b = &mut self.blocks[id];
+        b.size = size;
+        b.next = Some(tail_id);
+        self.index_insert(tail_id);
+    }
+
+    /// Marks a taken block allocated and counts it.
+    #[inline]
+    pub fn mark_allocated(&mut self, id: BlockId, requested: u64) {
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        b.generation = b.generation.wrapping_add(1);
+        let (small, size) = (b.pool.is_small(), b.size);
+        let s = &mut self.stats;
+        s.allocated_bytes.add(small, size);
+        s.allocation.add(small, 1);
+        s.active_bytes.add(small, size);
+        s.active.add(small, 1);
+        s.requested_bytes.add(small, requested);
+        if size >= self.cfg.max_split_size {
+            s.oversize_allocations.add(1);
+        }
+    }
+
+    /// Uncounts an allocated block as allocated (it stays active until [`State::release_block`]).
+    pub fn unmark_allocated(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (small, size, req) = (b.pool.is_small(), b.size, b.requested);
+        let s = &mut self.stats;
+        s.allocated_bytes.sub(small, size);
+        s.allocation.sub(small, 1);
+        s.requested_bytes.sub(small, req);
+        if size >= self.cfg.max_split_size {
+            s.oversize_allocations.sub(1);
+        }
+    }
+
+    /// Returns a block (allocated or pending) to the cache: merges it with free neighbours.
+    pub fn release_block(&mut self, id: BlockId) {
+        let b = &mut self.blocks[id];
+        let (small, size) = (b.pool.is_small(), b.size);
+        b.state = BlockState::Free;
+        b.requested = 0;
+        b.other_streams.clear();
+        self.stats.active_bytes.sub(small, size);
+        self.stats.active.sub(small, 1);
+        let id = self.coalesce(id);
+        self.index_insert(id);
+    }
+
+    /// Merges free block `id` (not indexed) with free neighbours of the same mapped state;
+    /// returns the surviving block (the lowest one).
+    pub fn coalesce(&mut self, mut id: BlockId) -> BlockId {
+        if let Some(n) = self.blocks[id].next {
+            if self.mergeable(id, n) {
+                self.index_remove(n);
+                self.absorb_next(id);
+            }
+        }
+        if let Some(p) = self.blocks[id].prev {
+            if self.mergeable(p, id) {
+                self.index_remove(p);
+                self.absorb_next(p);
+                id = p;
+            }
+        }
+        id
+    }
+
+    fn mergeable(&self, a: BlockId, b: BlockId) -> bool {
+        let (a, b) = (&self.blocks[a], &self.blocks[b]);
+        a.is_free() && b.is_free() && a.mapped == b.mapped
+    }
+
+    /// Block `id` takes over its next neighbour.
+    fn absorb_next(&mut self, id: BlockId) {
+        let n = self.blocks[id].next.expect("has a next block");
+        let next = self.blocks.remove(n);
+        let b = &mut self.blocks[id];
+        b.size += next.size;
+        b.next = next.next;
+        if let Some(nn) = next.next {
+            self.blocks[nn].prev = Some(id);
+        }
+    }
+
+    /// Splits free block `id` (not indexed) at `addr`; returns the upper part's id (not indexed).
+    pub fn split_at(&mut self, id: BlockId, addr: u64) -> BlockId {
+        let b = &self.blocks[id];
+        debug_assert!(addr > b.addr && addr < b.end());
+        let upper = Block {
+            addr,
+            size: b.end() - addr,
+            requested: 0,
+            seg: b.seg,
+            prev: Some(id),
+            next: b.next,
+            state: BlockState::Free,
+            mapped: b.mapped,
+            stream: b.stream,
+            pool: b.pool,
+            other_streams: Vec::new(),
+            generation: 0,
+        };
+        let uid = self.blocks.insert(upper);
+        if let Some(n) = self.blocks[uid].next {
+            self.blocks[n].prev = Some(uid);
+        }
+        let b = &mut self.blocks[id];
+        b.size = addr - b.addr;
+        b.next = Some(uid);
+        uid
+    }
+
+    /// Bytes of device memory held (fixed segments plus mapped pages).
+    pub fn reserved(&self) -> u64 {
+        self.stats.reserved_bytes.all.current
+    }
+
+    /// The largest mapped free block.
+    pub fn largest_free(&self) -> u64 {
+        self.free[0].largest().max(self.free[1].largest())
+    }
+}

@@ -1,0 +1,166 @@
+//! Allocator statistics, as PyTorch's `torch.cuda.memory_stats()` keeps them.
+
+/// One statistic: its current value, its peak since the last reset, and the totals added and
+/// removed over the allocator's life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// The value now.
+    pub current: u64,
+    /// The highest value since creation or [`crate::Device::reset_peak_stats`].
+    pub peak: u64,
+    /// Sum of all increases.
+    pub allocated: u64,
+    /// Sum of all decreases.
+    pub freed: u64,
+}
+
+impl Stat {
+    #[inline]
+    pub(crate) fn add(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+    }
+    #[inline]
+    pub(crate) fn sub(&mut self, n: u64) {
+        debug_assert!(
+            self.current >= n,
+            "stat underflow: {} - {}",
+            self.current,
+            n
+        );
+        self.current -= n;
+        self.freed += n;
+    }
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A statistic for all memory and for each pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Both pools together.
+    pub all: Stat,
+    /// The small pool (requests of 1 MiB or less).
+    pub small: Stat,
+    /// The large pool.
+    pub large: Stat,
+}
+
+impl PoolStats {
+    #[inline]
+    pub(crate) fn add(&mut self, small: bool, n: u64) {
+        self.all.add(n);
+        if small {
+            self.small.add(n)
+        } else {
+            self.large.add(n)
+        }
+    }
+    #[inline]
+    pub(crate) fn sub(&mut self, small: bool, n: u64) {
+        self.all.sub(n);
+        if small {
+            self.small.sub(n)
+        } else {
+            self.large.sub(n)
+        }
+    }
+    fn reset_peak(&mut self) {
+        self.all.reset_peak();
+        self.small.reset_peak();
+        self.large.reset_peak();
+    }
+}
+
+/// Everything the allocator counts. Byte figures are in bytes, counts in blocks or segments.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes in allocated blocks (rounded sizes).
+    pub allocated_bytes: PoolStats,
+    /// Number of allocated blocks.
+    pub allocation: PoolStats,
+    /// Bytes held from the device: fixed segments plus mapped pages of growable segments.
+    pub reserved_bytes: PoolStats,
+    /// Number of segments (fixed segments and growable address ranges).
+    pub segment: PoolStats,
+    /// Bytes in active blocks: allocated, or freed but still awaiting another stream's work.
+    pub active_bytes: PoolStats,
+    /// Number of active blocks.
+    pub active: PoolStats,
+    /// Bytes callers asked for (before rounding) in allocated blocks.
+    pub requested_bytes: PoolStats,
+    /// Bytes in free blocks that cannot be returned to the device as they are (split segments).
+    pub inactive_split_bytes: PoolStats,
+    /// Number of such blocks.
+    pub inactive_split: PoolStats,
+    /// Times the allocator freed its cache and retried after the device said out-of-memory.
+    pub num_alloc_retries: u64,
+    /// Out-of-memory errors returned to callers.
+    pub num_ooms: u64,
+    /// Times the allocator waited for all streams (before releasing memory under pressure).
+    pub num_sync_all_streams: u64,
+    /// Successful backend calls that obtained memory: `alloc_segment` and `map`.
+    pub num_device_alloc: u64,
+    /// Backend calls that returned memory: `free_segment` and `unmap`.
+    pub num_device_free: u64,
+    /// `map` calls (growable segments).
+    pub num_map: u64,
+    /// `unmap` calls.
+    pub num_unmap: u64,
+    /// Bytes mapped over the allocator's life.
+    pub mapped_bytes_total: u64,
+    /// Bytes unmapped over the allocator's life.
+    pub unmapped_bytes_total: u64,
+    /// Allocations of at least `max_split_size`.
+    pub oversize_allocations: Stat,
+    /// Segments of at least `max_split_size`.
+    pub oversize_segments: Stat,
+    /// The configured `max_split_size` (`u64::MAX`: none).
+    pub max_split_size: u64,
+    /// The largest free block in the cache (mapped memory only).
+    pub largest_free_block: u64,
+}
+
+impl MemoryStats {
+    pub(crate) fn reset_peaks(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.allocation,
+            &mut self.reserved_bytes,
+            &mut self.segment,
+            &mut self.active_bytes,
+            &mut self.active,
+            &mut self.requested_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.inactive_split,
+        ] {
+            s.reset_peak();
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = PoolStats::default();
+        s.add(true, 10);
+        s.add(false, 5);
+        s.sub(true, 10);
+        assert_eq!(s.all.current, 5);
+        assert_eq!(s.all.peak, 15);
+        assert_eq!(s.small.allocated, 10);
+        assert_eq!(s.small.freed, 10);
+        assert_eq!(s.large.current, 5);
+        s.reset_peak();
+        assert_eq!(s.all.peak, 5);
+    }
+}

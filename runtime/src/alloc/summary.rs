@@ -1,0 +1,95 @@
+//! `memory_summary()`: a readable table like PyTorch's `torch.cuda.memory_summary()`.
+
+use std::fmt::Write;
+
+use super::stats::{MemoryStats, PoolStats};
+use super::CachingAllocator;
+use crate::ByteSize;
+
+impl CachingAllocator {
+    /// A table of the statistics, in the layout of `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        let s = self.stats();
+        let cfg = self.config();
+        format_summary(
+            &s,
+            &self.backend().name(),
+            self.backend().ordinal(),
+            &cfg.to_string(),
+        )
+    }
+}
+
+pub(crate) fn format_summary(s: &MemoryStats, name: &str, ordinal: usize, cfg: &str) -> String {
+    let line = "|".to_string() + &"=".repeat(91) + "|\n";
+    let thin = "|".to_string() + &"-".repeat(91) + "|\n";
+    let mut o = String::new();
+    o += &line;
+    let _ = writeln!(
+        o,
+        "| {:<89} |",
+        format!("oomguard memory summary, device {ordinal} ({name})")
+    );
+    let _ = writeln!(o, "| {:<89} |", format!("config: {cfg}"));
+    let _ = writeln!(
+        o,
+        "| {:<89} |",
+        format!(
+            "alloc retries: {:<6} OOMs: {:<6} device allocs: {:<6} device frees: {:<6}",
+            s.num_alloc_retries, s.num_ooms, s.num_device_alloc, s.num_device_free
+        )
+    );
+    o += &line;
+    let _ = writeln!(
+        o,
+        "| {:<25} | {:>13} | {:>13} | {:>13} | {:>13} |",
+        "Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"
+    );
+    o += &thin;
+    let bytes = |v: u64| ByteSize(v).to_string();
+    let count = |v: u64| v.to_string();
+    let rows: [(&str, &PoolStats, &dyn Fn(u64) -> String); 7] = [
+        ("Allocated memory", &s.allocated_bytes, &bytes),
+        ("Active memory", &s.active_bytes, &bytes),
+        ("Requested memory", &s.requested_bytes, &bytes),
+        ("Reserved memory", &s.reserved_bytes, &bytes),
+        ("Non-releasable memory", &s.inactive_split_bytes, &bytes),
+        ("Allocations", &s.allocation, &count),
+        ("Segments", &s.segment, &count),
+    ];
+    for (title, p, f) in rows {
+        for (label, st) in [
+            ("", &p.all),
+            ("  from large pool", &p.large),
+            ("  from small pool", &p.small),
+        ] {
+            let name = if label.is_empty() {
+                title.to_string()
+            } else {
+                label.to_string()
+            };
+            let _ = writeln!(
+                o,
+                "| {:<25} | {:>13} | {:>13} | {:>13} | {:>13} |",
+                name,
+                f(st.current),
+                f(st.peak),
+                f(st.allocated),
+                f(st.freed)
+            );
+        }
+        o += &thin;
+    }
+    let _ = writeln!(
+        o,
+        "| {:<89} |",
+        format!(
+            "largest free block: {}   oversize allocations: {}   oversize segments: {}",
+            ByteSize(s.largest_free_block),
+            s.oversize_allocations.current,
+            s.oversize_segments.current
+        )
+    );
+    o += &line;
+    o
+}

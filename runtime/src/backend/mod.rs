@@ -1,0 +1,146 @@
+//! The backend layer: the few primitive operations a device offers.
+//!
+//! A [`Backend`] knows nothing about caching: it hands out physical segments, reserves virtual
+//! address ranges and maps physical pages into them, copies bytes, and reports free/total memory.
+//! The caching allocator ([`crate::alloc`]) is the only caller. Addresses are plain `u64` device
+//! addresses; the backend never hands out Rust references into device memory, so the allocator
+//! core stays safe Rust.
+
+pub mod sim;
+
+use std::fmt;
+
+/// A device address.
+pub type DevicePtr = u64;
+
+/// A stream handle as the backend knows it. `0` is the device's default stream.
+pub type StreamId = u64;
+
+/// What went wrong in a backend call: out-of-memory, or anything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendErrorKind {
+    /// The device has no memory left for the request (`CUDA_ERROR_OUT_OF_MEMORY`).
+    OutOfMemory,
+    /// The device or driver is missing or failed to load.
+    Unavailable,
+    /// The call's arguments were wrong (a bug in the caller, or bad user input).
+    InvalidArgument,
+    /// Any other driver failure.
+    Other,
+}
+
+/// An error from a backend call. `kind` tells out-of-memory apart from everything else.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{op}: {message}")]
+pub struct BackendError {
+    /// The kind of failure.
+    pub kind: BackendErrorKind,
+    /// The operation that failed, e.g. `"cuMemAlloc"` or `"map"`.
+    pub op: &'static str,
+    /// What the device said.
+    pub message: String,
+}
+
+impl BackendError {
+    /// An out-of-memory error from `op`.
+    pub fn oom(op: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            kind: BackendErrorKind::OutOfMemory,
+            op,
+            message: message.into(),
+        }
+    }
+    /// An error of `kind` from `op`.
+    pub fn new(kind: BackendErrorKind, op: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            op,
+            message: message.into(),
+        }
+    }
+    /// Whether this is an out-of-memory error.
+    pub fn is_oom(&self) -> bool {
+        self.kind == BackendErrorKind::OutOfMemory
+    }
+}
+
+/// Free and total device memory, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct MemInfo {
+    /// Bytes the device could still hand out.
+    pub free: u64,
+    /// The device's capacity in bytes.
+    pub total: u64,
+}
+
+/// An event recorded on a stream; completes when the stream's work before it is done.
+pub type EventId = u64;
+
+/// The primitive operations of a device.
+///
+/// Implementations: [`sim::SimDevice`] (simulated, for tests and CI) and, with the `cuda` feature,
+/// the CUDA backend. All methods take `&self`: a backend is shared between threads and does its own
+/// (coarse) locking; the allocator calls it only on its slow paths.
+pub trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// A short name such as `"sim"` or `"NVIDIA H100 80GB HBM3"`.
+    fn name(&self) -> String;
+    /// The device ordinal shown in messages (`Device 0`).
+    fn ordinal(&self) -> usize {
+        0
+    }
+    /// Free and total memory of the device.
+    fn mem_info(&self) -> Result<MemInfo, BackendError>;
+    /// Page size of growable segments; every `map`/`unmap` is a multiple of it.
+    fn granularity(&self) -> u64;
+    /// Whether [`Backend::reserve`]/[`Backend::map`] are supported (growable segments).
+    fn supports_growable(&self) -> bool;
+
+    /// Allocates a physical segment of `bytes` (a multiple of 512).
+    fn alloc_segment(&self, bytes: u64, stream: StreamId) -> Result<DevicePtr, BackendError>;
+    /// Frees a segment from [`Backend::alloc_segment`].
+    fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+
+    /// Reserves `bytes` of virtual address space (no memory behind it yet).
+    fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError>;
+    /// Releases an address range from [`Backend::reserve`]; all its pages must be unmapped.
+    fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+    /// Backs `[addr, addr + bytes)` with new physical pages and makes them accessible. `addr` and
+    /// `bytes` are multiples of [`Backend::granularity`]. Fails with out-of-memory when the device
+    /// has no pages left; on failure nothing is mapped.
+    fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+    /// Unmaps and frees the physical pages behind `[addr, addr + bytes)`: any page-aligned run of
+    /// pages mapped by [`Backend::map`], not necessarily with the same boundaries (a backend backs
+    /// each page separately so that any subset can be returned).
+    fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+
+    /// Copies host bytes to device memory at `dst`.
+    fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError>;
+    /// Copies device memory at `src` into `dst`.
+    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), BackendError>;
+    /// Sets `bytes` bytes at `dst` to zero.
+    fn memset_zero(&self, dst: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+
+    /// Called by the allocator for every allocation request before anything else, so that a
+    /// backend can inject faults (the simulated device does). Real backends accept everything.
+    fn check_request(&self, _bytes: u64) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Records an event on `stream` (for cross-stream reuse). Backends without streams return 0.
+    fn record_event(&self, _stream: StreamId) -> Result<EventId, BackendError> {
+        Ok(0)
+    }
+    /// Whether the event has completed. Backends without streams say yes. Once it has said yes the
+    /// event is released and its id is not used again.
+    fn event_done(&self, _event: EventId) -> Result<bool, BackendError> {
+        Ok(true)
+    }
+    /// Waits until the event has completed, then releases it.
+    fn wait_event(&self, _event: EventId) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Waits for all work on the device (before unmapping pages another stream may still use).
+    fn synchronize(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+}

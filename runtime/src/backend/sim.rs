@@ -1,0 +1,612 @@
+//! `SimDevice`: a simulated GPU for tests, CI and trace replay.
+//!
+//! It accounts memory exactly like a device (a capacity, segments, 2 MiB pages of growable
+//! segments, 512-byte alignment) and is deterministic. In host-backed mode buffers hold real bytes,
+//! backed lazily in 64 KiB chunks so untouched capacity costs no RAM; in address-only mode nothing
+//! is backed at all (for replaying traces of tens of GiB). Faults can be injected at run time
+//! through [`FaultPlan`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Backend, BackendError, BackendErrorKind, DevicePtr, MemInfo, StreamId};
+use crate::ByteSize;
+
+/// Page size of the simulated device's growable segments (as on an H100).
+pub const SIM_GRANULARITY: u64 = 2 << 20;
+/// Alignment of every simulated segment.
+pub const SIM_ALIGNMENT: u64 = 512;
+const CHUNK: u64 = 64 << 10;
+// Addresses start high so that a null or small integer is never a valid device pointer.
+const VA_START: u64 = 1 << 40;
+
+/// Whether simulated memory holds data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimMode {
+    /// Buffers hold real bytes (lazily backed): data round-trips.
+    HostBacked,
+    /// Only addresses and accounting; copies are rejected. For replays of huge traces.
+    AddressOnly,
+}
+
+/// Faults to inject into a [`SimDevice`]; shared, so a test can change it while the device runs.
+///
+/// Request faults act on every allocation request (cache hits included), so a test can make the
+/// N-th allocation of a training step fail; capacity changes act on the device's physical memory.
+#[derive(Debug, Default)]
+pub struct FaultPlan {
+    requests: AtomicU64,
+    fail_at: AtomicU64,
+    fail_above: AtomicU64,
+}
+
+const NONE: u64 = u64::MAX;
+
+impl FaultPlan {
+    fn new() -> Self {
+        Self {
+            requests: AtomicU64::new(0),
+            fail_at: AtomicU64::new(NONE),
+            fail_above: AtomicU64::new(NONE),
+        }
+    }
+    /// Makes the allocation request with index `n` (0-based, counted from now) fail with
+    /// out-of-memory, once.
+    pub fn fail_nth_request(&self, n: u64) {
+        let base = self.requests.load(Ordering::SeqCst);
+        self.fail_at.store(base.saturating_add(n), Ordering::SeqCst);
+    }
+    /// Makes every allocation request larger than `bytes` fail with out-of-memory.
+    pub fn fail_requests_above(&self, bytes: u64) {
+        self.fail_above.store(bytes, Ordering::SeqCst);
+    }
+    /// Removes all request faults.
+    pub fn clear(&self) {
+        self.fail_at.store(NONE, Ordering::SeqCst);
+        self.fail_above.store(NONE, Ordering::SeqCst);
+    }
+    /// How many allocation requests the device has seen.
+    pub fn requests_seen(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    fn check(&self, bytes: u64) -> Result<(), BackendError> {
+        let idx = self.requests.fetch_add(1, Ordering::SeqCst);
+        if idx == self.fail_at.load(Ordering::SeqCst) {
+            return Err(BackendError::oom(
+                "alloc",
+                format!("injected fault: allocation request #{idx} fails"),
+            ));
+        }
+        if bytes > self.fail_above.load(Ordering::SeqCst) {
+            return Err(BackendError::oom(
+                "alloc",
+                format!(
+                    "injected fault: requests above {} fail",
+                    ByteSize(self.fail_above.load(Ordering::SeqCst))
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Counts of backend calls made on a [`SimDevice`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCallCounts {
+    /// `alloc_segment` calls that succeeded.
+    pub alloc_segment: u64,
+    /// `free_segment` calls.
+    pub free_segment: u64,
+    /// `reserve` calls.
+    pub reserve: u64,
+    /// `release` calls.
+    pub release: u64,
+    /// `map` calls that succeeded.
+    pub map: u64,
+    /// `unmap` calls.
+    pub unmap: u64,
+    /// Backend calls that failed with out-of-memory.
+    pub oom: u64,
+}
+
+#[derive(Debug)]
+struct Region {
+    size: u64,
+    growable: bool,
+}
+
+#[derive(Debug)]
+struct SimState {
+    capacity: u64,
+    used: u64,
+    next_va: u64,
+    // base -> region: segments (fixed) and reserved ranges (growable)
+    regions: BTreeMap<u64, Region>,
+    // mapped pages of growable ranges: page address -> ()
+    mapped: BTreeMap<u64, ()>,
+    chunks: HashMap<u64, Box<[u8]>>,
+    calls: SimCallCounts,
+}
+
+/// A simulated GPU. Cheap to clone (shared state).
+///
+/// ```
+/// use oomguard_runtime::{ByteSize, backend::{Backend, sim::SimDevice}};
+/// let sim = SimDevice::new(ByteSize::gib(8));
+/// let p = sim.alloc_segment(1 << 20, 0).unwrap();
+/// sim.copy_to_device(p, &[1, 2, 3]).unwrap();
+/// let mut out = [0u8; 3];
+/// sim.copy_to_host(&mut out, p).unwrap();
+/// assert_eq!(out, [1, 2, 3]);
+/// ```
+#[derive(Clone, Debug)]
+pub struct SimDevice {
+    mode: SimMode,
+    ordinal: usize,
+    faults: Arc<FaultPlan>,
+    state: Arc<Mutex<SimState>>,
+}
+
+impl SimDevice {
+    /// A host-backed simulated device of `capacity`.
+    pub fn new(capacity: ByteSize) -> Self {
+        Self::with_mode(capacity, SimMode::HostBacked)
+    }
+    /// An address-only simulated device of `capacity` (no data, for replays).
+    pub fn address_only(capacity: ByteSize) -> Self {
+        Self::with_mode(capacity, SimMode::AddressOnly)
+    }
+    /// A simulated device of `capacity` in `mode`.
+    pub fn with_mode(capacity: ByteSize, mode: SimMode) -> Self {
+        Self {
+            mode,
+            ordinal: 0,
+            faults: Arc::new(FaultPlan::new()),
+            state: Arc::new(Mutex::new(SimState {
+                capacity: capacity.0,
+                used: 0,
+                next_va: VA_START,
+                regions: BTreeMap::new(),
+                mapped: BTreeMap::new(),
+                chunks: HashMap::new(),
+                calls: SimCallCounts::default(),
+            })),
+        }
+    }
+    /// Sets the ordinal shown in messages.
+    pub fn with_ordinal(mut self, ordinal: usize) -> Self {
+        self.ordinal = ordinal;
+        self
+    }
+    /// The fault plan, to inject faults while the device runs.
+    pub fn faults(&self) -> Arc<FaultPlan> {
+        Arc::clone(&self.faults)
+    }
+    /// Changes the capacity at run time, as when another process takes memory. Memory already in
+    /// use stays valid; new requests fail until usage drops below the new capacity.
+    pub fn set_capacity(&self, capacity: ByteSize) {
+        self.lock().capacity = capacity.0;
+    }
+    /// Physical bytes in use (segments plus mapped pages).
+    pub fn used(&self) -> u64 {
+        self.lock().used
+    }
+    /// Backend call counts so far.
+    pub fn calls(&self) -> SimCallCounts {
+        self.lock().calls
+    }
+    /// The mode this device was made in.
+    pub fn mode(&self) -> SimMode {
+        self.mode
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SimState> {
+        // A panic while holding this lock cannot leave the state half-updated (every update is
+        // checked first, then applied), so a poisoned lock is safe to use.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn take_va(st: &mut SimState, bytes: u64) -> Result<u64, BackendError> {
+        let base = st.next_va;
+        let span = bytes
+            .checked_next_multiple_of(SIM_GRANULARITY)
+            .and_then(|s| base.checked_add(s))
+            .ok_or_else(|| {
+                BackendError::new(
+                    BackendErrorKind::InvalidArgument,
+                    "reserve",
+                    "size too large",
+                )
+            })?;
+        st.next_va = span;
+        Ok(base)
+    }
+
+    /// Checks that `[addr, addr+len)` lies in a live segment or in mapped pages.
+    fn check_access(
+        st: &SimState,
+        op: &'static str,
+        addr: u64,
+        len: u64,
+    ) -> Result<(), BackendError> {
+        let bad = || {
+            BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                op,
+                format!("{len} bytes at {addr:#x} are not device memory"),
+            )
+        };
+        if len == 0 {
+            return Ok(());
+        }
+        let end = addr.checked_add(len).ok_or_else(bad)?;
+        let (&base, region) = st.regions.range(..=addr).next_back().ok_or_else(bad)?;
+        if end > base + region.size {
+            return Err(bad());
+        }
+        if region.growable {
+            let mut page = addr / SIM_GRANULARITY * SIM_GRANULARITY;
+            while page < end {
+                if !st.mapped.contains_key(&page) {
+                    return Err(bad());
+                }
+                page += SIM_GRANULARITY;
+            }
+        }
+        Ok(())
+    }
+
+    fn drop_chunks(st: &mut SimState, addr: u64, len: u64) {
+        if st.chunks.is_empty() {
+            return;
+        }
+        let mut c = addr / CHUNK;
+        while c * CHUNK < addr + len {
+            st.chunks.remove(&c);
+            c += 1;
+        }
+    }
+
+    fn oom(st: &mut SimState, op: &'static str, bytes: u64) -> BackendError {
+        st.calls.oom += 1;
+        BackendError::oom(
+            op,
+            format!(
+                "out of memory: {} requested, {} of {} free",
+                ByteSize(bytes),
+                ByteSize(st.capacity.saturating_sub(st.used)),
+                ByteSize(st.capacity)
+            ),
+        )
+    }
+
+    fn require_data(&self, op: &'static str) -> Result<(), BackendError> {
+        if self.mode == SimMode::AddressOnly {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                op,
+                "this simulated device is address-only and holds no data",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Backend for SimDevice {
+    fn name(&self) -> String {
+        "simulated device".to_string()
+    }
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        let st = self.lock();
+        Ok(MemInfo {
+            free: st.capacity.saturating_sub(st.used),
+            total: st.capacity,
+        })
+    }
+    fn granularity(&self) -> u64 {
+        SIM_GRANULARITY
+    }
+    fn supports_growable(&self) -> bool {
+        true
+    }
+
+    fn alloc_segment(&self, bytes: u64, _stream: StreamId) -> Result<DevicePtr, BackendError> {
+        if bytes == 0 || bytes % SIM_ALIGNMENT != 0 {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "alloc_segment",
+                format!("size {bytes} is not a positive multiple of {SIM_ALIGNMENT}"),
+            ));
+        }
+        let mut st = self.lock();
+        if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
+            return Err(Self::oom(&mut st, "alloc_segment", bytes));
+        }
+        let base = Self::take_va(&mut st, bytes)?;
+        st.used += bytes;
+        st.regions.insert(
+            base,
+            Region {
+                size: bytes,
+                growable: false,
+            },
+        );
+        st.calls.alloc_segment += 1;
+        Ok(base)
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        match st.regions.get(&ptr) {
+            Some(r) if !r.growable && r.size == bytes => {}
+            _ => {
+                return Err(BackendError::new(
+                    BackendErrorKind::InvalidArgument,
+                    "free_segment",
+                    format!("no segment of {bytes} bytes at {ptr:#x}"),
+                ))
+            }
+        }
+        st.regions.remove(&ptr);
+        st.used -= bytes;
+        st.calls.free_segment += 1;
+        Self::drop_chunks(&mut st, ptr, bytes);
+        Ok(())
+    }
+
+    fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError> {
+        if bytes == 0 || bytes % SIM_GRANULARITY != 0 {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "reserve",
+                format!("size {bytes} is not a positive multiple of the granularity"),
+            ));
+        }
+        let mut st = self.lock();
+        let base = Self::take_va(&mut st, bytes)?;
+        st.regions.insert(
+            base,
+            Region {
+                size: bytes,
+                growable: true,
+            },
+        );
+        st.calls.reserve += 1;
+        Ok(base)
+    }
+
+    fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        let ok = matches!(st.regions.get(&base), Some(r) if r.growable && r.size == bytes);
+        let still_mapped = st
+            .mapped
+            .range(base..base.saturating_add(bytes))
+            .next()
+            .is_some();
+        if !ok || still_mapped {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "release",
+                format!("no fully unmapped reservation of {bytes} bytes at {base:#x}"),
+            ));
+        }
+        st.regions.remove(&base);
+        st.calls.release += 1;
+        Ok(())
+    }
+
+    fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        let invalid = |m: String| BackendError::new(BackendErrorKind::InvalidArgument, "map", m);
+        if bytes == 0 || addr % SIM_GRANULARITY != 0 || bytes % SIM_GRANULARITY != 0 {
+            return Err(invalid(format!(
+                "{bytes} bytes at {addr:#x} are not whole pages"
+            )));
+        }
+        let inside = st
+            .regions
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&b, r)| r.growable && addr + bytes <= b + r.size);
+        if !inside {
+            return Err(invalid(format!("{addr:#x} is not in a reserved range")));
+        }
+        if st.mapped.range(addr..addr + bytes).next().is_some() {
+            return Err(invalid(format!(
+                "a page in {addr:#x}+{bytes} is already mapped"
+            )));
+        }
+        if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
+            return Err(Self::oom(&mut st, "map", bytes));
+        }
+        let mut p = addr;
+        while p < addr + bytes {
+            st.mapped.insert(p, ());
+            p += SIM_GRANULARITY;
+        }
+        st.used += bytes;
+        st.calls.map += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        let pages = bytes / SIM_GRANULARITY;
+        let all_mapped = addr % SIM_GRANULARITY == 0
+            && bytes % SIM_GRANULARITY == 0
+            && st.mapped.range(addr..addr.saturating_add(bytes)).count() as u64 == pages;
+        if bytes == 0 || !all_mapped {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "unmap",
+                format!("{bytes} bytes at {addr:#x} are not mapped pages"),
+            ));
+        }
+        let mut p = addr;
+        while p < addr + bytes {
+            st.mapped.remove(&p);
+            p += SIM_GRANULARITY;
+        }
+        st.used -= bytes;
+        st.calls.unmap += 1;
+        Self::drop_chunks(&mut st, addr, bytes);
+        Ok(())
+    }
+
+    fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
+        self.require_data("copy_to_device")?;
+        let mut st = self.lock();
+        Self::check_access(&st, "copy_to_device", dst, src.len() as u64)?;
+        let mut done = 0usize;
+        while done < src.len() {
+            let a = dst + done as u64;
+            let (c, off) = (a / CHUNK, (a % CHUNK) as usize);
+            let n = (CHUNK as usize - off).min(src.len() - done);
+            let chunk = st
+                .chunks
+                .entry(c)
+                .or_insert_with(|| vec![0u8; CHUNK as usize].into_boxed_slice());
+            chunk[off..off + n].copy_from_slice(&src[done..done + n]);
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), BackendError> {
+        self.require_data("copy_to_host")?;
+        let st = self.lock();
+        Self::check_access(&st, "copy_to_host", src, dst.len() as u64)?;
+        let mut done = 0usize;
+        while done < dst.len() {
+            let a = src + done as u64;
+            let (c, off) = (a / CHUNK, (a % CHUNK) as usize);
+            let n = (CHUNK as usize - off).min(dst.len() - done);
+            match st.chunks.get(&c) {
+                Some(chunk) => dst[done..done + n].copy_from_slice(&chunk[off..off + n]),
+                None => dst[done..done + n].fill(0),
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn memset_zero(&self, dst: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.require_data("memset_zero")?;
+        let mut st = self.lock();
+        Self::check_access(&st, "memset_zero", dst, bytes)?;
+        let mut a = dst;
+        let end = dst + bytes;
+        while a < end {
+            let (c, off) = (a / CHUNK, a % CHUNK);
+            let n = (CHUNK - off).min(end - a);
+            if let Some(chunk) = st.chunks.get_mut(&c) {
+                if off == 0 && n == CHUNK {
+                    st.chunks.remove(&c);
+                } else {
+                    chunk[off as usize..(off + n) as usize].fill(0);
+                }
+            }
+            a += n;
+        }
+        Ok(())
+    }
+
+    fn check_request(&self, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_account_capacity() {
+        let sim = SimDevice::new(ByteSize::mib(4));
+        let a = sim.alloc_segment(2 << 20, 0).unwrap();
+        let b = sim.alloc_segment(2 << 20, 0).unwrap();
+        let e = sim.alloc_segment(512, 0).unwrap_err();
+        assert!(e.is_oom());
+        assert_eq!(sim.mem_info().unwrap().free, 0);
+        sim.free_segment(a, 2 << 20).unwrap();
+        assert_eq!(sim.mem_info().unwrap().free, 2 << 20);
+        assert!(
+            sim.free_segment(a, 2 << 20).is_err(),
+            "double free is rejected"
+        );
+        sim.free_segment(b, 2 << 20).unwrap();
+        assert_eq!(sim.used(), 0);
+    }
+
+    #[test]
+    fn data_round_trips_lazily() {
+        let sim = SimDevice::new(ByteSize::gib(64));
+        let p = sim.alloc_segment(1 << 30, 0).unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| i as u8).collect();
+        sim.copy_to_device(p + 12345, &data).unwrap();
+        let mut out = vec![0u8; data.len()];
+        sim.copy_to_host(&mut out, p + 12345).unwrap();
+        assert_eq!(out, data);
+        // only the touched chunks are backed
+        assert!(sim.lock().chunks.len() <= 5);
+        sim.memset_zero(p, 1 << 30).unwrap();
+        sim.copy_to_host(&mut out, p + 12345).unwrap();
+        assert!(out.iter().all(|&b| b == 0));
+        assert!(
+            sim.copy_to_host(&mut out, p + (1 << 30) - 10).is_err(),
+            "out of bounds"
+        );
+    }
+
+    #[test]
+    fn growable_ranges_map_pages() {
+        let sim = SimDevice::new(ByteSize::mib(6));
+        let base = sim.reserve(64 << 20).unwrap();
+        sim.map(base, 4 << 20).unwrap();
+        assert!(
+            sim.map(base + (2 << 20), 2 << 20).is_err(),
+            "already mapped"
+        );
+        assert!(sim.map(base + (4 << 20), 4 << 20).unwrap_err().is_oom());
+        sim.copy_to_device(base + (4 << 20) - 2, &[1, 2]).unwrap();
+        assert!(
+            sim.copy_to_device(base + (4 << 20), &[1]).is_err(),
+            "unmapped page"
+        );
+        assert!(sim.release(base, 64 << 20).is_err(), "still mapped");
+        sim.unmap(base, 4 << 20).unwrap();
+        sim.release(base, 64 << 20).unwrap();
+        assert_eq!(sim.used(), 0);
+        assert_eq!(sim.calls().map, 1);
+    }
+
+    #[test]
+    fn faults_and_shrinking() {
+        let sim = SimDevice::new(ByteSize::gib(1));
+        let f = sim.faults();
+        f.fail_nth_request(2);
+        assert!(sim.check_request(1).is_ok());
+        assert!(sim.check_request(1).is_ok());
+        assert!(sim.check_request(1).unwrap_err().is_oom());
+        assert!(sim.check_request(1).is_ok(), "fails once");
+        f.fail_requests_above(1000);
+        assert!(sim.check_request(1001).is_err());
+        assert!(sim.check_request(1000).is_ok());
+        f.clear();
+        sim.set_capacity(ByteSize::mib(1));
+        assert!(sim.alloc_segment(2 << 20, 0).unwrap_err().is_oom());
+    }
+
+    #[test]
+    fn address_only_rejects_data() {
+        let sim = SimDevice::address_only(ByteSize::gib(80));
+        let p = sim.alloc_segment(70 << 30, 0).unwrap();
+        assert!(sim.copy_to_device(p, &[1]).is_err());
+        assert_eq!(sim.mode(), SimMode::AddressOnly);
+    }
+}

@@ -1,0 +1,394 @@
+//! Allocator configuration, in PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax.
+//!
+//! `expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]`, from the
+//! `OOMGUARD_ALLOC_CONF` environment variable ([`AllocatorConfig::from_env`]) or from code
+//! ([`AllocatorConfig::parse`]). Bad input gives a [`ConfigError`] naming the key.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The environment variable read by [`AllocatorConfig::from_env`].
+pub const ENV_VAR: &str = "OOMGUARD_ALLOC_CONF";
+
+/// The keys [`AllocatorConfig::parse`] accepts.
+pub const VALID_KEYS: &[&str] = &[
+    "expandable_segments",
+    "max_split_size_mb",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+];
+
+/// Number of power-of-two size intervals (from 1 MiB up) that `roundup_power2_divisions` sets.
+pub const ROUNDUP_INTERVALS: usize = 16;
+
+/// An invalid configuration string: which key, what is wrong, and the valid keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The key the problem is at, if one was recognised.
+    pub key: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.key {
+            Some(k) => write!(f, "invalid allocator config at `{k}`: {}", self.message)?,
+            None => write!(f, "invalid allocator config: {}", self.message)?,
+        }
+        write!(f, " (valid keys: {})", VALID_KEYS.join(", "))
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// How the caching allocator behaves. `Default` is the configuration that fragments least.
+///
+/// ```
+/// use oomguard_runtime::AllocatorConfig;
+/// let c = AllocatorConfig::parse("expandable_segments:False,max_split_size_mb:256").unwrap();
+/// assert!(!c.expandable_segments);
+/// assert_eq!(c.max_split_size, 256 << 20);
+/// let e = AllocatorConfig::parse("expandible_segments:True").unwrap_err();
+/// assert!(e.to_string().contains("unknown key"));
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorConfig {
+    /// Growable segments: one virtual address range per pool and stream, physical pages mapped on
+    /// demand and unmapped when free. Needs a backend that supports them; otherwise ignored.
+    pub expandable_segments: bool,
+    /// Blocks of this size or more are never split (`u64::MAX`: no limit).
+    pub max_split_size: u64,
+    /// Divisions per power-of-two interval for rounding request sizes, interval `i` covering
+    /// `[2^i MiB, 2^(i+1) MiB)` (the first also covers everything smaller). 0 or 1: plain 512-byte
+    /// rounding.
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// Fraction of the device's capacity above which cached free memory is released before the
+    /// device is asked for more.
+    pub garbage_collection_threshold: Option<f64>,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        Self {
+            expandable_segments: true,
+            max_split_size: u64::MAX,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            garbage_collection_threshold: None,
+        }
+    }
+}
+
+impl AllocatorConfig {
+    /// PyTorch's native allocator: fixed segments, no growable ones.
+    pub fn native() -> Self {
+        Self {
+            expandable_segments: false,
+            ..Self::default()
+        }
+    }
+
+    /// Reads [`ENV_VAR`]; the default when it is unset or empty.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        match std::env::var(ENV_VAR) {
+            Ok(s) => Self::parse(&s),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError {
+                key: None,
+                message: format!("{ENV_VAR} is not valid UTF-8"),
+            }),
+        }
+    }
+
+    /// Parses a configuration string, starting from the default. Later keys override earlier ones.
+    pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        let mut c = Self::default();
+        for (key, value) in split_pairs(s)? {
+            let err = |message: String| ConfigError {
+                key: Some(key.to_string()),
+                message,
+            };
+            match key {
+                "expandable_segments" => c.expandable_segments = parse_bool(value).map_err(err)?,
+                "max_split_size_mb" => {
+                    let mb: u64 = value
+                        .parse()
+                        .map_err(|_| err(format!("{value:?} is not a whole number of MiB")))?;
+                    // As PyTorch: below 20 MiB would split the 20 MiB segments of the large pool.
+                    if mb < 20 {
+                        return Err(err(format!("{mb} MiB is below the minimum of 20 MiB")));
+                    }
+                    c.max_split_size = mb
+                        .checked_mul(1 << 20)
+                        .ok_or_else(|| err(format!("{mb} MiB is too large")))?;
+                }
+                "roundup_power2_divisions" => {
+                    c.roundup_power2_divisions = parse_divisions(value).map_err(err)?
+                }
+                "garbage_collection_threshold" => {
+                    let t: f64 = value
+                        .parse()
+                        .map_err(|_| err(format!("{value:?} is not a number")))?;
+                    if !(t > 0.0 && t < 1.0) {
+                        return Err(err(format!("{t} is outside (0, 1)")));
+                    }
+                    c.garbage_collection_threshold = Some(t);
+                }
+                other => {
+                    return Err(ConfigError {
+                        key: Some(other.to_string()),
+                        message: format!("unknown key `{other}`"),
+                    })
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// The divisions that apply to a request of `size` bytes.
+    pub(crate) fn divisions_for(&self, size: u64) -> u64 {
+        let log = 63 - size.max(1).leading_zeros() as usize;
+        let idx = log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1);
+        self.roundup_power2_divisions[idx]
+    }
+}
+
+impl FromStr for AllocatorConfig {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for AllocatorConfig {
+    /// Prints the configuration in the syntax [`AllocatorConfig::parse`] reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = |v: bool| if v { "True" } else { "False" };
+        write!(f, "expandable_segments:{}", b(self.expandable_segments))?;
+        if self.max_split_size != u64::MAX {
+            write!(f, ",max_split_size_mb:{}", self.max_split_size >> 20)?;
+        }
+        if self.roundup_power2_divisions.iter().any(|&d| d > 1) {
+            write!(f, ",roundup_power2_divisions:[")?;
+            for (i, d) in self.roundup_power2_divisions.iter().enumerate() {
+                let d = (*d).max(1);
+                let sep = if i + 1 == ROUNDUP_INTERVALS { "" } else { "," };
+                if i + 1 == ROUNDUP_INTERVALS {
+                    write!(f, ">:{d}{sep}")?;
+                } else {
+                    write!(f, "{}:{d}{sep}", 1u64 << i)?;
+                }
+            }
+            write!(f, "]")?;
+        }
+        if let Some(t) = self.garbage_collection_threshold {
+            write!(f, ",garbage_collection_threshold:{t}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Splits `k:v,k:[a:b,c:d],...` into pairs, keeping bracketed lists whole.
+fn split_pairs(s: &str) -> Result<Vec<(&str, &str)>, ConfigError> {
+    let mut out = Vec::new();
+    let mut depth = 0i32;
+    let mut start = 0;
+    let bytes = s.as_bytes();
+    for i in 0..=bytes.len() {
+        let c = bytes.get(i).copied();
+        match c {
+            Some(b'[') => depth += 1,
+            Some(b']') => {
+                depth -= 1;
+                if depth < 0 {
+                    return Err(ConfigError {
+                        key: None,
+                        message: format!("unbalanced `]` at offset {i}"),
+                    });
+                }
+            }
+            Some(b',') | None if depth == 0 => {
+                let item = s[start..i].trim();
+                start = i + 1;
+                if item.is_empty() {
+                    continue;
+                }
+                let (k, v) = item.split_once(':').ok_or_else(|| ConfigError {
+                    key: Some(item.to_string()),
+                    message: format!("`{item}` has no value; write key:value"),
+                })?;
+                out.push((k.trim(), v.trim()));
+            }
+            None => {
+                return Err(ConfigError {
+                    key: None,
+                    message: "unclosed `[`".to_string(),
+                })
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+fn parse_bool(v: &str) -> Result<bool, String> {
+    match v.to_ascii_lowercase().as_str() {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err(format!("{v:?} is not True or False")),
+    }
+}
+
+fn parse_pow2(v: &str, what: &str) -> Result<u64, String> {
+    let n: u64 = v
+        .trim()
+        .parse()
+        .map_err(|_| format!("{v:?} is not a whole number"))?;
+    if !n.is_power_of_two() {
+        return Err(format!("{what} {n} is not a power of two"));
+    }
+    Ok(n)
+}
+
+/// `4` (every interval) or `[256:1,512:2,>:8]` (MiB interval starts : divisions), as PyTorch.
+fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
+    let mut d = [0u64; ROUNDUP_INTERVALS];
+    let Some(inner) = v.strip_prefix('[') else {
+        let n = parse_pow2(v, "divisions")?;
+        d.fill(if n == 1 { 0 } else { n });
+        return Ok(d);
+    };
+    let inner = inner
+        .strip_suffix(']')
+        .ok_or_else(|| "list must end with `]`".to_string())?;
+    let mut last: Option<usize> = None;
+    for item in inner.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (k, n) = item
+            .split_once(':')
+            .ok_or_else(|| format!("`{item}` is not interval:divisions"))?;
+        // 1 division is plain rounding, stored as 0 like an interval left unset
+        let n = parse_pow2(n, "divisions")?;
+        let n = if n == 1 { 0 } else { n };
+        if k.trim() == ">" {
+            d[last.map_or(0, |l| l + 1).min(ROUNDUP_INTERVALS)..].fill(n);
+            continue;
+        }
+        let mb = parse_pow2(k, "interval")?;
+        let idx = (63 - mb.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+        if last.is_some_and(|l| idx <= l) {
+            return Err(format!("intervals must increase; {mb} does not"));
+        }
+        if last.is_none() {
+            d[..idx].fill(n);
+        }
+        d[idx] = n;
+        last = Some(idx);
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_pytorch_syntax() {
+        let c = AllocatorConfig::parse(
+            "expandable_segments:True, max_split_size_mb:128,roundup_power2_divisions:[1:1,4:2,>:8],garbage_collection_threshold:0.6",
+        )
+        .unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.max_split_size, 128 << 20);
+        // 1 (plain rounding) is stored as 0, as is an interval the list leaves unset
+        assert_eq!(c.roundup_power2_divisions[0], 0);
+        assert_eq!(c.roundup_power2_divisions[1], 0);
+        assert_eq!(c.roundup_power2_divisions[2], 2);
+        assert_eq!(c.roundup_power2_divisions[3], 8);
+        assert_eq!(c.roundup_power2_divisions[15], 8);
+        assert_eq!(c.garbage_collection_threshold, Some(0.6));
+        let c = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
+        assert!(c.roundup_power2_divisions.iter().all(|&d| d == 4));
+        assert_eq!(
+            AllocatorConfig::parse("").unwrap(),
+            AllocatorConfig::default()
+        );
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for s in [
+            "expandable_segments:False",
+            "expandable_segments:True,max_split_size_mb:200,roundup_power2_divisions:[1:1,4:2,>:8]",
+            "garbage_collection_threshold:0.5",
+        ] {
+            let c = AllocatorConfig::parse(s).unwrap();
+            assert_eq!(
+                AllocatorConfig::parse(&c.to_string()).unwrap(),
+                c,
+                "{s} -> {c}"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases = [
+            (
+                "expandible_segments:True",
+                "expandible_segments",
+                "unknown key",
+            ),
+            (
+                "expandable_segments:yes",
+                "expandable_segments",
+                "not True or False",
+            ),
+            ("max_split_size_mb:abc", "max_split_size_mb", "whole number"),
+            ("max_split_size_mb:5", "max_split_size_mb", "minimum"),
+            (
+                "max_split_size_mb:99999999999999999",
+                "max_split_size_mb",
+                "too large",
+            ),
+            (
+                "roundup_power2_divisions:3",
+                "roundup_power2_divisions",
+                "power of two",
+            ),
+            (
+                "roundup_power2_divisions:[3:1]",
+                "roundup_power2_divisions",
+                "power of two",
+            ),
+            (
+                "roundup_power2_divisions:[4:1,2:1]",
+                "roundup_power2_divisions",
+                "increase",
+            ),
+            ("roundup_power2_divisions:[4:1", "", "unclosed"),
+            (
+                "garbage_collection_threshold:1.5",
+                "garbage_collection_threshold",
+                "outside",
+            ),
+            ("expandable_segments", "expandable_segments", "no value"),
+            ("a]", "", "unbalanced"),
+        ];
+        for (input, key, msg) in cases {
+            let e = AllocatorConfig::parse(input).unwrap_err();
+            assert_eq!(e.key.as_deref().unwrap_or(""), key, "{input}: {e}");
+            assert!(e.to_string().contains(msg), "{input}: {e}");
+            assert!(
+                e.to_string().contains("valid keys: expandable_segments"),
+                "{e}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn never_panics(s in "[a-z_:,\\[\\]>0-9. ]{0,40}") {
+            let _ = AllocatorConfig::parse(&s);
+        }
+    }
+}

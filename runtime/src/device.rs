@@ -1,0 +1,162 @@
+//! `Device`: a backend and its caching allocator, shared by every buffer allocated from it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+
+use crate::alloc::{Allocation, CachingAllocator, MemoryStats, SegmentInfo};
+use crate::backend::sim::SimDevice;
+use crate::backend::{Backend, MemInfo, StreamId};
+use crate::buffer::DeviceBuffer;
+use crate::config::AllocatorConfig;
+use crate::error::{Error, Result};
+use crate::ByteSize;
+
+/// A device with its caching allocator. Cheap to clone; clones share the allocator. Buffers keep
+/// their device alive.
+///
+/// ```
+/// use oomguard_runtime::{Device, ByteSize};
+/// let dev = Device::sim(ByteSize::gib(8));
+/// let buf = dev.from_slice(&[1.0f32, 2.0, 3.0]).unwrap();
+/// assert_eq!(buf.to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
+/// drop(buf);
+/// dev.empty_cache().unwrap();
+/// assert_eq!(dev.stats().reserved_bytes.all.current, 0);
+/// ```
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+struct DeviceInner {
+    allocator: CachingAllocator,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name())
+            .field("ordinal", &self.ordinal())
+            .finish()
+    }
+}
+
+impl Device {
+    /// A host-backed simulated device of `capacity` with the default allocator configuration.
+    pub fn sim(capacity: ByteSize) -> Self {
+        Self::new(SimDevice::new(capacity), AllocatorConfig::default())
+    }
+
+    /// A device over any backend, with `config`.
+    pub fn new(backend: impl Backend, config: AllocatorConfig) -> Self {
+        Self::from_arc(Arc::new(backend), config)
+    }
+
+    /// A device over a shared backend, with `config`.
+    pub fn from_arc(backend: Arc<dyn Backend>, config: AllocatorConfig) -> Self {
+        Self {
+            inner: Arc::new(DeviceInner {
+                allocator: CachingAllocator::new(backend, config),
+            }),
+        }
+    }
+
+    /// The caching allocator.
+    pub fn allocator(&self) -> &CachingAllocator {
+        &self.inner.allocator
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        self.inner.allocator.backend()
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.backend().name()
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.backend().ordinal()
+    }
+
+    /// Free and total memory as the device reports them.
+    pub fn mem_info(&self) -> Result<MemInfo> {
+        Ok(self.backend().mem_info()?)
+    }
+
+    /// Whether two handles are the same device.
+    pub fn same_device(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Allocates `bytes` raw bytes on `stream`; the caller frees with [`Device::free_raw`].
+    /// Prefer [`Device::alloc`], which frees on drop.
+    pub fn alloc_raw(&self, bytes: u64, stream: StreamId) -> Result<Allocation> {
+        self.inner.allocator.allocate(bytes, stream)
+    }
+
+    /// Frees an allocation from [`Device::alloc_raw`].
+    pub fn free_raw(&self, a: Allocation) -> Result<()> {
+        self.inner.allocator.free(a)
+    }
+
+    /// An uninitialised buffer of `len` elements on the default stream (its contents are
+    /// whatever the memory held: zeros on a fresh simulated device).
+    pub fn alloc<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        self.alloc_on(len, 0)
+    }
+
+    /// An uninitialised buffer of `len` elements on `stream`.
+    pub fn alloc_on<T: Pod>(&self, len: usize, stream: StreamId) -> Result<DeviceBuffer<T>> {
+        let bytes = (len as u64)
+            .checked_mul(std::mem::size_of::<T>() as u64)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{len} elements overflow a u64 of bytes"))
+            })?;
+        let a = self.alloc_raw(bytes, stream)?;
+        Ok(DeviceBuffer::from_parts(self.clone(), a, len))
+    }
+
+    /// A buffer of `len` zeroed elements.
+    pub fn zeros<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let b = self.alloc::<T>(len)?;
+        self.backend().memset_zero(b.device_ptr(), b.byte_len())?;
+        Ok(b)
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice<T: Pod>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut b = self.alloc::<T>(data.len())?;
+        b.copy_from_slice(data)?;
+        Ok(b)
+    }
+
+    /// A copy of the allocator's statistics.
+    pub fn stats(&self) -> MemoryStats {
+        self.inner.allocator.stats()
+    }
+
+    /// Resets every peak statistic to its current value.
+    pub fn reset_peak_stats(&self) {
+        self.inner.allocator.reset_peak_stats()
+    }
+
+    /// Returns cached unused memory to the device.
+    pub fn empty_cache(&self) -> Result<()> {
+        self.inner.allocator.empty_cache()
+    }
+
+    /// A readable table of the statistics, like `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        self.inner.allocator.memory_summary()
+    }
+
+    /// Segments and blocks of the allocator.
+    pub fn snapshot(&self) -> Vec<SegmentInfo> {
+        self.inner.allocator.snapshot()
+    }
+}

@@ -1,0 +1,154 @@
+//! Errors: a typed out-of-memory error that explains itself, and everything else.
+
+use crate::backend::BackendError;
+use crate::config::ConfigError;
+use crate::ByteSize;
+use std::fmt;
+
+/// Why an allocation failed for lack of memory, with the figures needed to tell a batch that is
+/// too large apart from fragmentation or a full cache.
+///
+/// Its `Display` reads like PyTorch's message:
+/// "Tried to allocate 2.00 GiB. Device 0 has a total capacity of 8.00 GiB of which 1.10 GiB is
+/// free. Of the allocated memory 5.90 GiB is allocated by oomguard and 0.95 GiB is reserved but
+/// unallocated. …"
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OomError {
+    /// Bytes the caller asked for.
+    pub requested: u64,
+    /// Device ordinal.
+    pub device: usize,
+    /// Device capacity (cuMemGetInfo total).
+    pub device_total: u64,
+    /// Device free memory at the time of failure (cuMemGetInfo free).
+    pub device_free: u64,
+    /// Bytes allocated through oomguard (live buffers).
+    pub allocated: u64,
+    /// Bytes oomguard holds from the device but has not handed out.
+    pub reserved_unallocated: u64,
+    /// The largest free block in oomguard's cache.
+    pub largest_free_block: u64,
+    /// What the backend said, when the failure came from the device itself.
+    pub cause: Option<String>,
+}
+
+impl OomError {
+    /// Whether fragmentation is the likely cause: the cache holds more free bytes than were
+    /// requested, but no free block is large enough.
+    pub fn likely_fragmentation(&self) -> bool {
+        self.reserved_unallocated >= self.requested && self.largest_free_block < self.requested
+    }
+}
+
+impl fmt::Display for OomError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "out of memory. Tried to allocate {}. Device {} has a total capacity of {} of which {} \
+             is free. Of the allocated memory {} is allocated by oomguard and {} is reserved but \
+             unallocated (largest free block {}).",
+            ByteSize(self.requested),
+            self.device,
+            ByteSize(self.device_total),
+            ByteSize(self.device_free),
+            ByteSize(self.allocated),
+            ByteSize(self.reserved_unallocated),
+            ByteSize(self.largest_free_block),
+        )?;
+        if self.likely_fragmentation() {
+            write!(
+                f,
+                " Reserved but unallocated memory is large: set \
+                 OOMGUARD_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+            )?;
+        }
+        if let Some(c) = &self.cause {
+            write!(f, " (device: {c})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for OomError {}
+
+/// A memory budget (a scoped guard, or a device-wide limit) would be exceeded. An out-of-memory
+/// kind: retry policies treat it like a device OOM.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "memory budget exceeded: tried to allocate {}, {} of the {} budget already in use",
+    ByteSize(*requested), ByteSize(*in_use), ByteSize(*limit)
+)]
+pub struct BudgetExceeded {
+    /// Bytes the caller asked for (after rounding).
+    pub requested: u64,
+    /// Bytes already counted against the budget.
+    pub in_use: u64,
+    /// The budget's limit.
+    pub limit: u64,
+}
+
+/// Every error oomguard returns.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The device (or oomguard's cache) has no memory for the request.
+    #[error("{0}")]
+    Oom(#[from] OomError),
+    /// A memory budget would be exceeded.
+    #[error("{0}")]
+    BudgetExceeded(#[from] BudgetExceeded),
+    /// A backend call failed for a reason other than out-of-memory.
+    #[error("device error: {0}")]
+    Backend(#[from] BackendError),
+    /// An allocator configuration string was invalid.
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    /// An argument was invalid (a size that overflows, a length mismatch).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl Error {
+    /// Whether this error is an out-of-memory (device OOM or exceeded budget).
+    pub fn is_oom(&self) -> bool {
+        matches!(self, Error::Oom(_) | Error::BudgetExceeded(_))
+    }
+}
+
+/// `Result` with oomguard's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_reads_like_pytorch() {
+        let e = OomError {
+            requested: 2 << 30,
+            device: 0,
+            device_total: 8 << 30,
+            device_free: 1181116006,
+            allocated: 6335076761,
+            reserved_unallocated: 1020054733,
+            largest_free_block: 100 << 20,
+            cause: None,
+        };
+        let m = e.to_string();
+        assert!(m.contains("Tried to allocate 2.00 GiB. Device 0 has a total capacity of 8.00 GiB of which 1.10 GiB is free."), "{m}");
+        assert!(
+            m.contains(
+                "5.90 GiB is allocated by oomguard and 972.80 MiB is reserved but unallocated"
+            ),
+            "{m}"
+        );
+        assert!(!e.likely_fragmentation());
+        let frag = OomError {
+            reserved_unallocated: 3 << 30,
+            ..e
+        };
+        assert!(frag.likely_fragmentation());
+        assert!(frag.to_string().contains("expandable_segments:True"));
+        assert!(Error::from(frag).is_oom());
+    }
+}
