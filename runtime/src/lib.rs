@@ -5,7 +5,8 @@
 //! - [`backend`]: the primitive operations of a device ([`backend::Backend`]), implemented by the
 //!   simulated device [`backend::sim::SimDevice`];
 //! - [`alloc`]: the caching allocator (pools, best fit, split/merge, growable segments, stats);
-//! - [`Device`] and [`DeviceBuffer`]: what users hold.
+//! - [`Device`] and [`DeviceBuffer`]: what users hold;
+//! - [`retry`]: OOM retry (policies, the [`RetryEngine`], remembered plans, batch finder).
 //!
 //! ```
 //! use oomguard_runtime::{Device, ByteSize};
@@ -22,6 +23,7 @@ mod buffer;
 pub mod config;
 mod device;
 mod error;
+pub mod retry;
 mod size;
 
 pub use alloc::{Allocation, CachingAllocator, MemoryStats};
@@ -29,4 +31,7 @@ pub use buffer::DeviceBuffer;
 pub use config::{AllocatorConfig, ConfigError};
 pub use device::Device;
 pub use error::{BudgetExceeded, Error, OomError, Result};
+pub use retry::{
+    find_max_batch, BatchPlan, Chunk, IsOom, RetryEngine, RetryError, RetryPolicy, Step,
+};
 pub use size::{ByteSize, ByteSizeError};

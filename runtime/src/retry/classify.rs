@@ -1,0 +1,248 @@
+//! Typed out-of-memory classification: the [`IsOom`] trait.
+//!
+//! Retrying is only safe for errors that mean "not enough memory". Errors are classified by
+//! type, never by matching message text: oomguard's own errors, [`BackendError`]s of kind
+//! out-of-memory, cudarc's `CUDA_ERROR_OUT_OF_MEMORY` and `CUBLAS_STATUS_ALLOC_FAILED` (with the
+//! `cuda` feature), and any `dyn std::error::Error` whose `source()` chain holds one of those.
+
+use std::error::Error as StdError;
+
+use crate::backend::BackendError;
+use crate::error::{BudgetExceeded, Error, OomError};
+
+/// Whether an error means the device ran out of memory (so a smaller footprint may succeed).
+///
+/// Implement it for your own error enums, delegating to the variants that wrap device errors:
+///
+/// ```
+/// use oomguard_runtime::retry::IsOom;
+/// use oomguard_runtime::{Device, ByteSize};
+///
+/// #[derive(Debug)]
+/// enum TrainError { Device(oomguard_runtime::Error), Data(String) }
+///
+/// impl IsOom for TrainError {
+///     fn is_oom(&self) -> bool {
+///         match self {
+///             TrainError::Device(e) => IsOom::is_oom(e),
+///             TrainError::Data(_) => false,
+///         }
+///     }
+/// }
+///
+/// let dev = Device::sim(ByteSize::mib(1));
+/// let err = TrainError::Device(dev.alloc::<u8>(2 << 20).unwrap_err());
+/// assert!(err.is_oom());
+/// assert!(!TrainError::Data("bad row".into()).is_oom());
+/// ```
+pub trait IsOom {
+    /// `true` when the error is an out-of-memory.
+    fn is_oom(&self) -> bool;
+}
+
+impl IsOom for Error {
+    fn is_oom(&self) -> bool {
+        Error::is_oom(self)
+    }
+}
+
+impl IsOom for OomError {
+    fn is_oom(&self) -> bool {
+        true
+    }
+}
+
+impl IsOom for BudgetExceeded {
+    fn is_oom(&self) -> bool {
+        true
+    }
+}
+
+impl IsOom for BackendError {
+    fn is_oom(&self) -> bool {
+        BackendError::is_oom(self)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl IsOom for cudarc::driver::result::DriverError {
+    fn is_oom(&self) -> bool {
+        self.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl IsOom for cudarc::cublas::result::CublasError {
+    fn is_oom(&self) -> bool {
+        self.0 == cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED
+    }
+}
+
+impl<T: IsOom + ?Sized> IsOom for &T {
+    fn is_oom(&self) -> bool {
+        (**self).is_oom()
+    }
+}
+
+impl<T: IsOom + ?Sized> IsOom for Box<T> {
+    fn is_oom(&self) -> bool {
+        (**self).is_oom()
+    }
+}
+
+impl<T: IsOom + ?Sized> IsOom for std::sync::Arc<T> {
+    fn is_oom(&self) -> bool {
+        (**self).is_oom()
+    }
+}
+
+impl IsOom for dyn StdError + 'static {
+    fn is_oom(&self) -> bool {
+        chain_is_oom(self)
+    }
+}
+
+impl IsOom for dyn StdError + Send + 'static {
+    fn is_oom(&self) -> bool {
+        chain_is_oom(self)
+    }
+}
+
+impl IsOom for dyn StdError + Send + Sync + 'static {
+    fn is_oom(&self) -> bool {
+        chain_is_oom(self)
+    }
+}
+
+/// Whether `err` or any error in its `source()` chain is a known out-of-memory error.
+///
+/// Known types: oomguard's [`Error`], [`OomError`], [`BudgetExceeded`], [`BackendError`], and with
+/// the `cuda` feature cudarc's `DriverError` and `CublasError`. Errors of other types are looked
+/// through, not guessed at: their messages are never read.
+///
+/// ```
+/// use oomguard_runtime::retry::chain_is_oom;
+/// use oomguard_runtime::{Device, ByteSize};
+///
+/// #[derive(Debug)]
+/// struct Wrapper(oomguard_runtime::Error);
+/// impl std::fmt::Display for Wrapper {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str("layer 3 failed") }
+/// }
+/// impl std::error::Error for Wrapper {
+///     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> { Some(&self.0) }
+/// }
+///
+/// let dev = Device::sim(ByteSize::mib(1));
+/// let e = Wrapper(dev.alloc::<u8>(2 << 20).unwrap_err());
+/// assert!(chain_is_oom(&e));
+/// ```
+pub fn chain_is_oom(err: &(dyn StdError + 'static)) -> bool {
+    let mut cur = Some(err);
+    // Bounded, in case a source chain loops.
+    for _ in 0..64 {
+        let Some(e) = cur else { return false };
+        if known_is_oom(e) {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
+fn known_is_oom(e: &(dyn StdError + 'static)) -> bool {
+    if let Some(e) = e.downcast_ref::<Error>() {
+        return IsOom::is_oom(e);
+    }
+    if e.is::<OomError>() || e.is::<BudgetExceeded>() {
+        return true;
+    }
+    if let Some(e) = e.downcast_ref::<BackendError>() {
+        return IsOom::is_oom(e);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        if let Some(e) = e.downcast_ref::<cudarc::driver::result::DriverError>() {
+            return IsOom::is_oom(e);
+        }
+        if let Some(e) = e.downcast_ref::<cudarc::cublas::result::CublasError>() {
+            return IsOom::is_oom(e);
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendErrorKind;
+    use std::fmt;
+
+    #[derive(Debug)]
+    struct Outer(Box<dyn StdError + Send + Sync>);
+    impl fmt::Display for Outer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            // A message that mentions memory must not make it an OOM: classification is typed.
+            f.write_str("CUDA out of memory (not really)")
+        }
+    }
+    impl StdError for Outer {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&*self.0)
+        }
+    }
+
+    #[derive(Debug)]
+    struct Plain;
+    impl fmt::Display for Plain {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("out of memory")
+        }
+    }
+    impl StdError for Plain {}
+
+    fn oom() -> OomError {
+        OomError {
+            requested: 1,
+            device: 0,
+            device_total: 1,
+            device_free: 0,
+            allocated: 0,
+            reserved_unallocated: 0,
+            largest_free_block: 0,
+            cause: None,
+        }
+    }
+
+    #[test]
+    fn own_types() {
+        assert!(IsOom::is_oom(&Error::Oom(oom())));
+        assert!(IsOom::is_oom(&Error::BudgetExceeded(BudgetExceeded {
+            requested: 1,
+            in_use: 1,
+            limit: 1
+        })));
+        assert!(!IsOom::is_oom(&Error::InvalidArgument("x".into())));
+        assert!(IsOom::is_oom(&BackendError::oom("alloc", "x")));
+        assert!(!IsOom::is_oom(&BackendError::new(
+            BackendErrorKind::Other,
+            "alloc",
+            "out of memory"
+        )));
+        assert!(IsOom::is_oom(&Box::new(oom())));
+    }
+
+    #[test]
+    fn walks_source_chains_by_type() {
+        let nested: Box<dyn StdError + Send + Sync> =
+            Box::new(Outer(Box::new(Outer(Box::new(Error::Oom(oom()))))));
+        assert!(nested.is_oom());
+        let backend: Box<dyn StdError + Send + Sync> =
+            Box::new(Outer(Box::new(BackendError::oom("map", "x"))));
+        assert!(backend.is_oom());
+        let not: Box<dyn StdError + Send + Sync> = Box::new(Outer(Box::new(Plain)));
+        assert!(!not.is_oom(), "messages are never matched");
+        let plain: &(dyn StdError + 'static) = &Plain;
+        assert!(!plain.is_oom());
+    }
+}

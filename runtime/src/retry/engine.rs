@@ -1,0 +1,566 @@
+//! The retry engine: runs a step with a plan; on out-of-memory drops what the attempt held,
+//! empties the cache, asks the policy for a smaller plan and runs the step again from its start.
+//!
+//! # The contract
+//!
+//! A step is split in two: the **attempt**, which may run many times and must have no lasting
+//! effect (it computes gradients, losses, outputs), and the **commit** (the optimizer update),
+//! which runs exactly once, after every micro-batch of one attempt succeeded. The engine never
+//! commits a partial step, so a retried step gives the same result as an unretried one.
+//!
+//! - With [`RetryEngine::run`] the attempt is a closure returning what the commit needs (for
+//!   example summed gradients); everything it allocated is dropped when it returns `Err`.
+//! - With [`RetryEngine::run_step`] the step is a [`Step`]: [`Step::begin`] resets accumulated
+//!   state at the start of each attempt, [`Step::micro_batch`] processes one chunk,
+//!   [`Step::abort`] may free the state of a failed attempt, [`Step::commit`] runs once.
+//!
+//! What must not happen in an attempt: changing parameters or optimizer state, advancing a data
+//! iterator (fetch the batch before calling the engine), or anything else that cannot be done
+//! twice. The commit is not retried: allocate optimizer state before the first step.
+
+use std::fmt;
+use std::panic::Location;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use super::classify::IsOom;
+use super::consensus::{Consensus, ConsensusError, SingleProcess};
+use super::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
+use super::plan::{BatchPlan, Chunk};
+use super::policy::{training_policy, Pressure, RetryContext, RetryPolicy};
+use super::report::{
+    AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+};
+use super::thrash::ThrashDetector;
+use crate::Device;
+
+/// A training (or evaluation) step processed micro-batch by micro-batch; see the
+/// [module contract](self).
+///
+/// ```
+/// use oomguard_runtime::retry::{BatchPlan, Chunk, RetryEngine, Step};
+/// use oomguard_runtime::{ByteSize, Device, Error};
+///
+/// struct MeanStep<'a> { data: &'a [f32], dev: Device, acc: f32, param: f32 }
+/// impl Step for MeanStep<'_> {
+///     type Error = Error;
+///     type Output = f32;
+///     fn begin(&mut self, _plan: &BatchPlan) -> Result<(), Error> { self.acc = 0.0; Ok(()) }
+///     fn micro_batch(&mut self, c: &Chunk) -> Result<(), Error> {
+///         let rows = self.dev.from_slice(&self.data[c.rows()])?; // device memory, freed on drop
+///         let host = rows.to_vec()?;
+///         self.acc += c.weight_f32() * host.iter().sum::<f32>() / c.len() as f32;
+///         Ok(())
+///     }
+///     fn commit(&mut self) -> f32 { self.param -= self.acc; self.param }
+/// }
+///
+/// let dev = Device::sim(ByteSize::gib(1));
+/// let data = [1.0f32, 2.0, 3.0, 6.0];
+/// let mut step = MeanStep { data: &data, dev: dev.clone(), acc: 0.0, param: 10.0 };
+/// let out = RetryEngine::new().run_step(&dev, data.len(), &mut step).unwrap();
+/// assert_eq!(out.value, 7.0);
+/// ```
+pub trait Step {
+    /// The step's error; out-of-memory ones are retried.
+    type Error: IsOom + fmt::Display;
+    /// What the commit returns.
+    type Output;
+    /// Starts an attempt with `plan`: reset accumulated gradients here.
+    fn begin(&mut self, _plan: &BatchPlan) -> Result<(), Self::Error> {
+        Ok(())
+    }
+    /// Processes one micro-batch; add `chunk.weight()` × its gradients to the accumulator.
+    fn micro_batch(&mut self, chunk: &Chunk) -> Result<(), Self::Error>;
+    /// The attempt failed (here or on another rank): free what it accumulated, if you like.
+    fn abort(&mut self) {}
+    /// Applies the update. Called exactly once, after every micro-batch of an attempt succeeded.
+    fn commit(&mut self) -> Self::Output;
+}
+
+/// The engine's view of an attempt: run it, or discard a result that may not be committed.
+trait Attempt<G, E> {
+    fn attempt(&mut self, plan: &BatchPlan) -> Result<G, E>;
+    fn discard(&mut self, value: Option<G>);
+}
+
+struct ClosureAttempt<F>(F);
+
+impl<G, E, F: FnMut(&BatchPlan) -> Result<G, E>> Attempt<G, E> for ClosureAttempt<F> {
+    fn attempt(&mut self, plan: &BatchPlan) -> Result<G, E> {
+        (self.0)(plan)
+    }
+    fn discard(&mut self, value: Option<G>) {
+        drop(value);
+    }
+}
+
+struct StepAttempt<'a, S>(&'a mut S);
+
+impl<S: Step> Attempt<(), S::Error> for StepAttempt<'_, S> {
+    fn attempt(&mut self, plan: &BatchPlan) -> Result<(), S::Error> {
+        self.0.begin(plan)?;
+        for c in plan.chunks() {
+            self.0.micro_batch(&c)?;
+        }
+        Ok(())
+    }
+    fn discard(&mut self, _value: Option<()>) {
+        self.0.abort();
+    }
+}
+
+type ModeHook = Arc<dyn Fn() -> StepMode + Send + Sync>;
+
+/// Runs steps, retrying out-of-memory with smaller plans, and remembers what worked.
+///
+/// Cheap to clone; clones share the remembered plans.
+///
+/// ```
+/// use oomguard_runtime::retry::RetryEngine;
+/// use oomguard_runtime::{ByteSize, Device};
+///
+/// let dev = Device::sim(ByteSize::mib(64));
+/// let engine = RetryEngine::new();
+/// let mut weight = 0.0f32;
+/// // 100 rows of 1 MiB activations do not fit in 64 MiB: the engine splits the batch.
+/// let out = engine.run(&dev, 100, |plan| {
+///     let mut grad = 0.0f32;
+///     for chunk in plan.chunks() {
+///         let acts = dev.zeros::<u8>(chunk.len() << 20)?; // freed at the end of the iteration
+///         grad += chunk.weight_f32() * acts.len() as f32;
+///     }
+///     Ok::<_, oomguard_runtime::Error>(grad)
+/// }, |grad| weight -= grad).unwrap();
+/// assert!(out.report.retries() > 0);
+/// assert_eq!(out.report.final_plan.batch(), 100);
+/// assert!(out.report.final_plan.micro_batch() <= 64);
+/// ```
+#[derive(Clone)]
+pub struct RetryEngine {
+    policy: Arc<dyn RetryPolicy>,
+    memory: Arc<Mutex<PlanMemory>>,
+    consensus: Arc<dyn Consensus>,
+    mode: ModeHook,
+    regrow_after: Option<u32>,
+    thrash: Option<ThrashDetector>,
+}
+
+impl fmt::Debug for RetryEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryEngine")
+            .field("policy", &self.policy)
+            .field("consensus", &self.consensus)
+            .field("regrow_after", &self.regrow_after)
+            .field("thrash", &self.thrash)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RetryEngine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Steps a regrow waits after the last change, by default.
+pub const DEFAULT_REGROW_AFTER: u32 = 100;
+/// Consecutive thrashing steps that make the engine move down, by default.
+pub const DEFAULT_THRASH_WINDOW: u32 = 3;
+
+impl RetryEngine {
+    /// An engine with the [training policy](super::training_policy), plans remembered in memory
+    /// only, one process, every step in [`StepMode::Train`], regrow after
+    /// [`DEFAULT_REGROW_AFTER`] clean steps, thrash window [`DEFAULT_THRASH_WINDOW`].
+    pub fn new() -> Self {
+        Self {
+            policy: Arc::new(training_policy()),
+            memory: Arc::new(Mutex::new(PlanMemory::in_memory())),
+            consensus: Arc::new(SingleProcess),
+            mode: Arc::new(|| StepMode::Train),
+            regrow_after: Some(DEFAULT_REGROW_AFTER),
+            thrash: Some(ThrashDetector::new(DEFAULT_THRASH_WINDOW)),
+        }
+    }
+
+    /// Uses `policy` to choose plans after an OOM.
+    pub fn with_policy(mut self, policy: impl RetryPolicy + 'static) -> Self {
+        self.policy = Arc::new(policy);
+        self
+    }
+
+    /// Remembers plans in `path` (JSON), starting from what it holds.
+    pub fn with_memory_file(mut self, path: impl AsRef<Path>) -> Result<Self, MemoryError> {
+        self.memory = Arc::new(Mutex::new(PlanMemory::open(path)?));
+        Ok(self)
+    }
+
+    /// Uses `memory` (shared, e.g. between engines of several threads of one rank).
+    pub fn with_memory(mut self, memory: Arc<Mutex<PlanMemory>>) -> Self {
+        self.memory = memory;
+        self
+    }
+
+    /// Agrees on plans with other ranks through `consensus`.
+    pub fn with_consensus(mut self, consensus: impl Consensus + 'static) -> Self {
+        self.consensus = Arc::new(consensus);
+        self
+    }
+
+    /// Asks `hook` whether a step trains or evaluates when it starts (e.g. from the thread's
+    /// grad mode): plans are remembered separately for each mode.
+    pub fn with_mode_hook(mut self, hook: impl Fn() -> StepMode + Send + Sync + 'static) -> Self {
+        self.mode = Arc::new(hook);
+        self
+    }
+
+    /// After `steps` clean steps at a site, try one size up (`None`: never).
+    pub fn regrow_after(mut self, steps: Option<u32>) -> Self {
+        self.regrow_after = steps;
+        self
+    }
+
+    /// Move down after `steps` consecutive thrashing steps (`None`: never).
+    pub fn thrash_window(mut self, steps: Option<u32>) -> Self {
+        self.thrash = steps.map(ThrashDetector::new);
+        self
+    }
+
+    /// The remembered plans.
+    pub fn memory(&self) -> MutexGuard<'_, PlanMemory> {
+        self.memory.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The limits remembered for this call site (`#[track_caller]`) on `device` in the current
+    /// mode.
+    #[track_caller]
+    pub fn remembered(&self, device: &Device) -> Limits {
+        let key = MemoryKey::new(Location::caller(), device, (self.mode)());
+        self.memory().limits(&key)
+    }
+
+    /// Runs `attempt` with a plan for `batch` rows until it succeeds, then `commit` with its value,
+    /// once. On OOM the attempt's value is gone (its locals were dropped when it returned `Err`),
+    /// the cache is emptied, and the attempt runs again from its start with the policy's next
+    /// plan. Plans are remembered per call site: the next call starts from the plan that worked.
+    #[track_caller]
+    pub fn run<G, E, R>(
+        &self,
+        device: &Device,
+        batch: usize,
+        attempt: impl FnMut(&BatchPlan) -> Result<G, E>,
+        commit: impl FnOnce(G) -> R,
+    ) -> Result<Retried<R>, RetryError<E>>
+    where
+        E: IsOom + fmt::Display,
+    {
+        let site = Location::caller();
+        let (g, report) = self.drive(site, device, batch, &mut ClosureAttempt(attempt))?;
+        Ok(Retried {
+            value: commit(g),
+            report,
+        })
+    }
+
+    /// Runs a [`Step`] for `batch` rows: `begin` + `micro_batch` per chunk until an attempt
+    /// succeeds, then `commit` once.
+    #[track_caller]
+    pub fn run_step<S: Step>(
+        &self,
+        device: &Device,
+        batch: usize,
+        step: &mut S,
+    ) -> Result<Retried<S::Output>, RetryError<S::Error>> {
+        let site = Location::caller();
+        let ((), report) = self.drive(site, device, batch, &mut StepAttempt(&mut *step))?;
+        Ok(Retried {
+            value: step.commit(),
+            report,
+        })
+    }
+
+    fn agree(&self, values: &mut [u64; 3]) -> Result<(), ConsensusError> {
+        if self.consensus.world_size() > 1 {
+            self.consensus.all_reduce_max(values)?;
+        }
+        Ok(())
+    }
+
+    fn drive<G, E: IsOom + fmt::Display>(
+        &self,
+        site: &Location<'_>,
+        device: &Device,
+        batch: usize,
+        work: &mut dyn Attempt<G, E>,
+    ) -> Result<(G, RetryReport), RetryError<E>> {
+        if batch == 0 {
+            return Err(RetryError::InvalidArgument(
+                "a step of 0 rows: the batch must have at least one row".into(),
+            ));
+        }
+        let started = Instant::now();
+        let mode = (self.mode)();
+        let key = MemoryKey::new(site, device, mode);
+
+        // Starting plan: remembered limits, or one size up after enough clean steps.
+        let (limits, mut regrow) = {
+            let mut mem = self.memory();
+            let e = mem.entry(&key);
+            let limits = e.limits;
+            let mut regrow = None;
+            if let Some(k) = self.regrow_after {
+                let wait = u64::from(k) << e.failed_regrows.min(16);
+                if u64::from(e.clean_steps) >= wait {
+                    e.clean_steps = 0;
+                    regrow = limits.one_up(batch);
+                }
+            }
+            (limits, regrow)
+        };
+        let good = limits.plan_for(batch).expect("batch >= 1 gives a plan");
+        let mut plan = regrow.and_then(|l| l.plan_for(batch)).unwrap_or(good);
+        let mut v = encode(0, &plan, batch);
+        self.agree(&mut v).map_err(RetryError::Consensus)?;
+        let agreed = decode(&v, batch);
+        if agreed != plan {
+            // Another rank starts smaller: no regrow this step.
+            regrow = None;
+            plan = agreed;
+        }
+        let regrow_plan = regrow.map(|_| plan);
+
+        let mut report = RetryReport {
+            site: key.site.clone(),
+            mode,
+            requested_batch: batch,
+            initial_plan: plan,
+            from_memory: limits != Limits::NONE,
+            final_plan: plan,
+            attempts: Vec::new(),
+            regrow: None,
+            thrash_moved_to: None,
+            elapsed: Default::default(),
+        };
+        let mut failures: Vec<FailedAttempt<E>> = Vec::new();
+        let mut oom_count = 0u32;
+
+        loop {
+            let retries_before = device.stats().num_alloc_retries;
+            let t0 = Instant::now();
+            let result = work.attempt(&plan);
+            let elapsed = t0.elapsed();
+            let retries_after = device.stats().num_alloc_retries;
+
+            const OK: u64 = 0;
+            const OOM: u64 = 1;
+            const GIVE_UP: u64 = 2;
+            const FATAL: u64 = 3;
+            let (status, proposal) = match &result {
+                Ok(_) => (OK, plan),
+                Err(e) if e.is_oom() => {
+                    oom_count += 1;
+                    let next = if regrow.is_some() {
+                        Some(good)
+                    } else {
+                        let ctx = RetryContext::new(plan, batch, oom_count, Pressure::Oom);
+                        self.policy.next_plan(&ctx)
+                    };
+                    match next {
+                        Some(p) => (OOM, p),
+                        None => (GIVE_UP, plan),
+                    }
+                }
+                Err(_) => (FATAL, plan),
+            };
+            let mut v = encode(status, &proposal, batch);
+            if let Err(e) = self.agree(&mut v) {
+                work.discard(result.ok());
+                return Err(RetryError::Consensus(e));
+            }
+            let agreed_status = v[0];
+            let next = decode(&v, batch);
+
+            if agreed_status == OK {
+                let value = match result {
+                    Ok(v) => v,
+                    Err(_) => unreachable!("status OK means this rank succeeded"),
+                };
+                report.final_plan = plan;
+                if let Some(tried) = regrow_plan {
+                    if report.regrow.is_none() {
+                        report.regrow = Some(Regrow {
+                            tried,
+                            succeeded: true,
+                        });
+                    }
+                }
+                self.after_success(
+                    &key,
+                    device,
+                    batch,
+                    &plan,
+                    &mut report,
+                    retries_before,
+                    retries_after,
+                    regrow,
+                );
+                report.elapsed = started.elapsed();
+                return Ok((value, report));
+            }
+
+            // The attempt does not count on any rank.
+            let stats = device.stats();
+            let (outcome, error_text, error) = match result {
+                Ok(v) => {
+                    work.discard(Some(v));
+                    (AttemptOutcome::PeerOom, None, None)
+                }
+                Err(e) => {
+                    work.discard(None);
+                    let text = e.to_string();
+                    if status == FATAL {
+                        report.final_plan = plan;
+                        report.elapsed = started.elapsed();
+                        return Err(RetryError::Step {
+                            error: e,
+                            report: Box::new(report),
+                        });
+                    }
+                    (AttemptOutcome::Oom, Some(text), Some(e))
+                }
+            };
+            let continuing = agreed_status == OOM;
+            report.attempts.push(AttemptRecord {
+                plan,
+                outcome,
+                error: error_text.clone(),
+                next: continuing.then_some(next),
+                allocated_bytes: stats.allocated_bytes.all.current,
+                reserved_bytes: stats.reserved_bytes.all.current,
+                elapsed,
+            });
+            failures.push(FailedAttempt { plan, error });
+            if let Err(e) = device.empty_cache() {
+                tracing::warn!(target: "oomguard::retry", error = %e, "empty_cache failed");
+            }
+            if !continuing {
+                report.final_plan = plan;
+                report.elapsed = started.elapsed();
+                tracing::error!(
+                    target: "oomguard::retry",
+                    site = %report.site,
+                    attempts = failures.len(),
+                    plan = %plan,
+                    "out of memory: giving up"
+                );
+                return Err(
+                    if agreed_status == FATAL
+                        || (agreed_status == GIVE_UP && status != GIVE_UP && status != OOM)
+                    {
+                        RetryError::PeerFailed {
+                            report: Box::new(report),
+                        }
+                    } else {
+                        RetryError::GaveUp {
+                            failures,
+                            report: Box::new(report),
+                        }
+                    },
+                );
+            }
+            tracing::warn!(
+                target: "oomguard::retry",
+                site = %report.site,
+                attempt = report.attempts.len(),
+                error = error_text.as_deref().unwrap_or("another rank ran out of memory"),
+                old_plan = %plan,
+                new_plan = %next,
+                allocated_bytes = stats.allocated_bytes.all.current,
+                reserved_bytes = stats.reserved_bytes.all.current,
+                "out of memory: retrying with a smaller plan"
+            );
+            if let Some(tried) = regrow_plan {
+                if report.regrow.is_none() {
+                    report.regrow = Some(Regrow {
+                        tried,
+                        succeeded: false,
+                    });
+                    regrow = None;
+                    let mut mem = self.memory();
+                    mem.entry(&key).failed_regrows += 1;
+                }
+            }
+            plan = next;
+        }
+    }
+
+    /// Updates the remembered plan after a successful attempt: learned limits, regrow, thrash.
+    #[allow(clippy::too_many_arguments)]
+    fn after_success(
+        &self,
+        key: &MemoryKey,
+        device: &Device,
+        batch: usize,
+        plan: &BatchPlan,
+        report: &mut RetryReport,
+        retries_before: u64,
+        retries_after: u64,
+        regrow: Option<Limits>,
+    ) {
+        let mut mem = self.memory();
+        let e = mem.entry(key);
+        let mut limits = e.limits;
+        if let Some(up) = regrow {
+            limits = up;
+            e.failed_regrows = 0;
+        }
+        if !report.attempts.is_empty() {
+            limits = limits.learned(plan, batch);
+        }
+        if report.attempts.is_empty() && regrow.is_none() {
+            e.clean_steps = e.clean_steps.saturating_add(1);
+        } else {
+            e.clean_steps = 0;
+        }
+        if let Some(t) = self.thrash {
+            if t.observe(&mut e.thrash_streak, retries_before, retries_after) {
+                let ctx = RetryContext::new(*plan, batch, 1, Pressure::Thrash);
+                if let Some(smaller) = self.policy.next_plan(&ctx) {
+                    tracing::warn!(
+                        target: "oomguard::retry",
+                        site = %key.site,
+                        old_plan = %plan,
+                        new_plan = %smaller,
+                        alloc_retries = retries_after,
+                        window = t.window(),
+                        "allocator thrashing: moving to a smaller plan before a hard OOM"
+                    );
+                    limits = limits.learned(&smaller, batch);
+                    report.thrash_moved_to = Some(smaller);
+                    e.clean_steps = 0;
+                }
+            }
+        }
+        let _ = device;
+        if let Err(err) = mem.set_limits(key, limits) {
+            tracing::warn!(target: "oomguard::retry", error = %err, "could not save remembered plans");
+        }
+    }
+}
+
+/// `[status, u64::MAX - micro_batch, rows dropped]`: the max over ranks is the worst status and
+/// the smallest micro-batch and batch.
+fn encode(status: u64, plan: &BatchPlan, batch: usize) -> [u64; 3] {
+    [
+        status,
+        u64::MAX - plan.micro_batch() as u64,
+        (batch - plan.batch()) as u64,
+    ]
+}
+
+fn decode(v: &[u64; 3], batch: usize) -> BatchPlan {
+    let micro = (u64::MAX - v[1]).max(1) as usize;
+    let rows = batch.saturating_sub(v[2] as usize).max(1);
+    BatchPlan::with_micro_batch(rows, micro).expect("rows >= 1 and micro >= 1")
+}

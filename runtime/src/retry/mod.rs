@@ -1,0 +1,40 @@
+//! OOM retry: a training step that runs out of device memory is retried with a smaller footprint
+//! instead of crashing, and nothing is lost.
+//!
+//! - [`IsOom`] ([`classify`](self::IsOom)): typed out-of-memory classification.
+//! - [`BatchPlan`]/[`Chunk`]: a batch split into weighted micro-batches.
+//! - [`RetryPolicy`] and the built-in policies: same-plan retry after emptying the cache,
+//!   gradient accumulation, batch shrinking, floors, retry limits, chains.
+//! - [`RetryEngine`]: runs steps, retries, commits once, remembers per call site, device and grad
+//!   mode what worked ([`PlanMemory`], optionally a JSON file), regrows after clean steps, moves
+//!   down when the allocator thrashes, agrees with other ranks ([`Consensus`]).
+//! - [`find_max_batch`]: a predictive batch-size finder (linear fit of peak memory).
+//!
+//! Better than the anchors: Accelerate shrinks the effective batch silently and string-matches
+//! errors; here accumulation keeps the batch, errors are typed, every retry is logged and
+//! reported. Lightning and toma search by trial and error; [`find_max_batch`] predicts.
+
+mod classify;
+mod consensus;
+mod engine;
+mod finder;
+mod memory;
+mod plan;
+mod policy;
+mod report;
+mod thrash;
+
+pub use classify::{chain_is_oom, IsOom};
+pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
+pub use engine::{RetryEngine, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
+pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
+pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
+pub use plan::{BatchPlan, Chunk, PlanError};
+pub use policy::{
+    inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,
+    MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
+};
+pub use report::{
+    AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+};
+pub use thrash::ThrashDetector;

@@ -1,0 +1,411 @@
+//! Retry policies: what to try after an out-of-memory (or allocator thrashing).
+//!
+//! A policy maps the failed plan to the next one, or gives up. Policies compose:
+//!
+//! ```
+//! use oomguard_runtime::retry::{
+//!     Accumulate, BatchPlan, EmptyCacheRetry, Pressure, PolicyExt, RetryContext, RetryPolicy, Shrink,
+//! };
+//! // empty the cache and retry once, then halve micro-batches down to 4 rows, then halve the
+//! // batch itself (inference), at most 10 retries in all
+//! let policy = EmptyCacheRetry::once()
+//!     .then(Accumulate::halving().min_micro_batch(4))
+//!     .then(Shrink::halving())
+//!     .max_retries(10);
+//! let plan = BatchPlan::whole(64).unwrap();
+//! let ctx = RetryContext::new(plan, 64, 1, Pressure::Oom);
+//! assert_eq!(policy.next_plan(&ctx), Some(plan)); // same plan, after emptying the cache
+//! let ctx = RetryContext::new(plan, 64, 2, Pressure::Oom);
+//! assert_eq!(policy.next_plan(&ctx).unwrap().micro_batch(), 32);
+//! ```
+//!
+//! In data-parallel runs every rank must reach the same decision from the same context: a policy
+//! should depend only on the [`RetryContext`] (not on the error's text, a clock, or randomness).
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::plan::{BatchPlan, PlanError};
+
+/// Why the engine asks for a smaller plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pressure {
+    /// The step failed with out-of-memory.
+    Oom,
+    /// The step succeeded, but the allocator had to free its cache and retry in several
+    /// consecutive steps: move down before a hard OOM. A same-plan retry makes no sense here.
+    Thrash,
+}
+
+/// What a policy sees when asked for the next plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryContext {
+    /// The plan that failed (or thrashed).
+    pub plan: BatchPlan,
+    /// The batch the caller asked for.
+    pub requested_batch: usize,
+    /// Failures so far in this step, this one included (1 on the first failure).
+    pub attempt: u32,
+    /// Why a smaller plan is needed.
+    pub pressure: Pressure,
+}
+
+impl RetryContext {
+    /// A context (for tests and custom engines).
+    pub fn new(plan: BatchPlan, requested_batch: usize, attempt: u32, pressure: Pressure) -> Self {
+        Self {
+            plan,
+            requested_batch,
+            attempt,
+            pressure,
+        }
+    }
+}
+
+/// Chooses the plan to retry with, or `None` to give up.
+///
+/// Implemented by the built-in policies, by closures `Fn(&RetryContext) -> Option<BatchPlan>`,
+/// and by your own types:
+///
+/// ```
+/// use oomguard_runtime::retry::{BatchPlan, RetryContext, RetryPolicy};
+/// /// Jumps straight to micro-batches of 1 row.
+/// #[derive(Debug)]
+/// struct OneRow;
+/// impl RetryPolicy for OneRow {
+///     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+///         (ctx.plan.micro_batch() > 1).then(|| BatchPlan::with_micro_batch(ctx.plan.batch(), 1).ok()).flatten()
+///     }
+/// }
+/// ```
+pub trait RetryPolicy: Send + Sync + fmt::Debug {
+    /// The next plan to run, or `None` to give up.
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan>;
+}
+
+/// A closure as a policy.
+pub struct FnPolicy<F>(pub F);
+
+impl<F> fmt::Debug for FnPolicy<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FnPolicy")
+    }
+}
+
+impl<F> RetryPolicy for FnPolicy<F>
+where
+    F: Fn(&RetryContext) -> Option<BatchPlan> + Send + Sync,
+{
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        (self.0)(ctx)
+    }
+}
+
+impl<P: RetryPolicy + ?Sized> RetryPolicy for Arc<P> {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        (**self).next_plan(ctx)
+    }
+}
+
+impl<P: RetryPolicy + ?Sized> RetryPolicy for Box<P> {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        (**self).next_plan(ctx)
+    }
+}
+
+/// Retries the same plan (the engine has emptied the cache) on the first `times` failures of a
+/// step. Never used for [`Pressure::Thrash`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EmptyCacheRetry {
+    times: u32,
+}
+
+impl EmptyCacheRetry {
+    /// One same-plan retry per step.
+    pub fn once() -> Self {
+        Self { times: 1 }
+    }
+    /// `times` same-plan retries per step.
+    pub fn times(times: u32) -> Self {
+        Self { times }
+    }
+}
+
+impl RetryPolicy for EmptyCacheRetry {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        (ctx.pressure == Pressure::Oom && ctx.attempt <= self.times).then_some(ctx.plan)
+    }
+}
+
+/// Gradient accumulation: keeps the batch, divides the micro-batch by `factor` (2: halves it),
+/// so the step's result is the same up to float rounding. Gives up at micro-batches of 1 row
+/// (or the floor set with [`Accumulate::min_micro_batch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accumulate {
+    factor: usize,
+    min_micro: usize,
+}
+
+impl Accumulate {
+    /// Halves the micro-batch on each retry.
+    pub fn halving() -> Self {
+        Self {
+            factor: 2,
+            min_micro: 1,
+        }
+    }
+    /// Divides the micro-batch by `factor` (at least 2) on each retry.
+    pub fn by(factor: usize) -> Result<Self, PlanError> {
+        if factor < 2 {
+            return Err(PlanError(format!(
+                "accumulation factor {factor}: must be at least 2"
+            )));
+        }
+        Ok(Self {
+            factor,
+            min_micro: 1,
+        })
+    }
+    /// Never goes below micro-batches of `rows` rows (at least 1).
+    pub fn min_micro_batch(mut self, rows: usize) -> Self {
+        self.min_micro = rows.max(1);
+        self
+    }
+}
+
+impl RetryPolicy for Accumulate {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        let micro = ctx.plan.micro_batch();
+        let next = micro.div_ceil(self.factor).max(self.min_micro);
+        if next >= micro {
+            return None;
+        }
+        BatchPlan::with_micro_batch(ctx.plan.batch(), next).ok()
+    }
+}
+
+/// Shrinks the batch itself (rows `0..new_batch` are processed; the caller handles the rest):
+/// for evaluation and inference, where a smaller batch changes nothing but throughput. Keeps the
+/// micro-batch size. Gives up at 1 row (or the floor set with [`Shrink::min_batch`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shrink {
+    factor: f64,
+    min_batch: usize,
+}
+
+impl Shrink {
+    /// Halves the batch on each retry.
+    pub fn halving() -> Self {
+        Self {
+            factor: 0.5,
+            min_batch: 1,
+        }
+    }
+    /// Multiplies the batch by `factor` (in `(0, 1)`) on each retry; always shrinks by at least
+    /// one row.
+    pub fn by(factor: f64) -> Result<Self, PlanError> {
+        if !(factor > 0.0 && factor < 1.0) {
+            return Err(PlanError(format!(
+                "shrink factor {factor}: must be between 0 and 1 (exclusive)"
+            )));
+        }
+        Ok(Self {
+            factor,
+            min_batch: 1,
+        })
+    }
+    /// Never goes below `rows` rows (at least 1).
+    pub fn min_batch(mut self, rows: usize) -> Self {
+        self.min_batch = rows.max(1);
+        self
+    }
+}
+
+impl RetryPolicy for Shrink {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        let batch = ctx.plan.batch();
+        let scaled = (batch as f64 * self.factor).floor() as usize;
+        let next = scaled.min(batch.saturating_sub(1)).max(self.min_batch);
+        if next >= batch {
+            return None;
+        }
+        BatchPlan::with_micro_batch(next, ctx.plan.micro_batch()).ok()
+    }
+}
+
+/// Filters another policy's plans: plans with smaller micro-batches or batches than the floor
+/// are refused (the policy gives up instead).
+#[derive(Clone, Debug)]
+pub struct Floor<P> {
+    inner: P,
+    min_micro: usize,
+    min_batch: usize,
+}
+
+impl<P: RetryPolicy> RetryPolicy for Floor<P> {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        self.inner
+            .next_plan(ctx)
+            .filter(|p| p.micro_batch() >= self.min_micro && p.batch() >= self.min_batch)
+    }
+}
+
+/// Gives up after `max` retries in one step.
+#[derive(Clone, Debug)]
+pub struct MaxRetries<P> {
+    inner: P,
+    max: u32,
+}
+
+impl<P: RetryPolicy> RetryPolicy for MaxRetries<P> {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        if ctx.attempt > self.max {
+            return None;
+        }
+        self.inner.next_plan(ctx)
+    }
+}
+
+/// Tries `first`; when it gives up, `second`.
+#[derive(Clone, Debug)]
+pub struct Chain<A, B> {
+    first: A,
+    second: B,
+}
+
+impl<A: RetryPolicy, B: RetryPolicy> RetryPolicy for Chain<A, B> {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        self.first
+            .next_plan(ctx)
+            .or_else(|| self.second.next_plan(ctx))
+    }
+}
+
+/// Combinators for every policy.
+pub trait PolicyExt: RetryPolicy + Sized {
+    /// When this policy gives up, ask `next`.
+    fn then<B: RetryPolicy>(self, next: B) -> Chain<Self, B> {
+        Chain {
+            first: self,
+            second: next,
+        }
+    }
+    /// Refuses plans with micro-batches under `min_micro` rows or batches under `min_batch`.
+    fn with_floor(self, min_micro: usize, min_batch: usize) -> Floor<Self> {
+        Floor {
+            inner: self,
+            min_micro,
+            min_batch,
+        }
+    }
+    /// Gives up after `max` retries in one step.
+    fn max_retries(self, max: u32) -> MaxRetries<Self> {
+        MaxRetries { inner: self, max }
+    }
+    /// The policy behind an `Arc`, as the engine stores it.
+    fn shared(self) -> Arc<dyn RetryPolicy>
+    where
+        Self: 'static,
+    {
+        Arc::new(self)
+    }
+}
+
+impl<P: RetryPolicy> PolicyExt for P {}
+
+/// The training default: empty the cache and retry once, then gradient accumulation (halving the
+/// micro-batch; the batch and the result stay the same), at most 16 retries.
+pub fn training_policy() -> impl RetryPolicy {
+    EmptyCacheRetry::once()
+        .then(Accumulate::halving())
+        .max_retries(16)
+}
+
+/// The evaluation/inference default: empty the cache and retry once, split into micro-batches,
+/// then halve the batch itself, at most 32 retries.
+pub fn inference_policy() -> impl RetryPolicy {
+    EmptyCacheRetry::once()
+        .then(Accumulate::halving())
+        .then(Shrink::halving())
+        .max_retries(32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(policy: &dyn RetryPolicy, start: BatchPlan) -> Vec<BatchPlan> {
+        let mut out = vec![];
+        let mut plan = start;
+        for attempt in 1..100 {
+            let ctx = RetryContext::new(plan, start.batch(), attempt, Pressure::Oom);
+            match policy.next_plan(&ctx) {
+                Some(p) => {
+                    out.push(p);
+                    plan = p;
+                }
+                None => break,
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn chain_order() {
+        let p = inference_policy();
+        let seq = run(&p, BatchPlan::whole(8).unwrap());
+        let got: Vec<(usize, usize)> = seq.iter().map(|p| (p.batch(), p.micro_batch())).collect();
+        assert_eq!(
+            got,
+            [(8, 8), (8, 4), (8, 2), (8, 1), (4, 1), (2, 1), (1, 1)]
+        );
+    }
+
+    #[test]
+    fn accumulate_keeps_batch_and_floors() {
+        let p = Accumulate::halving().min_micro_batch(10);
+        let seq = run(&p, BatchPlan::whole(100).unwrap());
+        let micro: Vec<usize> = seq.iter().map(|p| p.micro_batch()).collect();
+        assert_eq!(micro, [50, 25, 13, 10]);
+        assert!(seq.iter().all(|p| p.batch() == 100));
+        assert!(Accumulate::by(1).is_err());
+        let p3 = Accumulate::by(3).unwrap();
+        assert_eq!(run(&p3, BatchPlan::whole(9).unwrap()).len(), 2);
+    }
+
+    #[test]
+    fn shrink_any_factor_and_floor() {
+        let p = Shrink::by(0.9).unwrap().min_batch(5);
+        let seq = run(&p, BatchPlan::whole(10).unwrap());
+        let b: Vec<usize> = seq.iter().map(|p| p.batch()).collect();
+        assert_eq!(b, [9, 8, 7, 6, 5]);
+        assert!(Shrink::by(1.0).is_err());
+        assert!(Shrink::by(f64::NAN).is_err());
+        // floors through the combinator, and max retries
+        let p = Shrink::halving().with_floor(1, 3);
+        assert_eq!(run(&p, BatchPlan::whole(16).unwrap()).len(), 2);
+        let p = Shrink::halving().max_retries(1);
+        assert_eq!(run(&p, BatchPlan::whole(16).unwrap()).len(), 1);
+    }
+
+    #[test]
+    fn empty_cache_only_for_oom_and_closures_work() {
+        let plan = BatchPlan::whole(4).unwrap();
+        let e = EmptyCacheRetry::once();
+        assert_eq!(
+            e.next_plan(&RetryContext::new(plan, 4, 1, Pressure::Thrash)),
+            None
+        );
+        assert_eq!(
+            e.next_plan(&RetryContext::new(plan, 4, 1, Pressure::Oom)),
+            Some(plan)
+        );
+        let f = FnPolicy(|c: &RetryContext| BatchPlan::new(c.plan.batch(), c.plan.batch()).ok());
+        assert_eq!(
+            f.next_plan(&RetryContext::new(plan, 4, 1, Pressure::Oom))
+                .unwrap()
+                .micro_batch(),
+            1
+        );
+    }
+}

@@ -1,0 +1,201 @@
+//! What the engine tells its caller: a report of every attempt, the step's value, or an error
+//! holding every attempt's out-of-memory error.
+
+use std::fmt;
+use std::time::Duration;
+
+use super::classify::IsOom;
+use super::consensus::ConsensusError;
+use super::memory::StepMode;
+use super::plan::BatchPlan;
+
+/// Why an attempt did not count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// This rank ran out of memory.
+    Oom,
+    /// This rank succeeded, but another rank ran out of memory, so the attempt was discarded.
+    PeerOom,
+}
+
+/// A failed attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// The plan the attempt ran.
+    pub plan: BatchPlan,
+    /// What happened.
+    pub outcome: AttemptOutcome,
+    /// The error's message (for [`AttemptOutcome::Oom`]).
+    pub error: Option<String>,
+    /// The plan tried next (`None`: the engine gave up).
+    pub next: Option<BatchPlan>,
+    /// Bytes allocated on the device right after the failure (before the cache was emptied).
+    pub allocated_bytes: u64,
+    /// Bytes reserved from the device right after the failure.
+    pub reserved_bytes: u64,
+    /// Time the attempt took.
+    pub elapsed: Duration,
+}
+
+/// A try of one size up after a run of clean steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Regrow {
+    /// The larger plan tried.
+    pub tried: BatchPlan,
+    /// Whether it worked (it is remembered) or hit OOM (the step fell back to the known plan).
+    pub succeeded: bool,
+}
+
+/// What happened during one step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetryReport {
+    /// The call site (`file:line:column`).
+    pub site: String,
+    /// Train or eval (part of the memory key).
+    pub mode: StepMode,
+    /// Rows the caller asked for.
+    pub requested_batch: usize,
+    /// The plan of the first attempt.
+    pub initial_plan: BatchPlan,
+    /// Whether the first plan came from remembered limits.
+    pub from_memory: bool,
+    /// The plan that succeeded (or the last one tried).
+    pub final_plan: BatchPlan,
+    /// Failed attempts, in order.
+    pub attempts: Vec<AttemptRecord>,
+    /// A regrow attempted in this step.
+    pub regrow: Option<Regrow>,
+    /// The smaller plan the engine moved to after this step because the allocator thrashed.
+    pub thrash_moved_to: Option<BatchPlan>,
+    /// Total time of the step, retries included.
+    pub elapsed: Duration,
+}
+
+impl RetryReport {
+    /// Number of retries (failed attempts).
+    pub fn retries(&self) -> usize {
+        self.attempts.len()
+    }
+}
+
+impl fmt::Display for RetryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({:?}): {} after {} retr{} in {:.3?}",
+            self.site,
+            self.mode,
+            self.final_plan,
+            self.retries(),
+            if self.retries() == 1 { "y" } else { "ies" },
+            self.elapsed
+        )?;
+        for (i, a) in self.attempts.iter().enumerate() {
+            write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;
+            if let Some(e) = &a.error {
+                write!(f, ": {e}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A step's value with the report of how it was obtained.
+#[derive(Clone, Debug)]
+pub struct Retried<T> {
+    /// What the commit returned.
+    pub value: T,
+    /// How the step went.
+    pub report: RetryReport,
+}
+
+/// One failed attempt of a step that gave up.
+#[derive(Debug)]
+pub struct FailedAttempt<E> {
+    /// The plan it ran.
+    pub plan: BatchPlan,
+    /// This rank's error (`None`: this rank succeeded and another rank hit OOM).
+    pub error: Option<E>,
+}
+
+/// The step did not complete. Nothing was committed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RetryError<E> {
+    /// The step failed with an error that is not out-of-memory; it was not retried.
+    Step {
+        /// The step's error.
+        error: E,
+        /// How the step went until then.
+        report: Box<RetryReport>,
+    },
+    /// Out of memory at every plan the policy allowed.
+    GaveUp {
+        /// Every attempt, with its error.
+        failures: Vec<FailedAttempt<E>>,
+        /// How the step went.
+        report: Box<RetryReport>,
+    },
+    /// Another rank failed (with a non-OOM error, or gave up); this rank stopped with it.
+    PeerFailed {
+        /// How the step went.
+        report: Box<RetryReport>,
+    },
+    /// The arguments were wrong (a batch of 0 rows).
+    InvalidArgument(String),
+    /// The ranks could not agree.
+    Consensus(ConsensusError),
+}
+
+impl<E> RetryError<E> {
+    /// The report, when the step ran at all.
+    pub fn report(&self) -> Option<&RetryReport> {
+        match self {
+            RetryError::Step { report, .. }
+            | RetryError::GaveUp { report, .. }
+            | RetryError::PeerFailed { report } => Some(report),
+            _ => None,
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for RetryError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RetryError::Step { error, .. } => write!(f, "step failed: {error}"),
+            RetryError::GaveUp { failures, report } => {
+                write!(
+                    f,
+                    "out of memory at {} after {} attempts; the policy allows nothing smaller",
+                    report.site,
+                    failures.len()
+                )?;
+                for (i, a) in failures.iter().enumerate() {
+                    write!(f, "\n  attempt {} ({}): ", i + 1, a.plan)?;
+                    match &a.error {
+                        Some(e) => write!(f, "{e}")?,
+                        None => write!(f, "another rank ran out of memory")?,
+                    }
+                }
+                Ok(())
+            }
+            RetryError::PeerFailed { report } => {
+                write!(f, "another rank failed at {}; stopped with it", report.site)
+            }
+            RetryError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            RetryError::Consensus(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl<E: fmt::Display + fmt::Debug> std::error::Error for RetryError<E> {}
+
+impl<E: IsOom> IsOom for RetryError<E> {
+    fn is_oom(&self) -> bool {
+        match self {
+            RetryError::GaveUp { .. } => true,
+            RetryError::Step { error, .. } => error.is_oom(),
+            _ => false,
+        }
+    }
+}
