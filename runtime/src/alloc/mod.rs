@@ -230,7 +230,7 @@ impl CachingAllocator {
 
     /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
     fn release_cache(&self, st: &mut State) -> u64 {
-        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, false)
+        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, u64::MAX, None)
     }
 
     /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live:
@@ -322,7 +322,8 @@ impl CachingAllocator {
         let mut st = self.lock();
         self.process_events(&mut st, true);
         st.release_fixed(&*self.backend);
-        st.release_pages(&*self.backend, true);
+        st.release_pages(&*self.backend, u64::MAX, None);
+        st.release_empty_ranges(&*self.backend);
         Ok(())
     }
 

@@ -40,6 +40,8 @@ pub(crate) struct State {
     pub stats: MemoryStats,
     /// Device-wide cap on reserved bytes (`set_memory_fraction`).
     pub limit: Option<u64>,
+    /// The most bytes ever reserved: growable segments recycle free pages rather than pass it.
+    pub high_water: u64,
 }
 
 impl State {
@@ -60,6 +62,7 @@ impl State {
             pending: Vec::new(),
             stats,
             limit: None,
+            high_water: 0,
         }
     }
 
