@@ -32,6 +32,9 @@ pub(crate) enum BlockState {
     Allocated,
     /// Freed by its owner, waiting for other streams' work (`record_stream`) before reuse.
     PendingFree,
+    /// Freed and parked in a quick list for reuse at exactly its size: not merged with its
+    /// neighbours and not indexed until the quick lists are flushed.
+    Parked,
 }
 
 #[derive(Clone, Debug)]

@@ -130,9 +130,18 @@ impl CachingAllocator {
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
         }
-        let id = match st.take_free(pool, stream, size) {
+        let id = match st.take_parked(stream, size) {
             Some(id) => id,
-            None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+            None => match st.take_free(pool, stream, size) {
+                Some(id) => id,
+                None => {
+                    st.flush_parked();
+                    match st.take_free(pool, stream, size) {
+                        Some(id) => id,
+                        None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+                    }
+                }
+            },
         };
         st.mark_allocated(id, bytes);
         let b = &st.blocks[id];
@@ -249,7 +258,7 @@ impl CachingAllocator {
         st.unmark_allocated(a.block);
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
-            st.release_block(a.block);
+            st.park_or_release(a.block);
             return Ok(());
         }
         // Used on other streams: reuse only after their work queued so far has finished.
@@ -321,6 +330,7 @@ impl CachingAllocator {
     pub fn empty_cache(&self) -> Result<(), Error> {
         let mut st = self.lock();
         self.process_events(&mut st, true);
+        st.flush_parked();
         st.release_fixed(&*self.backend);
         st.release_pages(&*self.backend, u64::MAX, None);
         st.release_empty_ranges(&*self.backend);
