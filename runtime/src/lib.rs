@@ -22,6 +22,7 @@ mod buffer;
 pub mod config;
 mod device;
 mod error;
+pub mod export;
 mod size;
 
 pub use alloc::{Allocation, CachingAllocator, MemoryStats};

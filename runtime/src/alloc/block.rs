@@ -12,7 +12,10 @@ pub(crate) type BlockId = u32;
 pub(crate) type SegId = u32;
 
 /// Which pool a block belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum PoolKind {
     /// Requests of 1 MiB or less, served from 2 MiB segments.
     Small = 0,

@@ -4,6 +4,7 @@
 //! bytes at page granularity.
 
 use super::block::{Block, BlockId, BlockState, PoolKind};
+use super::history::TraceAction;
 use super::state::{Segment, State};
 use super::GrowError;
 use crate::backend::{Backend, StreamId};
@@ -53,6 +54,7 @@ impl State {
         s.num_map += 1;
         s.mapped_bytes_total += cost;
         self.high_water = self.high_water.max(s.reserved_bytes.all.current);
+        self.trace(TraceAction::SegmentMap, addr, cost, stream);
         let seg = self.blocks[hole].seg;
         self.segs[seg].mapped += cost;
 
@@ -199,11 +201,12 @@ impl State {
                 let tail = self.split_at(mid, hi);
                 self.index_insert(tail);
             }
-            let (small, seg) = {
+            let (small, seg, stream) = {
                 let b = &mut self.blocks[mid];
                 b.mapped = false;
-                (b.pool.is_small(), b.seg)
+                (b.pool.is_small(), b.seg, b.stream)
             };
+            self.trace(TraceAction::SegmentUnmap, lo, hi - lo, stream);
             let mid = self.coalesce(mid);
             self.index_insert(mid);
             self.segs[seg].mapped -= hi - lo;

@@ -8,6 +8,7 @@
 mod block;
 mod fixed;
 mod growable;
+mod history;
 mod pool;
 mod snapshot;
 mod state;
@@ -17,6 +18,7 @@ mod summary;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use block::PoolKind;
+pub use history::{Frame, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
 pub use stats::{MemoryStats, PoolStats, Stat};
@@ -119,6 +121,7 @@ impl CachingAllocator {
     /// Allocates `bytes` on `stream`: from the cache when a free block fits, otherwise from the
     /// device. On out-of-memory it frees the cache and retries once before returning
     /// [`Error::Oom`].
+    #[track_caller]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         if let Err(e) = self.backend.check_request(bytes) {
             let mut st = self.lock();
@@ -144,6 +147,16 @@ impl CachingAllocator {
             },
         };
         st.mark_allocated(id, bytes);
+        let (addr, size) = (st.blocks[id].addr, st.blocks[id].size);
+        if let Some(h) = &mut st.history {
+            h.record(
+                TraceAction::Alloc,
+                addr,
+                size,
+                stream,
+                Some(std::panic::Location::caller()),
+            );
+        }
         let b = &st.blocks[id];
         Ok(Allocation {
             ptr: b.addr,
@@ -224,6 +237,7 @@ impl CachingAllocator {
         }
         st.stats.num_ooms += 1;
         let info = self.backend.mem_info().unwrap_or_default();
+        st.trace(TraceAction::Oom, info.free, bytes, 0);
         let allocated = st.stats.allocated_bytes.all.current;
         Error::Oom(OomError {
             requested: bytes,
@@ -256,6 +270,7 @@ impl CachingAllocator {
             )));
         }
         st.unmark_allocated(a.block);
+        st.trace(TraceAction::FreeRequested, a.ptr, a.size, a.stream);
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
             st.park_or_release(a.block);

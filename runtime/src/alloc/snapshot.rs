@@ -8,7 +8,8 @@ use super::CachingAllocator;
 use crate::backend::StreamId;
 
 /// State of a block in a snapshot (PyTorch's names in the comments).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum BlockStatus {
     /// Handed out (`active_allocated`).
     Allocated,
@@ -21,7 +22,7 @@ pub enum BlockStatus {
 }
 
 /// A block in a snapshot.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockInfo {
     /// Device address.
     pub addr: u64,
@@ -34,7 +35,7 @@ pub struct BlockInfo {
 }
 
 /// A segment in a snapshot, with its blocks in address order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SegmentInfo {
     /// Base address.
     pub base: u64,

@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use rustc_hash::FxHashMap;
 
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
+use super::history::{History, TraceAction};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::MemoryStats;
 use crate::backend::{EventId, StreamId};
@@ -49,6 +50,8 @@ pub(crate) struct State {
     pub quick: FxHashMap<(StreamId, u64), Vec<BlockId>>,
     /// Number of parked blocks.
     pub parked: usize,
+    /// Recorded events, when recording.
+    pub history: Option<History>,
 }
 
 /// Most blocks parked per (stream, size).
@@ -75,6 +78,7 @@ impl State {
             high_water: 0,
             quick: FxHashMap::default(),
             parked: 0,
+            history: None,
         }
     }
 
@@ -144,11 +148,13 @@ impl State {
         self.parked += 1;
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
+        let (addr, stream) = (b.addr, b.stream);
         b.state = BlockState::Parked;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
+        self.trace(TraceAction::FreeCompleted, addr, size, stream);
     }
 
     /// Merges and indexes every parked block.
@@ -259,11 +265,13 @@ impl State {
     pub fn release_block(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
+        let (addr, stream) = (b.addr, b.stream);
         b.state = BlockState::Free;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
+        self.trace(TraceAction::FreeCompleted, addr, size, stream);
         let id = self.coalesce(id);
         self.index_insert(id);
     }
@@ -330,6 +338,14 @@ impl State {
         b.size = addr - b.addr;
         b.next = Some(uid);
         uid
+    }
+
+    /// Records an event when history is on.
+    #[inline]
+    pub fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        if let Some(h) = &mut self.history {
+            h.record(action, addr, size, stream, None);
+        }
     }
 
     /// Bytes of device memory held (fixed segments plus mapped pages).
