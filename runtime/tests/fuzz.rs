@@ -188,7 +188,7 @@ fn fuzz_allocator_against_a_model() {
                         2 => (x << 16) + (y << 8),
                         _ => (x % 40 + 1) << 20,
                     };
-                    let stream = (y % 2) as u64;
+                    let stream = y % 2;
                     match a.allocate(size, stream) {
                         Ok(al) => {
                             assert!(al.size >= size && al.ptr % 512 == 0);
