@@ -439,8 +439,8 @@ impl<'a> Vm<'a> {
                     // text without interpreting escapes beyond the quotes.
                     let s = String::from_utf8_lossy(line);
                     let s = s.trim();
-                    let s = if op == b'S' && s.len() >= 2 {
-                        &s[1..s.len() - 1]
+                    let s = if op == b'S' {
+                        s.trim_matches(|c| c == '\'' || c == '"')
                     } else {
                         s
                     };
@@ -712,6 +712,15 @@ mod tests {
         let obj = b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01}b.";
         let d = decode(obj).unwrap();
         assert_eq!(d.value, Value::Object(Rc::from("collections.OrderedDict")));
+    }
+
+    #[test]
+    fn protocol_0_strings_ending_in_multibyte_chars() {
+        // Found by the garbage fuzz test: stripping quotes must respect char boundaries.
+        let d = decode("Sab\u{146}\n.".as_bytes()).unwrap();
+        assert_eq!(d.value, Value::Str(Rc::from("ab\u{146}")));
+        let d = decode(b"S'x'\n.").unwrap();
+        assert_eq!(d.value, Value::Str(Rc::from("x")));
     }
 
     #[test]
