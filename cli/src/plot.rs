@@ -1,6 +1,6 @@
 //! A self-contained SVG (or HTML page around it) of a replay: live and reserved bytes over the
 //! events, the number of segments as they grow, and a memory map of the segments at the moment
-//! reserved memory peaked (allocated blocks dark, cached free blocks light). No scripts, no
+//! live memory peaked (allocated blocks dark, cached free blocks light). No scripts, no
 //! network.
 
 use std::fmt::Write as _;
@@ -162,7 +162,7 @@ pub fn svg(title: &str, report: &ReplayReport, tl: &Timeline) -> String {
         .fold((0, 0), |(a, f), s| (a + s.allocated, f + s.free));
     let _ = writeln!(
         o,
-        r#"<text x="{LEFT}" y="{}">segments at the peak (event {}): {} segments, {} allocated, {} cached free</text>"#,
+        r#"<text x="{LEFT}" y="{}">segments at peak live (event {}): {} segments, {} allocated, {} cached free</text>"#,
         top3 - 8.0,
         tl.peak_event,
         tl.peak_segments.len(),

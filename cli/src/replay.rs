@@ -132,7 +132,7 @@ pub struct Sample {
     pub segments: u64,
 }
 
-/// A segment at the moment of peak reserved memory, for plots.
+/// A segment at the moment of peak live memory, for plots.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SegmentView {
     /// Reserved address range (fixed: its size).
@@ -177,12 +177,13 @@ impl SegmentView {
     }
 }
 
-/// Live and reserved bytes over a replay, and the segments at the peak.
+/// Live and reserved bytes over a replay, and the segments at the peak of live bytes.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Timeline {
     /// Points, at most [`Timeline::MAX_POINTS`].
     pub samples: Vec<Sample>,
-    /// Index of the event after which reserved memory peaked.
+    /// Index of the event after which live memory peaked (first time): the moment of most
+    /// pressure, where fragmentation shows.
     pub peak_event: usize,
     /// The segments right after that event.
     pub peak_segments: Vec<SegmentView>,
@@ -252,7 +253,6 @@ fn run(
         reserved: 0,
         segments: 0,
     };
-    let mut peak_reserved_seen = 0u64;
     let mut peak_event = 0usize;
     let mut done = 0usize;
     let mut segments = Vec::new();
@@ -263,7 +263,10 @@ fn run(
                 Ok(a) => {
                     live.insert(e.id, a);
                     live_bytes = live_bytes.saturating_add(e.bytes);
-                    peak_live = peak_live.max(live_bytes);
+                    if live_bytes > peak_live {
+                        peak_live = live_bytes;
+                        peak_event = i;
+                    }
                 }
                 Err(err) => {
                     failures.push(Failure {
@@ -295,10 +298,6 @@ fn run(
         if opts.timeline {
             let st = alloc.stats();
             let reserved = st.reserved_bytes.all.current;
-            if reserved > peak_reserved_seen {
-                peak_reserved_seen = reserved;
-                peak_event = i;
-            }
             window.event = i;
             window.live = window.live.max(live_bytes);
             window.reserved = window.reserved.max(reserved);

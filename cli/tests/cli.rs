@@ -138,7 +138,7 @@ fn plot_writes_self_contained_svg_and_html() {
         let body = std::fs::read_to_string(&out).unwrap();
         assert!(body.contains("<svg"));
         assert!(body.contains("polyline"));
-        assert!(body.contains("segments at the peak"));
+        assert!(body.contains("segments at peak live"));
         assert!(!body.contains("<script"));
         assert!(!body.contains("https://"), "no network references");
         if ext == "html" {
