@@ -259,3 +259,34 @@ fn huge_sizes_fail_the_replay_without_panicking() {
     assert_eq!(v["events"].as_u64(), Some(3));
     assert!(Path::new(&p).exists());
 }
+
+#[test]
+fn rmm_log_replays_and_help_works() {
+    let dir = common::scratch("rmm");
+    let p = dir.join("rmm_log.csv");
+    std::fs::write(
+        &p,
+        "Thread,Time,Action,Pointer,Size,Stream\n\
+         1,10:31:27:589049,allocate,0x7f0000000000,33554432,0x0\n\
+         1,10:31:27:589050,allocate,0x7f0002000000,1048576,0x7f00aa\n\
+         1,10:31:27:589051,allocate failure,0x0,999999999999,0x0\n\
+         1,10:31:27:589052,free,0x7f0000000000,33554432,0x0\n\
+         1,10:31:27:589053,free,0x7f0002000000,1048576,0x7f00aa\n",
+    )
+    .unwrap();
+    let o = oomguard(&["replay", &p.display().to_string(), "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    assert_eq!(v["format"], "rmm-log");
+    assert_eq!(v["events"].as_u64(), Some(4));
+    assert_eq!(v["peak_live_bytes"].as_u64(), Some(33554432 + 1048576));
+    assert!(v["notes"][0]
+        .as_str()
+        .unwrap()
+        .contains("1 failed allocations"));
+    let o = oomguard(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    for sub in ["replay", "compare", "plot", "mincap", "gen"] {
+        assert!(stdout(&o).contains(sub), "{sub}");
+    }
+}
