@@ -106,7 +106,10 @@ impl<T> HostSlice<T> for HostBuffer<T> {
     fn len(&self) -> usize {
         self.len
     }
-    unsafe fn stream_synced_slice<'a>(&'a self, stream: &'a CudaStream) -> (&'a [T], SyncOnDrop<'a>) {
+    unsafe fn stream_synced_slice<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (&'a [T], SyncOnDrop<'a>) {
         (self, SyncOnDrop::sync_stream(stream))
     }
     unsafe fn stream_synced_mut_slice<'a>(

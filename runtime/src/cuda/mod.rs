@@ -93,7 +93,9 @@ impl Device {
     /// # Ok(()) }
     /// ```
     pub fn register_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamId> {
-        Ok(self.require_cuda("register_stream")?.register_stream(stream)?)
+        Ok(self
+            .require_cuda("register_stream")?
+            .register_stream(stream)?)
     }
 
     /// The cudarc stream of a [`StreamId`] (0, or one from [`Device::register_stream`]).
@@ -105,5 +107,28 @@ impl Device {
     /// [`crate::MemoryStats::pinned_bytes`] while it lives.
     pub fn pinned<T: Pod>(&self, len: usize) -> Result<HostBuffer<T>> {
         HostBuffer::new(self, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{ByteSize, Device, Error};
+
+    #[test]
+    fn cuda_calls_on_a_simulated_device_are_errors() {
+        let dev = Device::sim(ByteSize::mib(64));
+        assert!(dev.cuda_backend().is_none());
+        let not_cuda = |e: Error| {
+            let m = e.to_string();
+            assert!(m.contains("is not a CUDA device"), "{m}");
+        };
+        not_cuda(dev.cuda_context().unwrap_err());
+        not_cuda(dev.cuda_default_stream().unwrap_err());
+        not_cuda(dev.cuda_stream(0).unwrap_err());
+        not_cuda(dev.pinned::<f32>(16).unwrap_err());
+        let mut buf = dev.zeros::<f32>(16).unwrap();
+        not_cuda(buf.cuda_view().unwrap_err());
+        not_cuda(buf.cuda_view_mut().unwrap_err());
+        assert_eq!(dev.stats().pinned_bytes.current, 0);
     }
 }

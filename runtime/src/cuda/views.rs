@@ -101,9 +101,9 @@ impl<T> DevicePtrMut<T> for DeviceBufferViewMut<'_, T> {
     }
 }
 
-// SAFETY (all four impls below): the argument pushed is a reference to a `u64` device address
-// that lives as long as the borrow `'b`, which outlives the launch arguments `'a`; this is what
-// cudarc itself pushes for a `CudaSlice`. What the kernel does with it is covered by
+// SAFETY: (this and the three impls below) the argument pushed is a reference to a `u64` device
+// address that lives as long as the borrow `'b`, which outlives the launch arguments `'a`; this is
+// what cudarc itself pushes for a `CudaSlice`. What the kernel does with it is covered by
 // `LaunchArgs::launch` being unsafe.
 unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b DeviceBuffer<T>> for LaunchArgs<'a> {
     #[inline(always)]

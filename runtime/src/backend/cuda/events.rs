@@ -40,7 +40,10 @@ impl EventTable {
         if lock(&self.live).contains(&id) {
             Ok(())
         } else {
-            Err(invalid(op, format!("event {id:#x} is not a live event of this device")))
+            Err(invalid(
+                op,
+                format!("event {id:#x} is not a live event of this device"),
+            ))
         }
     }
 

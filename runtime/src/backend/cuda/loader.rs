@@ -6,7 +6,11 @@ use crate::backend::{BackendError, BackendErrorKind};
 
 /// Library names tried, in order (the driver package installs `libcuda.so.1`; `libcuda.so` is the
 /// development link).
-pub(crate) const LIBRARY_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so", "nvcuda.dll"];
+#[cfg(not(windows))]
+pub(crate) const LIBRARY_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+/// Library names tried, in order.
+#[cfg(windows)]
+pub(crate) const LIBRARY_NAMES: &[&str] = &["nvcuda.dll"];
 
 /// Every driver entry point the backend (and cudarc's context set-up it relies on) calls.
 pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
@@ -50,14 +54,14 @@ pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
 /// [`BackendErrorKind::Unavailable`]) says which library or symbol is missing, in one line.
 pub(crate) fn probe_with(names: &[&str], symbols: &[&str]) -> Result<(), BackendError> {
     let unavailable = |m: String| BackendError::new(BackendErrorKind::Unavailable, "load", m);
-    let mut last_err = String::from("no library name to try");
+    let mut first_err: Option<String> = None;
     for name in names {
         // SAFETY: loading the CUDA driver runs its initialisers, which have no preconditions; the
         // library stays loaded only for the duration of this probe (cudarc loads it again).
         let lib = match unsafe { libloading::Library::new(*name) } {
             Ok(lib) => lib,
             Err(e) => {
-                last_err = format!("{name}: {e}");
+                first_err.get_or_insert_with(|| format!("{name}: {e}"));
                 continue;
             }
         };
@@ -72,11 +76,14 @@ pub(crate) fn probe_with(names: &[&str], symbols: &[&str]) -> Result<(), Backend
         }
         return Ok(());
     }
-    Err(unavailable(format!(
-        "the CUDA driver library could not be loaded (is an NVIDIA driver installed?): \
-         {last_err}"
-    )
-    .replace('\n', " ")))
+    Err(unavailable(
+        format!(
+            "the CUDA driver library could not be loaded (is an NVIDIA driver installed?): \
+         {}",
+            first_err.as_deref().unwrap_or("no library name to try")
+        )
+        .replace('\n', " "),
+    ))
 }
 
 /// Checks that the CUDA driver can be loaded and has every entry point the backend needs.

@@ -9,7 +9,7 @@
 //! - Events: `cuEventRecord` / `cuEventQuery` / `cuEventSynchronize` for cross-stream reuse.
 //!
 //! cudarc panics when the driver library cannot be loaded, so [`CudaBackend::new`] first probes
-//! the library with `libloading` ([`loader`]) and runs cudarc's set-up under `catch_unwind`.
+//! the library with `libloading` (`loader.rs`) and runs cudarc's set-up under `catch_unwind`.
 #![allow(unsafe_code)] // FFI: every unsafe block calls the CUDA driver and says why it is sound
 
 mod events;
@@ -125,7 +125,10 @@ impl CudaBackend {
                 Err(BackendError::new(
                     BackendErrorKind::Unavailable,
                     "cuInit",
-                    format!("the CUDA driver could not be used: {}", what.replace('\n', " ")),
+                    format!(
+                        "the CUDA driver could not be used: {}",
+                        what.replace('\n', " ")
+                    ),
                 ))
             }
         }
@@ -141,7 +144,8 @@ impl CudaBackend {
                 format!("CUDA device {ordinal} does not exist ({count} device(s) present)"),
             ));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
         let name = ctx.name().map_err(|e| driver_error("cuDeviceGetName", e))?;
         let vmm = ctx
             .attribute(
@@ -203,7 +207,8 @@ impl CudaBackend {
         if cur != Some(self.ctx.cu_ctx()) {
             // SAFETY: the context is the device's primary context, retained by `self.ctx` for as
             // long as this backend lives.
-            unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }.map_err(|e| driver_error(op, e))?;
+            unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }
+                .map_err(|e| driver_error(op, e))?;
         }
         Ok(())
     }
@@ -268,7 +273,10 @@ impl Backend for CudaBackend {
 
     fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError> {
         if !self.vmm {
-            return Err(invalid("cuMemAddressReserve", "the device cannot map pages"));
+            return Err(invalid(
+                "cuMemAddressReserve",
+                "the device cannot map pages",
+            ));
         }
         self.bind("cuMemAddressReserve")?;
         self.pages.reserve(bytes)
@@ -297,7 +305,8 @@ impl Backend for CudaBackend {
         self.sync_all("cuMemcpyHtoD")?;
         // SAFETY: `src` is a live host slice; the driver checks that `dst..dst+len` is device
         // memory and fails otherwise.
-        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(|e| driver_error("cuMemcpyHtoD", e))?;
+        unsafe { result::memcpy_htod_sync(dst, src) }
+            .map_err(|e| driver_error("cuMemcpyHtoD", e))?;
         self.sync_all("cuMemcpyHtoD")
     }
 

@@ -16,8 +16,9 @@ impl CudaBackend {
         }
         self.bind("cuMemHostAlloc")?;
         // SAFETY: cuMemHostAlloc writes one host pointer; the memory is freed by `free_pinned`.
-        let p = unsafe { result::malloc_host(bytes, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| driver_error("cuMemHostAlloc", e))?;
+        let p =
+            unsafe { result::malloc_host(bytes, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE) }
+                .map_err(|e| driver_error("cuMemHostAlloc", e))?;
         NonNull::new(p.cast::<u8>())
             .ok_or_else(|| invalid("cuMemHostAlloc", "the driver returned a null pointer"))
     }
@@ -32,6 +33,7 @@ impl CudaBackend {
         // An asynchronous copy queued on any stream may still read or write it.
         self.sync_all("cuMemFreeHost")?;
         // SAFETY: guaranteed by the caller (see above); no queued work is left.
-        unsafe { result::free_host(ptr.as_ptr().cast()) }.map_err(|e| driver_error("cuMemFreeHost", e))
+        unsafe { result::free_host(ptr.as_ptr().cast()) }
+            .map_err(|e| driver_error("cuMemFreeHost", e))
     }
 }

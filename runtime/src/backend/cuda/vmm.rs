@@ -103,7 +103,8 @@ impl PageTable {
                 format!("size {bytes} is not a positive multiple of the page size"),
             ));
         }
-        let size = usize::try_from(bytes).map_err(|_| invalid("cuMemAddressReserve", "too large"))?;
+        let size =
+            usize::try_from(bytes).map_err(|_| invalid("cuMemAddressReserve", "too large"))?;
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is valid for the write; alignment 0 and address hint 0 let the driver
         // choose (aligned to the granularity).
@@ -116,7 +117,11 @@ impl PageTable {
     /// `cuMemAddressFree` of a whole reserved range with no page mapped in it.
     pub(super) fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut t = lock(&self.tables);
-        let still_mapped = t.pages.range(base..base.saturating_add(bytes)).next().is_some();
+        let still_mapped = t
+            .pages
+            .range(base..base.saturating_add(bytes))
+            .next()
+            .is_some();
         if t.ranges.get(&base) != Some(&bytes) || still_mapped {
             return Err(invalid(
                 "cuMemAddressFree",
@@ -143,10 +148,16 @@ impl PageTable {
             .next_back()
             .is_some_and(|(&b, &s)| addr + bytes <= b + s);
         if !inside {
-            return Err(invalid("cuMemMap", format!("{addr:#x}+{bytes} is not in a reserved range")));
+            return Err(invalid(
+                "cuMemMap",
+                format!("{addr:#x}+{bytes} is not in a reserved range"),
+            ));
         }
         if t.pages.range(addr..addr + bytes).next().is_some() {
-            return Err(invalid("cuMemMap", format!("a page in {addr:#x}+{bytes} is already mapped")));
+            return Err(invalid(
+                "cuMemMap",
+                format!("a page in {addr:#x}+{bytes} is already mapped"),
+            ));
         }
         let prop = alloc_prop(self.device);
         let mut done: Vec<(DevicePtr, sys::CUmemGenericAllocationHandle)> =
@@ -188,7 +199,9 @@ impl PageTable {
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `h` is valid for the write; `prop` is fully initialised; the size is the
         // granularity.
-        check("cuMemCreate", unsafe { sys::cuMemCreate(&mut h, g, prop, 0) })?;
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, g, prop, 0)
+        })?;
         // SAFETY: `page` lies in a reserved range and is not mapped (checked by the caller under
         // the lock); `h` is a fresh handle of exactly one page.
         if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(page, g, 0, h, 0) }) {
@@ -215,7 +228,9 @@ impl PageTable {
     ) -> Result<(), BackendError> {
         // SAFETY: `page` is mapped to `h` with exactly one page (by `map_page`); the caller
         // guarantees that no work uses it any more (the allocator synchronises before unmapping).
-        check("cuMemUnmap", unsafe { sys::cuMemUnmap(page, self.page as usize) })?;
+        check("cuMemUnmap", unsafe {
+            sys::cuMemUnmap(page, self.page as usize)
+        })?;
         // SAFETY: `h` is no longer mapped; releasing it frees the physical page.
         check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
     }
