@@ -3,7 +3,8 @@
 //!
 //! Layers, each calling only the one below:
 //! - [`backend`]: the primitive operations of a device ([`backend::Backend`]), implemented by the
-//!   simulated device [`backend::sim::SimDevice`];
+//!   simulated device [`backend::sim::SimDevice`] and, with the `cuda` feature (on by default),
+//!   by `backend::cuda::CudaBackend` (see `Device::cuda`);
 //! - [`alloc`]: the caching allocator (pools, best fit, split/merge, growable segments, stats);
 //! - [`Device`] and [`DeviceBuffer`]: what users hold.
 //!
@@ -20,6 +21,8 @@ pub mod alloc;
 pub mod backend;
 mod buffer;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod device;
 mod error;
 pub mod export;
@@ -31,3 +34,8 @@ pub use config::{AllocatorConfig, ConfigError};
 pub use device::Device;
 pub use error::{BudgetExceeded, Error, OomError, Result};
 pub use size::{ByteSize, ByteSizeError};
+
+/// cudarc, the CUDA bindings the CUDA backend is built on (the same version), to load kernels,
+/// make streams and launch on [`DeviceBuffer`]s.
+#[cfg(feature = "cuda")]
+pub use cudarc;

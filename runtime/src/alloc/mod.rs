@@ -377,6 +377,18 @@ impl CachingAllocator {
         self.lock().limit
     }
 
+    /// Counts `bytes` of pinned host memory taken (`taken`) or given back in
+    /// [`MemoryStats::pinned_bytes`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn count_pinned(&self, bytes: u64, taken: bool) {
+        let mut st = self.lock();
+        if taken {
+            st.stats.pinned_bytes.add(bytes);
+        } else {
+            st.stats.pinned_bytes.sub(bytes);
+        }
+    }
+
     /// Device capacity as the backend reported it when the allocator was made.
     pub fn device_total(&self) -> u64 {
         self.total
