@@ -95,6 +95,7 @@ impl Device {
 
     /// Allocates `bytes` raw bytes on `stream`; the caller frees with [`Device::free_raw`].
     /// Prefer [`Device::alloc`], which frees on drop.
+    #[track_caller]
     pub fn alloc_raw(&self, bytes: u64, stream: StreamId) -> Result<Allocation> {
         self.inner.allocator.allocate(bytes, stream)
     }
@@ -106,11 +107,13 @@ impl Device {
 
     /// An uninitialised buffer of `len` elements on the default stream (its contents are
     /// whatever the memory held: zeros on a fresh simulated device).
+    #[track_caller]
     pub fn alloc<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         self.alloc_on(len, 0)
     }
 
     /// An uninitialised buffer of `len` elements on `stream`.
+    #[track_caller]
     pub fn alloc_on<T: Pod>(&self, len: usize, stream: StreamId) -> Result<DeviceBuffer<T>> {
         let bytes = (len as u64)
             .checked_mul(std::mem::size_of::<T>() as u64)
@@ -122,6 +125,7 @@ impl Device {
     }
 
     /// A buffer of `len` zeroed elements.
+    #[track_caller]
     pub fn zeros<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         let b = self.alloc::<T>(len)?;
         self.backend().memset_zero(b.device_ptr(), b.byte_len())?;
@@ -129,6 +133,7 @@ impl Device {
     }
 
     /// A buffer holding a copy of `data`.
+    #[track_caller]
     pub fn from_slice<T: Pod>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
         let mut b = self.alloc::<T>(data.len())?;
         b.copy_from_slice(data)?;

@@ -3,7 +3,8 @@
 //!
 //! Layers, each calling only the one below:
 //! - [`backend`]: the primitive operations of a device ([`backend::Backend`]), implemented by the
-//!   simulated device [`backend::sim::SimDevice`];
+//!   simulated device [`backend::sim::SimDevice`] and, with the `cuda` feature (on by default),
+//!   by `backend::cuda::CudaBackend` (see `Device::cuda`);
 //! - [`alloc`]: the caching allocator (pools, best fit, split/merge, growable segments, stats);
 //! - [`Device`] and [`DeviceBuffer`]: what users hold;
 //! - [`retry`]: OOM retry (policies, the [`RetryEngine`], remembered plans, batch finder).
@@ -21,8 +22,11 @@ pub mod alloc;
 pub mod backend;
 mod buffer;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod device;
 mod error;
+pub mod export;
 pub mod retry;
 mod size;
 
@@ -35,3 +39,8 @@ pub use retry::{
     find_max_batch, BatchPlan, Chunk, IsOom, RetryEngine, RetryError, RetryPolicy, Step,
 };
 pub use size::{ByteSize, ByteSizeError};
+
+/// cudarc, the CUDA bindings the CUDA backend is built on (the same version), to load kernels,
+/// make streams and launch on [`DeviceBuffer`]s.
+#[cfg(feature = "cuda")]
+pub use cudarc;

@@ -131,10 +131,13 @@ impl FromStr for ByteSize {
         }
         let x: f64 = num.parse().map_err(|_| err("not a number"))?;
         let bytes = x * mult as f64;
-        if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        // u64::MAX as f64 is 2^64. Sizes just above it are what `Display` prints for the
+        // largest values (two decimals round up): read those back as u64::MAX.
+        let max = u64::MAX as f64;
+        if !bytes.is_finite() || bytes > max * 1.005 {
             return Err(err("too large for 64 bits"));
         }
-        Ok(ByteSize(bytes as u64))
+        Ok(ByteSize(if bytes >= max { u64::MAX } else { bytes as u64 }))
     }
 }
 
@@ -172,6 +175,15 @@ mod tests {
         assert!(e.reason.contains("unknown unit"));
         let e = "20000000 TiB".parse::<ByteSize>().unwrap_err();
         assert!(e.reason.contains("too large"));
+    }
+
+    #[test]
+    fn the_largest_sizes_print_and_parse_back() {
+        // found by the fuzz harness: u64::MAX printed as "16777216.00 TiB" did not parse
+        let s = ByteSize(u64::MAX).to_string();
+        assert_eq!(s, "16777216.00 TiB");
+        assert_eq!(s.parse::<ByteSize>().unwrap(), ByteSize(u64::MAX));
+        assert!("16800000 TiB".parse::<ByteSize>().is_err());
     }
 
     #[test]

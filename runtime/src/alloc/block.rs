@@ -12,7 +12,10 @@ pub(crate) type BlockId = u32;
 pub(crate) type SegId = u32;
 
 /// Which pool a block belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum PoolKind {
     /// Requests of 1 MiB or less, served from 2 MiB segments.
     Small = 0,
@@ -32,6 +35,9 @@ pub(crate) enum BlockState {
     Allocated,
     /// Freed by its owner, waiting for other streams' work (`record_stream`) before reuse.
     PendingFree,
+    /// Freed and parked in a quick list for reuse at exactly its size: not merged with its
+    /// neighbours and not indexed until the quick lists are flushed.
+    Parked,
 }
 
 #[derive(Clone, Debug)]

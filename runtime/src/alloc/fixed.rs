@@ -2,6 +2,7 @@
 //! [`segment_size`], split into blocks; released whole when every block in it is free.
 
 use super::block::{Block, BlockId, BlockState, PoolKind};
+use super::history::TraceAction;
 use super::pool::segment_size;
 use super::state::{Segment, State};
 use super::GrowError;
@@ -52,6 +53,7 @@ impl State {
         if seg_size >= self.cfg.max_split_size {
             s.oversize_segments.add(1);
         }
+        self.trace(TraceAction::SegmentAlloc, base, seg_size, stream);
         self.split_to(id, size);
         Ok(id)
     }
@@ -70,15 +72,16 @@ impl State {
             .collect();
         let mut released = 0;
         for id in whole {
-            let (seg, addr, size, small) = {
+            let (seg, addr, size, small, stream) = {
                 let b = &self.blocks[id];
-                (b.seg, b.addr, b.size, b.pool.is_small())
+                (b.seg, b.addr, b.size, b.pool.is_small(), b.stream)
             };
             if let Err(e) = backend.free_segment(addr, size) {
                 // Keep the segment: memory the device did not take back is still ours.
                 tracing::warn!(error = %e, "freeing a cached segment failed; keeping it");
                 continue;
             }
+            self.trace(TraceAction::SegmentFree, addr, size, stream);
             self.index_remove(id);
             self.blocks.remove(id);
             self.segs.remove(seg);

@@ -4,6 +4,7 @@
 //! bytes at page granularity.
 
 use super::block::{Block, BlockId, BlockState, PoolKind};
+use super::history::TraceAction;
 use super::state::{Segment, State};
 use super::GrowError;
 use crate::backend::{Backend, StreamId};
@@ -20,7 +21,19 @@ impl State {
         total: u64,
     ) -> Result<BlockId, GrowError> {
         let g = self.granularity;
-        let (hole, cost) = match self.cheapest_hole(pool, stream, size) {
+        let mut choice = self.cheapest_hole(pool, stream, size);
+        // Recycle before reaching a new high-water mark: move free pages from holes (unmap) to
+        // where they are needed (map), so that reserved memory tracks live memory instead of
+        // piling up unused pages. Below the mark, mapping alone is cheaper and costs nothing.
+        let need = choice.map_or(size.next_multiple_of(g), |(_, c)| c);
+        let over = (self.reserved() + need).saturating_sub(self.high_water);
+        if over > 0 {
+            let keep = choice.and_then(|(h, _)| self.blocks[h].prev);
+            if self.release_pages(backend, over, keep) > 0 {
+                choice = self.cheapest_hole(pool, stream, size);
+            }
+        }
+        let (hole, cost) = match choice {
             Some(c) => c,
             None => {
                 let va = size
@@ -40,6 +53,8 @@ impl State {
         s.num_device_alloc += 1;
         s.num_map += 1;
         s.mapped_bytes_total += cost;
+        self.high_water = self.high_water.max(s.reserved_bytes.all.current);
+        self.trace(TraceAction::SegmentMap, addr, cost, stream);
         let seg = self.blocks[hole].seg;
         self.segs[seg].mapped += cost;
 
@@ -126,19 +141,37 @@ impl State {
         Ok(id)
     }
 
-    /// Unmaps every page of growable segments that holds no live byte; returns the bytes unmapped.
-    /// With `release_ranges`, address ranges left with no mapped page are released too.
-    pub fn release_pages(&mut self, backend: &dyn Backend, release_ranges: bool) -> u64 {
+    /// Unmaps pages of growable segments that hold no live byte, the largest free runs first,
+    /// until at least `budget` bytes are unmapped (`u64::MAX`: all), leaving block `keep` alone;
+    /// returns the bytes unmapped.
+    pub fn release_pages(
+        &mut self,
+        backend: &dyn Backend,
+        budget: u64,
+        keep: Option<BlockId>,
+    ) -> u64 {
         let g = self.granularity;
-        let candidates: Vec<BlockId> = self
+        let whole_pages = |b: &Block| (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
+        let mut candidates: Vec<(u64, BlockId)> = self
             .free
             .iter()
             .flat_map(|f| f.ids())
-            .filter(|&id| {
-                let b = &self.blocks[id];
-                self.segs[b.seg].growable && b.addr.next_multiple_of(g) + g <= b.end()
-            })
+            .filter(|&id| Some(id) != keep && self.segs[self.blocks[id].seg].growable)
+            .map(|id| (whole_pages(&self.blocks[id]), id))
+            .filter(|&(n, _)| n > 0)
             .collect();
+        if budget != u64::MAX {
+            candidates.sort_unstable_by(|a, b| b.cmp(a));
+            let mut sum = 0;
+            let cut = candidates
+                .iter()
+                .position(|&(n, _)| {
+                    sum += n;
+                    sum >= budget
+                })
+                .map_or(candidates.len(), |i| i + 1);
+            candidates.truncate(cut);
+        }
         if !candidates.is_empty() {
             // Another stream's queued work may still touch these pages: wait before unmapping.
             if let Err(e) = backend.synchronize() {
@@ -148,7 +181,7 @@ impl State {
             self.stats.num_sync_all_streams += 1;
         }
         let mut released = 0;
-        for id in candidates {
+        for (_, id) in candidates {
             let (lo, hi) = {
                 let b = &self.blocks[id];
                 (b.addr.next_multiple_of(g), b.end() / g * g)
@@ -168,11 +201,12 @@ impl State {
                 let tail = self.split_at(mid, hi);
                 self.index_insert(tail);
             }
-            let (small, seg) = {
+            let (small, seg, stream) = {
                 let b = &mut self.blocks[mid];
                 b.mapped = false;
-                (b.pool.is_small(), b.seg)
+                (b.pool.is_small(), b.seg, b.stream)
             };
+            self.trace(TraceAction::SegmentUnmap, lo, hi - lo, stream);
             let mid = self.coalesce(mid);
             self.index_insert(mid);
             self.segs[seg].mapped -= hi - lo;
@@ -183,14 +217,11 @@ impl State {
             s.unmapped_bytes_total += hi - lo;
             released += hi - lo;
         }
-        if release_ranges {
-            self.release_empty_ranges(backend);
-        }
         released
     }
 
     /// Releases growable address ranges that hold no block and no mapped page.
-    fn release_empty_ranges(&mut self, backend: &dyn Backend) {
+    pub fn release_empty_ranges(&mut self, backend: &dyn Backend) {
         let empty: Vec<(u32, BlockId)> = self
             .segs
             .iter()

@@ -8,6 +8,7 @@
 mod block;
 mod fixed;
 mod growable;
+mod history;
 mod pool;
 mod snapshot;
 mod state;
@@ -17,6 +18,7 @@ mod summary;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use block::PoolKind;
+pub use history::{Frame, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
 pub use stats::{MemoryStats, PoolStats, Stat};
@@ -119,6 +121,7 @@ impl CachingAllocator {
     /// Allocates `bytes` on `stream`: from the cache when a free block fits, otherwise from the
     /// device. On out-of-memory it frees the cache and retries once before returning
     /// [`Error::Oom`].
+    #[track_caller]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         if let Err(e) = self.backend.check_request(bytes) {
             let mut st = self.lock();
@@ -130,11 +133,30 @@ impl CachingAllocator {
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
         }
-        let id = match st.take_free(pool, stream, size) {
+        let id = match st.take_parked(stream, size) {
             Some(id) => id,
-            None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+            None => match st.take_free(pool, stream, size) {
+                Some(id) => id,
+                None => {
+                    st.flush_parked();
+                    match st.take_free(pool, stream, size) {
+                        Some(id) => id,
+                        None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+                    }
+                }
+            },
         };
         st.mark_allocated(id, bytes);
+        let (addr, size) = (st.blocks[id].addr, st.blocks[id].size);
+        if let Some(h) = &mut st.history {
+            h.record(
+                TraceAction::Alloc,
+                addr,
+                size,
+                stream,
+                Some(std::panic::Location::caller()),
+            );
+        }
         let b = &st.blocks[id];
         Ok(Allocation {
             ptr: b.addr,
@@ -215,6 +237,7 @@ impl CachingAllocator {
         }
         st.stats.num_ooms += 1;
         let info = self.backend.mem_info().unwrap_or_default();
+        st.trace(TraceAction::Oom, info.free, bytes, 0);
         let allocated = st.stats.allocated_bytes.all.current;
         Error::Oom(OomError {
             requested: bytes,
@@ -230,7 +253,7 @@ impl CachingAllocator {
 
     /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
     fn release_cache(&self, st: &mut State) -> u64 {
-        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, false)
+        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, u64::MAX, None)
     }
 
     /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live:
@@ -247,9 +270,10 @@ impl CachingAllocator {
             )));
         }
         st.unmark_allocated(a.block);
+        st.trace(TraceAction::FreeRequested, a.ptr, a.size, a.stream);
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
-            st.release_block(a.block);
+            st.park_or_release(a.block);
             return Ok(());
         }
         // Used on other streams: reuse only after their work queued so far has finished.
@@ -321,8 +345,10 @@ impl CachingAllocator {
     pub fn empty_cache(&self) -> Result<(), Error> {
         let mut st = self.lock();
         self.process_events(&mut st, true);
+        st.flush_parked();
         st.release_fixed(&*self.backend);
-        st.release_pages(&*self.backend, true);
+        st.release_pages(&*self.backend, u64::MAX, None);
+        st.release_empty_ranges(&*self.backend);
         Ok(())
     }
 
@@ -349,6 +375,18 @@ impl CachingAllocator {
     /// The cap set by [`CachingAllocator::set_memory_limit`].
     pub fn memory_limit(&self) -> Option<u64> {
         self.lock().limit
+    }
+
+    /// Counts `bytes` of pinned host memory taken (`taken`) or given back in
+    /// [`MemoryStats::pinned_bytes`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn count_pinned(&self, bytes: u64, taken: bool) {
+        let mut st = self.lock();
+        if taken {
+            st.stats.pinned_bytes.add(bytes);
+        } else {
+            st.stats.pinned_bytes.sub(bytes);
+        }
     }
 
     /// Device capacity as the backend reported it when the allocator was made.

@@ -8,7 +8,8 @@ use super::CachingAllocator;
 use crate::backend::StreamId;
 
 /// State of a block in a snapshot (PyTorch's names in the comments).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum BlockStatus {
     /// Handed out (`active_allocated`).
     Allocated,
@@ -21,7 +22,7 @@ pub enum BlockStatus {
 }
 
 /// A block in a snapshot.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockInfo {
     /// Device address.
     pub addr: u64,
@@ -34,7 +35,7 @@ pub struct BlockInfo {
 }
 
 /// A segment in a snapshot, with its blocks in address order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SegmentInfo {
     /// Base address.
     pub base: u64,
@@ -71,8 +72,8 @@ impl CachingAllocator {
                         status: match (b.state, b.mapped) {
                             (BlockState::Allocated, _) => BlockStatus::Allocated,
                             (BlockState::PendingFree, _) => BlockStatus::PendingFree,
-                            (BlockState::Free, true) => BlockStatus::Free,
-                            (BlockState::Free, false) => BlockStatus::Unmapped,
+                            (BlockState::Free | BlockState::Parked, true) => BlockStatus::Free,
+                            (BlockState::Free | BlockState::Parked, false) => BlockStatus::Unmapped,
                         },
                     });
                     cur = b.next;
@@ -152,6 +153,17 @@ impl State {
                         active_bytes += b.size;
                     }
                     BlockState::PendingFree => active_bytes += b.size,
+                    BlockState::Parked => {
+                        let n = self
+                            .quick
+                            .get(&(b.stream, b.size))
+                            .map_or(0, |l| l.iter().filter(|&&i| i == id).count());
+                        if n != 1 || !b.mapped {
+                            return Err(format!(
+                                "parked block {id} is in its quick list {n} times"
+                            ));
+                        }
+                    }
                     BlockState::Free => {
                         let indexed = if b.mapped {
                             self.free[b.pool as usize].contains(b.stream, b.size, b.addr, id)
@@ -193,6 +205,17 @@ impl State {
             + self.unmapped[0].len()
             + self.unmapped[1].len();
         let free_blocks = self.blocks.iter().filter(|(_, b)| b.is_free()).count();
+        let parked = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.state == BlockState::Parked)
+            .count();
+        if parked != self.parked || self.quick.values().map(Vec::len).sum::<usize>() != parked {
+            return Err(format!(
+                "{parked} parked blocks, count says {}",
+                self.parked
+            ));
+        }
         if indexed != free_blocks {
             return Err(format!(
                 "{indexed} indexed free blocks, {free_blocks} free blocks"

@@ -3,7 +3,10 @@
 
 use std::collections::BTreeSet;
 
+use rustc_hash::FxHashMap;
+
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
+use super::history::{History, TraceAction};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::MemoryStats;
 use crate::backend::{EventId, StreamId};
@@ -40,7 +43,19 @@ pub(crate) struct State {
     pub stats: MemoryStats,
     /// Device-wide cap on reserved bytes (`set_memory_fraction`).
     pub limit: Option<u64>,
+    /// The most bytes ever reserved: growable segments recycle free pages rather than pass it.
+    pub high_water: u64,
+    /// Quick lists: blocks freed recently, by (stream, size), reused at exactly that size without
+    /// a split or a merge. Flushed (merged and indexed) before anything slower happens.
+    pub quick: FxHashMap<(StreamId, u64), Vec<BlockId>>,
+    /// Number of parked blocks.
+    pub parked: usize,
+    /// Recorded events, when recording.
+    pub history: Option<History>,
 }
+
+/// Most blocks parked per (stream, size).
+const QUICK_CAP: usize = 8;
 
 impl State {
     pub fn new(cfg: AllocatorConfig, growable: bool, granularity: u64) -> Self {
@@ -60,6 +75,10 @@ impl State {
             pending: Vec::new(),
             stats,
             limit: None,
+            high_water: 0,
+            quick: FxHashMap::default(),
+            parked: 0,
+            history: None,
         }
     }
 
@@ -101,6 +120,59 @@ impl State {
             let was = self.unmapped[pool].remove(&(stream, addr, id));
             debug_assert!(was);
         }
+    }
+
+    /// The fastest path: a parked block of exactly `size` on `stream`.
+    #[inline]
+    pub fn take_parked(&mut self, stream: StreamId, size: u64) -> Option<BlockId> {
+        let id = self.quick.get_mut(&(stream, size))?.pop()?;
+        self.parked -= 1;
+        let b = &mut self.blocks[id];
+        b.state = BlockState::Free;
+        Some(id)
+    }
+
+    /// A freed block (no longer allocated, not pending): parked for quick reuse when its list
+    /// has room, otherwise merged and indexed.
+    #[inline]
+    pub fn park_or_release(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        if !b.pool.is_small() {
+            return self.release_block(id);
+        }
+        let list = self.quick.entry((b.stream, b.size)).or_default();
+        if list.len() >= QUICK_CAP {
+            return self.release_block(id);
+        }
+        list.push(id);
+        self.parked += 1;
+        let b = &mut self.blocks[id];
+        let (small, size) = (b.pool.is_small(), b.size);
+        let (addr, stream) = (b.addr, b.stream);
+        b.state = BlockState::Parked;
+        b.requested = 0;
+        b.other_streams.clear();
+        self.stats.active_bytes.sub(small, size);
+        self.stats.active.sub(small, 1);
+        self.trace(TraceAction::FreeCompleted, addr, size, stream);
+    }
+
+    /// Merges and indexes every parked block.
+    pub fn flush_parked(&mut self) {
+        if self.parked == 0 {
+            return;
+        }
+        let mut lists = std::mem::take(&mut self.quick);
+        for list in lists.values_mut() {
+            for id in list.drain(..) {
+                self.blocks[id].state = BlockState::Free;
+                let id = self.coalesce(id);
+                self.index_insert(id);
+            }
+        }
+        self.parked = 0;
+        // keep the map's allocations for the next round
+        self.quick = lists;
     }
 
     /// The cache-hit path: the best-fitting free block for `size` on `stream`, taken out of the
@@ -193,11 +265,13 @@ impl State {
     pub fn release_block(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
+        let (addr, stream) = (b.addr, b.stream);
         b.state = BlockState::Free;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
+        self.trace(TraceAction::FreeCompleted, addr, size, stream);
         let id = self.coalesce(id);
         self.index_insert(id);
     }
@@ -264,6 +338,14 @@ impl State {
         b.size = addr - b.addr;
         b.next = Some(uid);
         uid
+    }
+
+    /// Records an event when history is on.
+    #[inline]
+    pub fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        if let Some(h) = &mut self.history {
+            h.record(action, addr, size, stream, None);
+        }
     }
 
     /// Bytes of device memory held (fixed segments plus mapped pages).

@@ -123,6 +123,8 @@ pub struct MemoryStats {
     pub max_split_size: u64,
     /// The largest free block in the cache (mapped memory only).
     pub largest_free_block: u64,
+    /// Bytes of pinned (page-locked) host memory held by live host buffers (CUDA devices only).
+    pub pinned_bytes: Stat,
 }
 
 impl MemoryStats {
@@ -142,6 +144,7 @@ impl MemoryStats {
         }
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
+        self.pinned_bytes.reset_peak();
     }
 }
 

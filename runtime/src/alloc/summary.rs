@@ -48,7 +48,8 @@ pub(crate) fn format_summary(s: &MemoryStats, name: &str, ordinal: usize, cfg: &
     o += &thin;
     let bytes = |v: u64| ByteSize(v).to_string();
     let count = |v: u64| v.to_string();
-    let rows: [(&str, &PoolStats, &dyn Fn(u64) -> String); 7] = [
+    type Row<'a> = (&'a str, &'a PoolStats, &'a dyn Fn(u64) -> String);
+    let rows: [Row<'_>; 7] = [
         ("Allocated memory", &s.allocated_bytes, &bytes),
         ("Active memory", &s.active_bytes, &bytes),
         ("Requested memory", &s.requested_bytes, &bytes),

@@ -6,6 +6,8 @@
 //! addresses; the backend never hands out Rust references into device memory, so the allocator
 //! core stays safe Rust.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod sim;
 
 use std::fmt;
@@ -142,5 +144,12 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Waits for all work on the device (before unmapping pages another stream may still use).
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
+    }
+
+    /// The backend as [`std::any::Any`], so that code which knows the concrete backend can reach
+    /// it through a [`crate::Device`] (the CUDA backend's streams and context do). `None` by
+    /// default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
     }
 }

@@ -1,0 +1,60 @@
+//! Telling trace formats apart, from content first and extension second.
+
+use std::path::Path;
+
+use crate::error::ReadError;
+use crate::event::{Trace, TraceFormat};
+
+/// The format of `data` (named `path`, whose extension is a hint for pickles without a
+/// protocol header). `None`: none of the known formats.
+///
+/// ```
+/// use oomguard_cli::{detect::detect, TraceFormat};
+/// assert_eq!(detect(b"op,id,bytes,stream\n", None), Some(TraceFormat::Csv));
+/// assert_eq!(detect(b"\x80\x04}\x94.", None), Some(TraceFormat::PytorchSnapshot));
+/// assert_eq!(detect(b"hello", None), None);
+/// ```
+pub fn detect(data: &[u8], path: Option<&Path>) -> Option<TraceFormat> {
+    if data.first() == Some(&0x80) {
+        return Some(TraceFormat::PytorchSnapshot);
+    }
+    let first = crate::lines::first_line(data).replace(' ', "");
+    if first == crate::csv_trace::HEADER {
+        return Some(TraceFormat::Csv);
+    }
+    if first.eq_ignore_ascii_case(crate::rmm::HEADER) {
+        return Some(TraceFormat::RmmLog);
+    }
+    let ext = path
+        .and_then(|p| p.extension())
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase());
+    match ext.as_deref() {
+        Some("pickle" | "pkl") => Some(TraceFormat::PytorchSnapshot),
+        _ => None,
+    }
+}
+
+/// Parses `data` in the format detected from it.
+pub fn parse(data: &[u8], path: Option<&Path>) -> Result<Trace, ReadError> {
+    if data.is_empty() {
+        return Err(ReadError::Empty);
+    }
+    match detect(data, path) {
+        Some(TraceFormat::Csv) => crate::csv_trace::parse(data),
+        Some(TraceFormat::RmmLog) => crate::rmm::parse(data),
+        Some(TraceFormat::PytorchSnapshot) => crate::snapshot::parse(data),
+        None => Err(ReadError::UnknownFormat {
+            first_line: crate::lines::first_line(data).chars().take(60).collect(),
+        }),
+    }
+}
+
+/// Reads and parses the trace file at `path`.
+pub fn read_trace(path: &Path) -> Result<Trace, ReadError> {
+    let data = std::fs::read(path).map_err(|source| ReadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&data, Some(path))
+}

@@ -1,0 +1,60 @@
+//! Why a trace could not be read.
+
+use std::path::PathBuf;
+
+/// A trace file that could not be read: where, and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is empty.
+    #[error("empty file: not a trace")]
+    Empty,
+    /// The content is none of the known formats.
+    #[error(
+        "unknown trace format (first line {first_line:?}); expected a CSV with header \
+         `op,id,bytes,stream`, an RMM log with header `Thread,Time,Action,Pointer,Size,Stream`, \
+         or a PyTorch memory snapshot pickle"
+    )]
+    UnknownFormat {
+        /// The start of the file, for the message.
+        first_line: String,
+    },
+    /// A line of a CSV trace or RMM log is malformed.
+    #[error("line {line}: {message}")]
+    Line {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// A pickle is malformed or truncated.
+    #[error("pickle byte offset {offset}: {message}")]
+    Pickle {
+        /// Byte offset of the opcode at fault.
+        offset: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// A snapshot decoded but does not have the structure of a PyTorch memory snapshot.
+    #[error("not a PyTorch memory snapshot: {0}")]
+    Snapshot(String),
+    /// The trace has no events.
+    #[error("the trace has no allocation events")]
+    NoEvents,
+}
+
+impl ReadError {
+    pub(crate) fn line(line: usize, message: impl Into<String>) -> Self {
+        ReadError::Line {
+            line,
+            message: message.into(),
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The event model every trace reader produces: allocations and frees, in program order.
+
+use serde::Serialize;
+
+/// What an event does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Op {
+    /// An allocation of `bytes` that gets the id `id`.
+    Alloc,
+    /// The free of the allocation `id`.
+    Free,
+}
+
+/// One allocation or free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Event {
+    /// Allocation or free.
+    pub op: Op,
+    /// The allocation's id: unique among allocations of a trace; a free names the id it frees.
+    pub id: u64,
+    /// Bytes asked for (for a free: the bytes of the allocation it frees).
+    pub bytes: u64,
+    /// The stream the allocation belongs to (0: the default stream).
+    pub stream: u64,
+}
+
+impl Event {
+    /// An allocation.
+    pub fn alloc(id: u64, bytes: u64, stream: u64) -> Self {
+        Self {
+            op: Op::Alloc,
+            id,
+            bytes,
+            stream,
+        }
+    }
+    /// A free.
+    pub fn free(id: u64, bytes: u64, stream: u64) -> Self {
+        Self {
+            op: Op::Free,
+            id,
+            bytes,
+            stream,
+        }
+    }
+}
+
+/// The formats a trace can come in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TraceFormat {
+    /// `op,id,bytes,stream` CSV (the format of the shared traces and of `oomguard gen`).
+    Csv,
+    /// A PyTorch memory snapshot pickle (`torch.cuda.memory._snapshot()`).
+    PytorchSnapshot,
+    /// RMM's `logging_resource_adaptor` log (`Thread,Time,Action,Pointer,Size,Stream`).
+    RmmLog,
+}
+
+impl std::fmt::Display for TraceFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TraceFormat::Csv => "csv",
+            TraceFormat::PytorchSnapshot => "pytorch-snapshot",
+            TraceFormat::RmmLog => "rmm-log",
+        })
+    }
+}
+
+/// A trace: its events in order, where it came from, and anything the reader had to skip.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trace {
+    /// The format it was read from.
+    pub format: TraceFormat,
+    /// The events, in program order. Every free names an earlier, still live allocation.
+    pub events: Vec<Event>,
+    /// What the reader skipped or assumed (e.g. frees of memory allocated before recording began).
+    pub notes: Vec<String>,
+}
+
+impl Trace {
+    /// A trace of `events` read from `format`, with no notes.
+    pub fn new(format: TraceFormat, events: Vec<Event>) -> Self {
+        Self {
+            format,
+            events,
+            notes: Vec::new(),
+        }
+    }
+
+    /// The most bytes live at once (requested sizes): the floor of any allocator's peak.
+    ///
+    /// ```
+    /// use oomguard_cli::{Event, Trace, TraceFormat};
+    /// let t = Trace::new(TraceFormat::Csv, vec![
+    ///     Event::alloc(0, 100, 0), Event::alloc(1, 50, 0), Event::free(0, 100, 0), Event::alloc(2, 10, 0),
+    /// ]);
+    /// assert_eq!(t.peak_live_bytes(), 150);
+    /// ```
+    pub fn peak_live_bytes(&self) -> u64 {
+        let mut live = 0u64;
+        let mut peak = 0u64;
+        for e in &self.events {
+            match e.op {
+                Op::Alloc => {
+                    live = live.saturating_add(e.bytes);
+                    peak = peak.max(live);
+                }
+                Op::Free => live = live.saturating_sub(e.bytes),
+            }
+        }
+        peak
+    }
+
+    /// Number of allocations.
+    pub fn allocs(&self) -> usize {
+        self.events.iter().filter(|e| e.op == Op::Alloc).count()
+    }
+}

@@ -1,0 +1,458 @@
+//! `oomguard`: replay allocation traces through oomguard's caching allocator.
+//!
+//! Exit status: 0 on success, 1 when a replay hit out-of-memory (or another allocation failure),
+//! 2 on bad input (unreadable or malformed file, bad size, bad configuration, bad arguments).
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use oomguard_cli::gen::{generate, GenKind, GenSpec};
+use oomguard_cli::mincap::min_capacity;
+use oomguard_cli::replay::{replay, ReplayOptions, ReplayReport};
+use oomguard_cli::{detect, plot, Trace};
+use oomguard_runtime::{AllocatorConfig, ByteSize};
+
+/// Replay GPU allocation traces through oomguard's caching allocator: why did a program run out
+/// of memory with memory free?
+#[derive(Parser, Debug)]
+#[command(name = "oomguard", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Replay a trace (CSV, PyTorch snapshot pickle or RMM log); exit 1 if it runs out of memory.
+    Replay {
+        /// The trace file.
+        file: PathBuf,
+        /// Allocator configuration (OOMGUARD_ALLOC_CONF syntax).
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Simulated device capacity, e.g. "80GiB".
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay a trace under several configurations, side by side.
+    Compare {
+        /// The trace file.
+        file: PathBuf,
+        /// A configuration (repeat for each); default: expandable_segments False and True.
+        #[arg(long = "config")]
+        configs: Vec<String>,
+        /// Simulated device capacity.
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+        /// Also search each configuration's smallest capacity (slower).
+        #[arg(long)]
+        mincap: bool,
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Plot live and reserved bytes and the segments over a replay (self-contained SVG or HTML).
+    Plot {
+        /// The trace file.
+        file: PathBuf,
+        /// Output file: .svg or .html.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Allocator configuration.
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Simulated device capacity.
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+    },
+    /// Find the smallest device capacity on which the trace replays without out-of-memory.
+    Mincap {
+        /// The trace file.
+        file: PathBuf,
+        /// Allocator configuration.
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Bisection tolerance, a fraction of the capacity.
+        #[arg(long, default_value_t = 0.001)]
+        tolerance: f64,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Generate a seeded varying-shape trace in the CSV format.
+    Gen {
+        /// Workload.
+        #[arg(value_enum)]
+        kind: GenKind,
+        /// Seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Training steps or inference requests (default: the standard workload's).
+        #[arg(long)]
+        steps: Option<u32>,
+        /// A tiny workload (for tests).
+        #[arg(long)]
+        tiny: bool,
+        /// Output file (default: standard output).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+/// A failure to report: the message, and the exit status.
+struct Fail(String, u8);
+
+fn input<E: std::fmt::Display>(e: E) -> Fail {
+    Fail(e.to_string(), 2)
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+                || matches!(
+                    e.kind(),
+                    ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                )
+            {
+                let _ = e.print();
+                return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+            }
+            let text = e.to_string();
+            let line = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
+            eprintln!("oomguard: {line} (see `oomguard --help`)");
+            return ExitCode::from(2);
+        }
+    };
+    match run(cli.cmd) {
+        Ok(code) => ExitCode::from(code),
+        Err(Fail(msg, code)) => {
+            eprintln!("oomguard: {}", msg.replace('\n', " "));
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn config(s: &str) -> Result<AllocatorConfig, Fail> {
+    AllocatorConfig::parse(s).map_err(input)
+}
+
+fn capacity(s: &str) -> Result<u64, Fail> {
+    let c: ByteSize = s.parse().map_err(|e| Fail(format!("--capacity: {e}"), 2))?;
+    if c.0 == 0 {
+        return Err(Fail("--capacity: must be more than 0 bytes".into(), 2));
+    }
+    Ok(c.0)
+}
+
+fn load(path: &Path) -> Result<Trace, Fail> {
+    detect::read_trace(path).map_err(|e| match e {
+        oomguard_cli::ReadError::Io { .. } => input(e),
+        _ => Fail(format!("{}: {e}", path.display()), 2),
+    })
+}
+
+/// Replays with a progress bar on stderr when it is a terminal and the trace is long.
+fn replay_with_progress(trace: &Trace, opts: &ReplayOptions) -> ReplayReport {
+    let n = trace.events.len() as u64;
+    if n >= 200_000 && std::io::stderr().is_terminal() {
+        let bar = indicatif::ProgressBar::new(n);
+        let (r, _) = replay(trace, opts, &mut |done| bar.set_position(done as u64));
+        bar.finish_and_clear();
+        r
+    } else {
+        replay(trace, opts, &mut |_| {}).0
+    }
+}
+
+fn run(cmd: Cmd) -> Result<u8, Fail> {
+    match cmd {
+        Cmd::Replay {
+            file,
+            config: c,
+            capacity: cap,
+            json,
+        } => {
+            let opts = ReplayOptions {
+                config: config(&c)?,
+                capacity: capacity(&cap)?,
+                ..Default::default()
+            };
+            let trace = load(&file)?;
+            let r = replay_with_progress(&trace, &opts);
+            if json {
+                let mut v = serde_json::to_value(&r).map_err(input)?;
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("file".into(), file.display().to_string().into());
+                    o.insert("format".into(), trace.format.to_string().into());
+                    o.insert("notes".into(), trace.notes.clone().into());
+                }
+                println!("{v}");
+            } else {
+                print_report(&file, &trace, &r);
+            }
+            Ok(if r.completed { 0 } else { 1 })
+        }
+        Cmd::Compare {
+            file,
+            configs,
+            capacity: cap,
+            mincap,
+            json,
+        } => {
+            let configs = if configs.is_empty() {
+                vec![
+                    "expandable_segments:False".to_string(),
+                    "expandable_segments:True".to_string(),
+                ]
+            } else {
+                configs
+            };
+            let parsed: Vec<AllocatorConfig> = configs
+                .iter()
+                .map(|c| config(c))
+                .collect::<Result<_, _>>()?;
+            let cap = capacity(&cap)?;
+            let trace = load(&file)?;
+            let mut rows = Vec::new();
+            for c in &parsed {
+                let opts = ReplayOptions {
+                    config: c.clone(),
+                    capacity: cap,
+                    ..Default::default()
+                };
+                let r = replay_with_progress(&trace, &opts);
+                let m = if mincap {
+                    Some(min_capacity(&trace, c, 0.001).map_err(|e| Fail(e.to_string(), 1))?)
+                } else {
+                    None
+                };
+                rows.push((r, m));
+            }
+            if json {
+                let arr: Vec<serde_json::Value> = rows
+                    .iter()
+                    .map(|(r, m)| {
+                        let mut v = serde_json::to_value(r).unwrap_or_default();
+                        if let (Some(o), Some(m)) = (v.as_object_mut(), m) {
+                            o.insert("min_capacity_bytes".into(), m.min_capacity_bytes.into());
+                            o.insert("min_capacity_ratio".into(), m.ratio.into());
+                        }
+                        v
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::from(arr));
+            } else {
+                println!(
+                    "{} ({}, {} events, peak live {})",
+                    file.display(),
+                    trace.format,
+                    trace.events.len(),
+                    ByteSize(trace.peak_live_bytes())
+                );
+                println!(
+                    "{:<40} {:>14} {:>8} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>7} {:>8}",
+                    "config",
+                    "peak reserved",
+                    "ratio",
+                    "mincap/x",
+                    "retries",
+                    "ooms",
+                    "seg+",
+                    "seg-",
+                    "map",
+                    "unmap",
+                    "seconds"
+                );
+                for (r, m) in &rows {
+                    let mc = m
+                        .as_ref()
+                        .map(|m| format!("{:.4}", m.ratio))
+                        .unwrap_or_else(|| "-".into());
+                    let b = r.backend_calls;
+                    println!(
+                        "{:<40} {:>14} {:>8.4} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>7} {:>8.3}",
+                        r.config,
+                        ByteSize(r.peak_reserved_bytes).to_string(),
+                        r.ratio,
+                        mc,
+                        r.num_alloc_retries,
+                        r.num_ooms,
+                        b.alloc_segment,
+                        b.free_segment,
+                        b.map,
+                        b.unmap,
+                        r.seconds
+                    );
+                }
+            }
+            Ok(if rows.iter().all(|(r, _)| r.completed) {
+                0
+            } else {
+                1
+            })
+        }
+        Cmd::Plot {
+            file,
+            output,
+            config: c,
+            capacity: cap,
+        } => {
+            let ext = output
+                .extension()
+                .and_then(|e| e.to_str())
+                .map(|e| e.to_ascii_lowercase());
+            let html = match ext.as_deref() {
+                Some("html" | "htm") => true,
+                Some("svg") => false,
+                _ => {
+                    return Err(Fail(
+                        format!("{}: the output must end in .svg or .html", output.display()),
+                        2,
+                    ))
+                }
+            };
+            let opts = ReplayOptions {
+                config: config(&c)?,
+                capacity: capacity(&cap)?,
+                timeline: true,
+                ..Default::default()
+            };
+            let trace = load(&file)?;
+            let (r, tl) = replay(&trace, &opts, &mut |_| {});
+            let tl = tl.unwrap_or_default();
+            let title = file
+                .file_name()
+                .map(|f| f.to_string_lossy().to_string())
+                .unwrap_or_default();
+            let body = if html {
+                plot::html(&title, &r, &tl)
+            } else {
+                plot::svg(&title, &r, &tl)
+            };
+            std::fs::write(&output, body)
+                .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
+            eprintln!(
+                "wrote {} (peak reserved {}, ratio {:.4})",
+                output.display(),
+                ByteSize(r.peak_reserved_bytes),
+                r.ratio
+            );
+            Ok(0)
+        }
+        Cmd::Mincap {
+            file,
+            config: c,
+            tolerance,
+            json,
+        } => {
+            if !(tolerance > 0.0 && tolerance < 1.0) {
+                return Err(Fail(
+                    format!("--tolerance: {tolerance} is outside (0, 1)"),
+                    2,
+                ));
+            }
+            let cfg = config(&c)?;
+            let trace = load(&file)?;
+            let m = min_capacity(&trace, &cfg, tolerance).map_err(|e| Fail(e.to_string(), 1))?;
+            if json {
+                println!("{}", serde_json::to_string(&m).map_err(input)?);
+            } else {
+                println!(
+                    "{}: smallest capacity {} ({} bytes), {:.4} x peak live {} ({} replays, {})",
+                    file.display(),
+                    ByteSize(m.min_capacity_bytes),
+                    m.min_capacity_bytes,
+                    m.ratio,
+                    ByteSize(m.peak_live_bytes),
+                    m.replays,
+                    m.config
+                );
+            }
+            Ok(0)
+        }
+        Cmd::Gen {
+            kind,
+            seed,
+            steps,
+            tiny,
+            output,
+        } => {
+            let mut spec = if tiny {
+                GenSpec::tiny(kind, seed)
+            } else {
+                GenSpec::standard(kind, seed)
+            };
+            if let Some(s) = steps {
+                spec.steps = s;
+            }
+            let t = generate(&spec);
+            let text = oomguard_cli::csv_trace::write(&t.events);
+            match output {
+                Some(p) => std::fs::write(&p, text)
+                    .map_err(|e| Fail(format!("{}: {e}", p.display()), 2))?,
+                None => print!("{text}"),
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn print_report(file: &Path, trace: &Trace, r: &ReplayReport) {
+    let b = r.backend_calls;
+    println!(
+        "trace            {} ({}, {} events)",
+        file.display(),
+        trace.format,
+        trace.events.len()
+    );
+    for n in &trace.notes {
+        println!("note             {n}");
+    }
+    println!("config           {}", r.config);
+    println!("capacity         {}", ByteSize(r.capacity_bytes));
+    println!(
+        "peak live        {} ({} bytes)",
+        ByteSize(r.peak_live_bytes),
+        r.peak_live_bytes
+    );
+    println!(
+        "peak reserved    {} ({} bytes)",
+        ByteSize(r.peak_reserved_bytes),
+        r.peak_reserved_bytes
+    );
+    println!(
+        "ratio            {:.4} (peak reserved / peak live)",
+        r.ratio
+    );
+    println!("alloc retries    {}", r.num_alloc_retries);
+    println!("out-of-memory    {}", r.num_ooms);
+    println!(
+        "backend calls    alloc_segment {}, free_segment {}, map {}, unmap {}, reserve {}, release {}",
+        b.alloc_segment, b.free_segment, b.map, b.unmap, b.reserve, b.release
+    );
+    println!("seconds          {:.3}", r.seconds);
+    for f in r.failures.iter().take(5) {
+        println!(
+            "failed           event {} (id {}, {}): {}",
+            f.index,
+            f.id,
+            ByteSize(f.bytes),
+            f.message
+        );
+    }
+    if r.failures.len() > 5 {
+        println!("failed           … and {} more", r.failures.len() - 5);
+    }
+}

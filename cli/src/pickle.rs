@@ -1,0 +1,768 @@
+//! A small pickle virtual machine: enough of Python's pickle protocols 0–5 to decode data such as
+//! PyTorch memory snapshots, without executing anything.
+//!
+//! Plain data (None, bools, ints, floats, strings, bytes, lists, tuples, dicts, sets) decodes to
+//! [`Value`]s. Class references (`GLOBAL`, `STACK_GLOBAL`) and the objects built from them
+//! (`REDUCE`, `NEWOBJ`, `BUILD`, `INST`, `OBJ`) decode to an opaque [`Value::Object`] naming the
+//! class, so files holding objects of unknown classes still decode. Lists and dicts live in an
+//! arena (`Heap`) so that memoized references alias as in Python, and cycles cannot leak.
+//! Malformed or truncated input is an error naming the byte offset of the opcode; nothing panics
+//! and no length read from the input is trusted before it is checked against the input's size.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::error::ReadError;
+
+/// Index of a list or dict in a [`Heap`].
+pub type ObjId = usize;
+
+/// A decoded value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// `None`.
+    None,
+    /// `True` / `False`.
+    Bool(bool),
+    /// An int that fits 64 bits.
+    Int(i64),
+    /// An int that does not fit 64 bits (its value is not kept).
+    BigInt,
+    /// A float.
+    Float(f64),
+    /// A `str`.
+    Str(Rc<str>),
+    /// `bytes` or `bytearray`.
+    Bytes(Rc<[u8]>),
+    /// A `list` in the heap.
+    List(ObjId),
+    /// A `dict` in the heap.
+    Dict(ObjId),
+    /// A `tuple`.
+    Tuple(Rc<[Value]>),
+    /// A `set` or `frozenset` in the heap (kept as a list).
+    Set(ObjId),
+    /// An object of a class this VM does not build (its `module.name`).
+    Object(Rc<str>),
+}
+
+impl Value {
+    /// The int, if this is one (bools count as 0/1, as in Python).
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Value::Int(i) => Some(*i),
+            Value::Bool(b) => Some(*b as i64),
+            _ => None,
+        }
+    }
+    /// The string, if this is one.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// A short name of the type, for messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::None => "None",
+            Value::Bool(_) => "bool",
+            Value::Int(_) | Value::BigInt => "int",
+            Value::Float(_) => "float",
+            Value::Str(_) => "str",
+            Value::Bytes(_) => "bytes",
+            Value::List(_) => "list",
+            Value::Dict(_) => "dict",
+            Value::Tuple(_) => "tuple",
+            Value::Set(_) => "set",
+            Value::Object(_) => "object",
+        }
+    }
+}
+
+/// A list or a dict (dicts keep insertion order as pairs; keys need not be hashable).
+#[derive(Clone, Debug, PartialEq)]
+pub enum HeapObj {
+    /// A list (or set).
+    List(Vec<Value>),
+    /// A dict.
+    Dict(Vec<(Value, Value)>),
+}
+
+/// The lists and dicts of a decoded pickle.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Heap {
+    objs: Vec<HeapObj>,
+}
+
+impl Heap {
+    fn alloc(&mut self, o: HeapObj) -> ObjId {
+        self.objs.push(o);
+        self.objs.len() - 1
+    }
+    /// The items of a list or set value (`None` for anything else).
+    pub fn list<'a>(&'a self, v: &'a Value) -> Option<&'a [Value]> {
+        match v {
+            Value::List(id) | Value::Set(id) => match self.objs.get(*id) {
+                Some(HeapObj::List(items)) => Some(items),
+                _ => None,
+            },
+            Value::Tuple(items) => Some(items),
+            _ => None,
+        }
+    }
+    /// The pairs of a dict value (`None` for anything else).
+    pub fn dict(&self, v: &Value) -> Option<&[(Value, Value)]> {
+        match v {
+            Value::Dict(id) => match self.objs.get(*id) {
+                Some(HeapObj::Dict(pairs)) => Some(pairs),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+    /// The value under the string key `key` of a dict value (the last one, as Python keeps).
+    pub fn get<'a>(&'a self, v: &Value, key: &str) -> Option<&'a Value> {
+        self.dict(v)?
+            .iter()
+            .rev()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .map(|(_, v)| v)
+    }
+}
+
+/// A decoded pickle: the top value and the heap its lists and dicts live in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decoded {
+    /// The value the pickle stopped with.
+    pub value: Value,
+    /// Lists and dicts.
+    pub heap: Heap,
+}
+
+enum Slot {
+    V(Value),
+    Mark,
+}
+
+struct Vm<'a> {
+    data: &'a [u8],
+    pos: usize,
+    op_at: usize,
+    stack: Vec<Slot>,
+    memo: HashMap<u64, Value>,
+    heap: Heap,
+}
+
+/// Decodes a pickle.
+///
+/// ```
+/// use oomguard_cli::pickle::{decode, Value};
+/// // pickle.dumps({'a': [1, 2]}, protocol=2)
+/// let d = decode(b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01]q\x02(K\x01K\x02es.").unwrap();
+/// let list = d.heap.get(&d.value, "a").unwrap();
+/// assert_eq!(d.heap.list(list).unwrap(), &[Value::Int(1), Value::Int(2)]);
+/// assert!(decode(b"\x80\x02}q\x00X\x01\x00").unwrap_err().to_string().contains("byte offset"));
+/// ```
+pub fn decode(data: &[u8]) -> Result<Decoded, ReadError> {
+    let mut vm = Vm {
+        data,
+        pos: 0,
+        op_at: 0,
+        stack: Vec::new(),
+        memo: HashMap::new(),
+        heap: Heap::default(),
+    };
+    let value = vm.run()?;
+    Ok(Decoded {
+        value,
+        heap: vm.heap,
+    })
+}
+
+impl<'a> Vm<'a> {
+    fn err(&self, message: impl Into<String>) -> ReadError {
+        ReadError::Pickle {
+            offset: self.op_at,
+            message: message.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ReadError> {
+        let data: &'a [u8] = self.data;
+        if data.len() - self.pos < n {
+            return Err(self.err(format!(
+                "truncated: needs {n} more bytes, {} left",
+                data.len() - self.pos
+            )));
+        }
+        let s = &data[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, ReadError> {
+        Ok(self.take(1)?[0])
+    }
+    fn le<const N: usize>(&mut self) -> Result<[u8; N], ReadError> {
+        let mut b = [0u8; N];
+        b.copy_from_slice(self.take(N)?);
+        Ok(b)
+    }
+    fn len_from(&mut self, n: u64) -> Result<usize, ReadError> {
+        let left = (self.data.len() - self.pos) as u64;
+        if n > left {
+            return Err(self.err(format!("truncated: length {n} but {left} bytes left")));
+        }
+        Ok(n as usize)
+    }
+    fn line(&mut self) -> Result<&'a [u8], ReadError> {
+        let data: &'a [u8] = self.data;
+        let rest = &data[self.pos..];
+        let Some(i) = rest.iter().position(|&b| b == b'\n') else {
+            return Err(self.err("truncated: line without newline"));
+        };
+        self.pos += i + 1;
+        Ok(&rest[..i])
+    }
+
+    fn push(&mut self, v: Value) {
+        self.stack.push(Slot::V(v));
+    }
+    fn pop(&mut self) -> Result<Value, ReadError> {
+        match self.stack.pop() {
+            Some(Slot::V(v)) => Ok(v),
+            Some(Slot::Mark) => Err(self.err("expected a value, found a mark")),
+            None => Err(self.err("stack underflow")),
+        }
+    }
+    fn top(&self) -> Result<&Value, ReadError> {
+        match self.stack.last() {
+            Some(Slot::V(v)) => Ok(v),
+            _ => Err(self.err("stack underflow")),
+        }
+    }
+    /// Pops everything down to the last mark (and the mark).
+    fn pop_mark(&mut self) -> Result<Vec<Value>, ReadError> {
+        let Some(m) = self.stack.iter().rposition(|s| matches!(s, Slot::Mark)) else {
+            return Err(self.err("no mark on the stack"));
+        };
+        let items = self
+            .stack
+            .drain(m..)
+            .skip(1)
+            .filter_map(|s| match s {
+                Slot::V(v) => Some(v),
+                Slot::Mark => None,
+            })
+            .collect();
+        Ok(items)
+    }
+
+    fn str_value(&self, b: &[u8]) -> Result<Value, ReadError> {
+        std::str::from_utf8(b)
+            .map(|s| Value::Str(Rc::from(s)))
+            .map_err(|_| self.err("string is not valid UTF-8"))
+    }
+
+    fn long(&self, b: &[u8]) -> Value {
+        // little-endian two's complement
+        if b.is_empty() {
+            return Value::Int(0);
+        }
+        if b.len() > 8 {
+            let neg = b[b.len() - 1] & 0x80 != 0;
+            let fill = if neg { 0xff } else { 0 };
+            if b[8..].iter().any(|&x| x != fill) || ((b[7] & 0x80 != 0) != neg) {
+                return Value::BigInt;
+            }
+        }
+        let n = b.len().min(8);
+        let neg = b[n - 1] & 0x80 != 0;
+        let mut buf = if neg { [0xffu8; 8] } else { [0u8; 8] };
+        buf[..n].copy_from_slice(&b[..n]);
+        Value::Int(i64::from_le_bytes(buf))
+    }
+
+    fn append_to(&mut self, target: &Value, items: Vec<Value>) -> Result<(), ReadError> {
+        match target {
+            Value::List(id) | Value::Set(id) => match self.heap.objs.get_mut(*id) {
+                Some(HeapObj::List(l)) => {
+                    l.extend(items);
+                    Ok(())
+                }
+                _ => Err(self.err("append to a non-list")),
+            },
+            // Appending to an object: a list subclass we do not model; drop the items.
+            Value::Object(_) => Ok(()),
+            other => Err(self.err(format!("append to a {}", other.type_name()))),
+        }
+    }
+
+    fn setitems(&mut self, target: &Value, items: Vec<Value>) -> Result<(), ReadError> {
+        if items.len() % 2 != 0 {
+            return Err(self.err("odd number of items for a dict"));
+        }
+        match target {
+            Value::Dict(id) => match self.heap.objs.get_mut(*id) {
+                Some(HeapObj::Dict(d)) => {
+                    let mut it = items.into_iter();
+                    while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                        d.push((k, v));
+                    }
+                    Ok(())
+                }
+                _ => Err(self.err("setitem on a non-dict")),
+            },
+            Value::Object(_) => Ok(()),
+            other => Err(self.err(format!("setitem on a {}", other.type_name()))),
+        }
+    }
+
+    fn memo_get(&self, idx: u64) -> Result<Value, ReadError> {
+        self.memo
+            .get(&idx)
+            .cloned()
+            .ok_or_else(|| self.err(format!("memo key {idx} not defined")))
+    }
+    fn memo_put(&mut self, idx: u64) -> Result<(), ReadError> {
+        let v = self.top()?.clone();
+        self.memo.insert(idx, v);
+        Ok(())
+    }
+
+    fn global_name(&self, module: &[u8], name: &[u8]) -> Value {
+        let m = String::from_utf8_lossy(module);
+        let n = String::from_utf8_lossy(name);
+        Value::Object(Rc::from(format!("{}.{}", m.trim(), n.trim()).as_str()))
+    }
+
+    fn run(&mut self) -> Result<Value, ReadError> {
+        loop {
+            self.op_at = self.pos;
+            if self.pos >= self.data.len() {
+                return Err(self.err("truncated: no STOP opcode"));
+            }
+            let op = self.u8()?;
+            match op {
+                b'.' => {
+                    // STOP
+                    return self.pop();
+                }
+                b'(' => self.stack.push(Slot::Mark),
+                b'0' => {
+                    self.pop_any()?;
+                }
+                b'1' => {
+                    self.pop_mark()?;
+                }
+                b'2' => {
+                    let v = self.top()?.clone();
+                    self.push(v);
+                }
+                0x80 => {
+                    let p = self.u8()?;
+                    if p > 5 {
+                        return Err(self.err(format!("unsupported pickle protocol {p}")));
+                    }
+                }
+                0x95 => {
+                    // FRAME: a hint only
+                    self.take(8)?;
+                }
+                b'N' => self.push(Value::None),
+                0x88 => self.push(Value::Bool(true)),
+                0x89 => self.push(Value::Bool(false)),
+                b'K' => {
+                    let b = self.u8()?;
+                    self.push(Value::Int(b as i64));
+                }
+                b'M' => {
+                    let b = self.le::<2>()?;
+                    self.push(Value::Int(u16::from_le_bytes(b) as i64));
+                }
+                b'J' => {
+                    let b = self.le::<4>()?;
+                    self.push(Value::Int(i32::from_le_bytes(b) as i64));
+                }
+                0x8a => {
+                    let n = self.u8()? as u64;
+                    let n = self.len_from(n)?;
+                    let b = self.take(n)?;
+                    let v = self.long(b);
+                    self.push(v);
+                }
+                0x8b => {
+                    let n = u32::from_le_bytes(self.le::<4>()?) as u64;
+                    let n = self.len_from(n)?;
+                    let b = self.take(n)?;
+                    let v = self.long(b);
+                    self.push(v);
+                }
+                b'I' | b'L' => {
+                    let line = self.line()?;
+                    let s = String::from_utf8_lossy(line);
+                    let s = s.trim().trim_end_matches('L');
+                    let v = match s {
+                        "00" => Value::Bool(false),
+                        "01" => Value::Bool(true),
+                        _ => match s.parse::<i64>() {
+                            Ok(i) => Value::Int(i),
+                            Err(_)
+                                if !s.is_empty()
+                                    && s.trim_start_matches('-')
+                                        .bytes()
+                                        .all(|c| c.is_ascii_digit()) =>
+                            {
+                                Value::BigInt
+                            }
+                            Err(_) => return Err(self.err(format!("bad integer {s:?}"))),
+                        },
+                    };
+                    self.push(v);
+                }
+                b'F' => {
+                    let line = self.line()?;
+                    let s = String::from_utf8_lossy(line);
+                    let f: f64 = s
+                        .trim()
+                        .parse()
+                        .map_err(|_| self.err(format!("bad float {:?}", s.trim())))?;
+                    self.push(Value::Float(f));
+                }
+                b'G' => {
+                    let b = self.le::<8>()?;
+                    self.push(Value::Float(f64::from_be_bytes(b)));
+                }
+                b'S' | b'V' => {
+                    let line = self.line()?;
+                    // protocol-0 strings: quoted repr (S) or raw-unicode-escape (V); keep the
+                    // text without interpreting escapes beyond the quotes.
+                    let s = String::from_utf8_lossy(line);
+                    let s = s.trim();
+                    let s = if op == b'S' {
+                        s.trim_matches(|c| c == '\'' || c == '"')
+                    } else {
+                        s
+                    };
+                    self.push(Value::Str(Rc::from(s)));
+                }
+                b'T' | b'X' => {
+                    let n = u32::from_le_bytes(self.le::<4>()?) as u64;
+                    let n = self.len_from(n)?;
+                    let b = self.take(n)?;
+                    let v = if op == b'X' {
+                        self.str_value(b)?
+                    } else {
+                        Value::Str(Rc::from(String::from_utf8_lossy(b).as_ref()))
+                    };
+                    self.push(v);
+                }
+                b'U' | 0x8c => {
+                    let n = self.u8()? as usize;
+                    let b = self.take(n)?;
+                    let v = if op == 0x8c {
+                        self.str_value(b)?
+                    } else {
+                        Value::Str(Rc::from(String::from_utf8_lossy(b).as_ref()))
+                    };
+                    self.push(v);
+                }
+                0x8d => {
+                    let n = u64::from_le_bytes(self.le::<8>()?);
+                    let n = self.len_from(n)?;
+                    let b = self.take(n)?;
+                    let v = self.str_value(b)?;
+                    self.push(v);
+                }
+                b'C' => {
+                    let n = self.u8()? as usize;
+                    let b = self.take(n)?;
+                    self.push(Value::Bytes(Rc::from(b)));
+                }
+                b'B' => {
+                    let n = u32::from_le_bytes(self.le::<4>()?) as u64;
+                    let n = self.len_from(n)?;
+                    let b = self.take(n)?;
+                    self.push(Value::Bytes(Rc::from(b)));
+                }
+                0x8e | 0x96 => {
+                    let n = u64::from_le_bytes(self.le::<8>()?);
+                    let n = self.len_from(n)?;
+                    let b = self.take(n)?;
+                    self.push(Value::Bytes(Rc::from(b)));
+                }
+                0x97 => return Err(self.err("out-of-band buffers (NEXT_BUFFER) are not supported")),
+                0x98 => {} // READONLY_BUFFER: no-op on the top value
+                b']' => {
+                    let id = self.heap.alloc(HeapObj::List(Vec::new()));
+                    self.push(Value::List(id));
+                }
+                b'l' => {
+                    let items = self.pop_mark()?;
+                    let id = self.heap.alloc(HeapObj::List(items));
+                    self.push(Value::List(id));
+                }
+                b'}' => {
+                    let id = self.heap.alloc(HeapObj::Dict(Vec::new()));
+                    self.push(Value::Dict(id));
+                }
+                b'd' => {
+                    let items = self.pop_mark()?;
+                    let id = self.heap.alloc(HeapObj::Dict(Vec::new()));
+                    self.setitems(&Value::Dict(id), items)?;
+                    self.push(Value::Dict(id));
+                }
+                0x8f => {
+                    let id = self.heap.alloc(HeapObj::List(Vec::new()));
+                    self.push(Value::Set(id));
+                }
+                0x91 => {
+                    let items = self.pop_mark()?;
+                    let id = self.heap.alloc(HeapObj::List(items));
+                    self.push(Value::Set(id));
+                }
+                0x90 => {
+                    let items = self.pop_mark()?;
+                    let target = self.top()?.clone();
+                    self.append_to(&target, items)?;
+                }
+                b')' => self.push(Value::Tuple(Rc::from(Vec::new()))),
+                b't' => {
+                    let items = self.pop_mark()?;
+                    self.push(Value::Tuple(Rc::from(items)));
+                }
+                0x85..=0x87 => {
+                    let n = (op - 0x84) as usize;
+                    let mut items = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        items.push(self.pop()?);
+                    }
+                    items.reverse();
+                    self.push(Value::Tuple(Rc::from(items)));
+                }
+                b'a' => {
+                    let v = self.pop()?;
+                    let target = self.top()?.clone();
+                    self.append_to(&target, vec![v])?;
+                }
+                b'e' => {
+                    let items = self.pop_mark()?;
+                    let target = self.top()?.clone();
+                    self.append_to(&target, items)?;
+                }
+                b's' => {
+                    let v = self.pop()?;
+                    let k = self.pop()?;
+                    let target = self.top()?.clone();
+                    self.setitems(&target, vec![k, v])?;
+                }
+                b'u' => {
+                    let items = self.pop_mark()?;
+                    let target = self.top()?.clone();
+                    self.setitems(&target, items)?;
+                }
+                b'g' => {
+                    let line = self.line()?;
+                    let idx = parse_memo_index(line).ok_or_else(|| self.err("bad memo index"))?;
+                    let v = self.memo_get(idx)?;
+                    self.push(v);
+                }
+                b'h' => {
+                    let idx = self.u8()? as u64;
+                    let v = self.memo_get(idx)?;
+                    self.push(v);
+                }
+                b'j' => {
+                    let idx = u32::from_le_bytes(self.le::<4>()?) as u64;
+                    let v = self.memo_get(idx)?;
+                    self.push(v);
+                }
+                b'p' => {
+                    let line = self.line()?;
+                    let idx = parse_memo_index(line).ok_or_else(|| self.err("bad memo index"))?;
+                    self.memo_put(idx)?;
+                }
+                b'q' => {
+                    let idx = self.u8()? as u64;
+                    self.memo_put(idx)?;
+                }
+                b'r' => {
+                    let idx = u32::from_le_bytes(self.le::<4>()?) as u64;
+                    self.memo_put(idx)?;
+                }
+                0x94 => {
+                    let idx = self.memo.len() as u64;
+                    self.memo_put(idx)?;
+                }
+                b'c' => {
+                    let module = self.line()?;
+                    let name = self.line()?;
+                    let v = self.global_name(module, name);
+                    self.push(v);
+                }
+                0x93 => {
+                    let name = self.pop()?;
+                    let module = self.pop()?;
+                    let (Some(m), Some(n)) = (module.as_str(), name.as_str()) else {
+                        return Err(self.err("STACK_GLOBAL needs two strings"));
+                    };
+                    let v = self.global_name(m.as_bytes(), n.as_bytes());
+                    self.push(v);
+                }
+                b'R' | 0x81 => {
+                    // REDUCE / NEWOBJ: callable(args) -> an opaque object of that class
+                    let _args = self.pop()?;
+                    let class = self.pop()?;
+                    let v = object_of(&class);
+                    self.push(v);
+                }
+                0x92 => {
+                    // NEWOBJ_EX: cls, args, kwargs
+                    let _kwargs = self.pop()?;
+                    let _args = self.pop()?;
+                    let class = self.pop()?;
+                    let v = object_of(&class);
+                    self.push(v);
+                }
+                b'b' => {
+                    // BUILD: set state on the object; the object stays
+                    let _state = self.pop()?;
+                    self.top()?;
+                }
+                b'i' => {
+                    let module = self.line()?;
+                    let name = self.line()?;
+                    self.pop_mark()?;
+                    let v = self.global_name(module, name);
+                    self.push(v);
+                }
+                b'o' => {
+                    let mut items = self.pop_mark()?;
+                    if items.is_empty() {
+                        return Err(self.err("OBJ without a class"));
+                    }
+                    let class = items.remove(0);
+                    self.push(object_of(&class));
+                }
+                b'P' => {
+                    let line = self.line()?;
+                    let id = String::from_utf8_lossy(line).to_string();
+                    self.push(Value::Object(Rc::from(format!("persistent:{id}").as_str())));
+                }
+                b'Q' => {
+                    self.pop()?;
+                    self.push(Value::Object(Rc::from("persistent")));
+                }
+                0x82 => {
+                    self.u8()?;
+                    self.push(Value::Object(Rc::from("extension")));
+                }
+                0x83 => {
+                    self.take(2)?;
+                    self.push(Value::Object(Rc::from("extension")));
+                }
+                0x84 => {
+                    self.take(4)?;
+                    self.push(Value::Object(Rc::from("extension")));
+                }
+                other => return Err(self.err(format!("unknown opcode {other:#04x}"))),
+            }
+        }
+    }
+
+    fn pop_any(&mut self) -> Result<(), ReadError> {
+        match self.stack.pop() {
+            Some(_) => Ok(()),
+            None => Err(self.err("stack underflow")),
+        }
+    }
+}
+
+fn object_of(class: &Value) -> Value {
+    match class {
+        Value::Object(name) => Value::Object(name.clone()),
+        _ => Value::Object(Rc::from("?")),
+    }
+}
+
+fn parse_memo_index(line: &[u8]) -> Option<u64> {
+    std::str::from_utf8(line).ok()?.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_protocol_0_and_objects() {
+        // pickle.dumps({'x': (1, 2.5, None, True)}, protocol=0)
+        let p0 = b"(dp0\nVx\np1\n(I1\nF2.5\nNI01\ntp2\ns.";
+        let d = decode(p0).unwrap();
+        let t = d.heap.get(&d.value, "x").unwrap();
+        assert_eq!(
+            d.heap.list(t).unwrap(),
+            &[
+                Value::Int(1),
+                Value::Float(2.5),
+                Value::None,
+                Value::Bool(true)
+            ]
+        );
+        // collections.OrderedDict() reduced: GLOBAL + REDUCE + BUILD, protocol 2
+        let obj = b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01}b.";
+        let d = decode(obj).unwrap();
+        assert_eq!(d.value, Value::Object(Rc::from("collections.OrderedDict")));
+    }
+
+    #[test]
+    fn protocol_0_strings_ending_in_multibyte_chars() {
+        // Found by the garbage fuzz test: stripping quotes must respect char boundaries.
+        let d = decode("Sab\u{146}\n.".as_bytes()).unwrap();
+        assert_eq!(d.value, Value::Str(Rc::from("ab\u{146}")));
+        let d = decode(b"S'x'\n.").unwrap();
+        assert_eq!(d.value, Value::Str(Rc::from("x")));
+    }
+
+    #[test]
+    fn memo_aliases_lists() {
+        // l = []; pickle.dumps([l, l]) then appending through the memo shares the list
+        let p = b"\x80\x04]\x94(]\x94h\x01e.";
+        let d = decode(p).unwrap();
+        let outer = d.heap.list(&d.value).unwrap();
+        assert_eq!(outer.len(), 2);
+        assert_eq!(outer[0], outer[1]);
+    }
+
+    #[test]
+    fn big_and_negative_longs() {
+        let d = decode(b"\x80\x02\x8a\x02\xff\xff.").unwrap();
+        assert_eq!(d.value, Value::Int(-1));
+        let d = decode(b"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x00\x01.").unwrap();
+        assert_eq!(d.value, Value::BigInt);
+        let d = decode(b"\x80\x02\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00.").unwrap();
+        assert_eq!(d.value, Value::BigInt);
+        let d = decode(b"\x80\x02\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80.").unwrap();
+        assert_eq!(d.value, Value::Int(i64::MIN));
+    }
+
+    #[test]
+    fn errors_name_the_offset() {
+        let e = decode(b"\x80\x04]\x94(K\x01").unwrap_err().to_string();
+        assert_eq!(e, "pickle byte offset 7: truncated: no STOP opcode");
+        let e = decode(b"\x80\x04\x8d\xff\xff\xff\xff\xff\xff\xff\xff")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("pickle byte offset 2: truncated: length"),
+            "{e}"
+        );
+        let e = decode(b"\x80\x04h\x05.").unwrap_err().to_string();
+        assert_eq!(e, "pickle byte offset 2: memo key 5 not defined");
+        let e = decode(b"\x80\x04a.").unwrap_err().to_string();
+        assert_eq!(e, "pickle byte offset 2: stack underflow");
+        let e = decode(b"\x80\x04\xff.").unwrap_err().to_string();
+        assert_eq!(e, "pickle byte offset 2: unknown opcode 0xff");
+        let e = decode(b"").unwrap_err().to_string();
+        assert_eq!(e, "pickle byte offset 0: truncated: no STOP opcode");
+    }
+}

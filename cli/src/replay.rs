@@ -1,0 +1,453 @@
+//! Replaying a trace through oomguard's [`CachingAllocator`] on an address-only simulated device.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use oomguard_runtime::alloc::{BlockStatus, SegmentInfo};
+use oomguard_runtime::backend::sim::{SimCallCounts, SimDevice};
+use oomguard_runtime::{Allocation, AllocatorConfig, ByteSize, CachingAllocator};
+use serde::Serialize;
+
+use crate::event::{Op, Trace};
+
+/// The default simulated capacity: an 80 GiB H100.
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
+/// How to replay.
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    /// The allocator configuration.
+    pub config: AllocatorConfig,
+    /// Capacity of the simulated device in bytes.
+    pub capacity: u64,
+    /// Stop at the first failed allocation (for capacity searches).
+    pub stop_at_first_failure: bool,
+    /// Record a [`Timeline`] (for plots).
+    pub timeline: bool,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self {
+            config: AllocatorConfig::default(),
+            capacity: DEFAULT_CAPACITY,
+            stop_at_first_failure: false,
+            timeline: false,
+        }
+    }
+}
+
+/// An allocation of the trace that failed in the replay. Its later free is skipped.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Failure {
+    /// Index of the event in the trace (0-based).
+    pub index: usize,
+    /// The allocation's id.
+    pub id: u64,
+    /// Bytes requested.
+    pub bytes: u64,
+    /// Whether the allocator said out-of-memory (otherwise: another error, e.g. too large).
+    pub oom: bool,
+    /// The allocator's message.
+    pub message: String,
+}
+
+/// Backend calls the allocator made during the replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct BackendCalls {
+    /// Fixed segments obtained.
+    pub alloc_segment: u64,
+    /// Fixed segments returned.
+    pub free_segment: u64,
+    /// Page ranges mapped into growable segments.
+    pub map: u64,
+    /// Page ranges unmapped.
+    pub unmap: u64,
+    /// Address ranges reserved for growable segments.
+    pub reserve: u64,
+    /// Address ranges released.
+    pub release: u64,
+}
+
+impl BackendCalls {
+    fn from_sim(c: SimCallCounts) -> Self {
+        Self {
+            alloc_segment: c.alloc_segment,
+            free_segment: c.free_segment,
+            map: c.map,
+            unmap: c.unmap,
+            reserve: c.reserve,
+            release: c.release,
+        }
+    }
+    /// All calls together.
+    pub fn total(&self) -> u64 {
+        self.alloc_segment + self.free_segment + self.map + self.unmap + self.reserve + self.release
+    }
+}
+
+/// The outcome of a replay.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    /// The configuration, in `OOMGUARD_ALLOC_CONF` syntax.
+    pub config: String,
+    /// The simulated device's capacity.
+    pub capacity_bytes: u64,
+    /// Events replayed (all of them unless stopped at the first failure).
+    pub events: usize,
+    /// Most bytes live at once (requested sizes of successful allocations).
+    pub peak_live_bytes: u64,
+    /// Most bytes in allocated blocks (rounded sizes).
+    pub peak_allocated_bytes: u64,
+    /// Most bytes the allocator held from the device.
+    pub peak_reserved_bytes: u64,
+    /// `peak_reserved_bytes / peak_live_bytes` (0 when nothing was live).
+    pub ratio: f64,
+    /// Times the allocator released its cache and retried after out-of-memory.
+    pub num_alloc_retries: u64,
+    /// Out-of-memory errors.
+    pub num_ooms: u64,
+    /// Allocations that failed, in order.
+    pub failures: Vec<Failure>,
+    /// Backend calls.
+    pub backend_calls: BackendCalls,
+    /// Wall-clock seconds of the replay loop.
+    pub seconds: f64,
+    /// Whether every event replayed without a failure.
+    pub completed: bool,
+}
+
+/// One point of a [`Timeline`]: figures after event `event` (maxima over the window since the
+/// previous point when the timeline is thinned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Sample {
+    /// Index of the event.
+    pub event: usize,
+    /// Bytes live (requested).
+    pub live: u64,
+    /// Bytes reserved from the device.
+    pub reserved: u64,
+    /// Segments held.
+    pub segments: u64,
+}
+
+/// A segment at the moment of peak live memory, for plots.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SegmentView {
+    /// Reserved address range (fixed: its size).
+    pub size: u64,
+    /// Bytes backed by memory.
+    pub mapped: u64,
+    /// Bytes in allocated blocks.
+    pub allocated: u64,
+    /// Bytes in free, mapped blocks (cached but unused).
+    pub free: u64,
+    /// Whether it is a growable segment.
+    pub growable: bool,
+    /// (offset, size, allocated) of each mapped block, in address order.
+    pub blocks: Vec<(u64, u64, bool)>,
+}
+
+impl SegmentView {
+    fn from_info(s: &SegmentInfo) -> Self {
+        let mut allocated = 0;
+        let mut free = 0;
+        let mut blocks = Vec::new();
+        for b in &s.blocks {
+            match b.status {
+                BlockStatus::Allocated | BlockStatus::PendingFree => allocated += b.size,
+                BlockStatus::Free => free += b.size,
+                BlockStatus::Unmapped => continue,
+            }
+            blocks.push((
+                b.addr - s.base,
+                b.size,
+                !matches!(b.status, BlockStatus::Free),
+            ));
+        }
+        Self {
+            size: s.size,
+            mapped: s.mapped,
+            allocated,
+            free,
+            growable: s.growable,
+            blocks,
+        }
+    }
+}
+
+/// Live and reserved bytes over a replay, and the segments at the peak of live bytes.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timeline {
+    /// Points, at most [`Timeline::MAX_POINTS`].
+    pub samples: Vec<Sample>,
+    /// Index of the event after which live memory peaked (first time): the moment of most
+    /// pressure, where fragmentation shows.
+    pub peak_event: usize,
+    /// The segments right after that event.
+    pub peak_segments: Vec<SegmentView>,
+}
+
+impl Timeline {
+    /// Most points kept; longer replays are thinned (keeping each window's maxima).
+    pub const MAX_POINTS: usize = 4000;
+}
+
+/// Replays `trace` with `opts`; `progress` is called with the number of events done every
+/// 4096 events.
+///
+/// ```
+/// use oomguard_cli::{replay::{replay, ReplayOptions}, Event, Trace, TraceFormat};
+/// let t = Trace::new(TraceFormat::Csv, vec![Event::alloc(0, 3 << 20, 0), Event::free(0, 3 << 20, 0)]);
+/// let (r, _) = replay(&t, &ReplayOptions::default(), &mut |_| {});
+/// assert!(r.completed);
+/// assert_eq!(r.peak_live_bytes, 3 << 20);
+/// assert!(r.peak_reserved_bytes >= 3 << 20);
+/// ```
+pub fn replay(
+    trace: &Trace,
+    opts: &ReplayOptions,
+    progress: &mut dyn FnMut(usize),
+) -> (ReplayReport, Option<Timeline>) {
+    let (report, samples, peak_event, _) = run(trace, opts, None, progress);
+    let timeline = if opts.timeline {
+        // Deterministic: a second run stops at the peak to look at the segments there.
+        let (_, _, _, segs) = run(trace, opts, Some(peak_event), &mut |_| {});
+        Some(Timeline {
+            samples,
+            peak_event,
+            peak_segments: segs,
+        })
+    } else {
+        None
+    };
+    (report, timeline)
+}
+
+type RunOutput = (ReplayReport, Vec<Sample>, usize, Vec<SegmentView>);
+
+fn run(
+    trace: &Trace,
+    opts: &ReplayOptions,
+    snapshot_at: Option<usize>,
+    progress: &mut dyn FnMut(usize),
+) -> RunOutput {
+    let sim = SimDevice::address_only(ByteSize(opts.capacity));
+    let alloc = CachingAllocator::new(Arc::new(sim.clone()), opts.config.clone());
+    let mut live: HashMap<u64, Allocation> = HashMap::with_capacity(1024);
+    let mut live_bytes = 0u64;
+    let mut peak_live = 0u64;
+    let mut failures = Vec::new();
+    let mut failed_ids: std::collections::HashSet<u64> = std::collections::HashSet::new();
+    let n = trace.events.len();
+    let stride = if opts.timeline {
+        n.div_ceil(Timeline::MAX_POINTS).max(1)
+    } else {
+        usize::MAX
+    };
+    let mut samples = Vec::new();
+    let mut window = Sample {
+        event: 0,
+        live: 0,
+        reserved: 0,
+        segments: 0,
+    };
+    let mut peak_event = 0usize;
+    let mut done = 0usize;
+    let mut segments = Vec::new();
+    let start = Instant::now();
+    for (i, e) in trace.events.iter().enumerate() {
+        match e.op {
+            Op::Alloc => match alloc.allocate(e.bytes, e.stream) {
+                Ok(a) => {
+                    live.insert(e.id, a);
+                    live_bytes = live_bytes.saturating_add(e.bytes);
+                    if live_bytes > peak_live {
+                        peak_live = live_bytes;
+                        peak_event = i;
+                    }
+                }
+                Err(err) => {
+                    failures.push(Failure {
+                        index: i,
+                        id: e.id,
+                        bytes: e.bytes,
+                        oom: err.is_oom(),
+                        message: err.to_string(),
+                    });
+                    failed_ids.insert(e.id);
+                }
+            },
+            Op::Free => {
+                if let Some(a) = live.remove(&e.id) {
+                    live_bytes = live_bytes.saturating_sub(a.requested);
+                    if let Err(err) = alloc.free(a) {
+                        failures.push(Failure {
+                            index: i,
+                            id: e.id,
+                            bytes: e.bytes,
+                            oom: false,
+                            message: err.to_string(),
+                        });
+                    }
+                }
+            }
+        }
+        done = i + 1;
+        if opts.timeline {
+            let st = alloc.stats();
+            let reserved = st.reserved_bytes.all.current;
+            window.event = i;
+            window.live = window.live.max(live_bytes);
+            window.reserved = window.reserved.max(reserved);
+            window.segments = window.segments.max(st.segment.all.current);
+            if (i + 1) % stride == 0 || i + 1 == n {
+                samples.push(window);
+                window = Sample {
+                    event: i,
+                    live: 0,
+                    reserved: 0,
+                    segments: 0,
+                };
+            }
+        }
+        if snapshot_at == Some(i) {
+            segments = alloc
+                .snapshot()
+                .iter()
+                .map(SegmentView::from_info)
+                .collect();
+            break;
+        }
+        if (i + 1) % 4096 == 0 {
+            progress(i + 1);
+        }
+        if opts.stop_at_first_failure && !failures.is_empty() {
+            break;
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    progress(done);
+    let st = alloc.stats();
+    let peak_reserved = st.reserved_bytes.all.peak;
+    let report = ReplayReport {
+        config: opts.config.to_string(),
+        capacity_bytes: opts.capacity,
+        events: done,
+        peak_live_bytes: peak_live,
+        peak_allocated_bytes: st.allocated_bytes.all.peak,
+        peak_reserved_bytes: peak_reserved,
+        ratio: if peak_live == 0 {
+            0.0
+        } else {
+            peak_reserved as f64 / peak_live as f64
+        },
+        num_alloc_retries: st.num_alloc_retries,
+        num_ooms: st.num_ooms,
+        completed: failures.is_empty() && done == n,
+        failures,
+        backend_calls: BackendCalls::from_sim(sim.calls()),
+        seconds,
+    };
+    (report, samples, peak_event, segments)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Event, TraceFormat};
+
+    fn trace(events: Vec<Event>) -> Trace {
+        Trace::new(TraceFormat::Csv, events)
+    }
+
+    #[test]
+    fn oom_is_recorded_and_its_free_skipped() {
+        let t = trace(vec![
+            Event::alloc(0, 40 << 20, 0),
+            Event::alloc(1, 100 << 20, 0),
+            Event::free(1, 100 << 20, 0),
+            Event::free(0, 40 << 20, 0),
+            Event::alloc(2, 10 << 20, 0),
+        ]);
+        let opts = ReplayOptions {
+            capacity: 64 << 20,
+            ..Default::default()
+        };
+        let (r, _) = replay(&t, &opts, &mut |_| {});
+        assert!(!r.completed);
+        assert_eq!(r.events, 5);
+        assert_eq!(r.failures.len(), 1);
+        let f = &r.failures[0];
+        assert_eq!((f.index, f.id, f.bytes, f.oom), (1, 1, 100 << 20, true));
+        assert!(f.message.contains("out of memory"), "{}", f.message);
+        assert_eq!(r.num_ooms, 1);
+        assert!(r.num_alloc_retries >= 1);
+        assert_eq!(r.peak_live_bytes, 40 << 20);
+    }
+
+    #[test]
+    fn streams_are_honoured_and_calls_counted() {
+        // Two streams: a block freed on stream 1 is not reused by stream 2, so two segments.
+        let t = trace(vec![
+            Event::alloc(0, 4 << 20, 1),
+            Event::free(0, 4 << 20, 1),
+            Event::alloc(1, 4 << 20, 2),
+            Event::free(1, 4 << 20, 2),
+        ]);
+        let opts = ReplayOptions {
+            config: AllocatorConfig::native(),
+            ..Default::default()
+        };
+        let (r, _) = replay(&t, &opts, &mut |_| {});
+        assert!(r.completed);
+        assert_eq!(r.backend_calls.alloc_segment, 2);
+        let same = trace(vec![
+            Event::alloc(0, 4 << 20, 1),
+            Event::free(0, 4 << 20, 1),
+            Event::alloc(1, 4 << 20, 1),
+            Event::free(1, 4 << 20, 1),
+        ]);
+        let (r, _) = replay(&same, &opts, &mut |_| {});
+        assert_eq!(r.backend_calls.alloc_segment, 1);
+        assert_eq!(
+            r.peak_reserved_bytes,
+            r.backend_calls.alloc_segment * (20 << 20)
+        );
+    }
+
+    #[test]
+    fn huge_request_is_a_failure_not_a_panic() {
+        let t = trace(vec![
+            Event::alloc(0, u64::MAX, 0),
+            Event::free(0, u64::MAX, 0),
+        ]);
+        let (r, _) = replay(&t, &ReplayOptions::default(), &mut |_| {});
+        assert_eq!(r.failures.len(), 1);
+        assert!(!r.completed);
+    }
+
+    #[test]
+    fn timeline_tracks_peak_and_segments() {
+        let t = trace(vec![
+            Event::alloc(0, 30 << 20, 0),
+            Event::alloc(1, 30 << 20, 0),
+            Event::free(0, 30 << 20, 0),
+            Event::free(1, 30 << 20, 0),
+        ]);
+        let opts = ReplayOptions {
+            timeline: true,
+            config: AllocatorConfig::native(),
+            ..Default::default()
+        };
+        let (r, tl) = replay(&t, &opts, &mut |_| {});
+        let tl = tl.unwrap();
+        assert_eq!(tl.samples.len(), 4);
+        assert_eq!(tl.peak_event, 1);
+        assert_eq!(tl.samples[1].live, 60 << 20);
+        assert_eq!(tl.samples[1].reserved, r.peak_reserved_bytes);
+        assert_eq!(tl.peak_segments.len(), 2);
+        assert!(tl.peak_segments.iter().all(|s| s.allocated == 30 << 20));
+    }
+}

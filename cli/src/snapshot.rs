@@ -1,0 +1,142 @@
+//! PyTorch memory snapshots (`torch.cuda.memory._snapshot()` / `_dump_snapshot`) to events.
+//!
+//! The snapshot's `device_traces` hold, per device, the allocator's history: `alloc`,
+//! `free_requested` (the program released the tensor), `free_completed` (the memory became
+//! reusable, after other streams' work), `segment_alloc` / `segment_free` / `segment_map` /
+//! `segment_unmap` (PyTorch's own device calls), `snapshot` and `oom`. The program's events are
+//! `alloc` and the first of `free_requested` / `free_completed` (or `free`, of older versions) for
+//! each address; PyTorch's segment actions describe PyTorch's allocator, not the program, and are
+//! only counted.
+
+use std::collections::HashMap;
+
+use crate::error::ReadError;
+use crate::event::{Event, Trace, TraceFormat};
+use crate::pickle::{decode, Heap, Value};
+
+/// Reads a snapshot pickle: the trace of the first device that has one.
+pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
+    if data.is_empty() {
+        return Err(ReadError::Empty);
+    }
+    let d = decode(data)?;
+    let heap = &d.heap;
+    let bad = |m: String| ReadError::Snapshot(m);
+    if heap.dict(&d.value).is_none() {
+        return Err(bad(format!(
+            "the pickle holds a {}, not a dict",
+            d.value.type_name()
+        )));
+    }
+    let traces = heap
+        .get(&d.value, "device_traces")
+        .ok_or_else(|| bad("no `device_traces` key (was memory history recorded?)".into()))?;
+    let devices = heap.list(traces).ok_or_else(|| {
+        bad(format!(
+            "`device_traces` is a {}, not a list",
+            traces.type_name()
+        ))
+    })?;
+    let mut notes = Vec::new();
+    let non_empty: Vec<usize> = (0..devices.len())
+        .filter(|&i| heap.list(&devices[i]).is_some_and(|l| !l.is_empty()))
+        .collect();
+    let Some(&dev) = non_empty.first() else {
+        return Err(ReadError::NoEvents);
+    };
+    if non_empty.len() > 1 {
+        notes.push(format!(
+            "the snapshot has traces for devices {non_empty:?}; replaying device {dev}"
+        ));
+    }
+    let entries = heap.list(&devices[dev]).unwrap_or(&[]);
+    let mut t = convert(heap, entries, dev)?;
+    notes.append(&mut t.notes);
+    t.notes = notes;
+    Ok(t)
+}
+
+fn field_u64(heap: &Heap, e: &Value, key: &str, at: &str) -> Result<u64, ReadError> {
+    let v = heap
+        .get(e, key)
+        .ok_or_else(|| ReadError::Snapshot(format!("{at}: no `{key}`")))?;
+    match v.as_int() {
+        Some(i) if i >= 0 => Ok(i as u64),
+        _ => Err(ReadError::Snapshot(format!(
+            "{at}: `{key}` is not a non-negative 64-bit int"
+        ))),
+    }
+}
+
+fn convert(heap: &Heap, entries: &[Value], dev: usize) -> Result<Trace, ReadError> {
+    let mut events = Vec::new();
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // addr -> (id, bytes)
+    let mut requested: HashMap<u64, ()> = HashMap::new(); // freed, awaiting free_completed
+    let mut next_id = 0u64;
+    let mut unknown_frees = 0u64;
+    let mut segment_actions = 0u64;
+    let mut ooms = 0u64;
+    for (i, e) in entries.iter().enumerate() {
+        let at = format!("device_traces[{dev}][{i}]");
+        let action = heap
+            .get(e, "action")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ReadError::Snapshot(format!("{at}: no string `action`")))?;
+        match action {
+            "alloc" => {
+                let addr = field_u64(heap, e, "addr", &at)?;
+                let size = field_u64(heap, e, "size", &at)?;
+                let stream = heap.get(e, "stream").and_then(Value::as_int).unwrap_or(0);
+                if live.contains_key(&addr) {
+                    return Err(ReadError::Snapshot(format!(
+                        "{at}: alloc at {addr:#x}, which is already live"
+                    )));
+                }
+                requested.remove(&addr);
+                live.insert(addr, (next_id, size));
+                events.push(Event::alloc(next_id, size, stream as u64));
+                next_id += 1;
+            }
+            "free_requested" | "free_completed" | "free" => {
+                let addr = field_u64(heap, e, "addr", &at)?;
+                if action == "free_completed" && requested.remove(&addr).is_some() {
+                    continue;
+                }
+                let stream = heap.get(e, "stream").and_then(Value::as_int).unwrap_or(0);
+                match live.remove(&addr) {
+                    Some((id, size)) => {
+                        events.push(Event::free(id, size, stream as u64));
+                        if action == "free_requested" {
+                            requested.insert(addr, ());
+                        }
+                    }
+                    // Allocated before recording began (or the history's ring buffer dropped it).
+                    None => unknown_frees += 1,
+                }
+            }
+            "segment_alloc" | "segment_free" | "segment_map" | "segment_unmap" => {
+                segment_actions += 1
+            }
+            "oom" => ooms += 1,
+            _ => {}
+        }
+    }
+    if events.is_empty() {
+        return Err(ReadError::NoEvents);
+    }
+    let mut t = Trace::new(TraceFormat::PytorchSnapshot, events);
+    if unknown_frees > 0 {
+        t.notes.push(format!(
+            "skipped {unknown_frees} frees of memory allocated before the history began"
+        ));
+    }
+    if ooms > 0 {
+        t.notes.push(format!(
+            "PyTorch recorded {ooms} out-of-memory events in this run"
+        ));
+    }
+    t.notes.push(format!(
+        "PyTorch's allocator made {segment_actions} segment calls in the recorded run"
+    ));
+    Ok(t)
+}

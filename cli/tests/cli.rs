@@ -1,0 +1,292 @@
+//! The `oomguard` binary on real traces and on bad input.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn oomguard(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(args)
+        .output()
+        .expect("run oomguard")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn trace(name: &str) -> String {
+    common::traces_dir().join(name).display().to_string()
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
+}
+
+/// A one-line error, no panic, the given exit status.
+fn assert_error(o: &Output, code: i32, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(code), "stderr: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("oomguard: "), "{err}");
+    assert!(err.contains(needle), "want {needle:?} in {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn replay_json_on_every_real_trace() {
+    let figs = common::figures();
+    for (name, f) in figs["traces"].as_object().unwrap() {
+        for file in [format!("{name}.trace.csv")]
+            .into_iter()
+            .chain((name == "resnet50").then(|| "resnet50.snapshot.pickle".to_string()))
+        {
+            let o = oomguard(&[
+                "replay",
+                &trace(&file),
+                "--config",
+                "expandable_segments:True",
+                "--json",
+            ]);
+            assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+            let v = json(&o);
+            let live = f["peak_live_bytes"].as_u64().unwrap();
+            assert_eq!(v["peak_live_bytes"].as_u64(), Some(live), "{file}");
+            assert_eq!(v["events"].as_u64(), f["trace_events"].as_u64(), "{file}");
+            let reserved = v["peak_reserved_bytes"].as_u64().unwrap();
+            assert!(reserved >= live, "{file}");
+            let ratio = v["ratio"].as_f64().unwrap();
+            assert!((ratio - reserved as f64 / live as f64).abs() < 1e-9);
+            // Growable segments map pages; no fixed segments.
+            assert_eq!(v["backend_calls"]["alloc_segment"].as_u64(), Some(0));
+            assert!(v["backend_calls"]["map"].as_u64().unwrap() > 0);
+            assert_eq!(v["num_ooms"].as_u64(), Some(0));
+            assert_eq!(v["completed"].as_bool(), Some(true));
+        }
+    }
+}
+
+#[test]
+fn replay_table_and_oom_exit_status() {
+    let o = oomguard(&["replay", &trace("resnet50.trace.csv")]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = stdout(&o);
+    assert!(
+        out.contains("peak live        5.43 GiB (5830299792 bytes)"),
+        "{out}"
+    );
+    assert!(out.contains("ratio"));
+    // 4 GiB cannot hold 5.43 GiB live: out-of-memory, exit 1, failures listed.
+    let o = oomguard(&[
+        "replay",
+        &trace("resnet50.trace.csv"),
+        "--capacity",
+        "4GiB",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let v = json(&o);
+    assert_eq!(v["completed"].as_bool(), Some(false));
+    assert!(v["num_ooms"].as_u64().unwrap() >= 1);
+    let f = &v["failures"][0];
+    assert!(f["message"].as_str().unwrap().contains("out of memory"));
+    assert!(f["index"].as_u64().is_some());
+}
+
+#[test]
+fn compare_prints_one_row_per_config() {
+    let o = oomguard(&[
+        "compare",
+        &trace("vit_b16.trace.csv"),
+        "--config",
+        "expandable_segments:False",
+        "--config",
+        "expandable_segments:True",
+        "--config",
+        "expandable_segments:False,max_split_size_mb:64",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert_eq!(out.lines().count(), 5, "{out}");
+    assert!(out.contains("max_split_size_mb:64"));
+    let o = oomguard(&["compare", &trace("gpt2.trace.csv"), "--json"]);
+    let v = json(&o);
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["config"], "expandable_segments:False");
+    assert!(rows[0]["backend_calls"]["alloc_segment"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn plot_writes_self_contained_svg_and_html() {
+    let dir = common::scratch("plot");
+    for ext in ["svg", "html"] {
+        let out = dir.join(format!("resnet.{ext}"));
+        let o = oomguard(&[
+            "plot",
+            &trace("resnet50.snapshot.pickle"),
+            "-o",
+            &out.display().to_string(),
+            "--config",
+            "expandable_segments:False",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let body = std::fs::read_to_string(&out).unwrap();
+        assert!(body.contains("<svg"));
+        assert!(body.contains("polyline"));
+        assert!(body.contains("segments at peak live"));
+        assert!(!body.contains("<script"));
+        assert!(!body.contains("https://"), "no network references");
+        if ext == "html" {
+            assert!(body.starts_with("<!DOCTYPE html>"));
+        }
+    }
+    let o = oomguard(&[
+        "plot",
+        &trace("resnet50.trace.csv"),
+        "-o",
+        &dir.join("x.png").display().to_string(),
+    ]);
+    assert_error(&o, 2, "must end in .svg or .html");
+}
+
+#[test]
+fn gen_then_mincap_on_a_small_trace() {
+    let dir = common::scratch("mincap");
+    let file = dir.join("tiny.trace.csv");
+    let f = file.display().to_string();
+    let o = oomguard(&["gen", "training", "--tiny", "--seed", "3", "-o", &f]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = oomguard(&[
+        "mincap",
+        &f,
+        "--config",
+        "expandable_segments:False",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    let min = v["min_capacity_bytes"].as_u64().unwrap();
+    let live = v["peak_live_bytes"].as_u64().unwrap();
+    assert!(min >= live);
+    assert!((v["ratio"].as_f64().unwrap() - min as f64 / live as f64).abs() < 1e-9);
+    // It completes at the minimum and fails 0.2% below it.
+    let ok = oomguard(&[
+        "replay",
+        &f,
+        "--config",
+        "expandable_segments:False",
+        "--capacity",
+        &min.to_string(),
+    ]);
+    assert_eq!(ok.status.code(), Some(0), "{}", stdout(&ok));
+    let below = (min as f64 * 0.998) as u64;
+    let bad = oomguard(&[
+        "replay",
+        &f,
+        "--config",
+        "expandable_segments:False",
+        "--capacity",
+        &below.to_string(),
+    ]);
+    assert_eq!(bad.status.code(), Some(1));
+}
+
+#[test]
+fn bad_input_is_one_line_and_status_2() {
+    let dir = common::scratch("bad");
+    let write = |name: &str, data: &[u8]| {
+        let p = dir.join(name);
+        std::fs::write(&p, data).unwrap();
+        p.display().to_string()
+    };
+    let empty = write("empty.csv", b"");
+    assert_error(&oomguard(&["replay", &empty]), 2, "empty file");
+    let header = write("header.csv", b"op,id,bytes,stream\n");
+    assert_error(&oomguard(&["replay", &header]), 2, "no allocation events");
+    let badop = write("badop.csv", b"op,id,bytes,stream\na,1,10,0\nx,2,10,0\n");
+    assert_error(&oomguard(&["replay", &badop]), 2, "line 3: unknown op");
+    let unknown = write("unk.csv", b"op,id,bytes,stream\nf,1,10,0\n");
+    assert_error(&oomguard(&["mincap", &unknown]), 2, "line 2: free of id 1");
+    let dup = write("dup.csv", b"op,id,bytes,stream\na,1,10,0\na,1,10,0\n");
+    assert_error(
+        &oomguard(&["compare", &dup]),
+        2,
+        "line 3: duplicate allocation id 1",
+    );
+    let fmt = write("what.txt", b"hello\n");
+    assert_error(&oomguard(&["replay", &fmt]), 2, "unknown trace format");
+    let data = std::fs::read(trace("resnet50.snapshot.pickle")).unwrap();
+    let cut = write("cut.pickle", &data[..data.len() / 2]);
+    assert_error(&oomguard(&["replay", &cut]), 2, "pickle byte offset");
+    let missing = dir.join("nope.csv").display().to_string();
+    assert_error(&oomguard(&["replay", &missing]), 2, "nope.csv");
+    let real = trace("resnet50.trace.csv");
+    assert_error(
+        &oomguard(&["replay", &real, "--capacity", "12 furlongs"]),
+        2,
+        "invalid byte size",
+    );
+    assert_error(
+        &oomguard(&["replay", &real, "--config", "expandible_segments:True"]),
+        2,
+        "unknown key",
+    );
+    assert_error(&oomguard(&["replay"]), 2, "required");
+    assert_error(&oomguard(&["frobnicate"]), 2, "unrecognized subcommand");
+}
+
+#[test]
+fn huge_sizes_fail_the_replay_without_panicking() {
+    let dir = common::scratch("huge");
+    let p = dir.join("huge.csv");
+    std::fs::write(
+        &p,
+        format!(
+            "op,id,bytes,stream\na,1,{},0\nf,1,0,0\na,2,512,0\n",
+            u64::MAX
+        ),
+    )
+    .unwrap();
+    let o = oomguard(&["replay", &p.display().to_string(), "--json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let v = json(&o);
+    assert_eq!(v["failures"].as_array().unwrap().len(), 1);
+    assert_eq!(v["events"].as_u64(), Some(3));
+    assert!(Path::new(&p).exists());
+}
+
+#[test]
+fn rmm_log_replays_and_help_works() {
+    let dir = common::scratch("rmm");
+    let p = dir.join("rmm_log.csv");
+    std::fs::write(
+        &p,
+        "Thread,Time,Action,Pointer,Size,Stream\n\
+         1,10:31:27:589049,allocate,0x7f0000000000,33554432,0x0\n\
+         1,10:31:27:589050,allocate,0x7f0002000000,1048576,0x7f00aa\n\
+         1,10:31:27:589051,allocate failure,0x0,999999999999,0x0\n\
+         1,10:31:27:589052,free,0x7f0000000000,33554432,0x0\n\
+         1,10:31:27:589053,free,0x7f0002000000,1048576,0x7f00aa\n",
+    )
+    .unwrap();
+    let o = oomguard(&["replay", &p.display().to_string(), "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    assert_eq!(v["format"], "rmm-log");
+    assert_eq!(v["events"].as_u64(), Some(4));
+    assert_eq!(v["peak_live_bytes"].as_u64(), Some(33554432 + 1048576));
+    assert!(v["notes"][0]
+        .as_str()
+        .unwrap()
+        .contains("1 failed allocations"));
+    let o = oomguard(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    for sub in ["replay", "compare", "plot", "mincap", "gen"] {
+        assert!(stdout(&o).contains(sub), "{sub}");
+    }
+}

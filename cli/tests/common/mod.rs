@@ -1,0 +1,32 @@
+//! Shared helpers of the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// The shared real traces: `$OOMGUARD_TRACES_DIR`, else `shared/traces` beside the checkout.
+/// Panics (failing the test) when missing: these tests must see the real files.
+pub fn traces_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("OOMGUARD_TRACES_DIR") {
+        return PathBuf::from(d);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    for cand in [root.join("../shared/traces"), root.join("shared/traces")] {
+        if cand.join("pytorch_figures.json").exists() {
+            return cand;
+        }
+    }
+    panic!("shared traces not found beside the checkout; set OOMGUARD_TRACES_DIR");
+}
+
+/// The trace names and their figures, from `pytorch_figures.json`.
+pub fn figures() -> serde_json::Value {
+    let text = std::fs::read_to_string(traces_dir().join("pytorch_figures.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A scratch directory unique to this test process and `name`.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("oomguard-cli-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

@@ -1,0 +1,124 @@
+//! Checks of the annotated function, and what the expansions need to know about it.
+
+use syn::{FnArg, Ident, ItemFn, Pat, ReturnType, Type};
+
+use crate::args::Errors;
+
+/// How a parameter is passed, which decides how each retry attempt gets it again.
+pub enum Passing {
+    /// `&T`: passed again as is.
+    SharedRef,
+    /// `&mut T`: reborrowed for each attempt.
+    MutRef,
+    /// By value: cloned for each attempt (must be `Clone`).
+    Value,
+}
+
+/// A parameter other than the receiver.
+pub struct Param {
+    pub ident: Option<Ident>,
+    pub pat: Box<Pat>,
+    pub ty: Box<Type>,
+    pub passing: Passing,
+}
+
+/// The parameters of `f`, with their passing.
+pub fn params(f: &ItemFn) -> Vec<Param> {
+    f.sig
+        .inputs
+        .iter()
+        .filter_map(|a| match a {
+            FnArg::Typed(t) => Some(t),
+            FnArg::Receiver(_) => None,
+        })
+        .map(|t| {
+            let ident = match &*t.pat {
+                Pat::Ident(pi) if pi.subpat.is_none() => Some(pi.ident.clone()),
+                _ => None,
+            };
+            let passing = match &*t.ty {
+                Type::Reference(r) if r.mutability.is_some() => Passing::MutRef,
+                Type::Reference(_) => Passing::SharedRef,
+                _ => Passing::Value,
+            };
+            Param {
+                ident,
+                pat: t.pat.clone(),
+                ty: t.ty.clone(),
+                passing,
+            }
+        })
+        .collect()
+}
+
+/// Rejects `const fn` (guards run code at run time).
+pub fn not_const(f: &ItemFn, attr: &str, errors: &mut Errors) {
+    if let Some(c) = &f.sig.constness {
+        errors.at(c, format!("#[{attr}] cannot be used on a `const fn`"));
+    }
+}
+
+/// The `Result` return type, or an error at the return type.
+pub fn require_result(f: &ItemFn, attr: &str, why: &str, errors: &mut Errors) -> bool {
+    match &f.sig.output {
+        ReturnType::Type(_, ty) if is_result(ty) => true,
+        ReturnType::Type(_, ty) => {
+            errors.at(
+                ty,
+                format!("#[{attr}] {why}: the function must return a `Result`"),
+            );
+            false
+        }
+        ReturnType::Default => {
+            errors.at(
+                &f.sig.ident,
+                format!("#[{attr}] {why}: the function must return a `Result`"),
+            );
+            false
+        }
+    }
+}
+
+fn is_result(ty: &Type) -> bool {
+    match ty {
+        Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Result"),
+        Type::Group(g) => is_result(&g.elem),
+        Type::Paren(p) => is_result(&p.elem),
+        _ => false,
+    }
+}
+
+/// Rejects a by-value `self` on a retried function (it cannot be passed to a second attempt).
+pub fn no_value_self(f: &ItemFn, errors: &mut Errors) {
+    for a in &f.sig.inputs {
+        if let FnArg::Receiver(r) = a {
+            if r.reference.is_none() && !matches!(&*r.ty, Type::Reference(_)) {
+                errors.at(
+                    r,
+                    "#[oom_retry] cannot retry a method that takes `self` by value: a failed attempt would consume it; take `&self` or `&mut self`",
+                );
+            }
+        }
+    }
+}
+
+/// Whether a type is a primitive integer.
+pub fn is_integer(ty: &Type) -> bool {
+    const INTS: &[&str] = &[
+        "usize", "u8", "u16", "u32", "u64", "u128", "isize", "i8", "i16", "i32", "i64", "i128",
+    ];
+    matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.get_ident().is_some_and(|i| INTS.contains(&i.to_string().as_str())))
+}
+
+/// Whether a type is `BatchPlan` (any path ending in it).
+pub fn is_batch_plan(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "BatchPlan"))
+}
+
+/// Whether the return type mentions `impl Trait` (then it cannot be written on a closure).
+pub fn returns_impl_trait(f: &ItemFn) -> bool {
+    match &f.sig.output {
+        ReturnType::Type(_, ty) => quote::quote!(#ty).to_string().contains("impl "),
+        ReturnType::Default => false,
+    }
+}

@@ -1,0 +1,435 @@
+//! Code generation. Every expansion calls the runtime through the facade's hidden `__private`
+//! module (`::oomguard::__private` unless `crate = "path"` says otherwise).
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
+use syn::{Attribute, ItemFn, Pat, ReturnType};
+
+use crate::args::{self, Errors};
+use crate::check::{self, Passing};
+use crate::options::{self, BudgetLimit, BudgetOptions, LeakAction, LeakOptions, RetryOptions};
+
+/// The scoped guards wrapped around a body (one attempt of a retried function, or the whole
+/// body of a function without `#[oom_retry]`).
+#[derive(Default)]
+pub struct Guards {
+    pub no_grad: bool,
+    pub budget: Option<BudgetLimit>,
+    pub leak: Option<LeakOptions>,
+}
+
+/// Names of the guard attributes, which move inside `#[oom_retry]` so that they apply to each
+/// attempt.
+pub const GUARD_ATTRS: &[&str] = &["memory_budget", "leak_check", "no_grad"];
+
+fn attr_name(a: &Attribute) -> Option<String> {
+    a.path().segments.last().map(|s| s.ident.to_string())
+}
+
+pub fn default_crate() -> syn::Path {
+    syn::parse_quote!(::oomguard)
+}
+
+/// `#[no_grad]`, `#[memory_budget]`, `#[leak_check]` on their own: the guards wrap the body.
+/// When `#[oom_retry]` is also on the function, the attribute moves below it instead, so that
+/// `#[oom_retry]` applies it to each attempt whatever the order they were written in.
+pub fn guard_attribute(
+    name: &str,
+    args: TokenStream,
+    f: ItemFn,
+    errors: &mut Errors,
+) -> TokenStream {
+    let list = match args::parse_args(args.clone()) {
+        Ok(l) => l,
+        Err(e) => {
+            errors.push(e);
+            return f.into_token_stream();
+        }
+    };
+    let mut guards = Guards::default();
+    let krate = parse_guard(
+        name,
+        list,
+        &mut guards,
+        proc_macro2::Span::call_site(),
+        errors,
+    );
+    let krate = krate.unwrap_or_else(default_crate);
+    check::not_const(&f, name, errors);
+    if let Some(l) = &guards.leak {
+        if l.action == LeakAction::Error {
+            check::require_result(
+                &f,
+                "leak_check",
+                "with `action = error` a leak becomes the function's `Err`",
+                errors,
+            );
+        }
+    }
+    if f.attrs
+        .iter()
+        .any(|a| attr_name(a).as_deref() == Some("oom_retry"))
+    {
+        let mut f = f;
+        let ident = format_ident!("{}", name);
+        f.attrs.push(syn::parse_quote!(#[#krate::#ident(#args)]));
+        return f.into_token_stream();
+    }
+    wrap_function(f, &guards, &krate)
+}
+
+/// Parses one guard attribute's options into `guards`; returns its `crate` path, if given.
+fn parse_guard(
+    name: &str,
+    list: Vec<args::Arg>,
+    guards: &mut Guards,
+    span: proc_macro2::Span,
+    errors: &mut Errors,
+) -> Option<syn::Path> {
+    match name {
+        "no_grad" => {
+            guards.no_grad = true;
+            options::no_grad_options(list, errors)
+        }
+        "memory_budget" => {
+            let o = BudgetOptions::from_args(list, span, errors);
+            guards.budget = o.limit;
+            o.krate
+        }
+        "leak_check" => {
+            let o = LeakOptions::from_args(list, errors);
+            let k = o.krate.clone();
+            guards.leak = Some(o);
+            k
+        }
+        _ => None,
+    }
+}
+
+/// The function with its body wrapped in `guards`.
+fn wrap_function(f: ItemFn, guards: &Guards, krate: &syn::Path) -> TokenStream {
+    let body = &f.block;
+    let ret = return_type(&f);
+    let new_body = if f.sig.asyncness.is_some() {
+        let fut = quote!(async move #body);
+        let guarded = guarded_future(fut, guards, krate, &ret);
+        quote!({ #guarded })
+    } else {
+        guarded_block(quote!(#body), guards, krate, &ret)
+    };
+    set_block(f, new_body)
+}
+
+/// Replaces the body; a block that does not parse (a bug here) becomes a compile error, never a
+/// panic.
+fn set_block(mut f: ItemFn, block: TokenStream) -> TokenStream {
+    match syn::parse2(block) {
+        Ok(b) => {
+            f.block = b;
+            f.into_token_stream()
+        }
+        Err(e) => {
+            let mut out = e.to_compile_error();
+            out.extend(f.into_token_stream());
+            out
+        }
+    }
+}
+
+/// The return type written on a closure, when it can be (not with `impl Trait`).
+fn return_type(f: &ItemFn) -> Option<TokenStream> {
+    if check::returns_impl_trait(f) {
+        return None;
+    }
+    Some(match &f.sig.output {
+        ReturnType::Type(_, ty) => quote!(#ty),
+        ReturnType::Default => quote!(()),
+    })
+}
+
+/// A synchronous body run inside the guards; `body` is a block expression.
+fn guarded_block(
+    body: TokenStream,
+    g: &Guards,
+    krate: &syn::Path,
+    ret: &Option<TokenStream>,
+) -> TokenStream {
+    let p = quote!(#krate::__private);
+    let grad = g
+        .no_grad
+        .then(|| quote!(let __oomguard_grad = #p::no_grad();));
+    let budget = g.budget.as_ref().map(|b| {
+        let limit = budget_limit(b, &p);
+        quote!(let __oomguard_budget = #p::budget(#limit);)
+    });
+    match &g.leak {
+        Some(l) if l.action == LeakAction::Error => {
+            let allow = l.allow;
+            let arrow = ret.as_ref().map(|r| quote!(-> #r));
+            quote!({
+                let __oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow);
+                #[allow(clippy::redundant_closure_call)]
+                let __oomguard_out = {
+                    #budget
+                    #grad
+                    (|| #arrow #body)()
+                };
+                #p::leak_result(__oomguard_leak, __oomguard_out)
+            })
+        }
+        Some(l) => {
+            let (allow, action) = (l.allow, leak_action(l.action, &p));
+            quote!({
+                let __oomguard_leak = #p::leak_check(#action, #allow);
+                #budget
+                #grad
+                #body
+            })
+        }
+        None => quote!({
+            #budget
+            #grad
+            #body
+        }),
+    }
+}
+
+/// An `async` body (`fut`, a future expression) run inside the guards, entered on each poll so
+/// that the guard state never leaks to other tasks across an `.await`.
+fn guarded_future(
+    fut: TokenStream,
+    g: &Guards,
+    krate: &syn::Path,
+    ret: &Option<TokenStream>,
+) -> TokenStream {
+    let p = quote!(#krate::__private);
+    let budget = match &g.budget {
+        Some(b) => {
+            let l = budget_limit(b, &p);
+            quote!(::core::option::Option::Some(#l))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let no_grad = g.no_grad;
+    let (leak, is_error) = match &g.leak {
+        Some(l) => {
+            let (allow, action) = (l.allow, leak_action(l.action, &p));
+            let action = if l.action == LeakAction::Error {
+                quote!(#p::LeakAction::Report)
+            } else {
+                action
+            };
+            (
+                quote!(::core::option::Option::Some((#action, #allow))),
+                l.action == LeakAction::Error,
+            )
+        }
+        None => (quote!(::core::option::Option::None), false),
+    };
+    let out_ty = ret.as_ref().map_or(quote!(_), |r| r.clone());
+    let call = quote!(#p::guarded::<#out_ty, _>(#p::GuardSpec { no_grad: #no_grad, budget: #budget, leak: #leak }, #fut));
+    if is_error {
+        quote!({
+            let (__oomguard_leak, __oomguard_out) = #call.await;
+            #p::leak_result_of(__oomguard_leak, __oomguard_out)
+        })
+    } else {
+        quote!(#call.await.1)
+    }
+}
+
+fn budget_limit(b: &BudgetLimit, p: &TokenStream) -> TokenStream {
+    match b {
+        BudgetLimit::Bytes(n) => quote!(#p::BudgetLimit::Bytes(#n)),
+        BudgetLimit::Expr(e) => {
+            quote_spanned!(e.span()=> #p::BudgetLimit::Bytes(#p::budget_bytes(#e)))
+        }
+        BudgetLimit::Fraction(f) => quote!(#p::BudgetLimit::Fraction(#f)),
+    }
+}
+
+fn leak_action(a: LeakAction, p: &TokenStream) -> TokenStream {
+    match a {
+        LeakAction::Panic => quote!(#p::LeakAction::Panic),
+        LeakAction::Warn => quote!(#p::LeakAction::Warn),
+        LeakAction::Error => quote!(#p::LeakAction::Report),
+    }
+}
+
+/// `#[oom_retry]`: the body becomes one attempt, run again with a smaller plan after an
+/// out-of-memory. Guard attributes on the same function apply to each attempt.
+pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> TokenStream {
+    let list = match args::parse_args(args) {
+        Ok(l) => l,
+        Err(e) => {
+            errors.push(e);
+            return f.into_token_stream();
+        }
+    };
+    let opts = RetryOptions::from_args(list, errors);
+    let krate = opts.krate.clone().unwrap_or_else(default_crate);
+    check::not_const(&f, "oom_retry", errors);
+    check::require_result(&f, "oom_retry", "retries on an out-of-memory error", errors);
+    check::no_value_self(&f, errors);
+
+    // Guard attributes move inside: they apply to each attempt.
+    let mut guards = Guards::default();
+    let mut kept = Vec::new();
+    for a in std::mem::take(&mut f.attrs) {
+        match attr_name(&a) {
+            Some(n) if GUARD_ATTRS.contains(&n.as_str()) => {
+                let tokens = match &a.meta {
+                    syn::Meta::List(l) => l.tokens.clone(),
+                    _ => TokenStream::new(),
+                };
+                match args::parse_args(tokens) {
+                    Ok(list) => {
+                        parse_guard(&n, list, &mut guards, a.span(), errors);
+                    }
+                    Err(e) => errors.push(e),
+                }
+            }
+            _ => kept.push(a),
+        }
+    }
+    f.attrs = kept;
+    if let Some(l) = &guards.leak {
+        if l.action == LeakAction::Error {
+            check::require_result(
+                &f,
+                "leak_check",
+                "with `action = error` a leak becomes the function's `Err`",
+                errors,
+            );
+        }
+    }
+
+    let params = check::params(&f);
+    let p = quote!(#krate::__private);
+    // What the retry controls: a batch size, a batch plan, or nothing (empty-cache retries only).
+    let mut kind = quote!(#p::RetryKind::Plain);
+    let mut rebind = Vec::new();
+    for (i, prm) in params.iter().enumerate() {
+        let Some(ident) = &prm.ident else {
+            errors.at(&prm.pat, "#[oom_retry] needs plain names for parameters (no patterns), so each attempt can pass them again");
+            continue;
+        };
+        let pat = &prm.pat;
+        let ty = &prm.ty;
+        if opts.batch.as_ref() == Some(ident) {
+            if !check::is_integer(ty) {
+                errors.at(ty, format!("`batch = {ident}` needs an integer parameter (usize, u32, …), not this type"));
+            }
+            kind = quote!(#p::RetryKind::Batch(#p::BatchInt::to_u64(#ident)));
+            rebind.push(quote!(let #pat: #ty = #p::BatchInt::from_u64(__oomguard_retry.batch());));
+            continue;
+        }
+        if opts.plan.as_ref() == Some(ident) {
+            let by_ref = matches!(prm.passing, Passing::SharedRef);
+            let inner: &syn::Type = match &**ty {
+                syn::Type::Reference(r) => &r.elem,
+                t => t,
+            };
+            if !check::is_batch_plan(inner) || matches!(prm.passing, Passing::MutRef) {
+                errors.at(
+                    ty,
+                    format!(
+                        "`plan = {ident}` needs a parameter of type `BatchPlan` or `&BatchPlan`"
+                    ),
+                );
+            }
+            let init = if by_ref {
+                quote!(::core::clone::Clone::clone(#ident))
+            } else {
+                quote!(#ident)
+            };
+            kind = quote!(#p::RetryKind::Plan(#init));
+            let tmp = format_ident!("__oomguard_plan{}", i);
+            if by_ref {
+                rebind.push(quote!(let #tmp = __oomguard_retry.plan(); let #pat = &#tmp;));
+            } else {
+                rebind.push(quote!(let #pat = __oomguard_retry.plan();));
+            }
+            continue;
+        }
+        match prm.passing {
+            Passing::SharedRef => {}
+            Passing::MutRef => rebind.push(quote!(let #pat = &mut *#ident;)),
+            Passing::Value => {
+                rebind.push(quote_spanned!(pat.span()=> let #pat = #p::clone_for_retry(&#ident);))
+            }
+        }
+    }
+    for (opt, what) in [(&opts.batch, "batch"), (&opts.plan, "plan")] {
+        if let Some(id) = opt {
+            if !params.iter().any(|p| p.ident.as_ref() == Some(id)) {
+                errors.at(
+                    id,
+                    format!("`{what} = {id}`: the function has no parameter named `{id}`"),
+                );
+            }
+        }
+    }
+    // Outer `mut` on cloned parameters would be unused: the attempt rebinds them.
+    for a in f.sig.inputs.iter_mut() {
+        if let syn::FnArg::Typed(t) = a {
+            if let Pat::Ident(pi) = &mut *t.pat {
+                if !matches!(&*t.ty, syn::Type::Reference(_)) {
+                    pi.mutability = None;
+                }
+            }
+        }
+    }
+
+    let opt = |o: Option<TokenStream>| {
+        o.map_or(
+            quote!(::core::option::Option::None),
+            |t| quote!(::core::option::Option::Some(#t)),
+        )
+    };
+    let min = opt(opts.min.map(|m| quote!(#m)));
+    let max_retries = opt(opts.max_retries.map(|m| quote!(#m)));
+    let remember = opt(opts.remember.map(|m| quote!(#m)));
+    let persist = opt(opts.persist.as_ref().map(|s| quote!(#s)));
+    let policy = opt(opts
+        .policy
+        .as_ref()
+        .map(|e| quote_spanned!(e.span()=> #p::boxed_policy(#e))));
+    let name = f.sig.ident.to_string();
+    let line = quote_spanned!(f.sig.ident.span()=> ::core::line!());
+    let ret = return_type(&f);
+    let body = &f.block;
+    let attempt = if f.sig.asyncness.is_some() {
+        let fut = quote!(async #body);
+        guarded_future(fut, &guards, &krate, &ret)
+    } else {
+        let arrow = ret.as_ref().map(|r| quote!(-> #r));
+        let inner = quote!({
+            #[allow(clippy::redundant_closure_call)]
+            let __oomguard_attempt = (|| #arrow #body)();
+            __oomguard_attempt
+        });
+        guarded_block(inner, &guards, &krate, &ret)
+    };
+    let new_body = quote!({
+        let mut __oomguard_retry = #p::Retry::new(#p::RetryConfig {
+            site: #p::Site { file: ::core::file!(), line: #line, function: #name },
+            kind: #kind,
+            min: #min,
+            max_retries: #max_retries,
+            remember: #remember,
+            persist: #persist,
+            policy: #policy,
+        });
+        loop {
+            #(#rebind)*
+            let __oomguard_out = #attempt;
+            match __oomguard_retry.next(__oomguard_out) {
+                ::core::ops::ControlFlow::Break(__oomguard_done) => return __oomguard_done,
+                ::core::ops::ControlFlow::Continue(()) => {}
+            }
+        }
+    });
+    set_block(f, new_body)
+}

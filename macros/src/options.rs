@@ -1,0 +1,293 @@
+//! The options of each attribute, built from parsed arguments; every problem is reported at its
+//! token.
+
+use proc_macro2::Span;
+use syn::{Expr, Ident, Lit, LitStr};
+
+use crate::args::{self, Arg, Errors, Seen};
+
+/// `#[oom_retry(...)]`
+#[derive(Default)]
+pub struct RetryOptions {
+    pub batch: Option<Ident>,
+    pub plan: Option<Ident>,
+    pub policy: Option<Expr>,
+    pub min: Option<u64>,
+    pub max_retries: Option<u64>,
+    pub remember: Option<bool>,
+    pub persist: Option<LitStr>,
+    pub krate: Option<syn::Path>,
+}
+
+const RETRY_KEYS: &[&str] = &[
+    "batch",
+    "plan",
+    "policy",
+    "min",
+    "max_retries",
+    "remember",
+    "persist",
+    "crate",
+];
+
+impl RetryOptions {
+    pub fn from_args(list: Vec<Arg>, errors: &mut Errors) -> Self {
+        let mut o = RetryOptions::default();
+        let mut seen = Seen::new();
+        for arg in list {
+            let (key, value) = match arg {
+                Arg::KeyValue { key, value } => (key, value),
+                Arg::Flag(key) => {
+                    if RETRY_KEYS.contains(&key.to_string().as_str()) {
+                        errors.at(&key, format!("`{key}` needs a value: `{key} = ...`"));
+                    } else {
+                        args::unknown(&key, "oom_retry", RETRY_KEYS, errors);
+                    }
+                    continue;
+                }
+                Arg::Literal(l) => {
+                    errors.at(l, "#[oom_retry] takes `key = value` options");
+                    continue;
+                }
+            };
+            if !RETRY_KEYS.contains(&key.to_string().as_str()) {
+                args::unknown(&key, "oom_retry", RETRY_KEYS, errors);
+                continue;
+            }
+            if !seen.first(&key, errors) {
+                continue;
+            }
+            match key.to_string().as_str() {
+                "batch" => o.batch = args::ident(&value, "batch", errors),
+                "plan" => o.plan = args::ident(&value, "plan", errors),
+                "policy" => o.policy = Some(value),
+                "min" => {
+                    o.min = args::int_lit(&value, "min", errors);
+                    if o.min == Some(0) {
+                        errors.at(&value, "`min` must be at least 1");
+                    }
+                }
+                "max_retries" => o.max_retries = args::int_lit(&value, "max_retries", errors),
+                "remember" => o.remember = args::bool_lit(&value, "remember", errors),
+                "persist" => {
+                    o.persist = args::str_lit(&value, "persist", errors);
+                    if o.persist.as_ref().is_some_and(|p| p.value().is_empty()) {
+                        errors.at(&value, "`persist` needs a file path");
+                    }
+                }
+                "crate" => o.krate = args::crate_path(&value, errors),
+                _ => unreachable!("keys are checked above"),
+            }
+        }
+        if let (Some(b), Some(_)) = (&o.batch, &o.plan) {
+            errors.at(
+                b,
+                "give `batch` (shrink the batch) or `plan` (accumulate micro-batches), not both",
+            );
+        }
+        o
+    }
+}
+
+/// What a budget is.
+pub enum BudgetLimit {
+    Bytes(u64),
+    Expr(Expr),
+    Fraction(f64),
+}
+
+/// `#[memory_budget(...)]`
+pub struct BudgetOptions {
+    pub limit: Option<BudgetLimit>,
+    pub krate: Option<syn::Path>,
+}
+
+const BUDGET_KEYS: &[&str] = &["bytes", "fraction", "crate"];
+
+impl BudgetOptions {
+    pub fn from_args(list: Vec<Arg>, span: Span, errors: &mut Errors) -> Self {
+        let mut o = BudgetOptions {
+            limit: None,
+            krate: None,
+        };
+        let mut seen = Seen::new();
+        let mut limit_given = false;
+        let set_limit = |o: &mut BudgetOptions,
+                         l: BudgetLimit,
+                         at: &dyn quote::ToTokens,
+                         errors: &mut Errors| {
+            if o.limit.is_some() {
+                errors.at(
+                    at,
+                    "give the budget once: a size literal, `bytes = ...` or `fraction = ...`",
+                );
+            } else {
+                o.limit = Some(l);
+            }
+        };
+        for arg in list {
+            match &arg {
+                Arg::Literal(_) => limit_given = true,
+                Arg::KeyValue { key, .. } if key == "bytes" || key == "fraction" => {
+                    limit_given = true
+                }
+                _ => {}
+            }
+            match arg {
+                Arg::Literal(Lit::Str(s)) => {
+                    if let Some(n) = args::size_lit(&s, errors) {
+                        set_limit(&mut o, BudgetLimit::Bytes(n), &s, errors);
+                    }
+                }
+                Arg::Literal(l) => {
+                    errors.at(l, "the budget literal is a size string such as \"2 GiB\"")
+                }
+                Arg::Flag(key) => args::unknown(&key, "memory_budget", BUDGET_KEYS, errors),
+                Arg::KeyValue { key, value } => {
+                    if !BUDGET_KEYS.contains(&key.to_string().as_str()) {
+                        args::unknown(&key, "memory_budget", BUDGET_KEYS, errors);
+                        continue;
+                    }
+                    if !seen.first(&key, errors) {
+                        continue;
+                    }
+                    match key.to_string().as_str() {
+                        "bytes" => {
+                            set_limit(&mut o, BudgetLimit::Expr(value.clone()), &key, errors)
+                        }
+                        "fraction" => {
+                            let f = match &value {
+                                Expr::Lit(syn::ExprLit {
+                                    lit: Lit::Float(f), ..
+                                }) => f.base10_parse::<f64>().ok(),
+                                Expr::Lit(syn::ExprLit {
+                                    lit: Lit::Int(i), ..
+                                }) => i.base10_parse::<f64>().ok(),
+                                _ => None,
+                            };
+                            match f {
+                                Some(f) if f > 0.0 && f <= 1.0 => {
+                                    set_limit(&mut o, BudgetLimit::Fraction(f), &key, errors)
+                                }
+                                Some(f) => errors.at(&value, format!("`fraction` must be in (0, 1], not {f}")),
+                                None => errors.at(&value, "`fraction` takes a number literal in (0, 1], e.g. `fraction = 0.9`"),
+                            }
+                        }
+                        "crate" => o.krate = args::crate_path(&value, errors),
+                        _ => unreachable!("keys are checked above"),
+                    }
+                }
+            }
+        }
+        if !limit_given {
+            errors.at_span(
+                span,
+                "#[memory_budget] needs a budget: #[memory_budget(\"2 GiB\")], #[memory_budget(bytes = expr)] or #[memory_budget(fraction = 0.9)]",
+            );
+        }
+        o
+    }
+}
+
+/// What a leak check does with leaks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum LeakAction {
+    Panic,
+    Warn,
+    Error,
+}
+
+/// `#[leak_check(...)]`
+pub struct LeakOptions {
+    pub action: LeakAction,
+    pub action_span: Option<Span>,
+    pub allow: u64,
+    pub krate: Option<syn::Path>,
+}
+
+const LEAK_KEYS: &[&str] = &["action", "allow", "crate"];
+
+impl LeakOptions {
+    pub fn from_args(list: Vec<Arg>, errors: &mut Errors) -> Self {
+        let mut o = LeakOptions {
+            action: LeakAction::Panic,
+            action_span: None,
+            allow: 0,
+            krate: None,
+        };
+        let mut seen = Seen::new();
+        for arg in list {
+            let (key, value) = match arg {
+                Arg::KeyValue { key, value } => (key, value),
+                Arg::Flag(key) => {
+                    args::unknown(&key, "leak_check", LEAK_KEYS, errors);
+                    continue;
+                }
+                Arg::Literal(l) => {
+                    errors.at(
+                        l,
+                        "#[leak_check] takes `action = ...` and `allow = \"size\"`",
+                    );
+                    continue;
+                }
+            };
+            if !LEAK_KEYS.contains(&key.to_string().as_str()) {
+                args::unknown(&key, "leak_check", LEAK_KEYS, errors);
+                continue;
+            }
+            if !seen.first(&key, errors) {
+                continue;
+            }
+            match key.to_string().as_str() {
+                "action" => {
+                    let Some(id) = args::ident(&value, "action", errors) else {
+                        continue;
+                    };
+                    o.action_span = Some(id.span());
+                    o.action = match id.to_string().as_str() {
+                        "panic" => LeakAction::Panic,
+                        "warn" => LeakAction::Warn,
+                        "error" => LeakAction::Error,
+                        other => {
+                            errors.at(
+                                &id,
+                                format!("unknown action `{other}`; use panic, warn or error"),
+                            );
+                            continue;
+                        }
+                    };
+                }
+                "allow" => {
+                    if let Some(s) = args::str_lit(&value, "allow", errors) {
+                        o.allow = args::size_lit(&s, errors).unwrap_or(0);
+                    }
+                }
+                "crate" => o.krate = args::crate_path(&value, errors),
+                _ => unreachable!("keys are checked above"),
+            }
+        }
+        o
+    }
+}
+
+/// `#[no_grad]` takes only `crate = "path"`.
+pub fn no_grad_options(list: Vec<Arg>, errors: &mut Errors) -> Option<syn::Path> {
+    let mut krate = None;
+    let mut seen = Seen::new();
+    for arg in list {
+        match arg {
+            Arg::KeyValue { key, value } if key == "crate" => {
+                if seen.first(&key, errors) {
+                    krate = args::crate_path(&value, errors);
+                }
+            }
+            Arg::KeyValue { key, .. } | Arg::Flag(key) => {
+                args::unknown(&key, "no_grad", &["crate"], errors)
+            }
+            Arg::Literal(l) => {
+                errors.at(l, "#[no_grad] takes no arguments (only `crate = \"path\"`)")
+            }
+        }
+    }
+    krate
+}

@@ -1,0 +1,382 @@
+//! The CUDA backend: [`CudaBackend`], a [`Backend`] over the CUDA driver API through cudarc.
+//!
+//! - Fixed segments: `cuMemAlloc` / `cuMemFree`.
+//! - Growable segments: `cuMemAddressReserve`, then one `cuMemCreate` handle per page
+//!   (`cuMemGetAllocationGranularity`, 2 MiB on an H100) mapped with `cuMemMap` + `cuMemSetAccess`,
+//!   so that any page-aligned sub-range can be unmapped (`cuMemUnmap` + `cuMemRelease`) on its own.
+//! - Streams: a [`StreamId`] is the raw `CUstream` handle value (0: the legacy default stream);
+//!   streams other than 0 must be registered ([`CudaBackend::register_stream`]) before use.
+//! - Events: `cuEventRecord` / `cuEventQuery` / `cuEventSynchronize` for cross-stream reuse.
+//!
+//! cudarc panics when the driver library cannot be loaded, so [`CudaBackend::new`] first probes
+//! the library with `libloading` (`loader.rs`) and runs cudarc's set-up under `catch_unwind`.
+#![allow(unsafe_code)] // FFI: every unsafe block calls the CUDA driver and says why it is sound
+
+mod events;
+mod loader;
+mod pinned;
+mod streams;
+mod vmm;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
+
+use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
+use events::EventTable;
+use streams::StreamRegistry;
+use vmm::PageTable;
+
+/// Page size used when the device cannot map pages (no virtual memory management).
+const FALLBACK_GRANULARITY: u64 = 2 << 20;
+
+/// Whether the CUDA driver library loads and has every entry point this backend calls. It does
+/// not tell whether a GPU is present: [`CudaBackend::new`] does.
+pub fn driver_available() -> bool {
+    loader::probe().is_ok()
+}
+
+/// Turns a driver error into a [`BackendError`]; `CUDA_ERROR_OUT_OF_MEMORY` becomes
+/// [`BackendErrorKind::OutOfMemory`].
+pub(crate) fn driver_error(op: &'static str, e: DriverError) -> BackendError {
+    use sys::CUresult as R;
+    let kind = match e.0 {
+        R::CUDA_ERROR_OUT_OF_MEMORY => BackendErrorKind::OutOfMemory,
+        R::CUDA_ERROR_INVALID_VALUE | R::CUDA_ERROR_INVALID_HANDLE => {
+            BackendErrorKind::InvalidArgument
+        }
+        R::CUDA_ERROR_NO_DEVICE
+        | R::CUDA_ERROR_INVALID_DEVICE
+        | R::CUDA_ERROR_NOT_INITIALIZED
+        | R::CUDA_ERROR_DEINITIALIZED
+        | R::CUDA_ERROR_SYSTEM_DRIVER_MISMATCH
+        | R::CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE
+        | R::CUDA_ERROR_NOT_SUPPORTED => BackendErrorKind::Unavailable,
+        _ => BackendErrorKind::Other,
+    };
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    BackendError::new(kind, op, format!("{name} ({text})"))
+}
+
+fn invalid(op: &'static str, message: impl Into<String>) -> BackendError {
+    BackendError::new(BackendErrorKind::InvalidArgument, op, message)
+}
+
+/// A CUDA device as a [`Backend`]. Usually made through [`crate::Device::cuda`]; make it directly
+/// to combine it with a custom configuration ([`crate::Device::new`]).
+///
+/// Copies ([`Backend::copy_to_device`], [`Backend::copy_to_host`], [`Backend::memset_zero`])
+/// synchronise the whole context before and after, so they are ordered with kernels on every
+/// stream; launch kernels yourself (through cudarc) for asynchronous work.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+    granularity: u64,
+    vmm: bool,
+    pages: PageTable,
+    segments: Mutex<HashMap<DevicePtr, u64>>,
+    streams: StreamRegistry,
+    events: EventTable,
+}
+
+impl fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("granularity", &self.granularity)
+            .field("growable", &self.vmm)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update under these locks is a single insert or remove, so a poisoned lock still
+    // guards consistent data.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal` (retaining its primary context, as the CUDA runtime does).
+    ///
+    /// Fails with [`BackendErrorKind::Unavailable`] when the driver library cannot be loaded or
+    /// has no device, and with [`BackendErrorKind::InvalidArgument`] when `ordinal` is out of
+    /// range. Never panics, even without a driver.
+    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+        loader::probe()?;
+        match std::panic::catch_unwind(|| Self::open(ordinal)) {
+            Ok(r) => r,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown panic");
+                Err(BackendError::new(
+                    BackendErrorKind::Unavailable,
+                    "cuInit",
+                    format!(
+                        "the CUDA driver could not be used: {}",
+                        what.replace('\n', " ")
+                    ),
+                ))
+            }
+        }
+    }
+
+    fn open(ordinal: usize) -> Result<Self, BackendError> {
+        result::init().map_err(|e| driver_error("cuInit", e))?;
+        let count = result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if ordinal >= count {
+            return Err(invalid(
+                "cuDeviceGet",
+                format!("CUDA device {ordinal} does not exist ({count} device(s) present)"),
+            ));
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+        let name = ctx.name().map_err(|e| driver_error("cuDeviceGetName", e))?;
+        let vmm = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )
+            .map_err(|e| driver_error("cuDeviceGetAttribute", e))?
+            > 0;
+        let granularity = if vmm {
+            vmm::granularity(ctx.cu_device())?
+        } else {
+            FALLBACK_GRANULARITY
+        };
+        let backend = Self {
+            ordinal,
+            name,
+            granularity,
+            vmm,
+            pages: PageTable::new(ctx.cu_device(), granularity),
+            segments: Mutex::new(HashMap::new()),
+            streams: StreamRegistry::new(&ctx),
+            events: EventTable::default(),
+            ctx,
+        };
+        Ok(backend)
+    }
+
+    /// The cudarc context (the device's primary context), to load modules and make streams.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The legacy default stream (stream id 0).
+    pub fn default_stream(&self) -> Arc<CudaStream> {
+        self.streams.default_stream()
+    }
+
+    /// Registers a cudarc stream of this device and returns its [`StreamId`] (its raw handle
+    /// value; 0 for the default stream). The registry keeps the stream alive as long as the
+    /// backend, so an id is never reused for another stream. Registering twice is harmless.
+    pub fn register_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamId, BackendError> {
+        self.streams.register(&self.ctx, stream)
+    }
+
+    /// The cudarc stream of a registered [`StreamId`].
+    pub fn stream(&self, id: StreamId) -> Result<Arc<CudaStream>, BackendError> {
+        self.streams.get(id)
+    }
+
+    /// Pages currently mapped in growable segments.
+    pub fn mapped_pages(&self) -> usize {
+        self.pages.mapped_pages()
+    }
+
+    /// Makes this backend's context current on the calling thread (the allocator may be called
+    /// from any thread). Unlike cudarc's `bind_to_thread`, it leaves cudarc's deferred error state
+    /// alone.
+    fn bind(&self, op: &'static str) -> Result<(), BackendError> {
+        let cur = result::ctx::get_current().map_err(|e| driver_error(op, e))?;
+        if cur != Some(self.ctx.cu_ctx()) {
+            // SAFETY: the context is the device's primary context, retained by `self.ctx` for as
+            // long as this backend lives.
+            unsafe { result::ctx::set_current(self.ctx.cu_ctx()) }
+                .map_err(|e| driver_error(op, e))?;
+        }
+        Ok(())
+    }
+
+    fn sync_all(&self, op: &'static str) -> Result<(), BackendError> {
+        result::ctx::synchronize().map_err(|e| driver_error(op, e))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    fn mem_info(&self) -> Result<MemInfo, BackendError> {
+        self.bind("cuMemGetInfo")?;
+        let (free, total) = result::mem_get_info().map_err(|e| driver_error("cuMemGetInfo", e))?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+    fn supports_growable(&self) -> bool {
+        self.vmm
+    }
+
+    fn alloc_segment(&self, bytes: u64, _stream: StreamId) -> Result<DevicePtr, BackendError> {
+        let n = usize::try_from(bytes)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| invalid("cuMemAlloc", format!("cannot allocate {bytes} bytes")))?;
+        self.bind("cuMemAlloc")?;
+        // SAFETY: cuMemAlloc writes one device pointer; the memory is freed only by
+        // `free_segment` (or on drop), after which the allocator no longer hands it out.
+        let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| driver_error("cuMemAlloc", e))?;
+        lock(&self.segments).insert(ptr, bytes);
+        Ok(ptr)
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut segs = lock(&self.segments);
+        if segs.get(&ptr) != Some(&bytes) {
+            return Err(invalid(
+                "cuMemFree",
+                format!("no segment of {bytes} bytes at {ptr:#x}"),
+            ));
+        }
+        self.bind("cuMemFree")?;
+        // Work queued on any stream may still use the segment.
+        self.sync_all("cuMemFree")?;
+        // SAFETY: `ptr` came from cuMemAlloc in `alloc_segment` and is freed once (it is removed
+        // from `segments` below); all work that could use it has completed.
+        unsafe { result::free_sync(ptr) }.map_err(|e| driver_error("cuMemFree", e))?;
+        segs.remove(&ptr);
+        Ok(())
+    }
+
+    fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError> {
+        if !self.vmm {
+            return Err(invalid(
+                "cuMemAddressReserve",
+                "the device cannot map pages",
+            ));
+        }
+        self.bind("cuMemAddressReserve")?;
+        self.pages.reserve(bytes)
+    }
+
+    fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind("cuMemAddressFree")?;
+        self.pages.release(base, bytes)
+    }
+
+    fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind("cuMemMap")?;
+        self.pages.map(addr, bytes)
+    }
+
+    fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind("cuMemUnmap")?;
+        self.pages.unmap(addr, bytes)
+    }
+
+    fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind("cuMemcpyHtoD")?;
+        self.sync_all("cuMemcpyHtoD")?;
+        // SAFETY: `src` is a live host slice; the driver checks that `dst..dst+len` is device
+        // memory and fails otherwise.
+        unsafe { result::memcpy_htod_sync(dst, src) }
+            .map_err(|e| driver_error("cuMemcpyHtoD", e))?;
+        self.sync_all("cuMemcpyHtoD")
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), BackendError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind("cuMemcpyDtoH")?;
+        self.sync_all("cuMemcpyDtoH")?;
+        // SAFETY: `dst` is a live, exclusively borrowed host slice; the driver checks the device
+        // range. The call returns when the bytes are in `dst`.
+        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| driver_error("cuMemcpyDtoH", e))
+    }
+
+    fn memset_zero(&self, dst: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let n = usize::try_from(bytes).map_err(|_| invalid("cuMemsetD8", "size too large"))?;
+        self.bind("cuMemsetD8")?;
+        self.sync_all("cuMemsetD8")?;
+        // SAFETY: only device memory is written; the driver checks the range.
+        unsafe { result::memset_d8_sync(dst, 0, n) }.map_err(|e| driver_error("cuMemsetD8", e))?;
+        self.sync_all("cuMemsetD8")
+    }
+
+    fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
+        let s = self.streams.get(stream)?;
+        self.bind("cuEventRecord")?;
+        self.events.record(s.cu_stream())
+    }
+
+    fn event_done(&self, event: EventId) -> Result<bool, BackendError> {
+        self.bind("cuEventQuery")?;
+        self.events.done(event)
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<(), BackendError> {
+        self.bind("cuEventSynchronize")?;
+        self.events.wait(event)
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
+        self.bind("cuCtxSynchronize")?;
+        self.sync_all("cuCtxSynchronize")
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Give everything back: buffers keep their device (and so this backend) alive, so none is
+        // in use any more.
+        if self.bind("drop").is_err() {
+            return;
+        }
+        if let Err(e) = self.sync_all("cuCtxSynchronize") {
+            tracing::warn!(error = %e, "synchronizing before dropping the CUDA backend failed");
+        }
+        self.events.destroy_all();
+        self.pages.release_all();
+        for (ptr, _) in lock(&self.segments).drain() {
+            // SAFETY: every segment left came from cuMemAlloc and was not freed yet; the device is
+            // idle and no buffer of this backend is alive.
+            if let Err(e) = unsafe { result::free_sync(ptr) } {
+                tracing::warn!(error = %driver_error("cuMemFree", e), "freeing a segment on drop failed");
+            }
+        }
+    }
+}

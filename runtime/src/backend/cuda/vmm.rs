@@ -1,0 +1,284 @@
+//! Growable segments on the CUDA virtual memory management API: reserved address ranges, and one
+//! physical allocation handle per page, keyed by the page's address, so that any page-aligned
+//! run of pages can be unmapped regardless of how it was mapped.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use cudarc::driver::sys;
+
+use super::{driver_error, invalid, lock};
+use crate::backend::{BackendError, DevicePtr};
+
+fn check(op: &'static str, r: sys::CUresult) -> Result<(), BackendError> {
+    r.result().map_err(|e| driver_error(op, e))
+}
+
+/// Properties of a page: pinned device memory on `device`, no exportable handle.
+fn alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// The minimum page size of physical allocations on `device` (`cuMemGetAllocationGranularity`).
+pub(super) fn granularity(device: sys::CUdevice) -> Result<u64, BackendError> {
+    let prop = alloc_prop(device);
+    let mut g: usize = 0;
+    // SAFETY: both pointers are valid for the call; `prop` is fully initialised.
+    let r = unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut g,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    };
+    check("cuMemGetAllocationGranularity", r)?;
+    if g == 0 {
+        return Err(invalid(
+            "cuMemGetAllocationGranularity",
+            "the driver reported a granularity of 0",
+        ));
+    }
+    Ok(g as u64)
+}
+
+#[derive(Debug, Default)]
+struct Tables {
+    /// Reserved address ranges: base -> size.
+    ranges: BTreeMap<DevicePtr, u64>,
+    /// Mapped pages: page address -> its allocation handle.
+    pages: BTreeMap<DevicePtr, sys::CUmemGenericAllocationHandle>,
+}
+
+/// Reserved ranges and mapped pages of one device.
+#[derive(Debug)]
+pub(super) struct PageTable {
+    device: sys::CUdevice,
+    page: u64,
+    tables: Mutex<Tables>,
+}
+
+impl PageTable {
+    pub(super) fn new(device: sys::CUdevice, page: u64) -> Self {
+        Self {
+            device,
+            page,
+            tables: Mutex::new(Tables::default()),
+        }
+    }
+
+    pub(super) fn mapped_pages(&self) -> usize {
+        lock(&self.tables).pages.len()
+    }
+
+    fn whole_pages(&self, op: &'static str, addr: u64, bytes: u64) -> Result<(), BackendError> {
+        let g = self.page;
+        if bytes == 0 || addr % g != 0 || bytes % g != 0 || addr.checked_add(bytes).is_none() {
+            return Err(invalid(
+                op,
+                format!("{bytes} bytes at {addr:#x} are not whole pages of {g} bytes"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `cuMemAddressReserve` of `bytes` (a multiple of the page size).
+    pub(super) fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError> {
+        if bytes == 0 || bytes % self.page != 0 {
+            return Err(invalid(
+                "cuMemAddressReserve",
+                format!("size {bytes} is not a positive multiple of the page size"),
+            ));
+        }
+        let size =
+            usize::try_from(bytes).map_err(|_| invalid("cuMemAddressReserve", "too large"))?;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `base` is valid for the write; alignment 0 and address hint 0 let the driver
+        // choose (aligned to the granularity).
+        let r = unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) };
+        check("cuMemAddressReserve", r)?;
+        lock(&self.tables).ranges.insert(base, bytes);
+        Ok(base)
+    }
+
+    /// `cuMemAddressFree` of a whole reserved range with no page mapped in it.
+    pub(super) fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut t = lock(&self.tables);
+        let still_mapped = t
+            .pages
+            .range(base..base.saturating_add(bytes))
+            .next()
+            .is_some();
+        if t.ranges.get(&base) != Some(&bytes) || still_mapped {
+            return Err(invalid(
+                "cuMemAddressFree",
+                format!("no fully unmapped reservation of {bytes} bytes at {base:#x}"),
+            ));
+        }
+        // SAFETY: the range was reserved by `reserve` with exactly this size and has no mapping.
+        let r = unsafe { sys::cuMemAddressFree(base, bytes as usize) };
+        check("cuMemAddressFree", r)?;
+        t.ranges.remove(&base);
+        Ok(())
+    }
+
+    /// Maps fresh pages over `[addr, addr + bytes)`: a `cuMemCreate` + `cuMemMap` per page, then
+    /// one `cuMemSetAccess` over the range. On any failure, undoes what it did and returns the
+    /// error (out-of-memory from `cuMemCreate` included).
+    pub(super) fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.whole_pages("cuMemMap", addr, bytes)?;
+        let g = self.page;
+        let mut t = lock(&self.tables);
+        let inside = t
+            .ranges
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&b, &s)| addr + bytes <= b + s);
+        if !inside {
+            return Err(invalid(
+                "cuMemMap",
+                format!("{addr:#x}+{bytes} is not in a reserved range"),
+            ));
+        }
+        if t.pages.range(addr..addr + bytes).next().is_some() {
+            return Err(invalid(
+                "cuMemMap",
+                format!("a page in {addr:#x}+{bytes} is already mapped"),
+            ));
+        }
+        let prop = alloc_prop(self.device);
+        let mut done: Vec<(DevicePtr, sys::CUmemGenericAllocationHandle)> =
+            Vec::with_capacity((bytes / g) as usize);
+        let mut page = addr;
+        while page < addr + bytes {
+            match self.map_page(&prop, page) {
+                Ok(h) => done.push((page, h)),
+                Err(e) => {
+                    self.undo(&done);
+                    return Err(e);
+                }
+            }
+            page += g;
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the whole range is mapped (above); `access` is one valid descriptor.
+        let r = unsafe { sys::cuMemSetAccess(addr, bytes as usize, &access, 1) };
+        if let Err(e) = check("cuMemSetAccess", r) {
+            self.undo(&done);
+            return Err(e);
+        }
+        t.pages.extend(done);
+        Ok(())
+    }
+
+    fn map_page(
+        &self,
+        prop: &sys::CUmemAllocationProp,
+        page: DevicePtr,
+    ) -> Result<sys::CUmemGenericAllocationHandle, BackendError> {
+        let g = self.page as usize;
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `h` is valid for the write; `prop` is fully initialised; the size is the
+        // granularity.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, g, prop, 0)
+        })?;
+        // SAFETY: `page` lies in a reserved range and is not mapped (checked by the caller under
+        // the lock); `h` is a fresh handle of exactly one page.
+        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(page, g, 0, h, 0) }) {
+            // SAFETY: `h` was created above and is mapped nowhere.
+            let _ = unsafe { sys::cuMemRelease(h) };
+            return Err(e);
+        }
+        Ok(h)
+    }
+
+    /// Unmaps and releases pages mapped during a failed `map`; errors are only logged.
+    fn undo(&self, done: &[(DevicePtr, sys::CUmemGenericAllocationHandle)]) {
+        for &(page, h) in done {
+            if let Err(e) = self.unmap_page(page, h) {
+                tracing::warn!(error = %e, page, "undoing a partial map failed");
+            }
+        }
+    }
+
+    fn unmap_page(
+        &self,
+        page: DevicePtr,
+        h: sys::CUmemGenericAllocationHandle,
+    ) -> Result<(), BackendError> {
+        // SAFETY: `page` is mapped to `h` with exactly one page (by `map_page`); the caller
+        // guarantees that no work uses it any more (the allocator synchronises before unmapping).
+        check("cuMemUnmap", unsafe {
+            sys::cuMemUnmap(page, self.page as usize)
+        })?;
+        // SAFETY: `h` is no longer mapped; releasing it frees the physical page.
+        check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+    }
+
+    /// Unmaps and frees every page of `[addr, addr + bytes)`; all must be mapped.
+    pub(super) fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.whole_pages("cuMemUnmap", addr, bytes)?;
+        let g = self.page;
+        let mut t = lock(&self.tables);
+        let mapped = t.pages.range(addr..addr + bytes).count() as u64;
+        if mapped != bytes / g {
+            return Err(invalid(
+                "cuMemUnmap",
+                format!("{bytes} bytes at {addr:#x} are not all mapped pages"),
+            ));
+        }
+        let mut first_err = None;
+        let mut page = addr;
+        while page < addr + bytes {
+            let h = t.pages[&page];
+            match self.unmap_page(page, h) {
+                Ok(()) => {
+                    t.pages.remove(&page);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, page, "unmapping a page failed");
+                    first_err.get_or_insert(e);
+                }
+            }
+            page += g;
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Unmaps every page and frees every range (on drop); errors are only logged.
+    pub(super) fn release_all(&self) {
+        let mut t = lock(&self.tables);
+        for (page, h) in std::mem::take(&mut t.pages) {
+            if let Err(e) = self.unmap_page(page, h) {
+                tracing::warn!(error = %e, page, "unmapping a page on drop failed");
+            }
+        }
+        for (base, size) in std::mem::take(&mut t.ranges) {
+            // SAFETY: the range was reserved with this size; its pages were just unmapped.
+            let r = unsafe { sys::cuMemAddressFree(base, size as usize) };
+            if let Err(e) = check("cuMemAddressFree", r) {
+                tracing::warn!(error = %e, base, "freeing an address range on drop failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! A stable-toolchain fuzz harness: each target starts from its checked-in corpus
+//! (`tests/fuzz_corpus/TARGET/`), mutates inputs (bit flips, byte edits, insertions, deletions,
+//! splices) for a bounded number of cases, and fails on any panic or broken property, printing
+//! the input. Deterministic (fixed seed), so a failure reproduces.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::Arc;
+
+use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::backend::Backend;
+use oomguard_runtime::{Allocation, AllocatorConfig, ByteSize, CachingAllocator};
+
+/// xorshift64*: small and deterministic.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn corpus(target: &str) -> Vec<Vec<u8>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fuzz_corpus")
+        .join(target);
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    files.iter().map(|p| std::fs::read(p).unwrap()).collect()
+}
+
+const DICT: &[&[u8]] = &[
+    b"expandable_segments",
+    b"max_split_size_mb",
+    b"roundup_power2_divisions",
+    b"garbage_collection_threshold",
+    b":",
+    b",",
+    b"[",
+    b"]",
+    b">",
+    b"True",
+    b"False",
+    b"GiB",
+    b"MiB",
+    b"KB",
+    b".",
+    b"0",
+    b"99999999999999999999",
+    b" ",
+];
+
+fn mutate(rng: &mut Rng, input: &[u8], pool: &[Vec<u8>]) -> Vec<u8> {
+    let mut v = input.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        match rng.below(6) {
+            0 if !v.is_empty() => {
+                let i = rng.below(v.len());
+                v[i] ^= 1 << rng.below(8);
+            }
+            1 if !v.is_empty() => {
+                let i = rng.below(v.len());
+                v[i] = rng.next() as u8;
+            }
+            2 => {
+                let i = rng.below(v.len() + 1);
+                let word = DICT[rng.below(DICT.len())];
+                v.splice(i..i, word.iter().copied());
+            }
+            3 if !v.is_empty() => {
+                let i = rng.below(v.len());
+                let n = rng.below(v.len() - i + 1);
+                v.drain(i..i + n);
+            }
+            4 => {
+                let other = &pool[rng.below(pool.len())];
+                let cut = rng.below(v.len() + 1);
+                let from = rng.below(other.len() + 1);
+                v.truncate(cut);
+                v.extend_from_slice(&other[from..]);
+            }
+            _ => v.push(rng.next() as u8),
+        }
+    }
+    v.truncate(4096);
+    v
+}
+
+/// Runs `check` on the corpus and `cases` mutants; a panic fails with the input shown.
+fn fuzz(target: &str, cases: usize, check: impl Fn(&[u8])) {
+    let seeds = corpus(target);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ target.len() as u64);
+    let mut pool = seeds.clone();
+    for i in 0..seeds.len() + cases {
+        let input = if i < seeds.len() {
+            seeds[i].clone()
+        } else {
+            let base = &pool[rng.below(pool.len())];
+            mutate(&mut rng, base, &pool)
+        };
+        if let Err(e) = catch_unwind(AssertUnwindSafe(|| check(&input))) {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            panic!(
+                "{target}: case {i} failed on input {:?}: {msg}",
+                String::from_utf8_lossy(&input)
+            );
+        }
+        if pool.len() < 256 && rng.below(8) == 0 {
+            pool.push(input);
+        }
+    }
+}
+
+#[test]
+fn fuzz_config_parser() {
+    fuzz("config", 20_000, |input| {
+        let s = String::from_utf8_lossy(input);
+        if let Ok(c) = AllocatorConfig::parse(&s) {
+            // whatever parses prints back to an equal configuration
+            let again = AllocatorConfig::parse(&c.to_string()).expect("printed config parses");
+            assert_eq!(again, c, "round trip of {s:?}");
+        } else {
+            let e = AllocatorConfig::parse(&s).unwrap_err();
+            assert!(e.to_string().contains("valid keys"), "{e}");
+        }
+    });
+}
+
+#[test]
+fn fuzz_byte_size_parser() {
+    fuzz("bytesize", 20_000, |input| {
+        let s = String::from_utf8_lossy(input);
+        match s.parse::<ByteSize>() {
+            Ok(b) => {
+                // parsing its own rendering gives a value within the 2-decimal rounding
+                let back: ByteSize = b.to_string().parse().expect("printed size parses");
+                assert!(back.0.abs_diff(b.0) as f64 <= b.0 as f64 * 0.005 + 1.0);
+            }
+            Err(e) => assert_eq!(e.input, s),
+        }
+    });
+}
+
+/// Allocator operations decoded from bytes, checked against a reference model: the live set
+/// (no overlaps; stats equal it), reserved bytes equal the device's usage, out-of-memory only
+/// when the request really cannot fit (growable mode), and nothing reserved after freeing all
+/// and emptying the cache.
+#[test]
+fn fuzz_allocator_against_a_model() {
+    fuzz("alloc_ops", 3_000, |input| {
+        let Some((&mode, ops)) = input.split_first() else {
+            return;
+        };
+        let growable = mode % 2 == 0;
+        let cap = 64u64 << 20;
+        let sim = SimDevice::address_only(ByteSize(cap));
+        let cfg = if growable {
+            AllocatorConfig::default()
+        } else {
+            AllocatorConfig::native()
+        };
+        let a = CachingAllocator::new(Arc::new(sim.clone()), cfg);
+        let mut live: Vec<Allocation> = Vec::new();
+        for op in ops.chunks(3) {
+            let (kind, x, y) = (
+                op[0],
+                *op.get(1).unwrap_or(&0) as u64,
+                *op.get(2).unwrap_or(&0) as u64,
+            );
+            match kind % 8 {
+                0..=3 => {
+                    // sizes from 1 byte to ~40 MiB, spread over both pools
+                    let size = match kind % 4 {
+                        0 => x * 16 + y,
+                        1 => (x << 12) + y,
+                        2 => (x << 16) + (y << 8),
+                        _ => (x % 40 + 1) << 20,
+                    };
+                    let stream = y % 2;
+                    match a.allocate(size, stream) {
+                        Ok(al) => {
+                            assert!(al.size >= size && al.ptr % 512 == 0);
+                            for o in &live {
+                                assert!(
+                                    al.ptr + al.size <= o.ptr || o.ptr + o.size <= al.ptr,
+                                    "overlap"
+                                );
+                            }
+                            live.push(al);
+                        }
+                        Err(e) => {
+                            assert!(e.is_oom(), "{e}");
+                            if growable {
+                                let used: u64 = live.iter().map(|l| l.size).sum();
+                                // each live block can strand at most two partial pages
+                                let slack = (live.len() as u64 * 2 + 2) * (2 << 20);
+                                assert!(
+                                    size + used + slack > cap,
+                                    "OOM for {size} with {used} live of {cap}"
+                                );
+                            }
+                        }
+                    }
+                }
+                4 | 5 if !live.is_empty() => {
+                    let l = live.swap_remove(x as usize % live.len());
+                    a.free(l).unwrap();
+                }
+                6 => a.empty_cache().unwrap(),
+                7 if !live.is_empty() => {
+                    let l = live[x as usize % live.len()];
+                    a.record_stream(&l, 1 - l.stream).unwrap();
+                }
+                _ => {}
+            }
+            a.check_invariants().unwrap();
+            let s = a.stats();
+            assert_eq!(
+                s.allocated_bytes.all.current,
+                live.iter().map(|l| l.size).sum::<u64>()
+            );
+            assert_eq!(s.reserved_bytes.all.current, sim.used());
+            assert!(sim.mem_info().unwrap().free <= cap);
+        }
+        for l in live {
+            a.free(l).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().reserved_bytes.all.current, 0);
+        assert_eq!(sim.used(), 0);
+    });
+}

@@ -1,0 +1,452 @@
+//! Tests of the CUDA backend on a real GPU. Every test but the first needs an NVIDIA GPU and is
+//! ignored by default; run them on the accelerator machine (`../shared/gpu/stage --test gpu`, then
+//! `bash .gpu/run` there, which passes `--include-ignored --test-threads=1`). Each prints its
+//! figures.
+//!
+//! The first test runs everywhere: without a driver, `Device::cuda` returns an error and does not
+//! panic.
+#![cfg(feature = "cuda")]
+
+use oomguard::backend::BackendErrorKind;
+use oomguard::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use oomguard::cudarc::nvrtc::compile_ptx;
+use oomguard::{AllocatorConfig, ByteSize, Device, Error};
+use std::error::Error as StdError;
+
+type TestResult = Result<(), Box<dyn StdError>>;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// How far figures taken at different moments may differ (other contexts, driver bookkeeping).
+const TOLERANCE: u64 = 64 * MIB;
+
+const KERNELS: &str = r#"
+extern "C" __global__ void scale(float* x, float a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = a * x[i];
+}
+// One block spins for `cycles` clock cycles, then fills `out` with `v`.
+extern "C" __global__ void slow_fill(float* out, int n, long long cycles, float v) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = v;
+}
+"#;
+
+fn cuda(config: AllocatorConfig) -> Device {
+    match Device::cuda_with_config(0, config) {
+        Ok(d) => d,
+        Err(e) => panic!("CUDA device 0 is needed for this test: {e}"),
+    }
+}
+
+fn free_now(dev: &Device) -> u64 {
+    dev.mem_info().expect("cuMemGetInfo").free
+}
+
+fn kernel(dev: &Device, name: &str) -> Result<CudaFunction, Box<dyn StdError>> {
+    let ptx = compile_ptx(KERNELS)?;
+    let module = dev.cuda_context()?.load_module(ptx)?;
+    Ok(module.load_function(name)?)
+}
+
+fn configs() -> [(&'static str, AllocatorConfig); 2] {
+    [
+        ("native (fixed segments)", AllocatorConfig::native()),
+        ("growable segments", AllocatorConfig::default()),
+    ]
+}
+
+#[test]
+fn cuda_without_a_driver_is_an_error_not_a_panic() {
+    let r = std::panic::catch_unwind(|| Device::cuda(0).map(|d| d.name()));
+    let r = r.expect("Device::cuda must not panic");
+    if oomguard::cuda::driver_available() {
+        println!("CUDA driver present; Device::cuda(0): {r:?}");
+    } else {
+        let e = r.expect_err("no driver: Device::cuda(0) must fail");
+        match &e {
+            Error::Backend(b) => assert_eq!(b.kind, BackendErrorKind::Unavailable, "{e}"),
+            other => panic!("expected an Unavailable backend error, got {other}"),
+        }
+        let msg = e.to_string();
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        println!("no CUDA driver here: {msg}");
+    }
+    // Out-of-range ordinals fail everywhere, driver or not.
+    let far = std::panic::catch_unwind(|| Device::cuda(1_000_000).map(|_| ()))
+        .expect("Device::cuda must not panic");
+    let e = far.expect_err("device 1000000 does not exist");
+    println!("Device::cuda(1000000): {e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn data_round_trips_and_kernels_run_on_buffers() -> TestResult {
+    let dev = cuda(AllocatorConfig::default());
+    println!(
+        "device: {} (ordinal {}), page size {}",
+        dev.name(),
+        dev.ordinal(),
+        ByteSize(dev.backend().granularity())
+    );
+    let n = 1usize << 20;
+    let data: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut buf = dev.from_slice(&data)?;
+    assert_eq!(buf.to_vec()?, data, "host -> device -> host");
+
+    // A kernel on the default stream (id 0, the buffer's stream) takes the buffer as it is.
+    let scale = kernel(&dev, "scale")?;
+    let stream = dev.cuda_default_stream()?;
+    let cfg = LaunchConfig::for_num_elems(n as u32);
+    let n32 = n as i32;
+    // SAFETY: scale(float*, float, int) touches the first n elements of buf, which has n.
+    unsafe {
+        stream
+            .launch_builder(&scale)
+            .arg(&mut buf)
+            .arg(&3.0f32)
+            .arg(&n32)
+            .launch(cfg)?
+    };
+    let out = buf.to_vec()?;
+    let bad = (0..n).filter(|&i| out[i] != 3.0 * i as f32).count();
+    println!("scale kernel: {bad} wrong elements of {n}");
+    assert_eq!(bad, 0);
+
+    // cudarc's own copies through views.
+    let ones = vec![1.0f32; n];
+    stream.memcpy_htod(&ones, &mut buf.cuda_view_mut()?)?;
+    assert_eq!(stream.clone_dtoh(&buf.cuda_view()?)?, ones);
+
+    // A registered stream of its own, and pinned host memory.
+    let s2 = dev.cuda_context()?.new_stream()?;
+    let id = dev.register_stream(&s2)?;
+    assert_ne!(id, 0);
+    assert_eq!(
+        dev.register_stream(&s2)?,
+        id,
+        "registering twice gives the same id"
+    );
+    let mut b2 = dev.alloc_on::<f32>(n, id)?;
+    assert_eq!(b2.stream(), id);
+    s2.memcpy_htod(&data, &mut b2.cuda_view_mut()?)?;
+    // SAFETY: as above.
+    unsafe {
+        s2.launch_builder(&scale)
+            .arg(&mut b2)
+            .arg(&0.5f32)
+            .arg(&n32)
+            .launch(cfg)?
+    };
+    let mut host = dev.pinned::<f32>(n)?;
+    assert_eq!(dev.stats().pinned_bytes.current, (n * 4) as u64);
+    s2.memcpy_dtoh(&b2.cuda_view()?, &mut host)?;
+    let bad = (0..n).filter(|&i| host[i] != 0.5 * i as f32).count();
+    println!("scale on a second stream, read into pinned memory: {bad} wrong elements");
+    assert_eq!(bad, 0);
+    assert_eq!(
+        b2.to_vec()?,
+        host.to_vec(),
+        "backend copy sees the stream's work"
+    );
+    drop(host);
+    assert_eq!(dev.stats().pinned_bytes.current, 0);
+    assert_eq!(dev.stats().pinned_bytes.peak, (n * 4) as u64);
+
+    let z = dev.zeros::<u64>(1000)?;
+    assert!(z.to_vec()?.iter().all(|&x| x == 0));
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn oom_reports_the_drivers_figures_and_empty_cache_gives_memory_back() -> TestResult {
+    for (label, config) in configs() {
+        let dev = cuda(config);
+        let start = dev.mem_info()?;
+        let mut held = Vec::new();
+        let err = loop {
+            match dev.alloc::<u8>(GIB as usize) {
+                Ok(b) => held.push(b),
+                Err(e) => break e,
+            }
+            assert!(held.len() < 100_000, "{label}: never ran out of memory");
+        };
+        let now = dev.mem_info()?;
+        let oom = match &err {
+            Error::Oom(o) => o.clone(),
+            other => panic!("{label}: expected an out-of-memory error, got {other}"),
+        };
+        println!(
+            "{label}: {} x 1 GiB allocated; OOM says free {} of {}, cuMemGetInfo says free {} of \
+             {} (start: free {})",
+            held.len(),
+            ByteSize(oom.device_free),
+            ByteSize(oom.device_total),
+            ByteSize(now.free),
+            ByteSize(now.total),
+            ByteSize(start.free)
+        );
+        println!("{label}: {err}");
+        assert_eq!(oom.requested, GIB);
+        assert_eq!(oom.device, 0);
+        assert_eq!(oom.device_total, now.total, "{label}: total");
+        assert!(
+            oom.device_free.abs_diff(now.free) <= TOLERANCE,
+            "{label}: OOM free {} vs cuMemGetInfo {}",
+            oom.device_free,
+            now.free
+        );
+        assert!(oom.cause.is_some(), "{label}: the driver's error is kept");
+        assert!(!held.is_empty(), "{label}: at least 1 GiB was allocatable");
+        assert!(dev.stats().num_ooms >= 1);
+
+        drop(held);
+        let cached = free_now(&dev);
+        dev.empty_cache()?;
+        let after = free_now(&dev);
+        println!(
+            "{label}: free after drop {} (cached), after empty_cache {}, start {}",
+            ByteSize(cached),
+            ByteSize(after),
+            ByteSize(start.free)
+        );
+        assert!(
+            after.abs_diff(start.free) <= TOLERANCE,
+            "{label}: free after empty_cache {after} vs start {}",
+            start.free
+        );
+        assert_eq!(dev.stats().reserved_bytes.all.current, 0);
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn nearly_all_free_memory_is_allocatable() -> TestResult {
+    for (label, config) in configs() {
+        let dev = cuda(config);
+        let start = free_now(&dev);
+        let mut held = Vec::new();
+        let mut total = 0u64;
+        let mut chunk = GIB;
+        while chunk >= MIB {
+            loop {
+                match dev.alloc::<u8>(chunk as usize) {
+                    Ok(b) => {
+                        total += chunk;
+                        held.push(b);
+                    }
+                    Err(e) if e.is_oom() => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            chunk /= 2;
+        }
+        let ratio = total as f64 / start as f64;
+        println!(
+            "{label}: allocated {} in {} buffers of {} free at start ({:.4}); free left {}",
+            ByteSize(total),
+            held.len(),
+            ByteSize(start),
+            ratio,
+            ByteSize(free_now(&dev))
+        );
+        assert!(
+            ratio >= 0.99,
+            "{label}: only {ratio:.4} of the free memory was allocatable"
+        );
+        drop(held);
+        dev.empty_cache()?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn growable_segments_map_and_unmap_pages() -> TestResult {
+    let dev = cuda(AllocatorConfig::default());
+    assert!(dev.allocator().uses_growable_segments());
+    let backend = dev.cuda_backend().expect("a CUDA device");
+    let page = dev.backend().granularity();
+    let quarter = 256 * MIB;
+    let f0 = free_now(&dev);
+    let p0 = backend.mapped_pages();
+
+    let mut bufs: Vec<_> = (0..4)
+        .map(|_| dev.alloc::<u8>(quarter as usize))
+        .collect::<Result<_, _>>()?;
+    let f1 = free_now(&dev);
+    let p1 = backend.mapped_pages();
+    println!(
+        "4 x 256 MiB: free {} -> {}, pages {p0} -> {p1} of {}",
+        ByteSize(f0),
+        ByteSize(f1),
+        ByteSize(page)
+    );
+    assert_eq!((p1 - p0) as u64, 4 * quarter / page);
+    assert!(
+        f0.saturating_sub(f1) >= 4 * quarter - TOLERANCE,
+        "mapping took device memory"
+    );
+
+    // Free the middle two: cached, still mapped.
+    let d = bufs.pop().unwrap();
+    let c = bufs.pop().unwrap();
+    let b = bufs.pop().unwrap();
+    drop((b, c));
+    assert_eq!(backend.mapped_pages(), p1);
+    assert!(
+        free_now(&dev).abs_diff(f1) <= TOLERANCE,
+        "freed memory stays cached"
+    );
+
+    // empty_cache unmaps exactly their pages.
+    dev.empty_cache()?;
+    let f2 = free_now(&dev);
+    let p2 = backend.mapped_pages();
+    println!(
+        "after freeing 2 and empty_cache: free {}, pages {p2}",
+        ByteSize(f2)
+    );
+    assert_eq!((p1 - p2) as u64, 2 * quarter / page);
+    assert!(
+        f2.saturating_sub(f1).abs_diff(2 * quarter) <= TOLERANCE,
+        "free memory grew by the unmapped pages"
+    );
+
+    // A new 512 MiB request maps pages again.
+    let e = dev.alloc::<u8>((2 * quarter) as usize)?;
+    assert_eq!(backend.mapped_pages(), p1);
+    let stats = dev.stats();
+    println!(
+        "maps {} ({}), unmaps {} ({})",
+        stats.num_map,
+        ByteSize(stats.mapped_bytes_total),
+        stats.num_unmap,
+        ByteSize(stats.unmapped_bytes_total)
+    );
+    assert!(stats.num_unmap >= 1);
+
+    drop((d, e, bufs));
+    dev.empty_cache()?;
+    let f3 = free_now(&dev);
+    println!(
+        "all freed: free {}, pages {}",
+        ByteSize(f3),
+        backend.mapped_pages()
+    );
+    assert_eq!(backend.mapped_pages(), p0);
+    assert!(f3.abs_diff(f0) <= TOLERANCE);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn eight_threads_allocate_at_once() -> TestResult {
+    let dev = cuda(AllocatorConfig::default());
+    let sizes = [
+        1usize << 8,
+        1 << 12,
+        1 << 16,
+        1 << 18,
+        3 << 18,
+        1 << 20,
+        2 << 20,
+    ];
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..8u32 {
+            let dev = dev.clone();
+            s.spawn(move || {
+                let mut live = std::collections::VecDeque::new();
+                for i in 0..200u32 {
+                    let n = sizes[((t + i * 7) % sizes.len() as u32) as usize];
+                    let tag = t * 100_000 + i;
+                    let b = dev.from_slice(&vec![tag; n]).expect("allocation");
+                    live.push_back((b, tag));
+                    if live.len() > 6 {
+                        let (b, tag) = live.pop_front().unwrap();
+                        let v = b.to_vec().expect("copy back");
+                        assert!(v.iter().all(|&x| x == tag), "thread {t}: data corrupted");
+                    }
+                }
+            });
+        }
+    });
+    let stats = dev.stats();
+    println!(
+        "8 threads x 200 allocations in {:?}: peak allocated {}, reserved {}, device allocs {}",
+        start.elapsed(),
+        ByteSize(stats.allocated_bytes.all.peak),
+        ByteSize(stats.reserved_bytes.all.current),
+        stats.num_device_alloc
+    );
+    assert_eq!(stats.allocated_bytes.all.current, 0);
+    assert_eq!(stats.allocation.all.allocated, 8 * 200);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cross_stream_reuse_waits_for_the_other_stream() -> TestResult {
+    let dev = cuda(AllocatorConfig::native());
+    let ctx = dev.cuda_context()?;
+    let a = ctx.new_stream()?;
+    let b = ctx.new_stream()?;
+    let (ida, idb) = (dev.register_stream(&a)?, dev.register_stream(&b)?);
+    let slow = kernel(&dev, "slow_fill")?;
+    let n = 2usize << 20; // 8 MiB of f32
+    let n32 = n as i32;
+    let cycles: i64 = 2_000_000_000; // about a second
+    let one_block = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+
+    let x = dev.alloc_on::<f32>(n, ida)?;
+    let old = x.device_ptr();
+    // SAFETY: slow_fill(float*, int, long long, float) writes the n elements of x.
+    unsafe {
+        b.launch_builder(&slow)
+            .arg(&x)
+            .arg(&n32)
+            .arg(&cycles)
+            .arg(&7.0f32)
+            .launch(one_block)?
+    };
+    let b_done = b.record_event(None)?;
+    x.record_stream(idb)?;
+    drop(x);
+    let busy_before = !b_done.is_complete();
+    let y = dev.alloc_on::<f32>(n, ida)?;
+    let busy_after = !b_done.is_complete();
+    println!(
+        "freed block {old:#x} while stream B was busy ({busy_before}); new allocation on A at \
+         {:#x}, B still busy ({busy_after})",
+        y.device_ptr()
+    );
+    assert!(
+        busy_before && busy_after,
+        "the slow kernel finished too early for this test to mean anything"
+    );
+    assert_ne!(
+        y.device_ptr(),
+        old,
+        "memory still used by stream B was handed out on stream A"
+    );
+
+    b.synchronize()?;
+    let z = dev.alloc_on::<f32>(n, ida)?;
+    println!("after B finished: allocation on A at {:#x}", z.device_ptr());
+    assert_eq!(z.device_ptr(), old, "once B is done the block is reused");
+    let v = z.to_vec()?;
+    assert!(
+        v.iter().all(|&x| x == 7.0),
+        "B's writes landed before reuse"
+    );
+    drop((y, z));
+    Ok(())
+}

@@ -1,0 +1,6 @@
+use oomguard::memory_budget;
+
+#[memory_budget("2 GiX")]
+fn step() {}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use oomguard::memory_budget;
+
+#[memory_budget]
+fn step() {}
+
+fn main() {}

@@ -1,0 +1,6 @@
+use oomguard::no_grad;
+
+#[no_grad(always)]
+fn step() {}
+
+fn main() {}
