@@ -19,6 +19,7 @@
 //! twice. The commit is not retried: allocate optimizer state before the first step.
 
 use std::fmt;
+use std::ops::ControlFlow;
 use std::panic::Location;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -79,10 +80,10 @@ pub trait Step {
     fn commit(&mut self) -> Self::Output;
 }
 
-/// The engine's view of an attempt: run it, or discard a result that may not be committed.
+/// The engine's view of an attempt: run it, or clean up after one that does not count.
 trait Attempt<G, E> {
     fn attempt(&mut self, plan: &BatchPlan) -> Result<G, E>;
-    fn discard(&mut self, value: Option<G>);
+    fn discard(&mut self);
 }
 
 struct ClosureAttempt<F>(F);
@@ -91,9 +92,7 @@ impl<G, E, F: FnMut(&BatchPlan) -> Result<G, E>> Attempt<G, E> for ClosureAttemp
     fn attempt(&mut self, plan: &BatchPlan) -> Result<G, E> {
         (self.0)(plan)
     }
-    fn discard(&mut self, value: Option<G>) {
-        drop(value);
-    }
+    fn discard(&mut self) {}
 }
 
 struct StepAttempt<'a, S>(&'a mut S);
@@ -106,7 +105,7 @@ impl<S: Step> Attempt<(), S::Error> for StepAttempt<'_, S> {
         }
         Ok(())
     }
-    fn discard(&mut self, _value: Option<()>) {
+    fn discard(&mut self) {
         self.0.abort();
     }
 }
@@ -280,20 +279,56 @@ impl RetryEngine {
         })
     }
 
-    fn agree(&self, values: &mut [u64; 3]) -> Result<(), ConsensusError> {
-        if self.consensus.world_size() > 1 {
-            self.consensus.all_reduce_max(values)?;
-        }
-        Ok(())
-    }
-
-    fn drive<G, E: IsOom + fmt::Display>(
+    /// Starts a step by hand, as a loop: for macros and for code that cannot be a closure.
+    /// [`RetryEngine::run`] and [`RetryEngine::run_step`] are built on it.
+    ///
+    /// ```
+    /// use std::ops::ControlFlow;
+    /// use oomguard_runtime::retry::RetryEngine;
+    /// use oomguard_runtime::{ByteSize, Device, Error};
+    ///
+    /// let dev = Device::sim(ByteSize::mib(64));
+    /// let engine = RetryEngine::new();
+    /// let mut lp = engine.begin::<Error>(&dev, 100).unwrap();
+    /// let (rows, report) = loop {
+    ///     let plan = lp.plan();
+    ///     let attempt = (|| {
+    ///         let mut rows = 0;
+    ///         for c in plan.chunks() {
+    ///             rows += dev.alloc::<u8>(c.len() << 20)?.len() >> 20;
+    ///         }
+    ///         Ok(rows)
+    ///     })();
+    ///     match lp.next(attempt) {
+    ///         ControlFlow::Break(done) => break done.unwrap(),
+    ///         ControlFlow::Continue(()) => {}
+    ///     }
+    /// };
+    /// assert_eq!(rows, 100);
+    /// assert!(report.retries() >= 1);
+    /// ```
+    #[track_caller]
+    pub fn begin<E: IsOom + fmt::Display>(
         &self,
-        site: &Location<'_>,
         device: &Device,
         batch: usize,
-        work: &mut dyn Attempt<G, E>,
-    ) -> Result<(G, RetryReport), RetryError<E>> {
+    ) -> Result<RetryLoop<E>, RetryError<E>> {
+        let site = Location::caller();
+        self.begin_at(
+            format!("{}:{}:{}", site.file(), site.line(), site.column()),
+            device,
+            batch,
+        )
+    }
+
+    /// [`RetryEngine::begin`] with an explicit call-site name (the memory key), e.g.
+    /// `"src/train.rs:42 train_step"` from a macro.
+    pub fn begin_at<E: IsOom + fmt::Display>(
+        &self,
+        site: impl Into<String>,
+        device: &Device,
+        batch: usize,
+    ) -> Result<RetryLoop<E>, RetryError<E>> {
         if batch == 0 {
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
@@ -301,7 +336,7 @@ impl RetryEngine {
         }
         let started = Instant::now();
         let mode = (self.mode)();
-        let key = MemoryKey::new(site, device, mode);
+        let key = MemoryKey::at(site.into(), device, mode);
 
         // Starting plan: remembered limits, or one size up after enough clean steps.
         let (limits, mut regrow) = {
@@ -320,7 +355,7 @@ impl RetryEngine {
         };
         let good = limits.plan_for(batch).expect("batch >= 1 gives a plan");
         let mut plan = regrow.and_then(|l| l.plan_for(batch)).unwrap_or(good);
-        let mut v = encode(0, &plan, batch);
+        let mut v = encode(OK, &plan, batch);
         self.agree(&mut v).map_err(RetryError::Consensus)?;
         let agreed = decode(&v, batch);
         if agreed != plan {
@@ -328,9 +363,7 @@ impl RetryEngine {
             regrow = None;
             plan = agreed;
         }
-        let regrow_plan = regrow.map(|_| plan);
-
-        let mut report = RetryReport {
+        let report = RetryReport {
             site: key.site.clone(),
             mode,
             requested_batch: batch,
@@ -342,165 +375,269 @@ impl RetryEngine {
             thrash_moved_to: None,
             elapsed: Default::default(),
         };
-        let mut failures: Vec<FailedAttempt<E>> = Vec::new();
-        let mut oom_count = 0u32;
-
-        loop {
-            let retries_before = device.stats().num_alloc_retries;
-            let t0 = Instant::now();
-            let result = work.attempt(&plan);
-            let elapsed = t0.elapsed();
-            let retries_after = device.stats().num_alloc_retries;
-
-            const OK: u64 = 0;
-            const OOM: u64 = 1;
-            const GIVE_UP: u64 = 2;
-            const FATAL: u64 = 3;
-            let (status, proposal) = match &result {
-                Ok(_) => (OK, plan),
-                Err(e) if e.is_oom() => {
-                    oom_count += 1;
-                    let next = if regrow.is_some() {
-                        Some(good)
-                    } else {
-                        let ctx = RetryContext::new(plan, batch, oom_count, Pressure::Oom);
-                        self.policy.next_plan(&ctx)
-                    };
-                    match next {
-                        Some(p) => (OOM, p),
-                        None => (GIVE_UP, plan),
-                    }
-                }
-                Err(_) => (FATAL, plan),
-            };
-            let mut v = encode(status, &proposal, batch);
-            if let Err(e) = self.agree(&mut v) {
-                work.discard(result.ok());
-                return Err(RetryError::Consensus(e));
-            }
-            let agreed_status = v[0];
-            let next = decode(&v, batch);
-
-            if agreed_status == OK {
-                let value = match result {
-                    Ok(v) => v,
-                    Err(_) => unreachable!("status OK means this rank succeeded"),
-                };
-                report.final_plan = plan;
-                if let Some(tried) = regrow_plan {
-                    if report.regrow.is_none() {
-                        report.regrow = Some(Regrow {
-                            tried,
-                            succeeded: true,
-                        });
-                    }
-                }
-                self.after_success(
-                    &key,
-                    device,
-                    batch,
-                    &plan,
-                    &mut report,
-                    retries_before,
-                    retries_after,
-                    regrow,
-                );
-                report.elapsed = started.elapsed();
-                return Ok((value, report));
-            }
-
-            // The attempt does not count on any rank.
-            let stats = device.stats();
-            let (outcome, error_text, error) = match result {
-                Ok(v) => {
-                    work.discard(Some(v));
-                    (AttemptOutcome::PeerOom, None, None)
-                }
-                Err(e) => {
-                    work.discard(None);
-                    let text = e.to_string();
-                    if status == FATAL {
-                        report.final_plan = plan;
-                        report.elapsed = started.elapsed();
-                        return Err(RetryError::Step {
-                            error: e,
-                            report: Box::new(report),
-                        });
-                    }
-                    (AttemptOutcome::Oom, Some(text), Some(e))
-                }
-            };
-            let continuing = agreed_status == OOM;
-            report.attempts.push(AttemptRecord {
-                plan,
-                outcome,
-                error: error_text.clone(),
-                next: continuing.then_some(next),
-                allocated_bytes: stats.allocated_bytes.all.current,
-                reserved_bytes: stats.reserved_bytes.all.current,
-                elapsed,
-            });
-            failures.push(FailedAttempt { plan, error });
-            if let Err(e) = device.empty_cache() {
-                tracing::warn!(target: "oomguard::retry", error = %e, "empty_cache failed");
-            }
-            if !continuing {
-                report.final_plan = plan;
-                report.elapsed = started.elapsed();
-                tracing::error!(
-                    target: "oomguard::retry",
-                    site = %report.site,
-                    attempts = failures.len(),
-                    plan = %plan,
-                    "out of memory: giving up"
-                );
-                return Err(
-                    if agreed_status == FATAL
-                        || (agreed_status == GIVE_UP && status != GIVE_UP && status != OOM)
-                    {
-                        RetryError::PeerFailed {
-                            report: Box::new(report),
-                        }
-                    } else {
-                        RetryError::GaveUp {
-                            failures,
-                            report: Box::new(report),
-                        }
-                    },
-                );
-            }
-            tracing::warn!(
-                target: "oomguard::retry",
-                site = %report.site,
-                attempt = report.attempts.len(),
-                error = error_text.as_deref().unwrap_or("another rank ran out of memory"),
-                old_plan = %plan,
-                new_plan = %next,
-                allocated_bytes = stats.allocated_bytes.all.current,
-                reserved_bytes = stats.reserved_bytes.all.current,
-                "out of memory: retrying with a smaller plan"
-            );
-            if let Some(tried) = regrow_plan {
-                if report.regrow.is_none() {
-                    report.regrow = Some(Regrow {
-                        tried,
-                        succeeded: false,
-                    });
-                    regrow = None;
-                    let mut mem = self.memory();
-                    mem.entry(&key).failed_regrows += 1;
-                }
-            }
-            plan = next;
-        }
+        Ok(RetryLoop {
+            engine: self.clone(),
+            device: device.clone(),
+            key,
+            batch,
+            good,
+            plan,
+            regrow,
+            regrow_plan: regrow.map(|_| plan),
+            report,
+            failures: Vec::new(),
+            oom_count: 0,
+            started,
+            attempt_started: Instant::now(),
+            retries_before: device.stats().num_alloc_retries,
+            done: false,
+        })
     }
 
+    fn agree(&self, values: &mut [u64; 3]) -> Result<(), ConsensusError> {
+        if self.consensus.world_size() > 1 {
+            self.consensus.all_reduce_max(values)?;
+        }
+        Ok(())
+    }
+
+    fn drive<G, E: IsOom + fmt::Display>(
+        &self,
+        site: &Location<'_>,
+        device: &Device,
+        batch: usize,
+        work: &mut dyn Attempt<G, E>,
+    ) -> Result<(G, RetryReport), RetryError<E>> {
+        let site = format!("{}:{}:{}", site.file(), site.line(), site.column());
+        let mut lp = self.begin_at(site, device, batch)?;
+        loop {
+            let plan = lp.plan();
+            let result = work.attempt(&plan);
+            match lp.next(result) {
+                ControlFlow::Break(done) => {
+                    if done.is_err() {
+                        work.discard();
+                    }
+                    return done;
+                }
+                ControlFlow::Continue(()) => work.discard(),
+            }
+        }
+    }
+}
+
+const OK: u64 = 0;
+const OOM: u64 = 1;
+const GIVE_UP: u64 = 2;
+const FATAL: u64 = 3;
+
+/// One step in progress, driven by hand: run an attempt with [`RetryLoop::plan`], hand its
+/// result to [`RetryLoop::next`], and repeat while it says `Continue`. Made by
+/// [`RetryEngine::begin`]. Commit only after `next` returns `Break(Ok(..))`.
+pub struct RetryLoop<E> {
+    engine: RetryEngine,
+    device: Device,
+    key: MemoryKey,
+    batch: usize,
+    good: BatchPlan,
+    plan: BatchPlan,
+    regrow: Option<Limits>,
+    regrow_plan: Option<BatchPlan>,
+    report: RetryReport,
+    failures: Vec<FailedAttempt<E>>,
+    oom_count: u32,
+    started: Instant,
+    attempt_started: Instant,
+    retries_before: u64,
+    done: bool,
+}
+
+impl<E> fmt::Debug for RetryLoop<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryLoop")
+            .field("site", &self.key.site)
+            .field("plan", &self.plan)
+            .field("retries", &self.report.attempts.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: IsOom + fmt::Display> RetryLoop<E> {
+    /// The plan the next attempt must run.
+    pub fn plan(&self) -> BatchPlan {
+        self.plan
+    }
+
+    /// Rows the next attempt must process (`plan().batch()`).
+    pub fn batch(&self) -> usize {
+        self.plan.batch()
+    }
+
+    /// The report so far.
+    pub fn report(&self) -> &RetryReport {
+        &self.report
+    }
+
+    /// Takes an attempt's result. `Break(Ok((value, report)))`: commit `value` now.
+    /// `Continue`: the attempt did not count (its OOM, or another rank's); the cache was emptied
+    /// and [`RetryLoop::plan`] is the plan to run next. `Break(Err(..))`: stop, commit nothing.
+    /// Calling it again after a `Break` returns an error.
+    pub fn next<G>(
+        &mut self,
+        result: Result<G, E>,
+    ) -> ControlFlow<Result<(G, RetryReport), RetryError<E>>> {
+        if self.done {
+            return ControlFlow::Break(Err(RetryError::InvalidArgument(
+                "RetryLoop::next called after the step finished".into(),
+            )));
+        }
+        let elapsed = self.attempt_started.elapsed();
+        let retries_after = self.device.stats().num_alloc_retries;
+        let plan = self.plan;
+        let (status, proposal) = match &result {
+            Ok(_) => (OK, plan),
+            Err(e) if e.is_oom() => {
+                self.oom_count += 1;
+                let next = if self.regrow.is_some() {
+                    Some(self.good)
+                } else {
+                    let ctx = RetryContext::new(plan, self.batch, self.oom_count, Pressure::Oom);
+                    self.engine.policy.next_plan(&ctx)
+                };
+                match next {
+                    Some(p) => (OOM, p),
+                    None => (GIVE_UP, plan),
+                }
+            }
+            Err(_) => (FATAL, plan),
+        };
+        let mut v = encode(status, &proposal, self.batch);
+        if let Err(e) = self.engine.agree(&mut v) {
+            self.done = true;
+            return ControlFlow::Break(Err(RetryError::Consensus(e)));
+        }
+        let agreed_status = v[0];
+        let next = decode(&v, self.batch);
+
+        if agreed_status == OK {
+            let Ok(value) = result else {
+                unreachable!("status OK on all ranks means this rank succeeded")
+            };
+            self.done = true;
+            self.report.final_plan = plan;
+            if let Some(tried) = self.regrow_plan {
+                if self.report.regrow.is_none() {
+                    self.report.regrow = Some(Regrow {
+                        tried,
+                        succeeded: true,
+                    });
+                }
+            }
+            self.engine.after_success(
+                &self.key,
+                self.batch,
+                &plan,
+                &mut self.report,
+                self.retries_before,
+                retries_after,
+                self.regrow,
+            );
+            self.report.elapsed = self.started.elapsed();
+            return ControlFlow::Break(Ok((value, self.report.clone())));
+        }
+
+        // The attempt does not count on any rank.
+        let stats = self.device.stats();
+        let (outcome, error_text, error) = match result {
+            Ok(v) => {
+                drop(v);
+                (AttemptOutcome::PeerOom, None, None)
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if status == FATAL {
+                    self.done = true;
+                    self.report.final_plan = plan;
+                    self.report.elapsed = self.started.elapsed();
+                    return ControlFlow::Break(Err(RetryError::Step {
+                        error: e,
+                        report: Box::new(self.report.clone()),
+                    }));
+                }
+                (AttemptOutcome::Oom, Some(text), Some(e))
+            }
+        };
+        let continuing = agreed_status == OOM;
+        self.report.attempts.push(AttemptRecord {
+            plan,
+            outcome,
+            error: error_text.clone(),
+            next: continuing.then_some(next),
+            allocated_bytes: stats.allocated_bytes.all.current,
+            reserved_bytes: stats.reserved_bytes.all.current,
+            elapsed,
+        });
+        self.failures.push(FailedAttempt { plan, error });
+        if let Err(e) = self.device.empty_cache() {
+            tracing::warn!(target: "oomguard::retry", error = %e, "empty_cache failed");
+        }
+        if !continuing {
+            self.done = true;
+            self.report.final_plan = plan;
+            self.report.elapsed = self.started.elapsed();
+            tracing::error!(
+                target: "oomguard::retry",
+                site = %self.report.site,
+                attempts = self.failures.len(),
+                plan = %plan,
+                "out of memory: giving up"
+            );
+            let report = Box::new(self.report.clone());
+            let peer = agreed_status == FATAL
+                || (agreed_status == GIVE_UP && status != GIVE_UP && status != OOM);
+            return ControlFlow::Break(Err(if peer {
+                RetryError::PeerFailed { report }
+            } else {
+                RetryError::GaveUp {
+                    failures: std::mem::take(&mut self.failures),
+                    report,
+                }
+            }));
+        }
+        tracing::warn!(
+            target: "oomguard::retry",
+            site = %self.report.site,
+            attempt = self.report.attempts.len(),
+            error = error_text.as_deref().unwrap_or("another rank ran out of memory"),
+            old_plan = %plan,
+            new_plan = %next,
+            allocated_bytes = stats.allocated_bytes.all.current,
+            reserved_bytes = stats.reserved_bytes.all.current,
+            "out of memory: retrying with a smaller plan"
+        );
+        if let Some(tried) = self.regrow_plan {
+            if self.report.regrow.is_none() {
+                self.report.regrow = Some(Regrow {
+                    tried,
+                    succeeded: false,
+                });
+                self.regrow = None;
+                self.engine.memory().entry(&self.key).failed_regrows += 1;
+            }
+        }
+        self.plan = next;
+        self.retries_before = self.device.stats().num_alloc_retries;
+        self.attempt_started = Instant::now();
+        ControlFlow::Continue(())
+    }
+}
+
+impl RetryEngine {
     /// Updates the remembered plan after a successful attempt: learned limits, regrow, thrash.
     #[allow(clippy::too_many_arguments)]
     fn after_success(
         &self,
         key: &MemoryKey,
-        device: &Device,
         batch: usize,
         plan: &BatchPlan,
         report: &mut RetryReport,
@@ -542,7 +679,6 @@ impl RetryEngine {
                 }
             }
         }
-        let _ = device;
         if let Err(err) = mem.set_limits(key, limits) {
             tracing::warn!(target: "oomguard::retry", error = %err, "could not save remembered plans");
         }

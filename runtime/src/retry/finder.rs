@@ -68,7 +68,7 @@ impl LinearFit {
             return None;
         }
         let per_row = (p2 as f64 - p1 as f64) / (r2 as f64 - r1 as f64);
-        (per_row > 0.0).then(|| Self {
+        (per_row > 0.0).then_some(Self {
             fixed_bytes: p1 as f64 - per_row * r1 as f64,
             per_row_bytes: per_row,
         })

@@ -59,8 +59,17 @@ pub struct MemoryKey {
 impl MemoryKey {
     /// The key for a call at `site` on `device` in `mode`.
     pub fn new(site: &Location<'_>, device: &Device, mode: StepMode) -> Self {
+        Self::at(
+            format!("{}:{}:{}", site.file(), site.line(), site.column()),
+            device,
+            mode,
+        )
+    }
+
+    /// The key for a call at the site named `site` on `device` in `mode`.
+    pub fn at(site: String, device: &Device, mode: StepMode) -> Self {
         Self {
-            site: format!("{}:{}:{}", site.file(), site.line(), site.column()),
+            site,
             device: DeviceKey::of(device),
             mode,
         }

@@ -26,7 +26,7 @@ mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
-pub use engine::{RetryEngine, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
+pub use engine::{RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
 pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
 pub use plan::{BatchPlan, Chunk, PlanError};
