@@ -289,6 +289,12 @@ fn giving_up_holds_every_attempt() {
         other => panic!("expected GaveUp, got {other}"),
     }
     assert!(e.to_string().contains("attempt 4"), "{e}");
+    let last = e.into_error().expect("the last OOM");
+    assert!(last.is_oom());
+    assert!(
+        last.to_string().contains("Tried to allocate 16.00 MiB"),
+        "{last}"
+    );
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
     assert_eq!(dev.stats().reserved_bytes.all.current, 0, "cache emptied");
 }

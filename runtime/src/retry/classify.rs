@@ -245,4 +245,26 @@ mod tests {
         let plain: &(dyn StdError + 'static) = &Plain;
         assert!(!plain.is_oom());
     }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cudarc_errors_by_code() {
+        use cudarc::cublas::result::CublasError;
+        use cudarc::cublas::sys::cublasStatus_t;
+        use cudarc::driver::result::DriverError;
+        use cudarc::driver::sys::CUresult;
+        assert!(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).is_oom());
+        assert!(!DriverError(CUresult::CUDA_ERROR_INVALID_VALUE).is_oom());
+        assert!(CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED).is_oom());
+        assert!(!CublasError(cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED).is_oom());
+        // nested in a user's error, as candle nests cudarc's
+        let nested: Box<dyn StdError + Send + Sync> = Box::new(Outer(Box::new(DriverError(
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ))));
+        assert!(nested.is_oom());
+        let blas: Box<dyn StdError + Send + Sync> = Box::new(Outer(Box::new(CublasError(
+            cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED,
+        ))));
+        assert!(blas.is_oom());
+    }
 }

@@ -148,6 +148,17 @@ pub enum RetryError<E> {
 }
 
 impl<E> RetryError<E> {
+    /// The step's own error, for callers that must return `E`: the non-OOM error, or the last
+    /// out-of-memory error of a step that gave up. `None` when this rank had no error of its own
+    /// (another rank failed, consensus failed, invalid argument).
+    pub fn into_error(self) -> Option<E> {
+        match self {
+            RetryError::Step { error, .. } => Some(error),
+            RetryError::GaveUp { failures, .. } => failures.into_iter().rev().find_map(|f| f.error),
+            _ => None,
+        }
+    }
+
     /// The report, when the step ran at all.
     pub fn report(&self) -> Option<&RetryReport> {
         match self {

@@ -1,0 +1,128 @@
+//! Telemetry: every retry emits a `tracing` event with the attempt, the error and the plans; the
+//! hand-driven `RetryLoop` behaves like `run`.
+
+use std::ops::ControlFlow;
+use std::sync::{Arc, Mutex};
+
+use oomguard_runtime::retry::{Accumulate, RetryEngine, RetryError};
+use oomguard_runtime::{ByteSize, Device, Error};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+/// Collects events as `name=value` lists.
+#[derive(Clone, Default)]
+struct Collect(Arc<Mutex<Vec<Vec<(String, String)>>>>);
+
+struct Fields(Vec<(String, String)>);
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0
+            .push((field.name().to_string(), format!("{value:?}")));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.push((field.name().to_string(), value.to_string()));
+    }
+}
+
+impl Subscriber for Collect {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, e: &Event<'_>) {
+        if e.metadata().target() != "oomguard::retry" {
+            return;
+        }
+        let mut f = Fields(vec![("level".into(), e.metadata().level().to_string())]);
+        e.record(&mut f);
+        self.0.lock().unwrap().push(f.0);
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+fn get<'a>(ev: &'a [(String, String)], k: &str) -> &'a str {
+    ev.iter()
+        .find(|(n, _)| n == k)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no field {k} in {ev:?}"))
+}
+
+fn step(dev: &Device, plan: &oomguard_runtime::BatchPlan) -> Result<usize, Error> {
+    let mut rows = 0;
+    for c in plan.chunks() {
+        rows += dev.alloc::<u8>(c.len() << 21)?.len() >> 21;
+    }
+    Ok(rows)
+}
+
+#[test]
+fn every_retry_is_an_event() {
+    let collect = Collect::default();
+    let dev = Device::sim(ByteSize::mib(64));
+    let out = tracing::subscriber::with_default(collect.clone(), || {
+        RetryEngine::new()
+            .with_policy(Accumulate::halving())
+            .run(&dev, 100, |p| step(&dev, p), |rows| rows)
+            .unwrap()
+    });
+    let events = collect.0.lock().unwrap().clone();
+    assert_eq!(events.len(), 2, "{events:?}");
+    for (i, ev) in events.iter().enumerate() {
+        assert_eq!(get(ev, "level"), "WARN");
+        assert_eq!(get(ev, "attempt"), (i + 1).to_string());
+        assert!(get(ev, "error").contains("out of memory"));
+        assert_eq!(get(ev, "old_plan"), out.report.attempts[i].plan.to_string());
+        assert_eq!(
+            get(ev, "new_plan"),
+            out.report.attempts[i].next.unwrap().to_string()
+        );
+        get(ev, "allocated_bytes");
+        get(ev, "reserved_bytes");
+    }
+    assert_eq!(
+        get(&events[1], "new_plan"),
+        "batch 100 in 4 micro-batches of ≤25"
+    );
+    let shown = out.report.to_string();
+    assert!(shown.contains("after 2 retries"), "{shown}");
+}
+
+#[test]
+fn hand_driven_loop() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let engine = RetryEngine::new().with_policy(Accumulate::halving());
+    let mut lp = engine.begin::<Error>(&dev, 100).unwrap();
+    let mut attempts = 0;
+    let (rows, report) = loop {
+        attempts += 1;
+        let plan = lp.plan();
+        assert_eq!(lp.batch(), 100);
+        match lp.next(step(&dev, &plan)) {
+            ControlFlow::Break(done) => break done.unwrap(),
+            ControlFlow::Continue(()) => assert_eq!(lp.report().retries(), attempts),
+        }
+    };
+    assert_eq!((rows, attempts, report.retries()), (100, 3, 2));
+    // a finished loop refuses more results
+    match lp.next(Ok::<usize, Error>(1)) {
+        ControlFlow::Break(Err(RetryError::InvalidArgument(m))) => assert!(m.contains("after")),
+        other => panic!("{other:?}"),
+    }
+    // an explicit site name is a memory key of its own
+    let mut named = engine
+        .begin_at::<Error>("train.rs:1 step", &dev, 100)
+        .unwrap();
+    assert_eq!(named.plan().num_chunks(), 1);
+    let plan = named.plan();
+    assert!(matches!(
+        named.next(step(&dev, &plan)),
+        ControlFlow::Continue(())
+    ));
+}
