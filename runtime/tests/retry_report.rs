@@ -10,9 +10,12 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
+/// One event's fields, `(name, value)`.
+type EventFields = Vec<(String, String)>;
+
 /// Collects events as `name=value` lists.
 #[derive(Clone, Default)]
-struct Collect(Arc<Mutex<Vec<Vec<(String, String)>>>>);
+struct Collect(Arc<Mutex<Vec<EventFields>>>);
 
 struct Fields(Vec<(String, String)>);
 
