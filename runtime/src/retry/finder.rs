@@ -46,7 +46,8 @@ impl Default for FinderOptions {
 pub struct Trial {
     /// Rows it ran with.
     pub rows: usize,
-    /// Peak allocated bytes during the run; `None`: out of memory.
+    /// Peak bytes allocated during the run above what was allocated before it; `None`: out of
+    /// memory.
     pub peak_bytes: Option<u64>,
     /// How long it took.
     pub elapsed: Duration,
@@ -55,7 +56,8 @@ pub struct Trial {
 /// `peak = fixed + per_row × rows`, fitted from two runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearFit {
-    /// Bytes independent of the batch (parameters, optimizer state, workspace).
+    /// Bytes independent of the batch that the step allocates (gradients, workspace; not what
+    /// was allocated before the search, such as the weights).
     pub fixed_bytes: f64,
     /// Bytes per row.
     pub per_row_bytes: f64,
@@ -94,7 +96,7 @@ pub struct FinderReport {
     pub trials: Vec<Trial>,
     /// The fit used for the jump (the refined one if a refinement ran).
     pub fit: Option<LinearFit>,
-    /// Bytes available to the step's peak (allocated now plus what the device can still give).
+    /// Bytes available to the step's peak (what the device could still give, cache emptied).
     pub budget_bytes: u64,
 }
 
@@ -147,11 +149,14 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
     Device(#[from] crate::Error),
 }
 
-/// Peak allocated bytes while `f` runs. One place to switch to the guards' `PeakScope` later.
+/// Peak bytes allocated while `f` runs, above what was allocated when it started (what a
+/// `PeakScope` around `f` reports: this is the one place to switch to it).
 fn measure_peak<T>(device: &Device, f: impl FnOnce() -> T) -> (T, u64) {
     device.reset_peak_stats();
+    let before = device.stats().allocated_bytes.all.current;
     let out = f();
-    (out, device.stats().allocated_bytes.all.peak)
+    let peak = device.stats().allocated_bytes.all.peak;
+    (out, peak.saturating_sub(before))
 }
 
 /// Finds the largest batch for which `step(rows)` runs without out-of-memory on `device`.
@@ -201,12 +206,12 @@ where
         )));
     }
     device.empty_cache()?;
-    let stats = device.stats();
-    let allocated = stats.allocated_bytes.all.current;
-    let reserved = stats.reserved_bytes.all.current;
-    let mut budget = allocated.saturating_add(device.mem_info()?.free);
+    // Room for the step: what the device can still give (the cache is empty), capped by the
+    // allocator's limit.
+    let reserved = device.stats().reserved_bytes.all.current;
+    let mut budget = device.mem_info()?.free;
     if let Some(limit) = device.allocator().memory_limit() {
-        budget = budget.min(limit.saturating_sub(reserved - allocated));
+        budget = budget.min(limit.saturating_sub(reserved));
     }
 
     let mut trials: Vec<Trial> = Vec::new();
