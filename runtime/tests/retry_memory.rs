@@ -298,3 +298,29 @@ fn giving_up_holds_every_attempt() {
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
     assert_eq!(dev.stats().reserved_bytes.all.current, 0, "cache emptied");
 }
+
+#[test]
+fn a_panicking_attempt_commits_nothing_and_leaves_the_engine_usable() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let engine = two_retry_engine();
+    let commits = AtomicU32::new(0);
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        engine.run(
+            &dev,
+            100,
+            |plan| -> Result<(), Error> {
+                let _acts = dev.alloc::<u8>(plan.micro_batch() << 10)?;
+                panic!("bug in the step")
+            },
+            |_| commits.fetch_add(1, Ordering::SeqCst),
+        )
+    }));
+    assert!(caught.is_err());
+    assert_eq!(commits.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        dev.stats().allocated_bytes.all.current,
+        0,
+        "unwinding freed the buffer"
+    );
+    assert_eq!(step_here(&engine, &dev, 100).report.retries(), 2);
+}

@@ -7,7 +7,9 @@
 //!   gradient accumulation, batch shrinking, floors, retry limits, chains.
 //! - [`RetryEngine`]: runs steps, retries, commits once, remembers per call site, device and grad
 //!   mode what worked ([`PlanMemory`], optionally a JSON file), regrows after clean steps, moves
-//!   down when the allocator thrashes, agrees with other ranks ([`Consensus`]).
+//!   down when the allocator thrashes, agrees with other ranks ([`Consensus`]). Drive it with
+//!   a closure ([`RetryEngine::run`]), a [`Step`] ([`RetryEngine::run_step`]), or by hand
+//!   ([`RetryEngine::begin`] → [`RetryLoop`]).
 //! - [`find_max_batch`]: a predictive batch-size finder (linear fit of peak memory).
 //!
 //! Better than the anchors: Accelerate shrinks the effective batch silently and string-matches
