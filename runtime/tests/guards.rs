@@ -479,3 +479,21 @@ fn peak_scope_ignores_other_threads_and_survives_panic() {
     assert!(r.is_err());
     assert_eq!((p.peak_bytes(), p.current_bytes()), (MIB, 0));
 }
+
+#[test]
+fn allocator_history_sees_the_callers_line_through_a_guard() {
+    let d = dev();
+    d.allocator().record_history(16, true);
+    let _p = d.peak_scope();
+    let x = d.alloc::<u8>(100).unwrap();
+    let line = line!() - 1;
+    let alloc = d
+        .allocator()
+        .history()
+        .into_iter()
+        .find(|e| e.action == oomguard_runtime::alloc::TraceAction::Alloc)
+        .unwrap();
+    assert_eq!(alloc.frames[0].filename, file!());
+    assert_eq!(alloc.frames[0].line, line);
+    drop(x);
+}
