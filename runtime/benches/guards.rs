@@ -27,7 +27,8 @@ fn ns_per_pair(iters: u64, mut f: impl FnMut()) -> f64 {
 fn main() {
     const N: u64 = 200_000;
     let dev = Device::sim(ByteSize::gib(8));
-    drop(dev.alloc_raw(512, 0).unwrap()); // warm the cache
+    let warm = dev.alloc_raw(512, 0).unwrap(); // warm the cache
+    dev.free_raw(warm).unwrap();
     let a = dev.allocator();
     let direct = ns_per_pair(N, || {
         let x = a.allocate(black_box(512), 0).unwrap();
