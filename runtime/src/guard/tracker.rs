@@ -14,7 +14,7 @@
 
 use std::backtrace::{Backtrace, BacktraceStatus};
 use std::cell::RefCell;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::marker::PhantomData;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -88,7 +88,7 @@ pub(crate) struct LiveRecord {
 
 #[derive(Default)]
 struct Table {
-    map: HashMap<u64, Tracked>,
+    map: FxHashMap<u64, Tracked>,
     seq: u64,
 }
 
