@@ -12,9 +12,9 @@
 //! it was charged to and credits them back when it is freed, on whatever thread, also after the
 //! scope has closed (the counters of a closed scope are then simply never read again).
 
+use rustc_hash::FxHashMap;
 use std::backtrace::{Backtrace, BacktraceStatus};
 use std::cell::RefCell;
-use rustc_hash::FxHashMap;
 use std::marker::PhantomData;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
