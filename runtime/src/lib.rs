@@ -6,7 +6,8 @@
 //!   simulated device [`backend::sim::SimDevice`] and, with the `cuda` feature (on by default),
 //!   by `backend::cuda::CudaBackend` (see `Device::cuda`);
 //! - [`alloc`]: the caching allocator (pools, best fit, split/merge, growable segments, stats);
-//! - [`Device`] and [`DeviceBuffer`]: what users hold.
+//! - [`Device`] and [`DeviceBuffer`]: what users hold;
+//! - [`guard`]: scoped guards (grad mode, budgets, leak checks, peak scopes, empty-cache).
 //!
 //! ```
 //! use oomguard_runtime::{Device, ByteSize};
@@ -26,6 +27,7 @@ pub mod cuda;
 mod device;
 mod error;
 pub mod export;
+pub mod guard;
 mod size;
 
 pub use alloc::{Allocation, CachingAllocator, MemoryStats};
@@ -33,6 +35,11 @@ pub use buffer::DeviceBuffer;
 pub use config::{AllocatorConfig, ConfigError};
 pub use device::Device;
 pub use error::{BudgetExceeded, Error, OomError, Result};
+pub use guard::{
+    enable_grad, inference_mode, is_grad_enabled, is_inference_mode, no_grad, set_grad_enabled,
+    set_grad_mode_guard, with_grad_enabled, with_inference_mode, with_no_grad, EmptyCacheOnDrop,
+    GradGuard, GradMode, LeakAction, LeakCheck, LeakReport, LeakedBuffer, MemoryBudget, PeakScope,
+};
 pub use size::{ByteSize, ByteSizeError};
 
 /// cudarc, the CUDA bindings the CUDA backend is built on (the same version), to load kernels,
