@@ -1,7 +1,7 @@
 //! `Device`: a backend and its caching allocator, shared by every buffer allocated from it.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytemuck::Pod;
 
@@ -37,6 +37,14 @@ struct DeviceInner {
     tracker: Tracker,
 }
 
+/// Weak handles of every device made, so that device-agnostic guards can reach them.
+static REGISTRY: Mutex<Vec<Weak<DeviceInner>>> = Mutex::new(Vec::new());
+
+fn registry() -> MutexGuard<'static, Vec<Weak<DeviceInner>>> {
+    // Only pushes and retains happen under the lock: a poisoned list is still a valid list.
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Device")
@@ -59,12 +67,25 @@ impl Device {
 
     /// A device over a shared backend, with `config`.
     pub fn from_arc(backend: Arc<dyn Backend>, config: AllocatorConfig) -> Self {
-        Self {
+        let d = Self {
             inner: Arc::new(DeviceInner {
                 allocator: CachingAllocator::new(backend, config),
                 tracker: Tracker::default(),
             }),
-        }
+        };
+        let mut all = registry();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&d.inner));
+        d
+    }
+
+    /// Every device alive in this process (for guards and retries that span devices).
+    pub fn all() -> Vec<Device> {
+        registry()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|inner| Device { inner })
+            .collect()
     }
 
     /// The caching allocator.

@@ -7,7 +7,7 @@ use std::panic::Location;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::tracker::{ScopeGuard, ScopeKind};
+use super::tracker::{LiveRecord, ScopeGuard, ScopeKind};
 use crate::backend::{DevicePtr, StreamId};
 use crate::device::Device;
 use crate::ByteSize;
@@ -59,6 +59,43 @@ pub struct LeakReport {
 }
 
 impl LeakReport {
+    pub(crate) fn from_records(
+        records: Vec<LiveRecord>,
+        allowed_bytes: u64,
+        scope: &'static Location<'static>,
+    ) -> Self {
+        let leaks: Vec<LeakedBuffer> = records
+            .into_iter()
+            .map(|r| LeakedBuffer {
+                ptr: r.alloc.ptr,
+                size: r.alloc.size,
+                requested: r.alloc.requested,
+                stream: r.alloc.stream,
+                location: r.site,
+                backtrace: r.backtrace,
+            })
+            .collect();
+        LeakReport {
+            total_bytes: leaks.iter().map(|l| l.size).sum(),
+            leaks,
+            allowed_bytes,
+            scope,
+        }
+    }
+
+    /// Carries out `action` for this report when it exceeds the allowance (a scope's end).
+    pub(crate) fn act(&self, action: LeakAction) {
+        if !self.exceeds_allowance() {
+            return;
+        }
+        match action {
+            LeakAction::Panic if !std::thread::panicking() => panic!("{self}"),
+            LeakAction::Panic => tracing::error!("{self}"),
+            LeakAction::Warn => tracing::warn!("{self}"),
+            LeakAction::Report => {}
+        }
+    }
+
     /// Whether the leaks exceed the allowance.
     pub fn exceeds_allowance(&self) -> bool {
         self.total_bytes > self.allowed_bytes
@@ -144,27 +181,8 @@ impl LeakCheck {
 
     /// The buffers allocated inside the scope that are live now (readable while it is open).
     pub fn report(&self) -> LeakReport {
-        let leaks: Vec<LeakedBuffer> = self
-            .guard
-            .device()
-            .tracker()
-            .live_in(&self.guard.scope)
-            .into_iter()
-            .map(|r| LeakedBuffer {
-                ptr: r.alloc.ptr,
-                size: r.alloc.size,
-                requested: r.alloc.requested,
-                stream: r.alloc.stream,
-                location: r.site,
-                backtrace: r.backtrace,
-            })
-            .collect();
-        LeakReport {
-            total_bytes: leaks.iter().map(|l| l.size).sum(),
-            leaks,
-            allowed_bytes: self.allowed,
-            scope: self.guard.scope.opened_at,
-        }
+        let records = self.guard.device().tracker().live_in(&self.guard.scope);
+        LeakReport::from_records(records, self.allowed, self.guard.scope.opened_at)
     }
 
     /// Ends the scope: `Err` with the report when the leaks exceed the allowance. Nothing
@@ -195,16 +213,7 @@ impl Drop for LeakCheck {
         if self.finished || self.action == LeakAction::Report {
             return;
         }
-        let r = self.report();
-        if !r.exceeds_allowance() {
-            return;
-        }
-        match self.action {
-            LeakAction::Panic if !std::thread::panicking() => panic!("{r}"),
-            LeakAction::Panic => tracing::error!("{r}"),
-            LeakAction::Warn => tracing::warn!("{r}"),
-            LeakAction::Report => {}
-        }
+        self.report().act(self.action);
     }
 }
 

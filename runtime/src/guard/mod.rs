@@ -37,6 +37,7 @@ mod empty_cache;
 mod grad;
 mod leak;
 mod peak;
+mod thread;
 pub(crate) mod tracker;
 
 pub use budget::MemoryBudget;
@@ -47,6 +48,10 @@ pub use grad::{
 };
 pub use leak::{LeakAction, LeakCheck, LeakReport, LeakedBuffer};
 pub use peak::PeakScope;
+pub use thread::{
+    thread_budget, thread_budget_fraction, thread_leak_check, GuardSet, Scoped, ThreadBudget,
+    ThreadLeakCheck,
+};
 
 #[cfg(test)]
 mod tests {

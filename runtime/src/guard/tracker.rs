@@ -30,11 +30,20 @@ thread_local! {
     static SCOPES: RefCell<Vec<Arc<Scope>>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The `tracker` of a scope that applies to every device (see `guard::thread`).
+pub(crate) const ANY_DEVICE: usize = 0;
+
+/// Scopes open for every device, on all threads: while non-zero, every device takes the
+/// tracked path (which then finds the scopes of its own thread, if any).
+static ANY_DEVICE_OPEN: AtomicUsize = AtomicUsize::new(0);
+
 /// What a scope is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScopeKind {
     /// A memory budget of this many bytes.
     Budget(u64),
+    /// A memory budget of this many millionths of each device's capacity.
+    BudgetFraction(u64),
     /// A leak check (records allocation sites and, maybe, backtraces).
     Leak,
     /// A peak-memory scope.
@@ -62,9 +71,12 @@ pub(crate) struct Scope {
 }
 
 impl Scope {
-    fn limit(&self) -> Option<u64> {
+    fn limit(&self, device_total: u64) -> Option<u64> {
         match self.kind {
             ScopeKind::Budget(l) => Some(l),
+            ScopeKind::BudgetFraction(ppm) => {
+                Some((device_total as u128 * ppm as u128 / 1_000_000) as u64)
+            }
             _ => None,
         }
     }
@@ -118,7 +130,7 @@ impl Tracker {
     /// Whether some scope is open on this device (on any thread): the allocation fast-path test.
     #[inline]
     pub fn scopes_open(&self) -> bool {
-        self.open.load(Relaxed) != 0
+        self.open.load(Relaxed) != 0 || ANY_DEVICE_OPEN.load(Relaxed) != 0
     }
 
     /// Whether some live allocation is recorded: the free fast-path test.
@@ -129,16 +141,7 @@ impl Tracker {
 
     /// Opens a thread-scoped scope on the calling thread.
     fn open_scope(&self, kind: ScopeKind, opened_at: &'static Location<'static>) -> Arc<Scope> {
-        let scope = Arc::new(Scope {
-            tracker: self.id(),
-            kind,
-            live: AtomicU64::new(0),
-            peak: AtomicU64::new(0),
-            allocations: AtomicU64::new(0),
-            live_allocations: AtomicU64::new(0),
-            force_backtrace: AtomicBool::new(false),
-            opened_at,
-        });
+        let scope = new_scope(self.id(), kind, opened_at);
         self.open.fetch_add(1, Relaxed);
         // During thread teardown the stack is gone: the scope then charges nothing.
         let _ = SCOPES.try_with(|s| s.borrow_mut().push(scope.clone()));
@@ -169,7 +172,11 @@ impl Tracker {
         let mut v = Vec::new();
         let _ = SCOPES.try_with(|s| {
             if let Ok(s) = s.try_borrow() {
-                v.extend(s.iter().filter(|x| x.tracker == id).cloned());
+                v.extend(
+                    s.iter()
+                        .filter(|x| x.tracker == id || x.tracker == ANY_DEVICE)
+                        .cloned(),
+                );
             }
         });
         if self.wide_open.load(Relaxed) != 0 {
@@ -201,7 +208,8 @@ impl Tracker {
             .max(1)
             .checked_next_multiple_of(MIN_BLOCK)
             .unwrap_or(0);
-        charge(&scopes, estimate).map_err(Error::BudgetExceeded)?;
+        let total = allocator.device_total();
+        charge(&scopes, estimate, total).map_err(Error::BudgetExceeded)?;
         let a = match allocator.allocate(bytes, stream) {
             Ok(a) => a,
             Err(e) => {
@@ -212,7 +220,7 @@ impl Tracker {
         // The block may be larger than the estimate (power-of-two rounding, an unsplit block):
         // charge the rest, and give the block back if that breaks a budget.
         if a.size > estimate {
-            if let Err(mut e) = charge(&scopes, a.size - estimate) {
+            if let Err(mut e) = charge(&scopes, a.size - estimate, total) {
                 uncharge(&scopes, estimate);
                 if let Err(fe) = allocator.free(a) {
                     tracing::error!(error = %fe, "freeing an over-budget allocation failed");
@@ -306,6 +314,52 @@ impl Tracker {
     }
 }
 
+/// Opens a scope that applies to every device, charged by the calling thread's allocations.
+pub(crate) fn open_any_device(
+    kind: ScopeKind,
+    opened_at: &'static Location<'static>,
+) -> Arc<Scope> {
+    let scope = new_scope(ANY_DEVICE, kind, opened_at);
+    ANY_DEVICE_OPEN.fetch_add(1, Relaxed);
+    attach(&scope);
+    scope
+}
+
+/// Closes a scope from [`open_any_device`] (detaching it from this thread if attached).
+pub(crate) fn close_any_device(scope: &Arc<Scope>) {
+    detach(scope);
+    ANY_DEVICE_OPEN.fetch_sub(1, Relaxed);
+}
+
+/// Closes a scope from [`open_any_device`] that is not attached to this thread.
+pub(crate) fn close_any_device_detached(_scope: &Arc<Scope>) {
+    ANY_DEVICE_OPEN.fetch_sub(1, Relaxed);
+}
+
+/// Makes the calling thread's allocations charge `scope` (until [`detach`]). An async task
+/// attaches its scopes around each poll, so they never leak to other tasks of the thread.
+pub(crate) fn attach(scope: &Arc<Scope>) {
+    let _ = SCOPES.try_with(|s| s.borrow_mut().push(scope.clone()));
+}
+
+/// Undoes [`attach`].
+pub(crate) fn detach(scope: &Arc<Scope>) {
+    remove_from_thread(scope);
+}
+
+fn new_scope(tracker: usize, kind: ScopeKind, opened_at: &'static Location<'static>) -> Arc<Scope> {
+    Arc::new(Scope {
+        tracker,
+        kind,
+        live: AtomicU64::new(0),
+        peak: AtomicU64::new(0),
+        allocations: AtomicU64::new(0),
+        live_allocations: AtomicU64::new(0),
+        force_backtrace: AtomicBool::new(false),
+        opened_at,
+    })
+}
+
 fn remove_from_thread(scope: &Arc<Scope>) {
     let _ = SCOPES.try_with(|s| {
         if let Ok(mut s) = s.try_borrow_mut() {
@@ -317,9 +371,9 @@ fn remove_from_thread(scope: &Arc<Scope>) {
 }
 
 /// Adds `n` bytes to every scope; fails, changing nothing, when a budget would be exceeded.
-fn charge(scopes: &[Arc<Scope>], n: u64) -> Result<(), BudgetExceeded> {
+fn charge(scopes: &[Arc<Scope>], n: u64, device_total: u64) -> Result<(), BudgetExceeded> {
     for (i, s) in scopes.iter().enumerate() {
-        let r = match s.limit() {
+        let r = match s.limit(device_total) {
             None => Ok(s.live.fetch_add(n, Relaxed)),
             Some(limit) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
                 cur.checked_add(n).filter(|&v| v <= limit)
@@ -330,7 +384,7 @@ fn charge(scopes: &[Arc<Scope>], n: u64) -> Result<(), BudgetExceeded> {
             return Err(BudgetExceeded {
                 requested: n,
                 in_use,
-                limit: s.limit().unwrap_or(0),
+                limit: s.limit(device_total).unwrap_or(0),
             });
         }
     }
