@@ -17,6 +17,5 @@ pub use oomguard_runtime::*;
 /// Items the attribute macros' generated code calls. Not public API: it may change in any
 /// release.
 #[doc(hidden)]
-pub mod __private {
-    pub use oomguard_runtime as runtime;
-}
+#[path = "private.rs"]
+pub mod __private;

@@ -119,7 +119,8 @@ impl<T: Pod> DeviceBuffer<T> {
 
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        if let Err(e) = self.device.allocator().free(self.alloc) {
+        // Through the device, so that the memory guards it was charged to are credited.
+        if let Err(e) = self.device.free_raw(self.alloc) {
             // Cannot happen through the safe API (a buffer frees its own live allocation once).
             tracing::error!(error = %e, "freeing a device buffer failed");
         }

@@ -1,7 +1,7 @@
 //! `Device`: a backend and its caching allocator, shared by every buffer allocated from it.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytemuck::Pod;
 
@@ -11,6 +11,7 @@ use crate::backend::{Backend, MemInfo, StreamId};
 use crate::buffer::DeviceBuffer;
 use crate::config::AllocatorConfig;
 use crate::error::{Error, Result};
+use crate::guard::tracker::Tracker;
 use crate::ByteSize;
 
 /// A device with its caching allocator. Cheap to clone; clones share the allocator. Buffers keep
@@ -32,6 +33,16 @@ pub struct Device {
 
 struct DeviceInner {
     allocator: CachingAllocator,
+    /// Accounting for the memory guards ([`crate::guard`]).
+    tracker: Tracker,
+}
+
+/// Weak handles of every device made, so that device-agnostic guards can reach them.
+static REGISTRY: Mutex<Vec<Weak<DeviceInner>>> = Mutex::new(Vec::new());
+
+fn registry() -> MutexGuard<'static, Vec<Weak<DeviceInner>>> {
+    // Only pushes and retains happen under the lock: a poisoned list is still a valid list.
+    REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl fmt::Debug for Device {
@@ -56,16 +67,35 @@ impl Device {
 
     /// A device over a shared backend, with `config`.
     pub fn from_arc(backend: Arc<dyn Backend>, config: AllocatorConfig) -> Self {
-        Self {
+        let d = Self {
             inner: Arc::new(DeviceInner {
                 allocator: CachingAllocator::new(backend, config),
+                tracker: Tracker::default(),
             }),
-        }
+        };
+        let mut all = registry();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&d.inner));
+        d
+    }
+
+    /// Every device alive in this process (for guards and retries that span devices).
+    pub fn all() -> Vec<Device> {
+        registry()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|inner| Device { inner })
+            .collect()
     }
 
     /// The caching allocator.
     pub fn allocator(&self) -> &CachingAllocator {
         &self.inner.allocator
+    }
+
+    /// The accounting of the memory guards.
+    pub(crate) fn tracker(&self) -> &Tracker {
+        &self.inner.tracker
     }
 
     /// The backend.
@@ -95,14 +125,28 @@ impl Device {
 
     /// Allocates `bytes` raw bytes on `stream`; the caller frees with [`Device::free_raw`].
     /// Prefer [`Device::alloc`], which frees on drop.
+    ///
+    /// Memory guards ([`crate::guard`]) open on this device apply: a budget that the
+    /// allocation would exceed fails it before the allocator is called. The caller's source
+    /// location is recorded for leak checks.
     #[track_caller]
     pub fn alloc_raw(&self, bytes: u64, stream: StreamId) -> Result<Allocation> {
-        self.inner.allocator.allocate(bytes, stream)
+        let inner = &*self.inner;
+        if !inner.tracker.scopes_open() {
+            return inner.allocator.allocate(bytes, stream);
+        }
+        inner.tracker.allocate(&inner.allocator, bytes, stream)
     }
 
-    /// Frees an allocation from [`Device::alloc_raw`].
+    /// Frees an allocation from [`Device::alloc_raw`] (and credits the memory guards it was
+    /// charged to). Free through the device, not through [`Device::allocator`], so that the
+    /// guards see it.
     pub fn free_raw(&self, a: Allocation) -> Result<()> {
-        self.inner.allocator.free(a)
+        let inner = &*self.inner;
+        if inner.tracker.tracking() {
+            inner.tracker.release(&a);
+        }
+        inner.allocator.free(a)
     }
 
     /// An uninitialised buffer of `len` elements on the default stream (its contents are

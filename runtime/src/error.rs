@@ -106,6 +106,9 @@ pub enum Error {
     /// An argument was invalid (a size that overflows, a length mismatch).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A leak check found device memory still held (`#[leak_check(action = error)]`).
+    #[error("{0}")]
+    Leak(#[from] crate::guard::LeakReport),
 }
 
 impl Error {

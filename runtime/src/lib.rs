@@ -7,6 +7,7 @@
 //!   by `backend::cuda::CudaBackend` (see `Device::cuda`);
 //! - [`alloc`]: the caching allocator (pools, best fit, split/merge, growable segments, stats);
 //! - [`Device`] and [`DeviceBuffer`]: what users hold;
+//! - [`guard`]: scoped guards (grad mode, budgets, leak checks, peak scopes, empty-cache);
 //! - [`retry`]: OOM retry (policies, the [`RetryEngine`], remembered plans, batch finder).
 //!
 //! ```
@@ -27,6 +28,7 @@ pub mod cuda;
 mod device;
 mod error;
 pub mod export;
+pub mod guard;
 pub mod retry;
 mod size;
 
@@ -35,6 +37,11 @@ pub use buffer::DeviceBuffer;
 pub use config::{AllocatorConfig, ConfigError};
 pub use device::Device;
 pub use error::{BudgetExceeded, Error, OomError, Result};
+pub use guard::{
+    enable_grad, inference_mode, is_grad_enabled, is_inference_mode, no_grad, set_grad_enabled,
+    set_grad_mode_guard, with_grad_enabled, with_inference_mode, with_no_grad, EmptyCacheOnDrop,
+    GradGuard, GradMode, LeakAction, LeakCheck, LeakReport, LeakedBuffer, MemoryBudget, PeakScope,
+};
 pub use retry::{
     find_max_batch, BatchPlan, Chunk, IsOom, RetryEngine, RetryError, RetryPolicy, Step,
 };

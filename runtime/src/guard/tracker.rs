@@ -1,0 +1,451 @@
+//! The accounting behind the memory guards: which open scopes an allocation is charged to, and
+//! a side table (keyed by device address) that remembers it until the allocation is freed.
+//!
+//! Costs: with no scope open on a device, [`Device::alloc_raw`](crate::Device::alloc_raw) pays
+//! one relaxed atomic load ([`Tracker::scopes_open`]) and
+//! [`Device::free_raw`](crate::Device::free_raw) one more ([`Tracker::tracking`]). Only while a
+//! scope is open are allocations recorded in the side table (one mutex per device).
+//!
+//! A scope is either thread-scoped (charged by allocations of the thread that opened it, kept in
+//! a thread-local stack) or device-wide (charged by every thread, kept in the tracker). Every
+//! scope has its own counters in an `Arc`; a recorded allocation holds the `Arc`s of the scopes
+//! it was charged to and credits them back when it is freed, on whatever thread, also after the
+//! scope has closed (the counters of a closed scope are then simply never read again).
+
+use rustc_hash::FxHashMap;
+use std::backtrace::{Backtrace, BacktraceStatus};
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::panic::Location;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::alloc::{Allocation, CachingAllocator, MIN_BLOCK};
+use crate::backend::StreamId;
+use crate::device::Device;
+use crate::error::{BudgetExceeded, Error, Result};
+
+thread_local! {
+    /// Thread-scoped scopes open on this thread, outermost first (all devices).
+    static SCOPES: RefCell<Vec<Arc<Scope>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The `tracker` of a scope that applies to every device (see `guard::thread`).
+pub(crate) const ANY_DEVICE: usize = 0;
+
+/// Scopes open for every device, on all threads: while non-zero, every device takes the
+/// tracked path (which then finds the scopes of its own thread, if any).
+static ANY_DEVICE_OPEN: AtomicUsize = AtomicUsize::new(0);
+
+/// What a scope is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ScopeKind {
+    /// A memory budget of this many bytes.
+    Budget(u64),
+    /// A memory budget of this many millionths of each device's capacity.
+    BudgetFraction(u64),
+    /// A leak check (records allocation sites and, maybe, backtraces).
+    Leak,
+    /// A peak-memory scope.
+    Peak,
+}
+
+/// The counters of one open (or closed) scope.
+#[derive(Debug)]
+pub(crate) struct Scope {
+    /// Identity of the device's tracker the scope belongs to.
+    tracker: usize,
+    pub kind: ScopeKind,
+    /// Bytes (block sizes) charged to the scope and still live.
+    pub live: AtomicU64,
+    /// The highest `live` seen.
+    pub peak: AtomicU64,
+    /// Allocations charged to the scope.
+    pub allocations: AtomicU64,
+    /// Allocations charged to the scope and still live.
+    pub live_allocations: AtomicU64,
+    /// Leak checks: capture a backtrace per allocation even when `RUST_BACKTRACE` is unset.
+    pub force_backtrace: AtomicBool,
+    /// Where the scope was opened.
+    pub opened_at: &'static Location<'static>,
+}
+
+impl Scope {
+    fn limit(&self, device_total: u64) -> Option<u64> {
+        match self.kind {
+            ScopeKind::Budget(l) => Some(l),
+            ScopeKind::BudgetFraction(ppm) => {
+                Some((device_total as u128 * ppm as u128 / 1_000_000) as u64)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A live allocation made while scopes were open, and what it was charged to.
+struct Tracked {
+    alloc: Allocation,
+    seq: u64,
+    scopes: Vec<Arc<Scope>>,
+    site: &'static Location<'static>,
+    backtrace: Option<Arc<Backtrace>>,
+}
+
+/// A recorded live allocation, as a leak check reports it.
+pub(crate) struct LiveRecord {
+    pub alloc: Allocation,
+    pub site: &'static Location<'static>,
+    pub backtrace: Option<Arc<Backtrace>>,
+}
+
+#[derive(Default)]
+struct Table {
+    map: FxHashMap<u64, Tracked>,
+    seq: u64,
+}
+
+/// Per-device accounting state; lives in the device, so its address identifies the device.
+#[derive(Default)]
+pub(crate) struct Tracker {
+    /// Scopes open on this device (thread-scoped on any thread, and device-wide).
+    open: AtomicUsize,
+    /// Device-wide scopes open.
+    wide_open: AtomicUsize,
+    /// Entries in `table`.
+    tracked: AtomicUsize,
+    wide: Mutex<Vec<Arc<Scope>>>,
+    table: Mutex<Table>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing that can panic runs while these locks are held, so the data is consistent.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Tracker {
+    fn id(&self) -> usize {
+        self as *const Self as usize
+    }
+
+    /// Whether some scope is open on this device (on any thread): the allocation fast-path test.
+    #[inline]
+    pub fn scopes_open(&self) -> bool {
+        self.open.load(Relaxed) != 0 || ANY_DEVICE_OPEN.load(Relaxed) != 0
+    }
+
+    /// Whether some live allocation is recorded: the free fast-path test.
+    #[inline]
+    pub fn tracking(&self) -> bool {
+        self.tracked.load(Relaxed) != 0
+    }
+
+    /// Opens a thread-scoped scope on the calling thread.
+    fn open_scope(&self, kind: ScopeKind, opened_at: &'static Location<'static>) -> Arc<Scope> {
+        let scope = new_scope(self.id(), kind, opened_at);
+        self.open.fetch_add(1, Relaxed);
+        // During thread teardown the stack is gone: the scope then charges nothing.
+        let _ = SCOPES.try_with(|s| s.borrow_mut().push(scope.clone()));
+        scope
+    }
+
+    /// Moves a thread-scoped scope of the calling thread to the device-wide list.
+    fn make_wide(&self, scope: &Arc<Scope>) {
+        remove_from_thread(scope);
+        lock(&self.wide).push(scope.clone());
+        self.wide_open.fetch_add(1, Relaxed);
+    }
+
+    /// Closes a scope: it is charged by no further allocation.
+    fn close(&self, scope: &Arc<Scope>, wide: bool) {
+        if wide {
+            lock(&self.wide).retain(|s| !Arc::ptr_eq(s, scope));
+            self.wide_open.fetch_sub(1, Relaxed);
+        } else {
+            remove_from_thread(scope);
+        }
+        self.open.fetch_sub(1, Relaxed);
+    }
+
+    /// The open scopes an allocation on this thread is charged to.
+    fn applicable(&self) -> Vec<Arc<Scope>> {
+        let id = self.id();
+        let mut v = Vec::new();
+        let _ = SCOPES.try_with(|s| {
+            if let Ok(s) = s.try_borrow() {
+                v.extend(
+                    s.iter()
+                        .filter(|x| x.tracker == id || x.tracker == ANY_DEVICE)
+                        .cloned(),
+                );
+            }
+        });
+        if self.wide_open.load(Relaxed) != 0 {
+            v.extend(lock(&self.wide).iter().cloned());
+        }
+        v
+    }
+
+    /// The slow allocation path, taken while some scope is open on the device: checks budgets
+    /// before calling the allocator, charges the scopes, records the allocation. The caller's
+    /// location (passed down through `#[track_caller]`) is what a leak check reports, and what
+    /// the allocator's history records.
+    #[track_caller]
+    pub fn allocate(
+        &self,
+        allocator: &CachingAllocator,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<Allocation> {
+        let site = Location::caller();
+        let scopes = self.applicable();
+        if scopes.is_empty() {
+            return allocator.allocate(bytes, stream);
+        }
+        // The allocator rounds every request up to a multiple of MIN_BLOCK (at least), so this is
+        // a lower bound of the block size, exact under the default configuration. A request too
+        // large to round is left to the allocator to reject.
+        let estimate = bytes
+            .max(1)
+            .checked_next_multiple_of(MIN_BLOCK)
+            .unwrap_or(0);
+        let total = allocator.device_total();
+        charge(&scopes, estimate, total).map_err(Error::BudgetExceeded)?;
+        let a = match allocator.allocate(bytes, stream) {
+            Ok(a) => a,
+            Err(e) => {
+                uncharge(&scopes, estimate);
+                return Err(e);
+            }
+        };
+        // The block may be larger than the estimate (power-of-two rounding, an unsplit block):
+        // charge the rest, and give the block back if that breaks a budget.
+        if a.size > estimate {
+            if let Err(mut e) = charge(&scopes, a.size - estimate, total) {
+                uncharge(&scopes, estimate);
+                if let Err(fe) = allocator.free(a) {
+                    tracing::error!(error = %fe, "freeing an over-budget allocation failed");
+                }
+                e.requested = a.size;
+                e.in_use = e.in_use.saturating_sub(estimate);
+                return Err(Error::BudgetExceeded(e));
+            }
+        } else if a.size < estimate {
+            uncharge(&scopes, estimate - a.size);
+        }
+        let mut want_backtrace = None;
+        for s in &scopes {
+            s.peak.fetch_max(s.live.load(Relaxed), Relaxed);
+            s.allocations.fetch_add(1, Relaxed);
+            s.live_allocations.fetch_add(1, Relaxed);
+            if s.kind == ScopeKind::Leak {
+                let forced = s.force_backtrace.load(Relaxed);
+                want_backtrace = Some(want_backtrace.unwrap_or(false) | forced);
+            }
+        }
+        let backtrace = want_backtrace.and_then(|forced| {
+            let bt = if forced {
+                Backtrace::force_capture()
+            } else {
+                Backtrace::capture()
+            };
+            (bt.status() == BacktraceStatus::Captured).then(|| Arc::new(bt))
+        });
+        let mut t = lock(&self.table);
+        t.seq += 1;
+        let entry = Tracked {
+            alloc: a,
+            seq: t.seq,
+            scopes,
+            site,
+            backtrace,
+        };
+        match t.map.insert(a.ptr, entry) {
+            // A stale record: its allocation was freed behind the device's back (through the
+            // allocator directly), since the address was handed out again. Credit it now.
+            Some(old) => credit(&old),
+            None => {
+                self.tracked.fetch_add(1, Relaxed);
+            }
+        }
+        Ok(a)
+    }
+
+    /// Credits a recorded allocation back to its scopes. Called before the allocator frees it,
+    /// so that the address cannot be handed out (and recorded) again in between.
+    pub fn release(&self, a: &Allocation) {
+        let old = {
+            let mut t = lock(&self.table);
+            match t.map.get(&a.ptr) {
+                // Only the very allocation (same block generation): a double free of a stale
+                // handle must not uncount the live allocation now at that address.
+                Some(e) if e.alloc == *a => {
+                    self.tracked.fetch_sub(1, Relaxed);
+                    t.map.remove(&a.ptr)
+                }
+                _ => None,
+            }
+        };
+        if let Some(old) = old {
+            credit(&old);
+        }
+    }
+
+    /// The recorded live allocations charged to `scope`, in allocation order.
+    pub fn live_in(&self, scope: &Arc<Scope>) -> Vec<LiveRecord> {
+        let t = lock(&self.table);
+        let mut v: Vec<(u64, LiveRecord)> = t
+            .map
+            .values()
+            .filter(|e| e.scopes.iter().any(|s| Arc::ptr_eq(s, scope)))
+            .map(|e| {
+                (
+                    e.seq,
+                    LiveRecord {
+                        alloc: e.alloc,
+                        site: e.site,
+                        backtrace: e.backtrace.clone(),
+                    },
+                )
+            })
+            .collect();
+        drop(t);
+        v.sort_by_key(|(seq, _)| *seq);
+        v.into_iter().map(|(_, r)| r).collect()
+    }
+}
+
+/// Opens a scope that applies to every device, charged by the calling thread's allocations.
+pub(crate) fn open_any_device(
+    kind: ScopeKind,
+    opened_at: &'static Location<'static>,
+) -> Arc<Scope> {
+    let scope = new_scope(ANY_DEVICE, kind, opened_at);
+    ANY_DEVICE_OPEN.fetch_add(1, Relaxed);
+    attach(&scope);
+    scope
+}
+
+/// Closes a scope from [`open_any_device`] (detaching it from this thread if attached).
+pub(crate) fn close_any_device(scope: &Arc<Scope>) {
+    detach(scope);
+    ANY_DEVICE_OPEN.fetch_sub(1, Relaxed);
+}
+
+/// Closes a scope from [`open_any_device`] that is not attached to this thread.
+pub(crate) fn close_any_device_detached(_scope: &Arc<Scope>) {
+    ANY_DEVICE_OPEN.fetch_sub(1, Relaxed);
+}
+
+/// Makes the calling thread's allocations charge `scope` (until [`detach`]). An async task
+/// attaches its scopes around each poll, so they never leak to other tasks of the thread.
+pub(crate) fn attach(scope: &Arc<Scope>) {
+    let _ = SCOPES.try_with(|s| s.borrow_mut().push(scope.clone()));
+}
+
+/// Undoes [`attach`].
+pub(crate) fn detach(scope: &Arc<Scope>) {
+    remove_from_thread(scope);
+}
+
+fn new_scope(tracker: usize, kind: ScopeKind, opened_at: &'static Location<'static>) -> Arc<Scope> {
+    Arc::new(Scope {
+        tracker,
+        kind,
+        live: AtomicU64::new(0),
+        peak: AtomicU64::new(0),
+        allocations: AtomicU64::new(0),
+        live_allocations: AtomicU64::new(0),
+        force_backtrace: AtomicBool::new(false),
+        opened_at,
+    })
+}
+
+fn remove_from_thread(scope: &Arc<Scope>) {
+    let _ = SCOPES.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            if let Some(i) = s.iter().rposition(|x| Arc::ptr_eq(x, scope)) {
+                s.remove(i);
+            }
+        }
+    });
+}
+
+/// Adds `n` bytes to every scope; fails, changing nothing, when a budget would be exceeded.
+fn charge(scopes: &[Arc<Scope>], n: u64, device_total: u64) -> Result<(), BudgetExceeded> {
+    for (i, s) in scopes.iter().enumerate() {
+        let r = match s.limit(device_total) {
+            None => Ok(s.live.fetch_add(n, Relaxed)),
+            Some(limit) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
+                cur.checked_add(n).filter(|&v| v <= limit)
+            }),
+        };
+        if let Err(in_use) = r {
+            uncharge(&scopes[..i], n);
+            return Err(BudgetExceeded {
+                requested: n,
+                in_use,
+                limit: s.limit(device_total).unwrap_or(0),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn uncharge(scopes: &[Arc<Scope>], n: u64) {
+    for s in scopes {
+        s.live.fetch_sub(n, Relaxed);
+    }
+}
+
+fn credit(t: &Tracked) {
+    for s in &t.scopes {
+        s.live.fetch_sub(t.alloc.size, Relaxed);
+        s.live_allocations.fetch_sub(1, Relaxed);
+    }
+}
+
+/// An open scope on a device; closes it on drop. Shared by the memory guards. Not `Send`: a
+/// thread-scoped scope lives in the opening thread's stack and must close there.
+pub(crate) struct ScopeGuard {
+    device: Device,
+    pub scope: Arc<Scope>,
+    wide: bool,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ScopeGuard {
+    /// Opens a scope of `kind` on `device`, charged by the calling thread's allocations.
+    pub fn open(device: &Device, kind: ScopeKind, opened_at: &'static Location<'static>) -> Self {
+        let scope = device.tracker().open_scope(kind, opened_at);
+        Self {
+            device: device.clone(),
+            scope,
+            wide: false,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// From now on, charged by the allocations of every thread.
+    pub fn make_wide(&mut self) {
+        if !self.wide {
+            self.device.tracker().make_wide(&self.scope);
+            self.wide = true;
+        }
+    }
+
+    /// Whether it is charged by every thread's allocations.
+    pub fn is_wide(&self) -> bool {
+        self.wide
+    }
+
+    /// The device it is open on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        self.device.tracker().close(&self.scope, self.wide);
+    }
+}

@@ -1,0 +1,118 @@
+//! What the attribute macros' generated code calls. Not public API: hidden, and free to change
+//! in any release (the macros and this module are released together).
+
+use std::future::Future;
+
+pub use oomguard_runtime as runtime;
+pub use oomguard_runtime::guard::LeakAction;
+use oomguard_runtime::guard::{self, GuardSet, LeakReport, Scoped, ThreadBudget, ThreadLeakCheck};
+use oomguard_runtime::{ByteSize, Error};
+
+/// `#[no_grad]`: grad mode off until dropped.
+#[inline]
+pub fn no_grad() -> oomguard_runtime::guard::GradGuard {
+    oomguard_runtime::no_grad()
+}
+
+/// The budget of `#[memory_budget]`.
+#[derive(Clone, Copy, Debug)]
+pub enum BudgetLimit {
+    /// A number of bytes.
+    Bytes(u64),
+    /// A fraction of each device's capacity, in (0, 1] (checked by the macro).
+    Fraction(f64),
+}
+
+/// What `#[memory_budget(bytes = EXPR)]` accepts: integers and [`ByteSize`].
+#[diagnostic::on_unimplemented(
+    message = "`bytes = ...` takes an integer number of bytes or a `ByteSize`, not `{Self}`"
+)]
+pub trait BudgetBytes {
+    /// The number of bytes (negative numbers are 0).
+    fn budget_bytes(self) -> u64;
+}
+macro_rules! budget_ints {
+    ($($t:ty),*) => {$(
+        impl BudgetBytes for $t {
+            fn budget_bytes(self) -> u64 {
+                u64::try_from(self).unwrap_or(0)
+            }
+        }
+    )*};
+}
+budget_ints!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+impl BudgetBytes for ByteSize {
+    fn budget_bytes(self) -> u64 {
+        self.bytes()
+    }
+}
+
+/// `bytes = EXPR` of `#[memory_budget]`.
+pub fn budget_bytes(b: impl BudgetBytes) -> u64 {
+    b.budget_bytes()
+}
+
+/// `#[memory_budget]`: a budget over this thread's allocations on every device.
+pub fn budget(limit: BudgetLimit) -> Option<ThreadBudget> {
+    match limit {
+        BudgetLimit::Bytes(n) => Some(guard::thread_budget(ByteSize(n))),
+        // The macro checked the range; a value outside it would mean no budget.
+        BudgetLimit::Fraction(f) => guard::thread_budget_fraction(f).ok(),
+    }
+}
+
+/// `#[leak_check]`: a leak check over this thread's allocations on every device.
+pub fn leak_check(action: LeakAction, allow: u64) -> ThreadLeakCheck {
+    guard::thread_leak_check()
+        .on_leak(action)
+        .allow(ByteSize(allow))
+}
+
+/// `#[leak_check(action = error)]`: a leak becomes the function's `Err` (its own error wins).
+pub fn leak_result<T, E: From<Error>>(check: ThreadLeakCheck, out: Result<T, E>) -> Result<T, E> {
+    leak_result_of(check.finish(), out)
+}
+
+/// As [`leak_result`], for the outcome of an async body.
+pub fn leak_result_of<T, E: From<Error>>(
+    leak: Result<(), LeakReport>,
+    out: Result<T, E>,
+) -> Result<T, E> {
+    match (leak, out) {
+        (Err(report), Ok(_)) => Err(E::from(Error::Leak(report))),
+        (_, out) => out,
+    }
+}
+
+/// The guards of an async body.
+#[derive(Debug)]
+pub struct GuardSpec {
+    /// `#[no_grad]`
+    pub no_grad: bool,
+    /// `#[memory_budget]`
+    pub budget: Option<BudgetLimit>,
+    /// `#[leak_check]`: its action and allowance.
+    pub leak: Option<(LeakAction, u64)>,
+}
+
+/// An async body with its guards applied on each poll.
+pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
+    let mut set = GuardSet::new();
+    if spec.no_grad {
+        set = set.no_grad();
+    }
+    match spec.budget {
+        Some(BudgetLimit::Bytes(n)) => set = set.budget(n),
+        Some(BudgetLimit::Fraction(f)) => {
+            set = match set.budget_fraction(f) {
+                Ok(s) => s,
+                Err(_) => GuardSet::new(),
+            }
+        }
+        None => {}
+    }
+    if let Some((action, allow)) = spec.leak {
+        set = set.leak_check(action, allow);
+    }
+    set.scope(fut)
+}
