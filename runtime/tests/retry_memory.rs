@@ -324,3 +324,23 @@ fn a_panicking_attempt_commits_nothing_and_leaves_the_engine_usable() {
     );
     assert_eq!(step_here(&engine, &dev, 100).report.retries(), 2);
 }
+
+#[test]
+fn the_default_mode_follows_the_grad_mode() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let engine = two_retry_engine();
+    let step = |engine: &RetryEngine| step_here(engine, &dev, 100);
+    assert_eq!(step(&engine).report.retries(), 2);
+    assert_eq!(step(&engine).report.retries(), 0);
+    {
+        let _eval = oomguard_runtime::no_grad();
+        let r = step(&engine);
+        assert_eq!(r.report.mode, StepMode::Eval);
+        assert_eq!(r.report.retries(), 2, "eval learns on its own");
+    }
+    {
+        let _inference = oomguard_runtime::inference_mode();
+        assert_eq!(step(&engine).report.retries(), 0);
+    }
+    assert_eq!(step(&engine).report.mode, StepMode::Train);
+}

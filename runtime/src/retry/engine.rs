@@ -170,14 +170,15 @@ pub const DEFAULT_THRASH_WINDOW: u32 = 3;
 
 impl RetryEngine {
     /// An engine with the [training policy](super::training_policy), plans remembered in memory
-    /// only, one process, every step in [`StepMode::Train`], regrow after
+    /// only, one process, the step's mode taken from the thread's grad mode
+    /// ([`StepMode::current`]: eval under `no_grad`/`inference_mode`), regrow after
     /// [`DEFAULT_REGROW_AFTER`] clean steps, thrash window [`DEFAULT_THRASH_WINDOW`].
     pub fn new() -> Self {
         Self {
             policy: Arc::new(training_policy()),
             memory: Arc::new(Mutex::new(PlanMemory::in_memory())),
             consensus: Arc::new(SingleProcess),
-            mode: Arc::new(|| StepMode::Train),
+            mode: Arc::new(StepMode::current),
             regrow_after: Some(DEFAULT_REGROW_AFTER),
             thrash: Some(ThrashDetector::new(DEFAULT_THRASH_WINDOW)),
         }

@@ -23,6 +23,25 @@ pub enum StepMode {
     Eval,
 }
 
+impl StepMode {
+    /// The mode of the current thread: [`StepMode::Train`] while gradients are recorded
+    /// ([`crate::is_grad_enabled`]), [`StepMode::Eval`] under `no_grad` or `inference_mode`.
+    ///
+    /// ```
+    /// use oomguard_runtime::retry::StepMode;
+    /// assert_eq!(StepMode::current(), StepMode::Train);
+    /// let _g = oomguard_runtime::no_grad();
+    /// assert_eq!(StepMode::current(), StepMode::Eval);
+    /// ```
+    pub fn current() -> StepMode {
+        if crate::is_grad_enabled() {
+            StepMode::Train
+        } else {
+            StepMode::Eval
+        }
+    }
+}
+
 /// The device part of a memory key: stable across restarts.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DeviceKey {
