@@ -116,3 +116,7 @@ pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
     }
     set.scope(fut)
 }
+
+#[path = "private_retry.rs"]
+mod retry;
+pub use retry::{boxed_policy, clone_for_retry, BatchInt, Retry, RetryConfig, RetryKind, Site};

@@ -330,14 +330,40 @@ impl RetryEngine {
         device: &Device,
         batch: usize,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
+        let key = MemoryKey::at(site.into(), device, (self.mode)());
+        self.begin_on(key, Target::One(device.clone()), batch)
+    }
+
+    /// [`RetryEngine::begin_at`] for code that holds no [`Device`] (the attribute macros): an
+    /// out-of-memory on any device counts, the cache of every live device ([`Device::all`]) is
+    /// emptied before a retry, thrashing is watched on all of them, and plans are remembered
+    /// under [`DeviceKey::any`](super::DeviceKey::any).
+    pub fn begin_any<E: IsOom + fmt::Display>(
+        &self,
+        site: impl Into<String>,
+        batch: usize,
+    ) -> Result<RetryLoop<E>, RetryError<E>> {
+        let key = MemoryKey {
+            site: site.into(),
+            device: super::memory::DeviceKey::any(),
+            mode: (self.mode)(),
+        };
+        self.begin_on(key, Target::All, batch)
+    }
+
+    fn begin_on<E: IsOom + fmt::Display>(
+        &self,
+        key: MemoryKey,
+        target: Target,
+        batch: usize,
+    ) -> Result<RetryLoop<E>, RetryError<E>> {
         if batch == 0 {
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
             ));
         }
         let started = Instant::now();
-        let mode = (self.mode)();
-        let key = MemoryKey::at(site.into(), device, mode);
+        let mode = key.mode;
 
         // Starting plan: remembered limits, or one size up after enough clean steps.
         let (limits, mut regrow) = {
@@ -378,7 +404,8 @@ impl RetryEngine {
         };
         Ok(RetryLoop {
             engine: self.clone(),
-            device: device.clone(),
+            retries_before: target.alloc_retries(),
+            target,
             key,
             batch,
             good,
@@ -390,7 +417,6 @@ impl RetryEngine {
             oom_count: 0,
             started,
             attempt_started: Instant::now(),
-            retries_before: device.stats().num_alloc_retries,
             done: false,
         })
     }
@@ -427,6 +453,46 @@ impl RetryEngine {
     }
 }
 
+/// The device(s) a step runs on.
+#[derive(Clone, Debug)]
+enum Target {
+    One(Device),
+    /// Every live device (for code that holds none).
+    All,
+}
+
+impl Target {
+    fn devices(&self) -> Vec<Device> {
+        match self {
+            Target::One(d) => vec![d.clone()],
+            Target::All => Device::all(),
+        }
+    }
+    fn alloc_retries(&self) -> u64 {
+        self.devices()
+            .iter()
+            .map(|d| d.stats().num_alloc_retries)
+            .sum()
+    }
+    /// Allocated and reserved bytes now.
+    fn bytes(&self) -> (u64, u64) {
+        self.devices().iter().fold((0, 0), |(a, r), d| {
+            let s = d.stats();
+            (
+                a + s.allocated_bytes.all.current,
+                r + s.reserved_bytes.all.current,
+            )
+        })
+    }
+    fn empty_cache(&self) {
+        for d in self.devices() {
+            if let Err(e) = d.empty_cache() {
+                tracing::warn!(target: "oomguard::retry", error = %e, device = %d.name(), "empty_cache failed");
+            }
+        }
+    }
+}
+
 const OK: u64 = 0;
 const OOM: u64 = 1;
 const GIVE_UP: u64 = 2;
@@ -437,7 +503,7 @@ const FATAL: u64 = 3;
 /// [`RetryEngine::begin`]. Commit only after `next` returns `Break(Ok(..))`.
 pub struct RetryLoop<E> {
     engine: RetryEngine,
-    device: Device,
+    target: Target,
     key: MemoryKey,
     batch: usize,
     good: BatchPlan,
@@ -493,7 +559,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             )));
         }
         let elapsed = self.attempt_started.elapsed();
-        let retries_after = self.device.stats().num_alloc_retries;
+        let retries_after = self.target.alloc_retries();
         let plan = self.plan;
         let (status, proposal) = match &result {
             Ok(_) => (OK, plan),
@@ -548,7 +614,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         }
 
         // The attempt does not count on any rank.
-        let stats = self.device.stats();
+        let (allocated_bytes, reserved_bytes) = self.target.bytes();
         let (outcome, error_text, error) = match result {
             Ok(v) => {
                 drop(v);
@@ -574,14 +640,12 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             outcome,
             error: error_text.clone(),
             next: continuing.then_some(next),
-            allocated_bytes: stats.allocated_bytes.all.current,
-            reserved_bytes: stats.reserved_bytes.all.current,
+            allocated_bytes,
+            reserved_bytes,
             elapsed,
         });
         self.failures.push(FailedAttempt { plan, error });
-        if let Err(e) = self.device.empty_cache() {
-            tracing::warn!(target: "oomguard::retry", error = %e, "empty_cache failed");
-        }
+        self.target.empty_cache();
         if !continuing {
             self.done = true;
             self.report.final_plan = plan;
@@ -612,8 +676,8 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             error = error_text.as_deref().unwrap_or("another rank ran out of memory"),
             old_plan = %plan,
             new_plan = %next,
-            allocated_bytes = stats.allocated_bytes.all.current,
-            reserved_bytes = stats.reserved_bytes.all.current,
+            allocated_bytes,
+            reserved_bytes,
             "out of memory: retrying with a smaller plan"
         );
         if let Some(tried) = self.regrow_plan {
@@ -627,7 +691,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             }
         }
         self.plan = next;
-        self.retries_before = self.device.stats().num_alloc_retries;
+        self.retries_before = self.target.alloc_retries();
         self.attempt_started = Instant::now();
         ControlFlow::Continue(())
     }

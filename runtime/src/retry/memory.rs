@@ -54,6 +54,15 @@ pub struct DeviceKey {
 }
 
 impl DeviceKey {
+    /// The key of steps that run on any device (see `RetryEngine::begin_any`).
+    pub fn any() -> Self {
+        Self {
+            name: "any".into(),
+            ordinal: 0,
+            total_bytes: 0,
+        }
+    }
+
     /// The key of `device`.
     pub fn of(device: &Device) -> Self {
         Self {

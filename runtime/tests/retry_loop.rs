@@ -1,0 +1,47 @@
+//! The hand-driven retry loop (`RetryEngine::begin` → `RetryLoop`), as macros use it.
+
+use std::ops::ControlFlow;
+
+use oomguard_runtime::retry::{Accumulate, RetryEngine, RetryError};
+use oomguard_runtime::{BatchPlan, ByteSize, Device, Error};
+
+fn step(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut rows = 0;
+    for c in plan.chunks() {
+        rows += dev.alloc::<u8>(c.len() << 21)?.len() >> 21;
+    }
+    Ok(rows)
+}
+
+#[test]
+fn hand_driven_loop() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let engine = RetryEngine::new().with_policy(Accumulate::halving());
+    let mut lp = engine.begin::<Error>(&dev, 100).unwrap();
+    let mut attempts = 0;
+    let (rows, report) = loop {
+        attempts += 1;
+        let plan = lp.plan();
+        assert_eq!(lp.batch(), 100);
+        match lp.next(step(&dev, &plan)) {
+            ControlFlow::Break(done) => break done.unwrap(),
+            ControlFlow::Continue(()) => assert_eq!(lp.report().retries(), attempts),
+        }
+    };
+    assert_eq!((rows, attempts, report.retries()), (100, 3, 2));
+    // a finished loop refuses more results
+    match lp.next(Ok::<usize, Error>(1)) {
+        ControlFlow::Break(Err(RetryError::InvalidArgument(m))) => assert!(m.contains("after")),
+        other => panic!("{other:?}"),
+    }
+    // an explicit site name is a memory key of its own
+    let mut named = engine
+        .begin_at::<Error>("train.rs:1 step", &dev, 100)
+        .unwrap();
+    assert_eq!(named.plan().num_chunks(), 1);
+    let plan = named.plan();
+    assert!(matches!(
+        named.next(step(&dev, &plan)),
+        ControlFlow::Continue(())
+    ));
+}

@@ -1,0 +1,206 @@
+//! `#[oom_retry]`'s runtime glue: the generated loop drives a [`Retry`], which drives the retry
+//! engine's [`RetryLoop`] on every device (the function holds no `Device`).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::ControlFlow;
+use std::sync::{Mutex, OnceLock};
+
+use oomguard_runtime::retry::{
+    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, PolicyExt, RetryEngine, RetryLoop, RetryPolicy,
+    Shrink,
+};
+
+/// Where the function is.
+#[derive(Clone, Copy, Debug)]
+pub struct Site {
+    /// `file!()`
+    pub file: &'static str,
+    /// `line!()` of the function's name
+    pub line: u32,
+    /// The function's name.
+    pub function: &'static str,
+}
+
+/// What the retry controls.
+#[derive(Clone, Debug)]
+pub enum RetryKind {
+    /// Nothing: retry after emptying the cache only.
+    Plain,
+    /// `batch = param`: the batch size, shrunk on OOM (halved down to `min`).
+    Batch(u64),
+    /// `plan = param`: a [`BatchPlan`], split into smaller micro-batches on OOM (down to `min`).
+    Plan(BatchPlan),
+}
+
+/// The options of `#[oom_retry]`.
+pub struct RetryConfig {
+    /// The function.
+    pub site: Site,
+    /// What is retried.
+    pub kind: RetryKind,
+    /// `min`: the smallest batch (`batch`) or micro-batch (`plan`).
+    pub min: Option<u64>,
+    /// `max_retries` (default 16).
+    pub max_retries: Option<u64>,
+    /// `remember` (default true): start from the plan that worked last time.
+    pub remember: Option<bool>,
+    /// `persist`: a JSON file to remember plans in across runs.
+    pub persist: Option<&'static str>,
+    /// `policy`: replaces the built-in policy (`min` and `max_retries` still apply).
+    pub policy: Option<Box<dyn RetryPolicy>>,
+}
+
+/// `policy = EXPR`.
+pub fn boxed_policy(p: impl RetryPolicy + 'static) -> Box<dyn RetryPolicy> {
+    Box::new(p)
+}
+
+/// A by-value parameter, cloned for each attempt.
+pub fn clone_for_retry<T: Clone>(v: &T) -> T {
+    v.clone()
+}
+
+/// The integer types `batch = param` accepts.
+pub trait BatchInt: Copy {
+    /// As a `u64` (negative values are 0).
+    fn to_u64(self) -> u64;
+    /// From a `u64` (saturating).
+    fn from_u64(v: u64) -> Self;
+}
+macro_rules! batch_ints {
+    ($($t:ty),*) => {$(
+        impl BatchInt for $t {
+            fn to_u64(self) -> u64 {
+                u64::try_from(self).unwrap_or(0)
+            }
+            fn from_u64(v: u64) -> Self {
+                <$t>::try_from(v).unwrap_or(<$t>::MAX)
+            }
+        }
+    )*};
+}
+batch_ints!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize);
+
+/// One engine per persistence file (`None`: in memory), shared by every `#[oom_retry]` function.
+fn engine_for(persist: Option<&'static str>) -> RetryEngine {
+    static ENGINES: OnceLock<Mutex<HashMap<Option<&'static str>, RetryEngine>>> = OnceLock::new();
+    let mut map = ENGINES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    map.entry(persist)
+        .or_insert_with(|| {
+            match persist {
+            None => RetryEngine::new(),
+            Some(path) => RetryEngine::new().with_memory_file(path).unwrap_or_else(|e| {
+                tracing::warn!(target: "oomguard::retry", error = %e, "plans are not persisted");
+                RetryEngine::new()
+            }),
+        }
+        })
+        .clone()
+}
+
+fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
+    let min = cfg
+        .min
+        .map_or(1, |m| usize::try_from(m).unwrap_or(usize::MAX));
+    let max = cfg
+        .max_retries
+        .map_or(16, |m| u32::try_from(m).unwrap_or(u32::MAX));
+    let (min_micro, min_batch) = match cfg.kind {
+        RetryKind::Plan(_) => (min, 1),
+        _ => (1, min),
+    };
+    match (cfg.policy.take(), &cfg.kind) {
+        (Some(p), _) => Box::new(p.with_floor(min_micro, min_batch).max_retries(max)),
+        (None, RetryKind::Plain) => Box::new(EmptyCacheRetry::times(max)),
+        (None, RetryKind::Batch(_)) => Box::new(
+            EmptyCacheRetry::once()
+                .then(Shrink::halving().min_batch(min))
+                .max_retries(max),
+        ),
+        (None, RetryKind::Plan(_)) => Box::new(
+            EmptyCacheRetry::once()
+                .then(Accumulate::halving().min_micro_batch(min))
+                .max_retries(max),
+        ),
+    }
+}
+
+/// The retry loop of one call of a `#[oom_retry]` function.
+pub struct Retry<E> {
+    lp: Option<RetryLoop<E>>,
+    kind: RetryKind,
+}
+
+impl<E: IsOom + fmt::Display> Retry<E> {
+    /// Starts the loop for one call.
+    pub fn new(mut cfg: RetryConfig) -> Self {
+        let policy = policy_for(&mut cfg);
+        let mut engine = if cfg.remember == Some(false) {
+            RetryEngine::new()
+        } else {
+            engine_for(cfg.persist)
+        };
+        engine = engine.with_policy(policy);
+        let batch = match &cfg.kind {
+            RetryKind::Plain => 1,
+            RetryKind::Batch(n) => usize::try_from(*n).unwrap_or(usize::MAX),
+            RetryKind::Plan(p) => p.batch(),
+        };
+        let site = format!("{}:{} {}", cfg.site.file, cfg.site.line, cfg.site.function);
+        // A batch of 0 rows: nothing to plan, the body runs once as written.
+        let lp = engine.begin_any(site, batch).ok();
+        Retry { lp, kind: cfg.kind }
+    }
+
+    /// The batch size for this attempt (`batch = param`).
+    pub fn batch(&self) -> u64 {
+        match (&self.lp, &self.kind) {
+            (Some(lp), _) => lp.batch() as u64,
+            (None, RetryKind::Batch(n)) => *n,
+            (None, _) => 0,
+        }
+    }
+
+    /// The plan for this attempt (`plan = param`).
+    pub fn plan(&self) -> BatchPlan {
+        match (&self.lp, &self.kind) {
+            (Some(lp), RetryKind::Plan(requested)) => {
+                // keep the caller's chunking if it is finer than the engine's plan
+                let p = lp.plan();
+                if requested.batch() == p.batch() && requested.num_chunks() > p.num_chunks() {
+                    *requested
+                } else {
+                    p
+                }
+            }
+            (Some(lp), _) => lp.plan(),
+            (None, RetryKind::Plan(p)) => *p,
+            (None, _) => BatchPlan::whole(1).expect("1 row is a plan"),
+        }
+    }
+
+    /// Takes an attempt's outcome: `Break` with the function's result, or `Continue` to run the
+    /// body again with [`Retry::batch`] / [`Retry::plan`].
+    pub fn next<T>(&mut self, out: Result<T, E>) -> ControlFlow<Result<T, E>> {
+        let Some(lp) = self.lp.as_mut() else {
+            return ControlFlow::Break(out);
+        };
+        match lp.next(out) {
+            ControlFlow::Continue(()) => ControlFlow::Continue(()),
+            ControlFlow::Break(Ok((v, _report))) => ControlFlow::Break(Ok(v)),
+            ControlFlow::Break(Err(e)) => {
+                // One process, so the step ended with this rank's own error (a non-OOM error or
+                // the last OOM): give it back as the function's error.
+                let msg = e.to_string();
+                match e.into_error() {
+                    Some(err) => ControlFlow::Break(Err(err)),
+                    None => unreachable!("a single-process retry ends with its own error: {msg}"),
+                }
+            }
+        }
+    }
+}
