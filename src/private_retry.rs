@@ -145,14 +145,14 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             engine_for(cfg.persist)
         };
         engine = engine.with_policy(policy);
-        let batch = match &cfg.kind {
-            RetryKind::Plain => 1,
-            RetryKind::Batch(n) => usize::try_from(*n).unwrap_or(usize::MAX),
-            RetryKind::Plan(p) => p.batch(),
+        let start = match &cfg.kind {
+            RetryKind::Plain => BatchPlan::whole(1),
+            RetryKind::Batch(n) => BatchPlan::whole(usize::try_from(*n).unwrap_or(usize::MAX)),
+            RetryKind::Plan(p) => Ok(*p),
         };
         let site = format!("{}:{} {}", cfg.site.file, cfg.site.line, cfg.site.function);
         // A batch of 0 rows: nothing to plan, the body runs once as written.
-        let lp = engine.begin_any(site, batch).ok();
+        let lp = start.ok().and_then(|s| engine.begin_any(site, s).ok());
         Retry { lp, kind: cfg.kind }
     }
 
@@ -168,15 +168,6 @@ impl<E: IsOom + fmt::Display> Retry<E> {
     /// The plan for this attempt (`plan = param`).
     pub fn plan(&self) -> BatchPlan {
         match (&self.lp, &self.kind) {
-            (Some(lp), RetryKind::Plan(requested)) => {
-                // keep the caller's chunking if it is finer than the engine's plan
-                let p = lp.plan();
-                if requested.batch() == p.batch() && requested.num_chunks() > p.num_chunks() {
-                    *requested
-                } else {
-                    p
-                }
-            }
             (Some(lp), _) => lp.plan(),
             (None, RetryKind::Plan(p)) => *p,
             (None, _) => BatchPlan::whole(1).expect("1 row is a plan"),

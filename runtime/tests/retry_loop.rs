@@ -45,3 +45,32 @@ fn hand_driven_loop() {
         ControlFlow::Continue(())
     ));
 }
+
+#[test]
+fn any_device_loop_keeps_the_callers_chunking() {
+    let dev = Device::sim(ByteSize::mib(16));
+    let engine = RetryEngine::new().with_policy(Accumulate::halving());
+    let start = BatchPlan::new(100, 5).unwrap();
+    let mut lp = engine.begin_any::<Error>("loop.rs:1 any", start).unwrap();
+    assert_eq!(lp.plan(), start, "micro-batches of 20 rows, as asked");
+    let mut plans = vec![];
+    let rows = loop {
+        let plan = lp.plan();
+        plans.push(plan.micro_batch());
+        match lp.next(step(&dev, &plan)) {
+            ControlFlow::Break(done) => break done.unwrap().0,
+            ControlFlow::Continue(()) => {}
+        }
+    };
+    // 2 MiB rows in 16 MiB: 20 and 10 rows fail, 5 fit
+    assert_eq!((rows, plans), (100, vec![20, 10, 5]));
+    let again = engine.begin_any::<Error>("loop.rs:1 any", start).unwrap();
+    assert_eq!(
+        again.plan().micro_batch(),
+        5,
+        "remembered under the any-device key"
+    );
+    assert!(engine
+        .begin_any::<Error>("x", BatchPlan::whole(3).unwrap())
+        .is_ok());
+}

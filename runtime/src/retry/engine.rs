@@ -331,24 +331,25 @@ impl RetryEngine {
         batch: usize,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         let key = MemoryKey::at(site.into(), device, (self.mode)());
-        self.begin_on(key, Target::One(device.clone()), batch)
+        self.begin_on(key, Target::One(device.clone()), batch, None)
     }
 
     /// [`RetryEngine::begin_at`] for code that holds no [`Device`] (the attribute macros): an
     /// out-of-memory on any device counts, the cache of every live device ([`Device::all`]) is
     /// emptied before a retry, thrashing is watched on all of them, and plans are remembered
-    /// under [`DeviceKey::any`](super::DeviceKey::any).
+    /// under [`DeviceKey::any`](super::DeviceKey::any). The step covers `start.batch()` rows in
+    /// micro-batches no larger than `start`'s (the remembered plan may split them further).
     pub fn begin_any<E: IsOom + fmt::Display>(
         &self,
         site: impl Into<String>,
-        batch: usize,
+        start: BatchPlan,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         let key = MemoryKey {
             site: site.into(),
             device: super::memory::DeviceKey::any(),
             mode: (self.mode)(),
         };
-        self.begin_on(key, Target::All, batch)
+        self.begin_on(key, Target::All, start.batch(), Some(start.micro_batch()))
     }
 
     fn begin_on<E: IsOom + fmt::Display>(
@@ -356,6 +357,7 @@ impl RetryEngine {
         key: MemoryKey,
         target: Target,
         batch: usize,
+        micro_cap: Option<usize>,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         if batch == 0 {
             return Err(RetryError::InvalidArgument(
@@ -380,8 +382,19 @@ impl RetryEngine {
             }
             (limits, regrow)
         };
-        let good = limits.plan_for(batch).expect("batch >= 1 gives a plan");
-        let mut plan = regrow.and_then(|l| l.plan_for(batch)).unwrap_or(good);
+        let capped = |p: BatchPlan| match micro_cap {
+            Some(m) if m < p.micro_batch() => {
+                BatchPlan::with_micro_batch(p.batch(), m).unwrap_or(p)
+            }
+            _ => p,
+        };
+        let good = capped(limits.plan_for(batch).expect("batch >= 1 gives a plan"));
+        let up = regrow.and_then(|l| l.plan_for(batch)).map(capped);
+        if up == Some(good) {
+            // the caller's micro-batch cap already binds: nothing to grow into
+            regrow = None;
+        }
+        let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
         let mut v = encode(OK, &plan, batch);
         self.agree(&mut v).map_err(RetryError::Consensus)?;
         let agreed = decode(&v, batch);
