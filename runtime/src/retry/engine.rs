@@ -1,22 +1,7 @@
 //! The retry engine: runs a step with a plan; on out-of-memory drops what the attempt held,
 //! empties the cache, asks the policy for a smaller plan and runs the step again from its start.
 //!
-//! # The contract
-//!
-//! A step is split in two: the **attempt**, which may run many times and must have no lasting
-//! effect (it computes gradients, losses, outputs), and the **commit** (the optimizer update),
-//! which runs exactly once, after every micro-batch of one attempt succeeded. The engine never
-//! commits a partial step, so a retried step gives the same result as an unretried one.
-//!
-//! - With [`RetryEngine::run`] the attempt is a closure returning what the commit needs (for
-//!   example summed gradients); everything it allocated is dropped when it returns `Err`.
-//! - With [`RetryEngine::run_step`] the step is a [`Step`]: [`Step::begin`] resets accumulated
-//!   state at the start of each attempt, [`Step::micro_batch`] processes one chunk,
-//!   [`Step::abort`] may free the state of a failed attempt, [`Step::commit`] runs once.
-//!
-//! What must not happen in an attempt: changing parameters or optimizer state, advancing a data
-//! iterator (fetch the batch before calling the engine), or anything else that cannot be done
-//! twice. The commit is not retried: allocate optimizer state before the first step.
+//! See [the contract](crate::retry#the-contract) for what an attempt may do.
 
 use std::fmt;
 use std::ops::ControlFlow;
@@ -37,7 +22,7 @@ use super::thrash::ThrashDetector;
 use crate::Device;
 
 /// A training (or evaluation) step processed micro-batch by micro-batch; see the
-/// [module contract](self).
+/// [contract](crate::retry#the-contract).
 ///
 /// ```
 /// use oomguard_runtime::retry::{BatchPlan, Chunk, RetryEngine, Step};

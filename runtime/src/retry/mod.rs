@@ -1,7 +1,7 @@
 //! OOM retry: a training step that runs out of device memory is retried with a smaller footprint
 //! instead of crashing, and nothing is lost.
 //!
-//! - [`IsOom`] ([`classify`](self::IsOom)): typed out-of-memory classification.
+//! - [`IsOom`]: typed out-of-memory classification (never by message text).
 //! - [`BatchPlan`]/[`Chunk`]: a batch split into weighted micro-batches.
 //! - [`RetryPolicy`] and the built-in policies: same-plan retry after emptying the cache,
 //!   gradient accumulation, batch shrinking, floors, retry limits, chains.
@@ -15,6 +15,24 @@
 //! Better than the anchors: Accelerate shrinks the effective batch silently and string-matches
 //! errors; here accumulation keeps the batch, errors are typed, every retry is logged and
 //! reported. Lightning and toma search by trial and error; [`find_max_batch`] predicts.
+//!
+//! # The contract
+//!
+//! A step is split in two: the **attempt**, which may run many times and must have no lasting
+//! effect (it computes gradients, losses, outputs), and the **commit** (the optimizer update),
+//! which runs exactly once, after every micro-batch of one attempt succeeded. The engine never
+//! commits a partial step, so a retried step gives the same result as an unretried one.
+//!
+//! - With [`RetryEngine::run`] the attempt is a closure returning what the commit needs (for
+//!   example summed gradients); everything it allocated is dropped when it returns `Err`.
+//! - With [`RetryEngine::run_step`] the step is a [`Step`]: [`Step::begin`] resets accumulated
+//!   state at the start of each attempt, [`Step::micro_batch`] processes one chunk,
+//!   [`Step::abort`] may free the state of a failed attempt, [`Step::commit`] runs once.
+//!
+//! What must not happen in an attempt: changing parameters or optimizer state, advancing a data
+//! iterator (fetch the batch before calling the engine), or anything else that cannot be done
+//! twice. The commit is not retried: allocate optimizer state before the first step. With
+//! `#[oom_retry]` the whole function body is the attempt: commit after it returns.
 
 mod classify;
 mod consensus;
