@@ -43,6 +43,8 @@ fn second_call_makes_no_retry() {
     assert_eq!(first.value, 100, "the whole batch is processed");
     assert_eq!(first.report.final_plan, BatchPlan::new(100, 4).unwrap());
     assert!(!first.report.from_memory);
+    let limits = engine.remembered(&first.report.site, &dev);
+    assert_eq!((limits.micro_batch, limits.batch), (Some(25), None));
     let second = step_here(&engine, &dev, 100);
     assert_eq!(second.report.retries(), 0);
     assert!(second.report.from_memory);

@@ -217,11 +217,10 @@ impl RetryEngine {
         self.memory.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The limits remembered for this call site (`#[track_caller]`) on `device` in the current
-    /// mode.
-    #[track_caller]
-    pub fn remembered(&self, device: &Device) -> Limits {
-        let key = MemoryKey::new(Location::caller(), device, (self.mode)());
+    /// The limits remembered for the call site `site` (as in [`RetryReport::site`]) on `device`
+    /// in the current mode.
+    pub fn remembered(&self, site: &str, device: &Device) -> Limits {
+        let key = MemoryKey::at(site.to_string(), device, (self.mode)());
         self.memory().limits(&key)
     }
 
