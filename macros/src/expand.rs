@@ -276,9 +276,13 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     // Guard attributes move inside: they apply to each attempt.
     let mut guards = Guards::default();
     let mut kept = Vec::new();
+    let mut absorbed = Vec::new();
     for a in std::mem::take(&mut f.attrs) {
         match attr_name(&a) {
             Some(n) if GUARD_ATTRS.contains(&n.as_str()) => {
+                // Keep the user's import of the attribute used, though it expands no more.
+                let path = a.path().clone();
+                absorbed.push(quote!(#[allow(unused_imports)] use #path as _;));
                 let tokens = match &a.meta {
                     syn::Meta::List(l) => l.tokens.clone(),
                     _ => TokenStream::new(),
@@ -413,6 +417,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         guarded_block(inner, &guards, &krate, &ret)
     };
     let new_body = quote!({
+        #(#absorbed)*
         let mut __oomguard_retry = #p::Retry::new(#p::RetryConfig {
             site: #p::Site { file: ::core::file!(), line: #line, function: #name },
             kind: #kind,

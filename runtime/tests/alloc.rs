@@ -507,3 +507,19 @@ proptest! {
         a.check_invariants().map_err(TestCaseError::fail)?;
     }
 }
+
+/// Found by the retry engine's tests: with growable segments and max_split_size, a refused
+/// oversize free block made the allocator map 0 bytes.
+#[test]
+fn growable_segments_with_max_split_size_never_map_nothing() {
+    let dev = Device::new(
+        SimDevice::new(ByteSize::mib(256)),
+        AllocatorConfig::parse("max_split_size_mb:64").unwrap(),
+    );
+    drop(dev.alloc::<u8>(100 << 20).unwrap());
+    drop(dev.alloc::<u8>(200 << 20).unwrap());
+    drop(dev.alloc::<u8>(100 << 20).unwrap());
+    let small = dev.alloc::<u8>(10 << 20).unwrap();
+    dev.allocator().check_invariants().unwrap();
+    drop(small);
+}

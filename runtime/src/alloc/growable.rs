@@ -89,6 +89,11 @@ impl State {
             };
             let before = free_mapped(u.prev);
             let need = size.saturating_sub(before).next_multiple_of(g);
+            // A free neighbour that alone fits was refused by the allocator's rules
+            // (max_split_size): map nothing into it.
+            if need == 0 {
+                continue;
+            }
             let cost = if need <= u.size {
                 need
             } else if before + u.size + free_mapped(u.next) >= size {

@@ -607,6 +607,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 self.regrow,
             );
             self.report.elapsed = self.started.elapsed();
+            super::report::set_last_report(&self.report);
             return ControlFlow::Break(Ok((value, self.report.clone())));
         }
 

@@ -55,6 +55,7 @@ pub use policy::{
     MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
 pub use report::{
-    AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+    last_report, AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError,
+    RetryReport,
 };
 pub use thrash::ThrashDetector;

@@ -71,6 +71,22 @@ pub struct RetryReport {
     pub elapsed: Duration,
 }
 
+thread_local! {
+    static LAST: std::cell::RefCell<Option<RetryReport>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The report of the last step that completed on this thread (through any [`RetryEngine`] use,
+/// `#[oom_retry]` included), to see the retries a step took and the plan it ran with.
+///
+/// [`RetryEngine`]: super::RetryEngine
+pub fn last_report() -> Option<RetryReport> {
+    LAST.with(|l| l.borrow().clone())
+}
+
+pub(crate) fn set_last_report(r: &RetryReport) {
+    let _ = LAST.try_with(|l| *l.borrow_mut() = Some(r.clone()));
+}
+
 impl RetryReport {
     /// Number of retries (failed attempts).
     pub fn retries(&self) -> usize {
