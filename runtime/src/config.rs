@@ -12,6 +12,7 @@ pub const ENV_VAR: &str = "OOMGUARD_ALLOC_CONF";
 
 /// The keys [`AllocatorConfig::parse`] accepts.
 pub const VALID_KEYS: &[&str] = &[
+    "backend",
     "expandable_segments",
     "max_split_size_mb",
     "roundup_power2_divisions",
@@ -66,6 +67,10 @@ pub struct AllocatorConfig {
     /// Fraction of the device's capacity above which cached free memory is released before the
     /// device is asked for more.
     pub garbage_collection_threshold: Option<f64>,
+    /// `backend:cudaMallocAsync` (PyTorch's name): no caching here; every allocation goes to the
+    /// device (on CUDA, its stream-ordered memory pool) and every free straight back. A baseline
+    /// to measure the cache against; `native` (the default) is the caching allocator.
+    pub pass_through: bool,
 }
 
 impl Default for AllocatorConfig {
@@ -75,6 +80,7 @@ impl Default for AllocatorConfig {
             max_split_size: u64::MAX,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: None,
+            pass_through: false,
         }
     }
 }
@@ -109,6 +115,17 @@ impl AllocatorConfig {
                 message,
             };
             match key {
+                "backend" => {
+                    c.pass_through = match value {
+                        "native" => false,
+                        "cudaMallocAsync" => true,
+                        _ => {
+                            return Err(err(format!(
+                                "{value:?} is not a backend; use native or cudaMallocAsync"
+                            )))
+                        }
+                    }
+                }
                 "expandable_segments" => c.expandable_segments = parse_bool(value).map_err(err)?,
                 "max_split_size_mb" => {
                     let mb: u64 = value
@@ -183,6 +200,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if let Some(t) = self.garbage_collection_threshold {
             write!(f, ",garbage_collection_threshold:{t}")?;
+        }
+        if self.pass_through {
+            write!(f, ",backend:cudaMallocAsync")?;
         }
         Ok(())
     }
@@ -320,6 +340,7 @@ mod tests {
             "expandable_segments:False",
             "expandable_segments:True,max_split_size_mb:200,roundup_power2_divisions:[1:1,4:2,>:8]",
             "garbage_collection_threshold:0.5",
+            "backend:cudaMallocAsync,expandable_segments:False",
         ] {
             let c = AllocatorConfig::parse(s).unwrap();
             assert_eq!(
@@ -373,13 +394,15 @@ mod tests {
             ),
             ("expandable_segments", "expandable_segments", "no value"),
             ("a]", "", "unbalanced"),
+            ("backend:cuda", "backend", "not a backend"),
         ];
         for (input, key, msg) in cases {
             let e = AllocatorConfig::parse(input).unwrap_err();
             assert_eq!(e.key.as_deref().unwrap_or(""), key, "{input}: {e}");
             assert!(e.to_string().contains(msg), "{input}: {e}");
             assert!(
-                e.to_string().contains("valid keys: expandable_segments"),
+                e.to_string()
+                    .contains("valid keys: backend, expandable_segments"),
                 "{e}"
             );
         }

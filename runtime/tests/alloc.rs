@@ -523,3 +523,25 @@ fn growable_segments_with_max_split_size_never_map_nothing() {
     dev.allocator().check_invariants().unwrap();
     drop(small);
 }
+
+/// `backend:cudaMallocAsync`: no caching; every allocation is its own device segment of the
+/// rounded size and goes back to the device when freed.
+#[test]
+fn pass_through_backend_caches_nothing() {
+    let (sim, a) = allocator(ByteSize::gib(1), "backend:cudaMallocAsync");
+    assert!(!a.uses_growable_segments());
+    let xs: Vec<_> = (1..20u64)
+        .map(|i| a.allocate(i * 1000, 0).unwrap())
+        .collect();
+    let live: u64 = xs.iter().map(|x| x.size).sum();
+    assert_eq!(a.stats().reserved_bytes.all.current, live);
+    assert_eq!(sim.used(), live);
+    assert_eq!(sim.calls().alloc_segment, 19);
+    for x in xs {
+        a.free(x).unwrap();
+    }
+    assert_eq!(sim.used(), 0, "freed straight back");
+    assert_eq!(sim.calls().free_segment, 19);
+    a.check_invariants().unwrap();
+    assert!(a.allocate(2 << 30, 0).unwrap_err().is_oom());
+}

@@ -19,6 +19,28 @@ impl State {
         size: u64,
     ) -> Result<BlockId, GrowError> {
         let seg_size = segment_size(size).ok_or(GrowError::TooLarge)?;
+        self.new_segment(backend, pool, stream, size, seg_size)
+    }
+
+    /// A segment of exactly `size` bytes holding one block (`backend:cudaMallocAsync`).
+    pub fn grow_exact(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<BlockId, GrowError> {
+        self.new_segment(backend, pool, stream, size, size)
+    }
+
+    fn new_segment(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        seg_size: u64,
+    ) -> Result<BlockId, GrowError> {
         self.check_limit(seg_size)?;
         let base = backend.alloc_segment(seg_size, stream)?;
         let small = pool.is_small();

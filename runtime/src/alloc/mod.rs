@@ -89,7 +89,8 @@ impl CachingAllocator {
     /// An allocator over `backend`. Growable segments are used when the configuration asks for
     /// them and the backend supports them.
     pub fn new(backend: Arc<dyn Backend>, config: AllocatorConfig) -> Self {
-        let growable = config.expandable_segments && backend.supports_growable();
+        let growable =
+            config.expandable_segments && !config.pass_through && backend.supports_growable();
         let total = backend.mem_info().map(|m| m.total).unwrap_or(0);
         let granularity = backend.granularity().max(MIN_BLOCK);
         Self {
@@ -132,6 +133,9 @@ impl CachingAllocator {
         let mut st = self.lock();
         let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
         let pool = pool::pool_for(size);
+        if st.cfg.pass_through {
+            return self.allocate_through(&mut st, pool, stream, size, bytes);
+        }
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
         }
@@ -159,6 +163,37 @@ impl CachingAllocator {
                 Some(std::panic::Location::caller()),
             );
         }
+        let b = &st.blocks[id];
+        Ok(Allocation {
+            ptr: b.addr,
+            size: b.size,
+            requested: bytes,
+            stream,
+            block: id,
+            generation: b.generation,
+        })
+    }
+
+    /// `backend:cudaMallocAsync`: a segment of exactly the rounded size for every allocation.
+    fn allocate_through(
+        &self,
+        st: &mut State,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        bytes: u64,
+    ) -> Result<Allocation, Error> {
+        let id = match st.grow_exact(&*self.backend, pool, stream, size) {
+            Ok(id) => id,
+            Err(GrowError::Backend(e)) => return Err(self.fail(st, bytes, e)),
+            Err(GrowError::TooLarge) => return Err(too_large(bytes)),
+            Err(GrowError::Limit) => {
+                let e =
+                    BackendError::oom("limit", "the device-wide memory limit would be exceeded");
+                return Err(self.fail(st, bytes, e));
+            }
+        };
+        st.mark_allocated(id, bytes);
         let b = &st.blocks[id];
         Ok(Allocation {
             ptr: b.addr,
@@ -275,6 +310,11 @@ impl CachingAllocator {
         st.trace(TraceAction::FreeRequested, a.ptr, a.size, a.stream);
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
+            if st.cfg.pass_through {
+                st.release_block(a.block);
+                st.release_fixed(&*self.backend);
+                return Ok(());
+            }
             st.park_or_release(a.block);
             return Ok(());
         }
@@ -360,6 +400,17 @@ impl CachingAllocator {
         let mut s = st.stats;
         s.largest_free_block = st.largest_free();
         s
+    }
+
+    /// `num_alloc_retries` alone, without copying every statistic (for per-step checks).
+    pub fn num_alloc_retries(&self) -> u64 {
+        self.lock().stats.num_alloc_retries
+    }
+
+    /// Allocated and reserved bytes now, without copying every statistic.
+    pub fn allocated_and_reserved(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.stats.allocated_bytes.all.current, st.reserved())
     }
 
     /// Resets every peak to its current value.

@@ -54,7 +54,13 @@ impl Device {
 
     /// CUDA device `ordinal` with `config`.
     pub fn cuda_with_config(ordinal: usize, config: AllocatorConfig) -> Result<Device> {
-        Ok(Device::new(CudaBackend::new(ordinal)?, config))
+        let backend = CudaBackend::new(ordinal)?;
+        let backend = if config.pass_through {
+            backend.with_stream_ordered_pool()
+        } else {
+            backend
+        };
+        Ok(Device::new(backend, config))
     }
 
     /// The CUDA backend, when this is a CUDA device.

@@ -39,8 +39,8 @@ pub struct LeakedBuffer {
     pub stream: StreamId,
     /// The source location that allocated it (the caller of `Device::alloc` and friends).
     pub location: &'static Location<'static>,
-    /// The backtrace of the allocation, when backtraces were enabled (`RUST_BACKTRACE` /
-    /// `RUST_LIB_BACKTRACE`, or [`LeakCheck::with_backtraces`]).
+    /// The backtrace of the allocation, when backtraces were enabled
+    /// ([`LeakCheck::with_backtraces`], or `OOMGUARD_LEAK_BACKTRACE=1`).
     pub backtrace: Option<Arc<Backtrace>>,
 }
 
@@ -173,7 +173,7 @@ impl LeakCheck {
     }
 
     /// Captures a backtrace for every allocation inside the scope, even without
-    /// `RUST_BACKTRACE` (slow: for debugging).
+    /// `OOMGUARD_LEAK_BACKTRACE=1` (slow: for debugging).
     pub fn with_backtraces(self) -> Self {
         self.guard.scope.force_backtrace.store(true, Relaxed);
         self

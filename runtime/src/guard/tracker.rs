@@ -64,7 +64,7 @@ pub(crate) struct Scope {
     pub allocations: AtomicU64,
     /// Allocations charged to the scope and still live.
     pub live_allocations: AtomicU64,
-    /// Leak checks: capture a backtrace per allocation even when `RUST_BACKTRACE` is unset.
+    /// Leak checks: capture a backtrace per allocation.
     pub force_backtrace: AtomicBool,
     /// Where the scope was opened.
     pub opened_at: &'static Location<'static>,
@@ -242,14 +242,14 @@ impl Tracker {
                 want_backtrace = Some(want_backtrace.unwrap_or(false) | forced);
             }
         }
-        let backtrace = want_backtrace.and_then(|forced| {
-            let bt = if forced {
-                Backtrace::force_capture()
-            } else {
-                Backtrace::capture()
-            };
-            (bt.status() == BacktraceStatus::Captured).then(|| Arc::new(bt))
-        });
+        // A backtrace per allocation costs microseconds: only on request (`with_backtraces`)
+        // or with OOMGUARD_LEAK_BACKTRACE=1, not merely because RUST_BACKTRACE is set.
+        let backtrace = want_backtrace
+            .filter(|&forced| forced || backtraces_from_env())
+            .and_then(|_| {
+                let bt = Backtrace::force_capture();
+                (bt.status() == BacktraceStatus::Captured).then(|| Arc::new(bt))
+            });
         let mut t = lock(&self.table);
         t.seq += 1;
         let entry = Tracked {
@@ -312,6 +312,12 @@ impl Tracker {
         v.sort_by_key(|(seq, _)| *seq);
         v.into_iter().map(|(_, r)| r).collect()
     }
+}
+
+/// Whether `OOMGUARD_LEAK_BACKTRACE=1` asks leak checks for a backtrace per allocation.
+fn backtraces_from_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("OOMGUARD_LEAK_BACKTRACE").is_ok_and(|v| v == "1"))
 }
 
 /// Opens a scope that applies to every device, charged by the calling thread's allocations.

@@ -468,17 +468,14 @@ impl Target {
     fn alloc_retries(&self) -> u64 {
         self.devices()
             .iter()
-            .map(|d| d.stats().num_alloc_retries)
+            .map(|d| d.allocator().num_alloc_retries())
             .sum()
     }
     /// Allocated and reserved bytes now.
     fn bytes(&self) -> (u64, u64) {
         self.devices().iter().fold((0, 0), |(a, r), d| {
-            let s = d.stats();
-            (
-                a + s.allocated_bytes.all.current,
-                r + s.reserved_bytes.all.current,
-            )
+            let (da, dr) = d.allocator().allocated_and_reserved();
+            (a + da, r + dr)
         })
     }
     fn empty_cache(&self) {

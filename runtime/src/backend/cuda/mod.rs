@@ -84,7 +84,11 @@ pub struct CudaBackend {
     granularity: u64,
     vmm: bool,
     pages: PageTable,
-    segments: Mutex<HashMap<DevicePtr, u64>>,
+    /// Fixed segments: address -> (bytes, stream they were allocated on).
+    segments: Mutex<HashMap<DevicePtr, (u64, StreamId)>>,
+    /// Segments come from the stream-ordered pool (cuMemAllocAsync / cuMemFreeAsync on their
+    /// stream) instead of cuMemAlloc: `backend:cudaMallocAsync`.
+    stream_ordered: bool,
     streams: StreamRegistry,
     events: EventTable,
 }
@@ -165,11 +169,20 @@ impl CudaBackend {
             vmm,
             pages: PageTable::new(ctx.cu_device(), granularity),
             segments: Mutex::new(HashMap::new()),
+            stream_ordered: false,
             streams: StreamRegistry::new(&ctx),
             events: EventTable::default(),
             ctx,
         };
         Ok(backend)
+    }
+
+    /// Takes segments from the device's stream-ordered memory pool (cuMemAllocAsync on the
+    /// allocation's stream, cuMemFreeAsync on free, no synchronisation), as PyTorch's
+    /// `backend:cudaMallocAsync` and cudarc's `CudaStream::alloc` do.
+    pub fn with_stream_ordered_pool(mut self) -> Self {
+        self.stream_ordered = true;
+        self
     }
 
     /// The cudarc context (the device's primary context), to load modules and make streams.
@@ -240,28 +253,45 @@ impl Backend for CudaBackend {
         self.vmm
     }
 
-    fn alloc_segment(&self, bytes: u64, _stream: StreamId) -> Result<DevicePtr, BackendError> {
+    fn alloc_segment(&self, bytes: u64, stream: StreamId) -> Result<DevicePtr, BackendError> {
         let n = usize::try_from(bytes)
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| invalid("cuMemAlloc", format!("cannot allocate {bytes} bytes")))?;
         self.bind("cuMemAlloc")?;
+        if self.stream_ordered {
+            // SAFETY: `stream` is a raw CUstream handle (0: the legacy default stream) that the
+            // caller allocates on; cuMemAllocAsync writes one pointer, freed by `free_segment`.
+            let ptr = unsafe { result::malloc_async(stream as usize as sys::CUstream, n) }
+                .map_err(|e| driver_error("cuMemAllocAsync", e))?;
+            lock(&self.segments).insert(ptr, (bytes, stream));
+            return Ok(ptr);
+        }
         // SAFETY: cuMemAlloc writes one device pointer; the memory is freed only by
         // `free_segment` (or on drop), after which the allocator no longer hands it out.
         let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| driver_error("cuMemAlloc", e))?;
-        lock(&self.segments).insert(ptr, bytes);
+        lock(&self.segments).insert(ptr, (bytes, stream));
         Ok(ptr)
     }
 
     fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut segs = lock(&self.segments);
-        if segs.get(&ptr) != Some(&bytes) {
+        let Some(&(size, stream)) = segs.get(&ptr).filter(|(size, _)| *size == bytes) else {
             return Err(invalid(
                 "cuMemFree",
                 format!("no segment of {bytes} bytes at {ptr:#x}"),
             ));
-        }
+        };
+        debug_assert_eq!(size, bytes);
         self.bind("cuMemFree")?;
+        if self.stream_ordered {
+            // SAFETY: `ptr` came from cuMemAllocAsync on `stream` and is freed once, in stream
+            // order after the work queued on that stream.
+            unsafe { result::free_async(ptr, stream as usize as sys::CUstream) }
+                .map_err(|e| driver_error("cuMemFreeAsync", e))?;
+            segs.remove(&ptr);
+            return Ok(());
+        }
         // Work queued on any stream may still use the segment.
         self.sync_all("cuMemFree")?;
         // SAFETY: `ptr` came from cuMemAlloc in `alloc_segment` and is freed once (it is removed
@@ -372,8 +402,9 @@ impl Drop for CudaBackend {
         self.events.destroy_all();
         self.pages.release_all();
         for (ptr, _) in lock(&self.segments).drain() {
-            // SAFETY: every segment left came from cuMemAlloc and was not freed yet; the device is
-            // idle and no buffer of this backend is alive.
+            // SAFETY: every segment left came from cuMemAlloc (or cuMemAllocAsync, which
+            // cuMemFree also frees) and was not freed yet; the device is idle and no buffer of
+            // this backend is alive.
             if let Err(e) = unsafe { result::free_sync(ptr) } {
                 tracing::warn!(error = %driver_error("cuMemFree", e), "freeing a segment on drop failed");
             }
