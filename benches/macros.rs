@@ -46,7 +46,10 @@ fn all_four(dev: &Device, n: usize) -> Result<usize, Error> {
     Ok(b.len())
 }
 
-fn per_call(f: &dyn Fn() -> Result<usize, Error>) -> f64 {
+/// A benchmarked call.
+type Call<'a> = &'a dyn Fn() -> Result<usize, Error>;
+
+fn per_call(f: Call<'_>) -> f64 {
     let iters = 200_000;
     (0..5)
         .map(|_| {
@@ -65,7 +68,7 @@ fn main() {
     println!("attribute overhead, simulated device, body = one 512 B alloc+free (ns per call)");
     println!("{:<24} {:>10} {:>12}", "function", "ns/call", "overhead");
     println!("{:<24} {base:>10.1} {:>12}", "plain", "-");
-    let rows: [(&str, &dyn Fn() -> Result<usize, Error>); 5] = [
+    let rows: [(&str, Call<'_>); 5] = [
         ("#[no_grad]", &|| with_no_grad(&dev, 512)),
         ("#[memory_budget]", &|| with_budget(&dev, 512)),
         ("#[leak_check]", &|| with_leak_check(&dev, 512)),
