@@ -137,7 +137,14 @@ impl State {
     #[inline]
     pub fn park_or_release(&mut self, id: BlockId) {
         let b = &self.blocks[id];
-        if !b.pool.is_small() {
+        // A large block is parked only in growable segments and only when it has no free
+        // neighbour it would merge with now: parking it then hides no larger free block from
+        // best fit. (In fixed segments parking large blocks raises PyTorch-mode fragmentation.)
+        if !b.pool.is_small()
+            && (!self.growable
+                || self.merges_with(b.prev, b.mapped)
+                || self.merges_with(b.next, b.mapped))
+        {
             return self.release_block(id);
         }
         let list = self.quick.entry((b.stream, b.size)).or_default();
@@ -155,6 +162,13 @@ impl State {
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
         self.trace(TraceAction::FreeCompleted, addr, size, stream);
+    }
+
+    fn merges_with(&self, n: Option<BlockId>, mapped: bool) -> bool {
+        n.is_some_and(|n| {
+            let b = &self.blocks[n];
+            b.is_free() && b.mapped == mapped
+        })
     }
 
     /// Merges and indexes every parked block.
