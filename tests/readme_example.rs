@@ -22,7 +22,11 @@ impl Trainer {
 
     #[no_grad]
     fn evaluate(&self) -> Result<f32, Error> {
-        Ok(if oomguard::is_grad_enabled() { 1.0 } else { 0.0 })
+        Ok(if oomguard::is_grad_enabled() {
+            1.0
+        } else {
+            0.0
+        })
     }
 }
 
@@ -40,7 +44,11 @@ fn the_readme_step_recovers_from_oom_and_remembers_the_plan() {
     assert!(first.retries() >= 2, "{first}");
     assert!(first.final_plan.num_chunks() > 1);
     t.train_step(&plan).unwrap();
-    assert_eq!(oomguard::retry::last_report().unwrap().retries(), 0, "remembered");
+    assert_eq!(
+        oomguard::retry::last_report().unwrap().retries(),
+        0,
+        "remembered"
+    );
     assert_eq!(t.evaluate().unwrap(), 0.0);
     assert_eq!(t.dev.stats().allocated_bytes.all.current, 0);
 }
