@@ -28,6 +28,8 @@ pub mod cuda;
 mod device;
 mod error;
 pub mod export;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod guard;
 pub mod retry;
 mod size;

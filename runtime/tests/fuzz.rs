@@ -3,7 +3,6 @@
 //! splices) for a bounded number of cases, and fails on any panic or broken property, printing
 //! the input. Deterministic (fixed seed), so a failure reproduces.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -11,115 +10,19 @@ use oomguard_runtime::backend::sim::SimDevice;
 use oomguard_runtime::backend::Backend;
 use oomguard_runtime::{Allocation, AllocatorConfig, ByteSize, CachingAllocator};
 
-/// xorshift64*: small and deterministic.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-fn corpus(target: &str) -> Vec<Vec<u8>> {
+/// Runs a target over its corpus `tests/fuzz_corpus/TARGET` and `cases` mutants.
+fn fuzz(target: &str, cases: usize, check: impl Fn(&[u8])) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fuzz_corpus")
         .join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    files.iter().map(|p| std::fs::read(p).unwrap()).collect()
-}
-
-const DICT: &[&[u8]] = &[
-    b"expandable_segments",
-    b"max_split_size_mb",
-    b"roundup_power2_divisions",
-    b"garbage_collection_threshold",
-    b":",
-    b",",
-    b"[",
-    b"]",
-    b">",
-    b"True",
-    b"False",
-    b"GiB",
-    b"MiB",
-    b"KB",
-    b".",
-    b"0",
-    b"99999999999999999999",
-    b" ",
-];
-
-fn mutate(rng: &mut Rng, input: &[u8], pool: &[Vec<u8>]) -> Vec<u8> {
-    let mut v = input.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        match rng.below(6) {
-            0 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                v[i] ^= 1 << rng.below(8);
-            }
-            1 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                v[i] = rng.next() as u8;
-            }
-            2 => {
-                let i = rng.below(v.len() + 1);
-                let word = DICT[rng.below(DICT.len())];
-                v.splice(i..i, word.iter().copied());
-            }
-            3 if !v.is_empty() => {
-                let i = rng.below(v.len());
-                let n = rng.below(v.len() - i + 1);
-                v.drain(i..i + n);
-            }
-            4 => {
-                let other = &pool[rng.below(pool.len())];
-                let cut = rng.below(v.len() + 1);
-                let from = rng.below(other.len() + 1);
-                v.truncate(cut);
-                v.extend_from_slice(&other[from..]);
-            }
-            _ => v.push(rng.next() as u8),
-        }
-    }
-    v.truncate(4096);
-    v
-}
-
-/// Runs `check` on the corpus and `cases` mutants; a panic fails with the input shown.
-fn fuzz(target: &str, cases: usize, check: impl Fn(&[u8])) {
-    let seeds = corpus(target);
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ target.len() as u64);
-    let mut pool = seeds.clone();
-    for i in 0..seeds.len() + cases {
-        let input = if i < seeds.len() {
-            seeds[i].clone()
-        } else {
-            let base = &pool[rng.below(pool.len())];
-            mutate(&mut rng, base, &pool)
-        };
-        if let Err(e) = catch_unwind(AssertUnwindSafe(|| check(&input))) {
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            panic!(
-                "{target}: case {i} failed on input {:?}: {msg}",
-                String::from_utf8_lossy(&input)
-            );
-        }
-        if pool.len() < 256 && rng.below(8) == 0 {
-            pool.push(input);
-        }
+    match oomguard_runtime::fuzzing::fuzz(&dir, cases, check) {
+        Ok(ran) => assert!(ran > cases, "{target}: {ran} cases"),
+        Err(f) => panic!(
+            "{target}: case {} failed on input {:?}: {}",
+            f.case,
+            String::from_utf8_lossy(&f.input),
+            f.message
+        ),
     }
 }
 

@@ -72,3 +72,69 @@ fn twelve_threads_of_random_operations() {
         assert_eq!(sim.used(), 0);
     }
 }
+
+/// Eight threads allocate through a `Device` while opening and closing budgets, peak scopes and
+/// a device-wide budget, and hand buffers to each other to free: afterwards nothing is lost or
+/// doubled and every scope's accounting is back to zero.
+#[test]
+fn eight_threads_with_guard_scopes_and_cross_thread_frees() {
+    use oomguard_runtime::Device;
+    let sim = SimDevice::new(ByteSize::gib(2));
+    let dev = Device::new(sim.clone(), AllocatorConfig::default());
+    let (tx, rx) = std::sync::mpsc::channel::<oomguard_runtime::DeviceBuffer<u8>>();
+    let rx = std::sync::Mutex::new(rx);
+    let wide = dev.device_budget(ByteSize::gib(1));
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let (dev, tx, rx) = (dev.clone(), tx.clone(), &rx);
+            s.spawn(move || {
+                let mut rng = 0x9e37_79b9u64 ^ (t << 20);
+                let mut next = move || {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng
+                };
+                for _ in 0..300 {
+                    let r = next();
+                    let budget = (r % 3 == 0).then(|| dev.budget(ByteSize::mib(8)));
+                    let peak = (r % 5 == 0).then(|| dev.peak_scope());
+                    let mut held = Vec::new();
+                    for _ in 0..(r >> 8) % 6 {
+                        match dev.alloc::<u8>(((next() >> 8) % (3 << 20)) as usize + 1) {
+                            Ok(b) => held.push(b),
+                            Err(e) => assert!(e.is_oom(), "{e}"),
+                        }
+                    }
+                    if let Some(b) = &budget {
+                        assert!(b.used() <= 8 << 20);
+                    }
+                    // give some buffers to another thread to free, take some back
+                    if let Some(b) = held.pop() {
+                        tx.send(b).unwrap();
+                    }
+                    if let Ok(b) = rx.lock().unwrap().try_recv() {
+                        drop(b);
+                    }
+                    drop(held);
+                    drop(peak);
+                    drop(budget);
+                }
+            });
+        }
+    });
+    drop(tx);
+    for b in rx.into_inner().unwrap().try_iter() {
+        drop(b);
+    }
+    assert_eq!(
+        wide.used(),
+        0,
+        "every charge to the device-wide budget was credited back"
+    );
+    drop(wide);
+    dev.allocator().check_invariants().unwrap();
+    assert_eq!(dev.stats().allocated_bytes.all.current, 0);
+    dev.empty_cache().unwrap();
+    assert_eq!(sim.used(), 0);
+}

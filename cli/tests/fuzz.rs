@@ -1,0 +1,63 @@
+//! Fuzz targets for every trace reader (CSV, RMM log, PyTorch snapshot pickle, and format
+//! detection), on the workspace's stable harness: corpora checked in under
+//! `tests/fuzz_corpus/`, mutated for a bounded number of cases. A reader must return `Ok` or an
+//! error naming the line or offset — never panic — and whatever it reads must replay through
+//! the allocator without panicking.
+
+use std::path::Path;
+
+use oomguard_cli::replay::{replay, ReplayOptions};
+use oomguard_cli::{csv_trace, detect, rmm, snapshot, ReadError, Trace};
+
+fn fuzz(target: &str, cases: usize, check: impl Fn(&[u8])) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fuzz_corpus")
+        .join(target);
+    match oomguard_runtime::fuzzing::fuzz(&dir, cases, check) {
+        Ok(ran) => assert!(ran > cases, "{target}: {ran} cases"),
+        Err(f) => panic!(
+            "{target}: case {} failed on input {:?}: {}",
+            f.case,
+            String::from_utf8_lossy(&f.input),
+            f.message
+        ),
+    }
+}
+
+/// Whatever parses replays (on a small device, so out-of-memory paths run too).
+fn replays(r: Result<Trace, ReadError>) {
+    match r {
+        Ok(t) => {
+            let opts = ReplayOptions {
+                capacity: 256 << 20,
+                ..ReplayOptions::default()
+            };
+            let (report, _) = replay(&t, &opts, &mut |_| {});
+            assert_eq!(report.events, t.events.len());
+        }
+        Err(e) => assert!(!e.to_string().is_empty()),
+    }
+}
+
+#[test]
+fn fuzz_csv_reader() {
+    fuzz("csv", 20_000, |d| replays(csv_trace::parse(d)));
+}
+
+#[test]
+fn fuzz_rmm_reader() {
+    fuzz("rmm", 20_000, |d| replays(rmm::parse(d)));
+}
+
+#[test]
+fn fuzz_snapshot_pickle_reader() {
+    fuzz("pickle", 10_000, |d| replays(snapshot::parse(d)));
+}
+
+#[test]
+fn fuzz_format_detection() {
+    fuzz("csv", 1_000, |d| replays(detect::parse(d, None)));
+    fuzz("pickle", 1_000, |d| {
+        replays(detect::parse(d, Some(Path::new("x.pickle"))))
+    });
+}
