@@ -20,6 +20,8 @@ pub struct Site {
     pub line: u32,
     /// The function's name.
     pub function: &'static str,
+    /// `file:line function`, made at compile time: the memory key of the call site.
+    pub key: &'static str,
 }
 
 /// What the retry controls.
@@ -150,7 +152,7 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             RetryKind::Batch(n) => BatchPlan::whole(usize::try_from(*n).unwrap_or(usize::MAX)),
             RetryKind::Plan(p) => Ok(*p),
         };
-        let site = format!("{}:{} {}", cfg.site.file, cfg.site.line, cfg.site.function);
+        let site = cfg.site.key;
         // A batch of 0 rows: nothing to plan, the body runs once as written.
         let lp = start.ok().and_then(|s| engine.begin_any(site, s).ok());
         Retry { lp, kind: cfg.kind }

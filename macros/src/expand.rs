@@ -419,7 +419,12 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     let new_body = quote!({
         #(#absorbed)*
         let mut __oomguard_retry = #p::Retry::new(#p::RetryConfig {
-            site: #p::Site { file: ::core::file!(), line: #line, function: #name },
+            site: #p::Site {
+                file: ::core::file!(),
+                line: #line,
+                function: #name,
+                key: ::core::concat!(::core::file!(), ":", #line, " ", #name),
+            },
             kind: #kind,
             min: #min,
             max_retries: #max_retries,

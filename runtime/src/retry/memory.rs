@@ -1,7 +1,7 @@
 //! Remembered plans: what worked at each call site, per device and per grad mode, optionally
 //! persisted to a JSON file so a restarted run starts from the known-good plan.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::fmt;
 use std::panic::Location;
 use std::path::{Path, PathBuf};
@@ -253,7 +253,7 @@ impl PlanMemory {
     /// every change.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, MemoryError> {
         let path = path.as_ref().to_path_buf();
-        let mut entries = HashMap::new();
+        let mut entries = HashMap::default();
         match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let file: FileFormat =
@@ -331,7 +331,13 @@ impl PlanMemory {
     }
 
     pub(crate) fn entry(&mut self, key: &MemoryKey) -> &mut Entry {
-        self.entries.entry(key.clone()).or_default()
+        // Look up first: cloning the key (strings) on every hit was most of a step's overhead.
+        if !self.entries.contains_key(key) {
+            return self.entries.entry(key.clone()).or_default();
+        }
+        self.entries
+            .get_mut(key)
+            .unwrap_or_else(|| unreachable!("the key was just found"))
     }
 
     /// Writes the file (no-op without one).
