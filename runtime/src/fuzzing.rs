@@ -114,6 +114,23 @@ pub struct Failure {
     pub message: String,
 }
 
+/// [`fuzz`] for a test: panics with the failing input shown, or when fewer cases ran than asked.
+pub fn fuzz_test(dir: &Path, cases: usize, check: impl Fn(&[u8])) {
+    let target = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match fuzz(dir, cases, check) {
+        Ok(ran) => assert!(ran > cases, "{target}: only {ran} cases ran"),
+        Err(f) => panic!(
+            "{target}: case {} failed on input {:?}: {}",
+            f.case,
+            String::from_utf8_lossy(&f.input),
+            f.message
+        ),
+    }
+}
+
 /// Runs `check` on every file in `dir` and on `cases` mutants; returns the number of cases run,
 /// or the first failure (a panic in `check`).
 pub fn fuzz(dir: &Path, cases: usize, check: impl Fn(&[u8])) -> Result<usize, Failure> {

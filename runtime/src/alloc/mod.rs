@@ -163,15 +163,7 @@ impl CachingAllocator {
                 Some(std::panic::Location::caller()),
             );
         }
-        let b = &st.blocks[id];
-        Ok(Allocation {
-            ptr: b.addr,
-            size: b.size,
-            requested: bytes,
-            stream,
-            block: id,
-            generation: b.generation,
-        })
+        Ok(handle(&st, id, bytes, stream))
     }
 
     /// `backend:cudaMallocAsync`: a segment of exactly the rounded size for every allocation.
@@ -194,15 +186,7 @@ impl CachingAllocator {
             }
         };
         st.mark_allocated(id, bytes);
-        let b = &st.blocks[id];
-        Ok(Allocation {
-            ptr: b.addr,
-            size: b.size,
-            requested: bytes,
-            stream,
-            block: id,
-            generation: b.generation,
-        })
+        Ok(handle(st, id, bytes, stream))
     }
 
     /// The device must give more memory: grow; on out-of-memory release the cache and try again.
@@ -445,6 +429,20 @@ impl CachingAllocator {
     /// Device capacity as the backend reported it when the allocator was made.
     pub fn device_total(&self) -> u64 {
         self.total
+    }
+}
+
+/// The handle of allocated block `id`.
+#[inline]
+fn handle(st: &State, id: BlockId, requested: u64, stream: StreamId) -> Allocation {
+    let b = &st.blocks[id];
+    Allocation {
+        ptr: b.addr,
+        size: b.size,
+        requested,
+        stream,
+        block: id,
+        generation: b.generation,
     }
 }
 

@@ -216,31 +216,10 @@ impl State {
         } else {
             size < self.cfg.max_split_size && rest > SMALL_SIZE
         };
-        if !worth {
-            return;
+        if worth {
+            let tail = self.split_at(id, b.addr + size);
+            self.index_insert(tail);
         }
-        let tail = Block {
-            addr: b.addr + size,
-            size: rest,
-            requested: 0,
-            seg: b.seg,
-            prev: Some(id),
-            next: b.next,
-            state: BlockState::Free,
-            mapped: b.mapped,
-            stream: b.stream,
-            pool: b.pool,
-            other_streams: Vec::new(),
-            generation: 0,
-        };
-        let tail_id = self.blocks.insert(tail);
-        if let Some(n) = self.blocks[tail_id].next {
-            self.blocks[n].prev = Some(tail_id);
-        }
-        let b = &mut self.blocks[id];
-        b.size = size;
-        b.next = Some(tail_id);
-        self.index_insert(tail_id);
     }
 
     /// Marks a taken block allocated and counts it.

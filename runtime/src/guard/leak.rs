@@ -100,6 +100,15 @@ impl LeakReport {
     pub fn exceeds_allowance(&self) -> bool {
         self.total_bytes > self.allowed_bytes
     }
+
+    /// `Err(self)` when the leaks exceed the allowance, else `Ok`.
+    pub fn into_result(self) -> Result<(), LeakReport> {
+        if self.exceeds_allowance() {
+            Err(self)
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl fmt::Display for LeakReport {
@@ -189,12 +198,7 @@ impl LeakCheck {
     /// happens on drop afterwards.
     pub fn finish(mut self) -> Result<(), LeakReport> {
         self.finished = true;
-        let r = self.report();
-        if r.exceeds_allowance() {
-            Err(r)
-        } else {
-            Ok(())
-        }
+        self.report().into_result()
     }
 }
 

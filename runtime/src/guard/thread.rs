@@ -151,12 +151,7 @@ impl ThreadLeakCheck {
     /// Ends the scope: `Err` with the report when the leaks exceed the allowance.
     pub fn finish(mut self) -> Result<(), LeakReport> {
         self.finished = true;
-        let r = self.report();
-        if r.exceeds_allowance() {
-            Err(r)
-        } else {
-            Ok(())
-        }
+        self.report().into_result()
     }
 }
 
@@ -236,11 +231,7 @@ impl GuardSet {
             Some((scope, action, allowed)) => {
                 let r = leak_report(&scope, allowed);
                 if action == LeakAction::Report {
-                    return if r.exceeds_allowance() {
-                        Err(r)
-                    } else {
-                        Ok(())
-                    };
+                    return r.into_result();
                 }
                 r.act(action);
                 Ok(())
