@@ -6,23 +6,28 @@
 //! [`crate::DeviceBuffer::cuda_view_mut`] give cudarc's copy functions what they need:
 //!
 //! ```no_run
-//! use oomguard_runtime::{cudarc::driver::{LaunchConfig, PushKernelArg}, Device};
-//! # fn scale_kernel(_: &Device) -> oomguard_runtime::cudarc::driver::CudaFunction { todo!() }
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let dev = Device::cuda(0)?;
-//! let stream = dev.cuda_default_stream()?; // stream id 0
-//! let mut buf = dev.alloc::<f32>(1024)?;
-//! stream.memcpy_htod(&vec![1.0f32; 1024], &mut buf.cuda_view_mut()?)?;
-//! // `dev.cuda_context()?.load_module(ptx)?.load_function("scale")?`, with NVRTC's PTX:
-//! let f = scale_kernel(&dev);
-//! let n = 1024i32;
-//! // SAFETY: `scale(float*, float, int)` reads and writes `n` elements of `buf`.
-//! unsafe {
-//!     stream.launch_builder(&f).arg(&mut buf).arg(&2.0f32).arg(&n)
-//!         .launch(LaunchConfig::for_num_elems(1024))?;
+//! use oomguard_runtime::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+//! use oomguard_runtime::Device;
+//!
+//! /// Doubles 1024 floats with `scale`, a kernel `scale(float* x, float a, int n)` loaded with
+//! /// `dev.cuda_context()?.load_module(ptx)?.load_function("scale")?` from NVRTC's PTX.
+//! fn double(dev: &Device, scale: &CudaFunction) -> Result<(), Box<dyn std::error::Error>> {
+//!     let stream = dev.cuda_default_stream()?; // stream id 0
+//!     let mut buf = dev.alloc::<f32>(1024)?;
+//!     stream.memcpy_htod(&vec![1.0f32; 1024], &mut buf.cuda_view_mut()?)?;
+//!     let n = 1024i32;
+//!     // SAFETY: `scale(float*, float, int)` reads and writes `n` elements of `buf`.
+//!     unsafe {
+//!         stream
+//!             .launch_builder(scale)
+//!             .arg(&mut buf)
+//!             .arg(&2.0f32)
+//!             .arg(&n)
+//!             .launch(LaunchConfig::for_num_elems(1024))?;
+//!     }
+//!     assert_eq!(buf.to_vec()?[0], 2.0);
+//!     Ok(())
 //! }
-//! assert_eq!(buf.to_vec()?[0], 2.0);
-//! # Ok(()) }
 //! ```
 #![allow(unsafe_code)] // FFI: pinned host memory and cudarc's unsafe kernel-argument trait
 
