@@ -237,3 +237,27 @@ impl GradientSync for NcclConsensus {
         Self::all_reduce(&state.comm.0, grads, ReduceOp::Sum)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ByteSize;
+
+    #[test]
+    fn without_nccl_or_a_cuda_device_constructors_are_errors_not_panics() {
+        let sim = Device::sim(ByteSize::mib(16));
+        // Without libnccl: the probe's error; with it: a simulated device is not a CUDA device.
+        let e = NcclConsensus::for_devices(&[sim.clone()]).unwrap_err();
+        assert!(!e.to_string().contains('\n'), "one line: {e}");
+        assert!(NcclConsensus::for_devices(&[]).is_err());
+        if nccl_available().is_ok() {
+            assert!(e.to_string().contains("not a CUDA device"), "{e}");
+            let id = new_id().unwrap();
+            let e = NcclConsensus::from_rank(&sim, 2, 2, id).unwrap_err();
+            assert!(e.to_string().contains("rank 2 of a world of 2"), "{e}");
+        } else {
+            assert!(e.to_string().contains("NCCL"), "{e}");
+            assert!(new_id().is_err());
+        }
+    }
+}
