@@ -247,7 +247,7 @@ mod tests {
     fn without_nccl_or_a_cuda_device_constructors_are_errors_not_panics() {
         let sim = Device::sim(ByteSize::mib(16));
         // Without libnccl: the probe's error; with it: a simulated device is not a CUDA device.
-        let e = NcclConsensus::for_devices(&[sim.clone()]).unwrap_err();
+        let e = NcclConsensus::for_devices(std::slice::from_ref(&sim)).unwrap_err();
         assert!(!e.to_string().contains('\n'), "one line: {e}");
         assert!(NcclConsensus::for_devices(&[]).is_err());
         if nccl_available().is_ok() {
