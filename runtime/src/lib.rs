@@ -31,6 +31,8 @@ pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guard;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod retry;
 mod size;
 

@@ -50,6 +50,7 @@ impl Consensus for SingleProcess {
 struct Shared {
     barrier: Barrier,
     slots: Mutex<Vec<Vec<u64>>>,
+    sums: Mutex<Vec<Vec<f32>>>,
 }
 
 /// In-process ranks that all-reduce through shared memory and a barrier: a fake transport to test
@@ -79,6 +80,7 @@ impl LocalGroup {
         let shared = Arc::new(Shared {
             barrier: Barrier::new(world),
             slots: Mutex::new(vec![Vec::new(); world]),
+            sums: Mutex::new(vec![Vec::new(); world]),
         });
         (0..world)
             .map(|rank| LocalGroup {
@@ -87,6 +89,32 @@ impl LocalGroup {
                 shared: Arc::clone(&shared),
             })
             .collect()
+    }
+}
+
+impl LocalGroup {
+    /// Replaces every element of `values` with its sum over all ranks, added in rank order (so
+    /// every rank gets the same bits). Every rank calls it with the same number of values.
+    pub fn all_reduce_sum_f32(&self, values: &mut [f32]) -> Result<(), ConsensusError> {
+        let lock = || self.shared.sums.lock().unwrap_or_else(|e| e.into_inner());
+        lock()[self.rank] = values.to_vec();
+        self.shared.barrier.wait();
+        let result = {
+            let sums = lock();
+            if sums.iter().any(|s| s.len() != values.len()) {
+                Err(ConsensusError(format!(
+                    "ranks passed different numbers of values: {:?}",
+                    sums.iter().map(Vec::len).collect::<Vec<_>>()
+                )))
+            } else {
+                for (i, v) in values.iter_mut().enumerate() {
+                    *v = sums.iter().fold(0.0, |acc, s| acc + s[i]);
+                }
+                Ok(())
+            }
+        };
+        self.shared.barrier.wait();
+        result
     }
 }
 
@@ -151,6 +179,24 @@ mod tests {
         let mut v = [3];
         SingleProcess.all_reduce_max(&mut v).unwrap();
         assert_eq!(v, [3]);
+    }
+
+    #[test]
+    fn sums_in_rank_order_on_every_rank() {
+        let handles: Vec<_> = LocalGroup::new(3)
+            .into_iter()
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let mut v = [r.rank() as f32, 0.5, -(r.rank() as f32)];
+                    r.all_reduce_sum_f32(&mut v).unwrap();
+                    let mut bad = vec![1.0; r.rank() + 1];
+                    (v, r.all_reduce_sum_f32(&mut bad).is_err())
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), ([3.0, 1.5, -3.0], true));
+        }
     }
 
     #[test]

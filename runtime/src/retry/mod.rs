@@ -10,6 +10,8 @@
 //!   down when the allocator thrashes, agrees with other ranks ([`Consensus`]). Drive it with
 //!   a closure ([`RetryEngine::run`]), a [`Step`] ([`RetryEngine::run_step`]), or by hand
 //!   ([`RetryEngine::begin`] → [`RetryLoop`]).
+//! - [`GradientSync`]: the gradient all-reduce of a data-parallel step, once per step after the
+//!   agreement (the rule is in its module's documentation).
 //! - [`find_max_batch`]: a predictive batch-size finder (linear fit of peak memory).
 //!
 //! Better than the anchors: Accelerate shrinks the effective batch silently and string-matches
@@ -38,6 +40,7 @@ mod classify;
 mod consensus;
 mod engine;
 mod finder;
+mod gradients;
 mod memory;
 mod plan;
 mod policy;
@@ -48,6 +51,7 @@ pub use classify::{chain_is_oom, IsOom};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
+pub use gradients::GradientSync;
 pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
 pub use plan::{BatchPlan, Chunk, PlanError};
 pub use policy::{
