@@ -57,16 +57,7 @@ pub fn guard_attribute(
     );
     let krate = krate.unwrap_or_else(default_crate);
     check::not_const(&f, name, errors);
-    if let Some(l) = &guards.leak {
-        if l.action == LeakAction::Error {
-            check::require_result(
-                &f,
-                "leak_check",
-                "with `action = error` a leak becomes the function's `Err`",
-                errors,
-            );
-        }
-    }
+    check_leak_error(&f, &guards, errors);
     if f.attrs
         .iter()
         .any(|a| attr_name(a).as_deref() == Some("oom_retry"))
@@ -77,6 +68,22 @@ pub fn guard_attribute(
         return f.into_token_stream();
     }
     wrap_function(f, &guards, &krate)
+}
+
+/// `#[leak_check(action = error)]` turns a leak into the function's `Err`: it needs a `Result`.
+fn check_leak_error(f: &ItemFn, guards: &Guards, errors: &mut Errors) {
+    if guards
+        .leak
+        .as_ref()
+        .is_some_and(|l| l.action == LeakAction::Error)
+    {
+        check::require_result(
+            f,
+            "leak_check",
+            "with `action = error` a leak becomes the function's `Err`",
+            errors,
+        );
+    }
 }
 
 /// Parses one guard attribute's options into `guards`; returns its `crate` path, if given.
@@ -298,16 +305,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         }
     }
     f.attrs = kept;
-    if let Some(l) = &guards.leak {
-        if l.action == LeakAction::Error {
-            check::require_result(
-                &f,
-                "leak_check",
-                "with `action = error` a leak becomes the function's `Err`",
-                errors,
-            );
-        }
-    }
+    check_leak_error(&f, &guards, errors);
 
     let params = check::params(&f);
     let p = quote!(#krate::__private);

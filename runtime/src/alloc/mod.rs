@@ -153,6 +153,15 @@ impl CachingAllocator {
             },
         };
         st.mark_allocated(id, bytes);
+        if st.history.is_some() {
+            self.record_alloc(&mut st, id, stream);
+        }
+        Ok(handle(&st, id, bytes, stream))
+    }
+
+    /// History of an allocation, with the caller's location (off the fast path).
+    #[track_caller]
+    fn record_alloc(&self, st: &mut State, id: BlockId, stream: StreamId) {
         let (addr, size) = (st.blocks[id].addr, st.blocks[id].size);
         if let Some(h) = &mut st.history {
             h.record(
@@ -163,7 +172,6 @@ impl CachingAllocator {
                 Some(std::panic::Location::caller()),
             );
         }
-        Ok(handle(&st, id, bytes, stream))
     }
 
     /// `backend:cudaMallocAsync`: a segment of exactly the rounded size for every allocation.
