@@ -118,6 +118,11 @@ impl Device {
         Ok(self.backend().mem_info()?)
     }
 
+    /// An identity of the device, equal for every handle of it (its shared state's address).
+    pub(crate) fn identity(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
     /// Whether two handles are the same device.
     pub fn same_device(&self, other: &Device) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

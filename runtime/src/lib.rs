@@ -35,6 +35,7 @@ pub mod guard;
 pub mod nccl;
 pub mod retry;
 mod size;
+pub mod source;
 
 pub use alloc::{Allocation, CachingAllocator, MemoryStats};
 pub use buffer::DeviceBuffer;
@@ -50,6 +51,7 @@ pub use retry::{
     find_max_batch, BatchPlan, Chunk, IsOom, RetryEngine, RetryError, RetryPolicy, Step,
 };
 pub use size::{ByteSize, ByteSizeError};
+pub use source::{MemorySource, MemoryUsage};
 
 /// cudarc, the CUDA bindings the CUDA backend is built on (the same version), to load kernels,
 /// make streams and launch on [`DeviceBuffer`]s.

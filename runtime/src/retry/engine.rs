@@ -19,7 +19,7 @@ use super::report::{
     AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
 };
 use super::thrash::ThrashDetector;
-use crate::Device;
+use crate::source::MemorySource;
 
 /// A training (or evaluation) step processed micro-batch by micro-batch; see the
 /// [contract](crate::retry#the-contract).
@@ -219,7 +219,7 @@ impl RetryEngine {
 
     /// The limits remembered for the call site `site` (as in [`RetryReport::site`]) on `device`
     /// in the current mode.
-    pub fn remembered(&self, site: &str, device: &Device) -> Limits {
+    pub fn remembered(&self, site: &str, device: &(impl MemorySource + Clone)) -> Limits {
         let key = MemoryKey::at(site.to_string(), device, (self.mode)());
         self.memory().limits(&key)
     }
@@ -231,7 +231,7 @@ impl RetryEngine {
     #[track_caller]
     pub fn run<G, E, R>(
         &self,
-        device: &Device,
+        device: &(impl MemorySource + Clone),
         batch: usize,
         attempt: impl FnMut(&BatchPlan) -> Result<G, E>,
         commit: impl FnOnce(G) -> R,
@@ -252,7 +252,7 @@ impl RetryEngine {
     #[track_caller]
     pub fn run_step<S: Step>(
         &self,
-        device: &Device,
+        device: &(impl MemorySource + Clone),
         batch: usize,
         step: &mut S,
     ) -> Result<Retried<S::Output>, RetryError<S::Error>> {
@@ -295,7 +295,7 @@ impl RetryEngine {
     #[track_caller]
     pub fn begin<E: IsOom + fmt::Display>(
         &self,
-        device: &Device,
+        device: &(impl MemorySource + Clone),
         batch: usize,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         let site = Location::caller();
@@ -311,11 +311,11 @@ impl RetryEngine {
     pub fn begin_at<E: IsOom + fmt::Display>(
         &self,
         site: impl Into<String>,
-        device: &Device,
+        device: &(impl MemorySource + Clone),
         batch: usize,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         let key = MemoryKey::at(site.into(), device, (self.mode)());
-        self.begin_on(key, Target::One(device.clone()), batch, None)
+        self.begin_on(key, Target::One(Arc::new(device.clone())), batch, None)
     }
 
     /// [`RetryEngine::begin_at`] for code that holds no [`Device`] (the attribute macros): an
@@ -425,10 +425,10 @@ impl RetryEngine {
         Ok(())
     }
 
-    fn drive<G, E: IsOom + fmt::Display>(
+    fn drive<M: MemorySource + Clone, G, E: IsOom + fmt::Display>(
         &self,
         site: &Location<'_>,
-        device: &Device,
+        device: &M,
         batch: usize,
         work: &mut dyn Attempt<G, E>,
     ) -> Result<(G, RetryReport), RetryError<E>> {
@@ -450,38 +450,38 @@ impl RetryEngine {
     }
 }
 
-/// The device(s) a step runs on.
+/// The memory source(s) a step runs on.
 #[derive(Clone, Debug)]
 enum Target {
-    One(Device),
-    /// Every live device (for code that holds none).
+    One(Arc<dyn MemorySource>),
+    /// Every live source (for code that holds none): every device and registered pool.
     All,
 }
 
 impl Target {
-    fn devices(&self) -> Vec<Device> {
+    fn sources(&self) -> Vec<Arc<dyn MemorySource>> {
         match self {
-            Target::One(d) => vec![d.clone()],
-            Target::All => Device::all(),
+            Target::One(s) => vec![s.clone()],
+            Target::All => crate::source::all(),
         }
     }
     fn alloc_retries(&self) -> u64 {
-        self.devices()
-            .iter()
-            .map(|d| d.allocator().num_alloc_retries())
-            .sum()
+        match self {
+            Target::One(s) => s.alloc_retries(),
+            Target::All => crate::source::all().iter().map(|s| s.alloc_retries()).sum(),
+        }
     }
-    /// Allocated and reserved bytes now.
+    /// Used and reserved bytes now (sources that cannot be read count 0).
     fn bytes(&self) -> (u64, u64) {
-        self.devices().iter().fold((0, 0), |(a, r), d| {
-            let (da, dr) = d.allocator().allocated_and_reserved();
-            (a + da, r + dr)
+        self.sources().iter().fold((0, 0), |(a, r), s| {
+            let u = s.usage().unwrap_or_default();
+            (a + u.used, r + u.reserved)
         })
     }
     fn empty_cache(&self) {
-        for d in self.devices() {
-            if let Err(e) = d.empty_cache() {
-                tracing::warn!(target: "oomguard::retry", error = %e, device = %d.name(), "empty_cache failed");
+        for s in self.sources() {
+            if let Err(e) = s.empty_cache() {
+                tracing::warn!(target: "oomguard::retry", error = %e, source = %s.info(), "empty_cache failed");
             }
         }
     }

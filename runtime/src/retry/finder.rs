@@ -10,7 +10,7 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 use super::classify::IsOom;
-use crate::Device;
+use crate::source::MemorySource;
 
 /// Settings of [`find_max_batch`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -151,12 +151,15 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
 
 /// Peak bytes allocated while `f` runs, above what was allocated when it started (what a
 /// `PeakScope` around `f` reports: this is the one place to switch to it).
-fn measure_peak<T>(device: &Device, f: impl FnOnce() -> T) -> (T, u64) {
-    device.reset_peak_stats();
-    let before = device.stats().allocated_bytes.all.current;
+fn measure_peak<S: MemorySource + ?Sized, T>(
+    device: &S,
+    f: impl FnOnce() -> T,
+) -> Result<(T, u64), crate::Error> {
+    device.reset_peak()?;
+    let before = device.usage()?.used;
     let out = f();
-    let peak = device.stats().allocated_bytes.all.peak;
-    (out, peak.saturating_sub(before))
+    let peak = device.usage()?.used_peak;
+    Ok((out, peak.saturating_sub(before)))
 }
 
 /// Finds the largest batch for which `step(rows)` runs without out-of-memory on `device`.
@@ -179,8 +182,8 @@ fn measure_peak<T>(device: &Device, f: impl FnOnce() -> T) -> (T, u64) {
 /// assert!(report.max_batch >= 228 && report.max_batch <= 240, "{report}");
 /// assert!(report.runs() <= 4);
 /// ```
-pub fn find_max_batch<T, E>(
-    device: &Device,
+pub fn find_max_batch<S: MemorySource + ?Sized, T, E>(
+    device: &S,
     opts: FinderOptions,
     mut step: impl FnMut(usize) -> Result<T, E>,
 ) -> Result<FinderReport, FinderError<E>>
@@ -208,17 +211,13 @@ where
     device.empty_cache()?;
     // Room for the step: what the device can still give (the cache is empty), capped by the
     // allocator's limit.
-    let reserved = device.stats().reserved_bytes.all.current;
-    let mut budget = device.mem_info()?.free;
-    if let Some(limit) = device.allocator().memory_limit() {
-        budget = budget.min(limit.saturating_sub(reserved));
-    }
+    let budget = device.available()?;
 
     let mut trials: Vec<Trial> = Vec::new();
     let mut run = |rows: usize, trials: &mut Vec<Trial>| -> Result<Option<u64>, FinderError<E>> {
         device.empty_cache()?;
         let t0 = Instant::now();
-        let (res, peak) = measure_peak(device, || step(rows));
+        let (res, peak) = measure_peak(device, || step(rows))?;
         let peak_bytes = match res {
             Ok(_) => Some(peak),
             Err(e) if e.is_oom() => None,

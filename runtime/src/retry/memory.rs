@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::plan::BatchPlan;
-use crate::Device;
+use crate::source::MemorySource;
 
 /// Whether a step trains (builds gradients) or evaluates. Train and eval steps at the same call
 /// site need different memory, so they are remembered separately.
@@ -64,11 +64,12 @@ impl DeviceKey {
     }
 
     /// The key of `device`.
-    pub fn of(device: &Device) -> Self {
+    pub fn of<S: MemorySource + ?Sized>(device: &S) -> Self {
+        let info = device.info();
         Self {
-            name: device.name(),
-            ordinal: device.ordinal(),
-            total_bytes: device.allocator().device_total(),
+            name: info.device_name,
+            ordinal: info.ordinal,
+            total_bytes: info.total_bytes,
         }
     }
 }
@@ -86,7 +87,7 @@ pub struct MemoryKey {
 
 impl MemoryKey {
     /// The key for a call at `site` on `device` in `mode`.
-    pub fn new(site: &Location<'_>, device: &Device, mode: StepMode) -> Self {
+    pub fn new<S: MemorySource + ?Sized>(site: &Location<'_>, device: &S, mode: StepMode) -> Self {
         Self::at(
             format!("{}:{}:{}", site.file(), site.line(), site.column()),
             device,
@@ -95,7 +96,7 @@ impl MemoryKey {
     }
 
     /// The key for a call at the site named `site` on `device` in `mode`.
-    pub fn at(site: String, device: &Device, mode: StepMode) -> Self {
+    pub fn at<S: MemorySource + ?Sized>(site: String, device: &S, mode: StepMode) -> Self {
         Self {
             site,
             device: DeviceKey::of(device),

@@ -37,6 +37,8 @@
 //! `#[oom_retry]` the whole function body is the attempt: commit after it returns.
 
 mod classify;
+#[cfg(feature = "candle")]
+mod classify_candle;
 mod consensus;
 mod engine;
 mod finder;

@@ -13,7 +13,7 @@
 #![allow(unsafe_code)] // FFI: every unsafe block calls the CUDA driver and says why it is sound
 
 mod events;
-mod loader;
+pub(crate) mod loader;
 mod pinned;
 mod streams;
 mod vmm;
@@ -27,6 +27,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
 use events::EventTable;
 use streams::StreamRegistry;
+pub(crate) use vmm::device_location;
 use vmm::PageTable;
 
 /// Page size used when the device cannot map pages (no virtual memory management).

@@ -14,23 +14,38 @@ fn check(op: &'static str, r: sys::CUresult) -> Result<(), BackendError> {
     r.result().map_err(|e| driver_error(op, e))
 }
 
-/// Properties of a page: pinned device memory on `device`, no exportable handle.
+/// Properties of a page: pinned device memory on `device`, no exportable handle. Built from
+/// zero and by field, so that it compiles against every CUDA version's bindings (the struct
+/// gained fields and a union across 12.x and 13.x).
 fn alloc_prop(device: sys::CUdevice) -> sys::CUmemAllocationProp {
-    sys::CUmemAllocationProp {
-        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device,
-        },
-        win32HandleMetaData: std::ptr::null_mut(),
-        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    }
+    // SAFETY: every field of CUmemAllocationProp (all CUDA versions) is an integer, a pointer or
+    // an enum with a 0 variant (INVALID / NONE), so all-zero is a valid value, and the driver
+    // documents zeroed flags as the defaults.
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    p.location = device_location(device);
+    p
+}
+
+/// The location "device `device`", for every CUDA version's bindings: the C struct is
+/// `{ CUmemLocationType type; int id; }`, where 13.2+ puts `id` first in a union at the same
+/// offset, so the id is written at byte offset 4.
+pub(crate) fn device_location(device: sys::CUdevice) -> sys::CUmemLocation {
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
+    // SAFETY: all-zero is a valid CUmemLocation (type INVALID = 0, id 0) in every binding.
+    let mut loc: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    loc.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: the struct is 8 bytes (checked above) with the 4-byte enum at offset 0, so the
+    // `int id` (or the union starting with it) is the aligned i32 at offset 4, inside `loc`.
+    unsafe {
+        (&mut loc as *mut sys::CUmemLocation)
+            .cast::<u8>()
+            .add(4)
+            .cast::<i32>()
+            .write(device)
+    };
+    loc
 }
 
 /// The minimum page size of physical allocations on `device` (`cuMemGetAllocationGranularity`).
@@ -174,10 +189,7 @@ impl PageTable {
             page += g;
         }
         let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.device,
-            },
+            location: device_location(self.device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the whole range is mapped (above); `access` is one valid descriptor.

@@ -1,0 +1,394 @@
+//! A GPT-2-small-shaped decoder (12 layers, width 768, 12 heads, vocabulary 50257, sequence 512,
+//! AdamW) trained with candle on seeded synthetic tokens, under oomguard, on a CUDA device.
+//!
+//! ```text
+//! candle_gpt [all|find|oom|equiv|overhead] [--big ROWS] [--steps N] [--device ORDINAL]
+//! ```
+//! - `find`: oomguard's `find_max_batch` on the driver pool (its step runs and found batch), the
+//!   true maximum by bisection over real steps, then 100 steps at the found batch;
+//! - `oom`: a batch larger than the card holds (`--big`, default twice the true maximum found,
+//!   else 1024) survives a real driver OOM by accumulation; 3 more steps start from the
+//!   remembered plan;
+//! - `equiv`: parameters after 3 steps of batch 8, whole vs 4 micro-batches of 2, with SGD and
+//!   with AdamW (‖a−b‖/‖b‖ over every parameter, f32, TF32 off);
+//! - `overhead`: the same steps as a plain candle loop and through `train_step`, interleaved;
+//! - the driver pool's `memory_summary` at the end.
+//! Every figure is printed on a line starting with `RESULT`.
+
+mod model;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
+use oomguard::retry::{find_max_batch, BatchPlan, FinderOptions, RetryEngine};
+use oomguard::source::MemorySource;
+use oomguard_candle::{chunk_rows, memory_source, train_step, GradAccumulator};
+
+use model::{synthetic_tokens, Config, Gpt};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+struct Run {
+    dev: Device,
+    cfg: Config,
+    model: Gpt,
+    vars: Vec<Var>,
+    init: Vec<Tensor>,
+}
+
+impl Run {
+    fn new(ordinal: usize) -> Res<Self> {
+        let dev = Device::new_cuda(ordinal)?;
+        dev.set_seed(42)?;
+        let cfg = Config::gpt2_small();
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+        let model = Gpt::new(cfg, vb, &dev)?;
+        let vars = varmap.all_vars();
+        let init = vars
+            .iter()
+            .map(|v| v.as_tensor().copy())
+            .collect::<Result<_, _>>()?;
+        let n: usize = vars.iter().map(|v| v.elem_count()).sum();
+        println!("model: {} parameters, {} tensors", n, vars.len());
+        Ok(Self {
+            dev,
+            cfg,
+            model,
+            vars,
+            init,
+        })
+    }
+
+    fn reset(&self) -> Res<()> {
+        for (v, t) in self.vars.iter().zip(&self.init) {
+            v.set(t)?;
+        }
+        Ok(())
+    }
+
+    fn adamw(&self) -> Res<AdamW> {
+        Ok(AdamW::new(
+            self.vars.clone(),
+            ParamsAdamW {
+                lr: 3e-4,
+                ..Default::default()
+            },
+        )?)
+    }
+
+    fn tokens(&self, seed: u64, rows: usize) -> candle_core::Result<Tensor> {
+        synthetic_tokens(seed, rows, &self.cfg, &self.dev)
+    }
+
+    /// One plain candle training step (forward, backward, optimizer), synchronised.
+    fn plain_step(&self, opt: &mut impl Optimizer, tokens: &Tensor) -> candle_core::Result<f32> {
+        let loss = self.model.loss(tokens)?;
+        let grads = loss.backward()?;
+        opt.step(&grads)?;
+        let l = loss.to_scalar::<f32>()?;
+        self.dev.synchronize()?;
+        Ok(l)
+    }
+}
+
+fn is_oom(e: &candle_core::Error) -> bool {
+    oomguard::IsOom::is_oom(e)
+}
+
+/// Runs one step of `rows`; `Ok(false)` on OOM, an error on anything else.
+fn fits(run: &Run, source: &dyn MemorySource, opt: &mut AdamW, rows: usize) -> Res<bool> {
+    source.empty_cache()?;
+    let r = run
+        .tokens(rows as u64, rows)
+        .and_then(|t| run.plain_step(opt, &t));
+    source.empty_cache()?;
+    match r {
+        Ok(_) => Ok(true),
+        Err(e) if is_oom(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<usize> {
+    candle_core::cuda::set_gemm_reduced_precision_f32(true);
+    let mut opt = run.adamw()?;
+    // Optimizer state exists before the search, as in a run that is already training.
+    run.plain_step(&mut opt, &run.tokens(0, 1)?)?;
+    let t0 = Instant::now();
+    let report = find_max_batch(
+        source,
+        FinderOptions {
+            start: 4,
+            max: 1 << 14,
+            ..Default::default()
+        },
+        |rows| {
+            let t = run.tokens(rows as u64, rows)?;
+            run.plain_step(&mut opt, &t)
+        },
+    )?;
+    let found = report.max_batch;
+    println!("{report}");
+    println!(
+        "RESULT find: oomguard found batch {found} in {} step runs ({:.1} s)",
+        report.runs(),
+        t0.elapsed().as_secs_f64()
+    );
+
+    // The true maximum: grow from the found batch until a step fails, then bisect.
+    let mut probes = 0;
+    let (mut lo, mut hi);
+    if fits(run, &**source, &mut opt, found)? {
+        lo = found;
+        let mut k = 1;
+        loop {
+            probes += 1;
+            if fits(run, &**source, &mut opt, lo + k)? {
+                lo += k;
+                k *= 2;
+            } else {
+                hi = lo + k;
+                break;
+            }
+        }
+    } else {
+        hi = found;
+        lo = 0;
+        let mut k = 1;
+        loop {
+            probes += 1;
+            let r = found.saturating_sub(k).max(1);
+            if fits(run, &**source, &mut opt, r)? {
+                lo = r;
+                break;
+            }
+            hi = r;
+            if r == 1 {
+                return Err("not even one row fits".into());
+            }
+            k *= 2;
+        }
+    }
+    while hi - lo > 1 {
+        probes += 1;
+        let mid = lo + (hi - lo) / 2;
+        if fits(run, &**source, &mut opt, mid)? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    println!(
+        "RESULT find: true maximum {lo} (bisection, {probes} step runs); found / true = {:.3}",
+        found as f64 / lo as f64
+    );
+
+    // The found batch trains `steps` steps.
+    source.empty_cache()?;
+    let t0 = Instant::now();
+    let mut ooms = 0;
+    for s in 0..steps {
+        let t = run.tokens(1000 + s as u64, found)?;
+        match run.plain_step(&mut opt, &t) {
+            Ok(_) => {}
+            Err(e) if is_oom(&e) => ooms += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    println!(
+        "RESULT find: {steps} steps at the found batch {found}: {ooms} OOM ({:.2} s/step)",
+        t0.elapsed().as_secs_f64() / steps as f64
+    );
+    Ok(lo)
+}
+
+fn phase_oom(run: &Run, source: &Arc<dyn MemorySource>, big: usize) -> Res<()> {
+    candle_core::cuda::set_gemm_reduced_precision_f32(true);
+    run.reset()?;
+    source.empty_cache()?;
+    let mut opt = run.adamw()?;
+    let engine = RetryEngine::new();
+    for step in 0..4u64 {
+        let tokens = run.tokens(2000 + step, big)?;
+        let t0 = Instant::now();
+        let done = train_step(&engine, source, big, &run.vars, &mut opt, |chunk| {
+            run.model.loss(&chunk_rows(&tokens, chunk)?)
+        })?;
+        run.dev.synchronize()?;
+        let r = &done.report;
+        println!(
+            "RESULT oom: step {step} batch {big}: {} retries, plan {} x {} (from memory: {}), rows {}, loss {:.4}, {:.1} s",
+            r.retries(),
+            r.final_plan.chunks().len(),
+            r.final_plan.micro_batch(),
+            r.from_memory,
+            done.rows,
+            done.loss,
+            t0.elapsed().as_secs_f64()
+        );
+        if step == 0 {
+            for a in &r.attempts {
+                println!("  attempt: {a:?}");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn rel_diff(a: &[Tensor], b: &[Tensor]) -> Res<f64> {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (x - y)?
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+        den += y
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok((num / den).sqrt())
+}
+
+fn phase_equiv(run: &Run) -> Res<()> {
+    candle_core::cuda::set_gemm_reduced_precision_f32(false);
+    let batch = 8;
+    for opt_name in ["SGD", "AdamW"] {
+        let mut params = Vec::new();
+        let mut losses = Vec::new();
+        for micro in [batch, 2] {
+            run.reset()?;
+            let plan = BatchPlan::with_micro_batch(batch, micro)?;
+            let mut sgd = SGD::new(run.vars.clone(), 0.05)?;
+            let mut adamw = run.adamw()?;
+            let mut last = 0.0;
+            for step in 0..3u64 {
+                let tokens = run.tokens(3000 + step, batch)?;
+                let mut acc = GradAccumulator::new(&run.vars);
+                for c in plan.chunks() {
+                    let loss = run.model.loss(&chunk_rows(&tokens, &c)?)?;
+                    acc.backward(&loss, &c)?;
+                }
+                last = acc.loss();
+                let g = acc.into_grads();
+                match opt_name {
+                    "SGD" => sgd.step(&g)?,
+                    _ => adamw.step(&g)?,
+                }
+            }
+            losses.push(last);
+            params.push(
+                run.vars
+                    .iter()
+                    .map(|v| v.as_tensor().copy())
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        println!(
+            "RESULT equiv: {opt_name}, 3 steps of batch {batch}: 1 x {batch} vs 4 x 2 micro-batches: \
+             ||a-b||/||b|| = {:.3e}; last loss {:.6} vs {:.6}",
+            rel_diff(&params[1], &params[0])?,
+            losses[0],
+            losses[1]
+        );
+    }
+    Ok(())
+}
+
+fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>) -> Res<()> {
+    candle_core::cuda::set_gemm_reduced_precision_f32(true);
+    run.reset()?;
+    let batch = 8;
+    let rounds = 6;
+    let per_round = 5;
+    let mut opt_plain = run.adamw()?;
+    let mut opt_wrapped = run.adamw()?;
+    let engine = RetryEngine::new();
+    let tokens = run.tokens(4000, batch)?;
+    // Warm-up of both paths (kernels, cuBLAS, optimizer state, the remembered plan).
+    run.plain_step(&mut opt_plain, &tokens)?;
+    train_step(&engine, source, batch, &run.vars, &mut opt_wrapped, |c| {
+        run.model.loss(&chunk_rows(&tokens, c)?)
+    })?;
+    run.dev.synchronize()?;
+    let (mut plain, mut wrapped) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        for _ in 0..per_round {
+            let t0 = Instant::now();
+            run.plain_step(&mut opt_plain, &tokens)?;
+            plain.push(t0.elapsed().as_secs_f64());
+        }
+        for _ in 0..per_round {
+            let t0 = Instant::now();
+            let done = train_step(&engine, source, batch, &run.vars, &mut opt_wrapped, |c| {
+                run.model.loss(&chunk_rows(&tokens, c)?)
+            })?;
+            run.dev.synchronize()?;
+            wrapped.push(t0.elapsed().as_secs_f64());
+            assert_eq!(done.report.retries(), 0);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (p, w) = (median(&mut plain), median(&mut wrapped));
+    println!(
+        "RESULT overhead: batch {batch}, {} steps each, interleaved: plain {:.2} ms/step, \
+         train_step {:.2} ms/step, ratio {:.4}",
+        rounds * per_round,
+        p * 1e3,
+        w * 1e3,
+        w / p
+    );
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let phase = args
+        .first()
+        .map(String::as_str)
+        .unwrap_or("all")
+        .to_string();
+    let flag = |name: &str| -> Res<Option<usize>> {
+        match args.iter().position(|a| a == name) {
+            Some(i) => Ok(Some(
+                args.get(i + 1)
+                    .ok_or(format!("{name} needs a value"))?
+                    .parse()
+                    .map_err(|e| format!("{name}: {e}"))?,
+            )),
+            None => Ok(None),
+        }
+    };
+    let ordinal = flag("--device")?.unwrap_or(0);
+    let steps = flag("--steps")?.unwrap_or(100);
+    if !["all", "find", "oom", "equiv", "overhead"].contains(&phase.as_str()) {
+        return Err(format!("unknown phase {phase}: all, find, oom, equiv or overhead").into());
+    }
+    let run = Run::new(ordinal)?;
+    let source = memory_source(&run.dev)?;
+    println!("memory source: {}", source.info());
+    let mut true_max = None;
+    if phase == "all" || phase == "find" {
+        true_max = Some(phase_find(&run, &source, steps)?);
+    }
+    if phase == "all" || phase == "oom" {
+        let big = flag("--big")?.or(true_max.map(|m| 2 * m)).unwrap_or(1024);
+        phase_oom(&run, &source, big)?;
+    }
+    if phase == "all" || phase == "equiv" {
+        phase_equiv(&run)?;
+    }
+    if phase == "all" || phase == "overhead" {
+        phase_overhead(&run, &source)?;
+    }
+    println!("{}", source.memory_summary());
+    Ok(())
+}

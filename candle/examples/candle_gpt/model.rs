@@ -1,0 +1,149 @@
+//! A GPT-2-shaped decoder in candle-nn: token and position embeddings, pre-norm blocks of causal
+//! self-attention and a GELU MLP, a final norm, and an output head tied to the token embedding.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, Module, VarBuilder};
+
+/// The shape of the model.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    pub layers: usize,
+    pub width: usize,
+    pub heads: usize,
+    pub vocab: usize,
+    pub seq: usize,
+}
+
+impl Config {
+    /// GPT-2 small: 12 layers, width 768, 12 heads, vocabulary 50257, sequence 512.
+    pub fn gpt2_small() -> Self {
+        Self {
+            layers: 12,
+            width: 768,
+            heads: 12,
+            vocab: 50257,
+            seq: 512,
+        }
+    }
+}
+
+struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    fc_out: Linear,
+    heads: usize,
+}
+
+impl Block {
+    fn new(c: &Config, vb: VarBuilder<'_>) -> Result<Self> {
+        let w = c.width;
+        Ok(Self {
+            ln1: layer_norm(w, 1e-5, vb.pp("ln1"))?,
+            qkv: linear(w, 3 * w, vb.pp("qkv"))?,
+            proj: linear(w, w, vb.pp("proj"))?,
+            ln2: layer_norm(w, 1e-5, vb.pp("ln2"))?,
+            fc: linear(w, 4 * w, vb.pp("fc"))?,
+            fc_out: linear(4 * w, w, vb.pp("fc_out"))?,
+            heads: c.heads,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, s, w) = x.dims3()?;
+        let hd = w / self.heads;
+        let qkv = self.qkv.forward(&self.ln1.forward(x)?)?;
+        let split = |i: usize| -> Result<Tensor> {
+            qkv.narrow(D::Minus1, i * w, w)?
+                .reshape((b, s, self.heads, hd))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+        let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, w))?;
+        let x = (x + self.proj.forward(&y)?)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
+        x + self.fc_out.forward(&h)?
+    }
+}
+
+/// The model.
+pub struct Gpt {
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    mask: Tensor,
+    cfg: Config,
+}
+
+impl Gpt {
+    pub fn new(cfg: Config, vb: VarBuilder<'_>, dev: &Device) -> Result<Self> {
+        let blocks = (0..cfg.layers)
+            .map(|i| Block::new(&cfg, vb.pp(format!("h{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let s = cfg.seq;
+        let mask: Vec<f32> = (0..s * s)
+            .map(|i| {
+                if i % s > i / s {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Ok(Self {
+            wte: embedding(cfg.vocab, cfg.width, vb.pp("wte"))?,
+            wpe: embedding(cfg.seq, cfg.width, vb.pp("wpe"))?,
+            blocks,
+            ln_f: layer_norm(cfg.width, 1e-5, vb.pp("ln_f"))?,
+            mask: Tensor::from_vec(mask, (s, s), dev)?,
+            cfg,
+        })
+    }
+
+    /// Logits `(batch, seq, vocab)` for tokens `(batch, seq)`.
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (_b, s) = tokens.dims2()?;
+        let pos = Tensor::arange(0u32, s as u32, tokens.device())?;
+        let mut x = self
+            .wte
+            .forward(tokens)?
+            .broadcast_add(&self.wpe.forward(&pos)?)?;
+        let mask = self.mask.narrow(0, 0, s)?.narrow(1, 0, s)?;
+        for b in &self.blocks {
+            x = b.forward(&x, &mask)?;
+        }
+        let x = self.ln_f.forward(&x)?;
+        x.broadcast_matmul(&self.wte.embeddings().t()?)
+    }
+
+    /// Mean next-token cross-entropy over `batch` rows of `(batch, seq + 1)` tokens.
+    pub fn loss(&self, rows: &Tensor) -> Result<Tensor> {
+        let s = self.cfg.seq;
+        let input = rows.narrow(1, 0, s)?;
+        let target = rows.narrow(1, 1, s)?;
+        let logits = self.forward(&input)?;
+        let (b, s, v) = logits.dims3()?;
+        candle_nn::loss::cross_entropy(&logits.reshape((b * s, v))?, &target.reshape(b * s)?)
+    }
+}
+
+/// `rows × (seq + 1)` tokens from a seeded xorshift generator (the same seed gives the same
+/// batch), as u32 on `dev`.
+pub fn synthetic_tokens(seed: u64, rows: usize, cfg: &Config, dev: &Device) -> Result<Tensor> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let data: Vec<u32> = (0..rows * (cfg.seq + 1))
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % cfg.vocab as u64) as u32
+        })
+        .collect();
+    Tensor::from_vec(data, (rows, cfg.seq + 1), dev)?.to_dtype(DType::U32)
+}

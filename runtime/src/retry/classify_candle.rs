@@ -1,0 +1,109 @@
+//! [`IsOom`] for `candle_core::Error` (feature `candle`).
+//!
+//! candle reports a CUDA failure as `Error::Cuda(Box<dyn Error>)`, `#[error(transparent)]`, so a
+//! `source()` walk never reaches the driver's error: the box is downcast instead. Inside it:
+//! candle's `CudaError::Cuda(DriverError)` (`CUDA_ERROR_OUT_OF_MEMORY` from `cuMemAllocAsync`),
+//! `CudaError::Cublas(CUBLAS_STATUS_ALLOC_FAILED)` and `CudaError::Load { cuda, .. }` (feature
+//! `candle-cuda`, which names candle's CUDA types), or a cudarc / oomguard error boxed directly.
+//! The wrappers candle adds on the way up (`WithBacktrace`, `Context`, `WithPath`,
+//! `WrappedContext`) are unwrapped. No message text is ever matched.
+
+use std::error::Error as StdError;
+
+use super::classify::chain_is_oom;
+use super::IsOom;
+
+impl IsOom for candle_core::Error {
+    fn is_oom(&self) -> bool {
+        candle_is_oom(self, 0)
+    }
+}
+
+fn candle_is_oom(e: &candle_core::Error, depth: usize) -> bool {
+    use candle_core::Error as E;
+    if depth > 64 {
+        return false;
+    }
+    match e {
+        E::Cuda(boxed) => boxed_is_oom(boxed.as_ref()),
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
+            candle_is_oom(inner, depth + 1)
+        }
+        E::WrappedContext { wrapped, .. } => boxed_is_oom(wrapped.as_ref()),
+        // Every other variant is about shapes, dtypes, files or user messages; a source chain
+        // (e.g. an io::Error holding an oomguard error) is still followed.
+        other => other.source().is_some_and(chain_is_oom),
+    }
+}
+
+fn boxed_is_oom(e: &(dyn StdError + Send + Sync + 'static)) -> bool {
+    #[cfg(feature = "candle-cuda")]
+    if let Some(c) = e.downcast_ref::<candle_core::cuda_backend::CudaError>() {
+        use candle_core::cuda_backend::CudaError as C;
+        return match c {
+            C::Cuda(d) | C::Load { cuda: d, .. } => IsOom::is_oom(d),
+            C::Cublas(b) => IsOom::is_oom(b),
+            _ => false,
+        };
+    }
+    if let Some(inner) = e.downcast_ref::<candle_core::Error>() {
+        return candle_is_oom(inner, 1);
+    }
+    chain_is_oom(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ByteSize, Device};
+
+    fn oom() -> crate::Error {
+        Device::sim(ByteSize::mib(1))
+            .alloc::<u8>(2 << 20)
+            .unwrap_err()
+    }
+
+    #[test]
+    fn boxed_and_wrapped_ooms_are_found() {
+        let e = candle_core::Error::Cuda(Box::new(oom()));
+        assert!(e.is_oom());
+        let e = candle_core::Error::Cuda(Box::new(oom())).context("layer 3");
+        assert!(e.is_oom());
+        let e = candle_core::Error::Cuda(Box::new(oom())).with_path("/tmp/x");
+        assert!(e.is_oom());
+        let e = candle_core::Error::WithBacktrace {
+            inner: Box::new(candle_core::Error::Cuda(Box::new(oom()))),
+            backtrace: Box::new(std::backtrace::Backtrace::capture()),
+        };
+        assert!(e.is_oom());
+        let e = candle_core::Error::Io(std::io::Error::other(oom()));
+        assert!(e.is_oom(), "an OOM inside an io::Error is followed");
+    }
+
+    #[test]
+    fn messages_are_not_matched() {
+        assert!(!candle_core::Error::Msg("CUDA_ERROR_OUT_OF_MEMORY out of memory".into()).is_oom());
+        assert!(!candle_core::Error::Wrapped(Box::new("out of memory")).is_oom());
+        let shape =
+            candle_core::Tensor::zeros((2, 3), candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap()
+                .reshape((4, 4))
+                .unwrap_err();
+        assert!(!shape.is_oom());
+        let e = candle_core::Error::Cuda(Box::new(std::io::Error::other("out of memory")));
+        assert!(!e.is_oom());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn driver_and_cublas_errors_in_the_box() {
+        use cudarc::cublas::{result::CublasError, sys::cublasStatus_t};
+        use cudarc::driver::{result::DriverError, sys::CUresult};
+        let d = DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert!(candle_core::Error::Cuda(Box::new(d)).bt().is_oom());
+        let d = DriverError(CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert!(!candle_core::Error::Cuda(Box::new(d)).is_oom());
+        let b = CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED);
+        assert!(candle_core::Error::Cuda(Box::new(b)).is_oom());
+    }
+}

@@ -1,0 +1,268 @@
+//! Where device memory comes from: the [`MemorySource`] abstraction.
+//!
+//! oomguard guards and retries code whatever allocates its memory. Two sources implement it:
+//! - [`Device`]: oomguard's caching allocator (memory handed out as [`crate::DeviceBuffer`]s);
+//! - `DriverPool` (feature `cuda`): the CUDA driver's stream-ordered memory pool of a device,
+//!   which `cuMemAllocAsync` draws from, and so cudarc's `CudaStream::alloc` and every candle
+//!   tensor on CUDA. oomguard cannot see those allocations one by one; it reads and steers the
+//!   pool (its used/reserved counters, trimming, a pool capped with `maxSize`).
+//!
+//! What works over any source: [`MemorySource::usage`] and peaks, `empty_cache`,
+//! `memory_summary`, a device-wide budget ([`MemorySource::budget`]), the coarse leak check and
+//! peak scope of [`guards`] (by counters, not per allocation), and the retry engine
+//! ([`crate::RetryEngine::begin_source`], and every registered source for the attribute macros).
+//! [`Device`] additionally has exact per-allocation, per-thread guards ([`crate::guard`]).
+//!
+//! ```
+//! use oomguard_runtime::source::{MemorySource, guards::UsageLeakCheck};
+//! use oomguard_runtime::{ByteSize, Device};
+//! let dev = Device::sim(ByteSize::mib(64));
+//! let check = UsageLeakCheck::new(&dev).unwrap();
+//! let kept = dev.alloc::<u8>(1 << 20).unwrap();
+//! let report = check.finish().unwrap();
+//! assert_eq!(report.leaked_bytes, 1 << 20);
+//! drop(kept);
+//! assert_eq!(dev.usage().unwrap().used, 0);
+//! ```
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::error::Result;
+use crate::guard::MemoryBudget;
+use crate::Device;
+
+#[cfg(feature = "cuda")]
+mod driver_pool;
+pub mod guards;
+
+#[cfg(feature = "cuda")]
+pub use driver_pool::{DriverPool, DriverPoolBuilder};
+
+/// Bytes in use and held by a memory source, now and at their peak (since the last
+/// [`MemorySource::reset_peak`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUsage {
+    /// Bytes handed out to the program and not yet freed.
+    pub used: u64,
+    /// The most `used` has been.
+    pub used_peak: u64,
+    /// Bytes the source holds from the device (used plus cached).
+    pub reserved: u64,
+    /// The most `reserved` has been.
+    pub reserved_peak: u64,
+}
+
+/// What a source is, for reports and for the key of remembered plans.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceInfo {
+    /// The device's name (e.g. `"NVIDIA H100 80GB HBM3"`, `"sim"`).
+    pub device_name: String,
+    /// The device ordinal.
+    pub ordinal: usize,
+    /// The device's capacity in bytes.
+    pub total_bytes: u64,
+    /// What kind of source: `"caching allocator"` or `"driver pool"`.
+    pub kind: &'static str,
+}
+
+impl fmt::Display for SourceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} of device {} ({})",
+            self.kind, self.ordinal, self.device_name
+        )
+    }
+}
+
+/// A source of device memory that oomguard can observe and steer.
+///
+/// Implemented by [`Device`] and, with the `cuda` feature, `DriverPool`. Implement it for another
+/// allocator (e.g. a framework's own cache) to put it under the retry engine and the guards of
+/// [`guards`].
+pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
+    /// Which device and what kind of source.
+    fn info(&self) -> SourceInfo;
+    /// Bytes used and reserved, now and at peak. Sources whose frees are stream-ordered count
+    /// a free once the device has run it: synchronise first for an exact figure.
+    fn usage(&self) -> Result<MemoryUsage>;
+    /// Bytes the source could still hand out with its cache empty: the device's free memory,
+    /// capped by the source's own limit (an allocator memory limit, a pool's `maxSize`).
+    fn available(&self) -> Result<u64>;
+    /// Resets the peaks of [`MemorySource::usage`] to the current values.
+    fn reset_peak(&self) -> Result<()>;
+    /// Returns cached, unused memory to the device (after waiting for pending frees).
+    fn empty_cache(&self) -> Result<()>;
+    /// Times the source emptied its cache and retried an allocation under pressure (thrash
+    /// detection); 0 for sources that cannot tell.
+    fn alloc_retries(&self) -> u64 {
+        0
+    }
+    /// A readable table of the source's statistics.
+    fn memory_summary(&self) -> String;
+    /// Caps what the source hands out, device-wide (every thread), to `limit` bytes allocated
+    /// while the returned guard lives. See each implementation for what exactly is capped.
+    fn budget(&self, limit: u64) -> Result<SourceBudget>;
+    /// Identity: two handles of one source return the same value.
+    fn source_id(&self) -> usize;
+    /// Waits until the device has run all work queued so far (so that stream-ordered frees are
+    /// counted). A no-op for sources without stream-ordered frees.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A device-wide budget on a [`MemorySource`], made by [`MemorySource::budget`]; lifted on drop.
+#[must_use = "the budget is lifted when this guard is dropped"]
+pub struct SourceBudget {
+    limit: u64,
+    source: SourceInfo,
+    // What lifts the budget when dropped (a MemoryBudget, or the restore of a driver pool).
+    _lift: Box<dyn std::any::Any>,
+}
+
+impl SourceBudget {
+    /// A budget of `limit` bytes on `source`, lifted when `lift` is dropped (for implementors of
+    /// [`MemorySource`]).
+    pub fn new(limit: u64, source: SourceInfo, lift: Box<dyn std::any::Any>) -> Self {
+        Self {
+            limit,
+            source,
+            _lift: lift,
+        }
+    }
+    /// The limit in bytes.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+    /// The source it caps.
+    pub fn source(&self) -> &SourceInfo {
+        &self.source
+    }
+}
+
+impl fmt::Debug for SourceBudget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceBudget")
+            .field("limit", &self.limit)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl MemorySource for Device {
+    fn info(&self) -> SourceInfo {
+        SourceInfo {
+            device_name: self.name(),
+            ordinal: self.ordinal(),
+            total_bytes: self.allocator().device_total(),
+            kind: "caching allocator",
+        }
+    }
+    fn usage(&self) -> Result<MemoryUsage> {
+        let s = self.stats();
+        Ok(MemoryUsage {
+            used: s.allocated_bytes.all.current,
+            used_peak: s.allocated_bytes.all.peak,
+            reserved: s.reserved_bytes.all.current,
+            reserved_peak: s.reserved_bytes.all.peak,
+        })
+    }
+    fn available(&self) -> Result<u64> {
+        let free = self.mem_info()?.free;
+        Ok(match self.allocator().memory_limit() {
+            Some(limit) => free.min(limit.saturating_sub(self.usage()?.reserved)),
+            None => free,
+        })
+    }
+    fn reset_peak(&self) -> Result<()> {
+        Device::reset_peak_stats(self);
+        Ok(())
+    }
+    fn empty_cache(&self) -> Result<()> {
+        Device::empty_cache(self)
+    }
+    fn alloc_retries(&self) -> u64 {
+        self.allocator().num_alloc_retries()
+    }
+    fn memory_summary(&self) -> String {
+        Device::memory_summary(self)
+    }
+    /// A device-wide [`MemoryBudget`] (every thread's allocations while it lives).
+    fn budget(&self, limit: u64) -> Result<SourceBudget> {
+        let b: MemoryBudget = self.device_budget(limit);
+        Ok(SourceBudget::new(limit, self.info(), Box::new(b)))
+    }
+    fn source_id(&self) -> usize {
+        self.identity()
+    }
+}
+
+/// Registered sources other than [`Device`]s (devices have their own registry, [`Device::all`]).
+static SOURCES: Mutex<Vec<Weak<dyn MemorySource>>> = Mutex::new(Vec::new());
+
+fn sources() -> MutexGuard<'static, Vec<Weak<dyn MemorySource>>> {
+    // Only pushes and retains happen under the lock: a poisoned list is still a valid list.
+    SOURCES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Registers `source` so that code holding no handle (the attribute macros' retries, which empty
+/// every source's cache and watch every source for thrashing) reaches it. Held weakly: it
+/// leaves the registry when its last `Arc` is dropped. `DriverPool`s register themselves.
+pub fn register(source: &Arc<dyn MemorySource>) {
+    let mut all = sources();
+    all.retain(|w| w.strong_count() > 0);
+    if !all
+        .iter()
+        .filter_map(Weak::upgrade)
+        .any(|s| s.source_id() == source.source_id())
+    {
+        all.push(Arc::downgrade(source));
+    }
+}
+
+/// Every live source: every [`Device`] and every registered source.
+pub fn all() -> Vec<Arc<dyn MemorySource>> {
+    let mut v: Vec<Arc<dyn MemorySource>> = Device::all()
+        .into_iter()
+        .map(|d| Arc::new(d) as Arc<dyn MemorySource>)
+        .collect();
+    v.extend(sources().iter().filter_map(Weak::upgrade));
+    v
+}
+
+/// A shared source is a source (so `Arc<dyn MemorySource>` from a registry or an integration
+/// crate can be handed to the retry engine and the guards).
+impl<T: MemorySource + ?Sized> MemorySource for Arc<T> {
+    fn info(&self) -> SourceInfo {
+        (**self).info()
+    }
+    fn usage(&self) -> Result<MemoryUsage> {
+        (**self).usage()
+    }
+    fn available(&self) -> Result<u64> {
+        (**self).available()
+    }
+    fn reset_peak(&self) -> Result<()> {
+        (**self).reset_peak()
+    }
+    fn empty_cache(&self) -> Result<()> {
+        (**self).empty_cache()
+    }
+    fn alloc_retries(&self) -> u64 {
+        (**self).alloc_retries()
+    }
+    fn memory_summary(&self) -> String {
+        (**self).memory_summary()
+    }
+    fn budget(&self, limit: u64) -> Result<SourceBudget> {
+        (**self).budget(limit)
+    }
+    fn source_id(&self) -> usize {
+        (**self).source_id()
+    }
+    fn synchronize(&self) -> Result<()> {
+        (**self).synchronize()
+    }
+}
