@@ -374,6 +374,9 @@ fn main() -> Res<()> {
     }
     let run = Run::new(ordinal)?;
     let source = memory_source(&run.dev)?;
+    // Keep freed memory cached in the pool across synchronisations (the driver's default, 0,
+    // hands it back at every synchronisation); both loops of the overhead phase share it.
+    oomguard::source::DriverPool::current(ordinal)?.set_release_threshold(u64::MAX)?;
     println!("memory source: {}", source.info());
     let mut true_max = None;
     if phase == "all" || phase == "find" {

@@ -25,7 +25,14 @@ fn candle_is_oom(e: &candle_core::Error, depth: usize) -> bool {
         return false;
     }
     match e {
-        E::Cuda(boxed) => boxed_is_oom(boxed.as_ref()),
+        E::Cuda(boxed) => {
+            let oom = boxed_is_oom(boxed.as_ref());
+            #[cfg(not(feature = "candle-cuda"))]
+            if !oom && !boxed.is::<candle_core::Error>() {
+                warn_unclassified();
+            }
+            oom
+        }
         E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
             candle_is_oom(inner, depth + 1)
         }
@@ -34,6 +41,19 @@ fn candle_is_oom(e: &candle_core::Error, depth: usize) -> bool {
         // (e.g. an io::Error holding an oomguard error) is still followed.
         other => other.source().is_some_and(chain_is_oom),
     }
+}
+
+/// Without `candle-cuda`, candle's own `CudaError` cannot be named, so a CUDA OOM inside it is
+/// not recognised: say so once instead of failing silently.
+#[cfg(not(feature = "candle-cuda"))]
+fn warn_unclassified() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let msg = "oomguard: a candle CUDA error could not be classified (out-of-memory or not): \
+                   enable oomguard's `candle-cuda` feature (oomguard-candle's `cuda` feature does)";
+        tracing::warn!(target: "oomguard::retry", "{msg}");
+        eprintln!("{msg}");
+    });
 }
 
 fn boxed_is_oom(e: &(dyn StdError + Send + Sync + 'static)) -> bool {
