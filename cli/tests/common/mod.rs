@@ -3,19 +3,13 @@
 
 use std::path::PathBuf;
 
-/// The shared real traces: `$OOMGUARD_TRACES_DIR`, else `shared/traces` beside the checkout.
-/// Panics (failing the test) when missing: these tests must see the real files.
+/// The real traces: `$OOMGUARD_TRACES_DIR` when set, else the copy in the repository's `traces/`
+/// (a fresh clone needs nothing beside it).
 pub fn traces_dir() -> PathBuf {
     if let Ok(d) = std::env::var("OOMGUARD_TRACES_DIR") {
         return PathBuf::from(d);
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    for cand in [root.join("../shared/traces"), root.join("shared/traces")] {
-        if cand.join("pytorch_figures.json").exists() {
-            return cand;
-        }
-    }
-    panic!("shared traces not found beside the checkout; set OOMGUARD_TRACES_DIR");
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces")
 }
 
 /// The trace names and their figures, from `pytorch_figures.json`.
