@@ -1,15 +1,18 @@
 //! `oomguard`: replay allocation traces through oomguard's caching allocator.
 //!
-//! Exit status: 0 on success, 1 when a replay hit out-of-memory (or another allocation failure),
-//! 2 on bad input (unreadable or malformed file, bad size, bad configuration, bad arguments).
+//! Exit status: 0 on success, 1 when a replay hit out-of-memory (or another allocation failure;
+//! `plot` and `view` still write their picture), 2 on bad input (unreadable, malformed or hostile
+//! file, bad size, bad configuration, bad arguments). A closed standard output (`| head`) ends
+//! the command quietly with the status it would have had.
 
-use std::io::IsTerminal;
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use oomguard_cli::gen::{generate, GenKind, GenSpec};
-use oomguard_cli::mincap::min_capacity;
+use oomguard_cli::mincap::{min_capacity_with_progress, NoCapacity, Progress, MAX_CAPACITY};
 use oomguard_cli::replay::{replay, ReplayOptions, ReplayReport};
 use oomguard_cli::{detect, plot, Trace};
 use oomguard_runtime::{AllocatorConfig, ByteSize};
@@ -27,7 +30,7 @@ struct Cli {
 enum Cmd {
     /// Replay a trace (CSV, PyTorch snapshot pickle or RMM log); exit 1 if it runs out of memory.
     Replay {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// Allocator configuration (OOMGUARD_ALLOC_CONF syntax).
         #[arg(long, default_value = "")]
@@ -41,7 +44,7 @@ enum Cmd {
     },
     /// Replay a trace under several configurations, side by side.
     Compare {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// A configuration (repeat for each); default: expandable_segments False and True.
         #[arg(long = "config")]
@@ -56,9 +59,10 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Plot live and reserved bytes and the segments over a replay (self-contained SVG or HTML).
+    /// Plot live and reserved bytes and the segments over a replay (self-contained SVG or HTML);
+    /// exit 1 (after writing) if the replay runs out of memory.
     Plot {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// Output file: .svg or .html.
         #[arg(short, long)]
@@ -72,7 +76,7 @@ enum Cmd {
     },
     /// Find the smallest device capacity on which the trace replays without out-of-memory.
     Mincap {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// Allocator configuration.
         #[arg(long, default_value = "")]
@@ -125,22 +129,52 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
             }
-            let text = e.to_string();
-            let line = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
-            eprintln!("oomguard: {line} (see `oomguard --help`)");
+            eprintln!(
+                "oomguard: {} (see `oomguard --help`)",
+                clap_line(&e.to_string())
+            );
             return ExitCode::from(2);
         }
     };
-    match run(cli.cmd) {
+    let mut out = String::new();
+    let result = run(cli.cmd, &mut out);
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => {}
+        // `oomguard gen training | head -2`: the reader has all it wants; exit quietly.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(e) => {
+            eprintln!("oomguard: standard output: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    match result {
         Ok(code) => ExitCode::from(code),
         Err(Fail(msg, code)) => {
             eprintln!("oomguard: {}", msg.replace('\n', " "));
             ExitCode::from(code)
         }
+    }
+}
+
+/// clap's error as one line: its message and the arguments it names (a missing `<FILE>` is on
+/// the line after "the following required arguments were not provided:"), without the usage.
+fn clap_line(text: &str) -> String {
+    let parts: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect();
+    let line = parts.join(" ");
+    let line = line.trim_start_matches("error: ");
+    if line.is_empty() {
+        "invalid arguments".to_string()
+    } else {
+        line.to_string()
     }
 }
 
@@ -153,13 +187,27 @@ fn capacity(s: &str) -> Result<u64, Fail> {
     if c.0 == 0 {
         return Err(Fail("--capacity: must be more than 0 bytes".into(), 2));
     }
+    if c.0 > MAX_CAPACITY {
+        return Err(Fail(
+            format!(
+                "--capacity: {c} is more than the {} a replay goes up to",
+                ByteSize(MAX_CAPACITY)
+            ),
+            2,
+        ));
+    }
     Ok(c.0)
 }
 
 fn load(path: &Path) -> Result<Trace, Fail> {
+    let name = if path == Path::new("-") {
+        "standard input".to_string()
+    } else {
+        path.display().to_string()
+    };
     detect::read_trace(path).map_err(|e| match e {
-        oomguard_cli::ReadError::Io { .. } => input(e),
-        _ => Fail(format!("{}: {e}", path.display()), 2),
+        oomguard_cli::ReadError::Io { source, .. } => Fail(format!("{name}: {source}"), 2),
+        _ => Fail(format!("{name}: {e}"), 2),
     })
 }
 
@@ -176,7 +224,57 @@ fn replay_with_progress(trace: &Trace, opts: &ReplayOptions) -> ReplayReport {
     }
 }
 
-fn run(cmd: Cmd) -> Result<u8, Fail> {
+/// Appends a line to the command's standard output (written at the end, in one piece).
+macro_rules! outln {
+    ($o:expr, $($t:tt)*) => {{
+        let _ = writeln!($o, $($t)*);
+    }};
+}
+
+/// The capacity search, with a progress line on stderr once it has run for a second (when stderr
+/// is a terminal). A trace too large to search is bad input (2); one that fails at every
+/// capacity is a replay failure (1).
+fn mincap_with_progress(
+    trace: &Trace,
+    cfg: &AllocatorConfig,
+    tolerance: f64,
+) -> Result<oomguard_cli::mincap::MinCapacity, Fail> {
+    let bar = indicatif::ProgressBar::hidden();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {elapsed} mincap: {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    bar.set_message("replaying at the floor (peak live bytes)");
+    if std::io::stderr().is_terminal() {
+        // Shown only if the search is still running after a second: short ones stay silent.
+        let late = bar.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            if !late.is_finished() {
+                late.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                late.enable_steady_tick(std::time::Duration::from_millis(120));
+            }
+        });
+    }
+    let r = min_capacity_with_progress(trace, cfg, tolerance, &mut |p: Progress| {
+        bar.set_message(match p.hi {
+            Some(hi) => format!(
+                "{} replays, between {} and {}",
+                p.replays,
+                ByteSize(p.lo),
+                ByteSize(hi)
+            ),
+            None => format!("{} replays, fails at {}", p.replays, ByteSize(p.lo)),
+        });
+    });
+    bar.finish_and_clear();
+    r.map_err(|e| match e {
+        NoCapacity::TooLarge { .. } => Fail(e.to_string(), 2),
+        NoCapacity::Fails { .. } => Fail(e.to_string(), 1),
+    })
+}
+
+fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
     match cmd {
         Cmd::Replay {
             file,
@@ -198,9 +296,9 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                     o.insert("format".into(), trace.format.to_string().into());
                     o.insert("notes".into(), trace.notes.clone().into());
                 }
-                println!("{v}");
+                outln!(out, "{v}");
             } else {
-                print_report(&file, &trace, &r);
+                print_report(out, &file, &trace, &r);
             }
             Ok(if r.completed { 0 } else { 1 })
         }
@@ -234,7 +332,7 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                 };
                 let r = replay_with_progress(&trace, &opts);
                 let m = if mincap {
-                    Some(min_capacity(&trace, c, 0.001).map_err(|e| Fail(e.to_string(), 1))?)
+                    Some(mincap_with_progress(&trace, c, 0.001)?)
                 } else {
                     None
                 };
@@ -252,16 +350,18 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                         v
                     })
                     .collect();
-                println!("{}", serde_json::Value::from(arr));
+                outln!(out, "{}", serde_json::Value::from(arr));
             } else {
-                println!(
+                outln!(
+                    out,
                     "{} ({}, {} events, peak live {})",
                     file.display(),
                     trace.format,
                     trace.events.len(),
                     ByteSize(trace.peak_live_bytes())
                 );
-                println!(
+                outln!(
+                    out,
                     "{:<40} {:>14} {:>8} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>7} {:>8}",
                     "config",
                     "peak reserved",
@@ -281,7 +381,8 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                         .map(|m| format!("{:.4}", m.ratio))
                         .unwrap_or_else(|| "-".into());
                     let b = r.backend_calls;
-                    println!(
+                    outln!(
+                        out,
                         "{:<40} {:>14} {:>8.4} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>7} {:>8.3}",
                         r.config,
                         ByteSize(r.peak_reserved_bytes).to_string(),
@@ -344,12 +445,15 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
             std::fs::write(&output, body)
                 .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
             eprintln!(
-                "wrote {} (peak reserved {}, ratio {:.4})",
+                "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
                 output.display(),
                 ByteSize(r.peak_reserved_bytes),
-                r.ratio
+                r.ratio,
+                r.failures.len()
             );
-            Ok(0)
+            // As `replay`: the picture is written either way, and the status says whether the
+            // trace fits on this capacity.
+            Ok(if r.completed { 0 } else { 1 })
         }
         Cmd::Mincap {
             file,
@@ -365,11 +469,12 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
             }
             let cfg = config(&c)?;
             let trace = load(&file)?;
-            let m = min_capacity(&trace, &cfg, tolerance).map_err(|e| Fail(e.to_string(), 1))?;
+            let m = mincap_with_progress(&trace, &cfg, tolerance)?;
             if json {
-                println!("{}", serde_json::to_string(&m).map_err(input)?);
+                outln!(out, "{}", serde_json::to_string(&m).map_err(input)?);
             } else {
-                println!(
+                outln!(
+                    out,
                     "{}: smallest capacity {} ({} bytes), {:.4} x peak live {} ({} replays, {})",
                     file.display(),
                     ByteSize(m.min_capacity_bytes),
@@ -402,49 +507,55 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
             match output {
                 Some(p) => std::fs::write(&p, text)
                     .map_err(|e| Fail(format!("{}: {e}", p.display()), 2))?,
-                None => print!("{text}"),
+                None => out.push_str(&text),
             }
             Ok(0)
         }
     }
 }
 
-fn print_report(file: &Path, trace: &Trace, r: &ReplayReport) {
+fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) {
     let b = r.backend_calls;
-    println!(
+    outln!(
+        out,
         "trace            {} ({}, {} events)",
         file.display(),
         trace.format,
         trace.events.len()
     );
     for n in &trace.notes {
-        println!("note             {n}");
+        outln!(out, "note             {n}");
     }
-    println!("config           {}", r.config);
-    println!("capacity         {}", ByteSize(r.capacity_bytes));
-    println!(
+    outln!(out, "config           {}", r.config);
+    outln!(out, "capacity         {}", ByteSize(r.capacity_bytes));
+    outln!(
+        out,
         "peak live        {} ({} bytes)",
         ByteSize(r.peak_live_bytes),
         r.peak_live_bytes
     );
-    println!(
+    outln!(
+        out,
         "peak reserved    {} ({} bytes)",
         ByteSize(r.peak_reserved_bytes),
         r.peak_reserved_bytes
     );
-    println!(
+    outln!(
+        out,
         "ratio            {:.4} (peak reserved / peak live)",
         r.ratio
     );
-    println!("alloc retries    {}", r.num_alloc_retries);
-    println!("out-of-memory    {}", r.num_ooms);
-    println!(
+    outln!(out, "alloc retries    {}", r.num_alloc_retries);
+    outln!(out, "out-of-memory    {}", r.num_ooms);
+    outln!(
+                out,
         "backend calls    alloc_segment {}, free_segment {}, map {}, unmap {}, reserve {}, release {}",
         b.alloc_segment, b.free_segment, b.map, b.unmap, b.reserve, b.release
     );
-    println!("seconds          {:.3}", r.seconds);
+    outln!(out, "seconds          {:.3}", r.seconds);
     for f in r.failures.iter().take(5) {
-        println!(
+        outln!(
+            out,
             "failed           event {} (id {}, {}): {}",
             f.index,
             f.id,
@@ -453,6 +564,6 @@ fn print_report(file: &Path, trace: &Trace, r: &ReplayReport) {
         );
     }
     if r.failures.len() > 5 {
-        println!("failed           … and {} more", r.failures.len() - 5);
+        outln!(out, "failed           … and {} more", r.failures.len() - 5);
     }
 }
