@@ -77,6 +77,10 @@ pub struct Trace {
     pub events: Vec<Event>,
     /// What the reader skipped or assumed (e.g. frees of memory allocated before recording began).
     pub notes: Vec<String>,
+    /// Allocation sites (a snapshot's stack frames, innermost first, one per line), each once.
+    pub sites: Vec<String>,
+    /// The site of each allocation id that has one (an index into `sites`).
+    pub alloc_site: std::collections::HashMap<u64, u32>,
 }
 
 impl Trace {
@@ -86,6 +90,8 @@ impl Trace {
             format,
             events,
             notes: Vec::new(),
+            sites: Vec::new(),
+            alloc_site: std::collections::HashMap::new(),
         }
     }
 

@@ -28,6 +28,8 @@ pub mod plot;
 pub mod replay;
 pub mod rmm;
 pub mod snapshot;
+pub mod view;
+pub mod viewdata;
 
 pub use error::ReadError;
 pub use event::{Event, Op, Trace, TraceFormat};

@@ -74,6 +74,22 @@ enum Cmd {
         #[arg(long, default_value = "80GiB")]
         capacity: String,
     },
+    /// Write an interactive page (one self-contained HTML file): a zoomable timeline of live and
+    /// reserved bytes, and the memory map at any moment and at each OOM; exit 1 (after writing)
+    /// if the replay runs out of memory.
+    View {
+        /// The trace file (`-`: standard input).
+        file: PathBuf,
+        /// Output file (.html).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Allocator configuration.
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Simulated device capacity.
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+    },
     /// Find the smallest device capacity on which the trace replays without out-of-memory.
     Mincap {
         /// The trace file (`-`: standard input).
@@ -453,6 +469,36 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             );
             // As `replay`: the picture is written either way, and the status says whether the
             // trace fits on this capacity.
+            Ok(if r.completed { 0 } else { 1 })
+        }
+        Cmd::View {
+            file,
+            output,
+            config: c,
+            capacity: cap,
+        } => {
+            let opts = ReplayOptions {
+                config: config(&c)?,
+                capacity: capacity(&cap)?,
+                ..Default::default()
+            };
+            let trace = load(&file)?;
+            let r = replay_with_progress(&trace, &opts);
+            let data = oomguard_cli::viewdata::ViewData::record(&trace, &opts);
+            let title = file
+                .file_name()
+                .map(|f| f.to_string_lossy().to_string())
+                .unwrap_or_else(|| "standard input".into());
+            let page = oomguard_cli::view::html(&title, &trace, &r, &data);
+            std::fs::write(&output, page)
+                .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
+            eprintln!(
+                "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
+                output.display(),
+                ByteSize(r.peak_reserved_bytes),
+                r.ratio,
+                r.failures.len()
+            );
             Ok(if r.completed { 0 } else { 1 })
         }
         Cmd::Mincap {
