@@ -128,7 +128,7 @@ fn chromium() -> Option<PathBuf> {
 }
 
 /// The DOM after the page's script ran, from headless Chromium (killed after 90 s).
-fn dump_dom(browser: &Path, page: &Path) -> String {
+fn dump_dom(browser: &Path, page: &Path, hash: &str) -> String {
     let profile = common::scratch(&format!(
         "chromium-profile-{}",
         page.file_stem().unwrap().to_string_lossy()
@@ -147,7 +147,7 @@ fn dump_dom(browser: &Path, page: &Path) -> String {
         ])
         .arg(format!("--user-data-dir={}", profile.display()))
         .arg("--dump-dom")
-        .arg(page)
+        .arg(format!("file://{}{hash}", page.display()))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -216,7 +216,7 @@ fn view_page_runs_in_headless_chromium_and_agrees_with_the_replay() {
             config,
         ]);
         assert!(o.status.code() == Some(0) || o.status.code() == Some(1));
-        let dom = dump_dom(&browser, &out);
+        let dom = dump_dom(&browser, &out, "#selftest");
         let attrs = html_attrs(&dom);
         assert_eq!(
             attrs.get("data-js-error"),

@@ -618,5 +618,20 @@
     clearTimeout(resizeTimer);
     resizeTimer = setTimeout(function () { if (current) drawMap(current); drawTimeline(); }, 80);
   });
+  // `page.html#selftest`: hover the widest allocated block of the map and keep what the tooltip
+  // says in data-tip, for the headless browser check (which cannot move a mouse).
+  if (location.hash === '#selftest' && current) {
+    var best = null;
+    current.segs.forEach(function (s) {
+      s.spans.forEach(function (sp) { if (sp.k === 0 && (!best || sp.g1 - sp.g0 > best.g1 - best.g0)) best = sp; });
+    });
+    if (best) {
+      var mid = (best.g0 + best.g1) / 2, r = Math.floor(mid / geom.w), rc = mapCanvas.getBoundingClientRect();
+      mapCanvas.dispatchEvent(new MouseEvent('mousemove', {
+        clientX: rc.left + mid - r * geom.w, clientY: rc.top + 4 + r * (ROW + GAP) + ROW / 2
+      }));
+      document.documentElement.setAttribute('data-tip', tip.textContent);
+    }
+  }
   document.documentElement.setAttribute('data-ready', '1');
 })();
