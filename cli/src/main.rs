@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use oomguard_cli::device::DeviceSpec;
 use oomguard_cli::gen::{generate, GenKind, GenSpec};
-use oomguard_cli::mincap::{min_capacity_with_progress, NoCapacity, Progress, MAX_CAPACITY};
+use oomguard_cli::mincap::{min_capacity_on, NoCapacity, Progress, MAX_CAPACITY};
 use oomguard_cli::replay::{replay, ReplayOptions, ReplayReport};
 use oomguard_cli::{detect, plot, Trace};
 use oomguard_runtime::{AllocatorConfig, ByteSize};
@@ -41,6 +42,11 @@ enum Cmd {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+        /// The device: `sim` (simulated, address-only), `cuda:N` (a real GPU: the allocator's
+        /// driver calls happen, no kernel runs; the capacity becomes a memory limit) or
+        /// `sim-limit` (the simulated device run the way a GPU is).
+        #[arg(long, default_value = "sim")]
+        device: String,
     },
     /// Replay a trace under several configurations, side by side.
     Compare {
@@ -103,6 +109,10 @@ enum Cmd {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+        /// The device: `sim`, `cuda:N` (each replay under a memory limit on the GPU) or
+        /// `sim-limit`.
+        #[arg(long, default_value = "sim")]
+        device: String,
     },
     /// Generate a seeded varying-shape trace in the CSV format.
     Gen {
@@ -215,6 +225,19 @@ fn capacity(s: &str) -> Result<u64, Fail> {
     Ok(c.0)
 }
 
+fn device_spec(s: &str) -> Result<DeviceSpec, Fail> {
+    s.parse()
+        .map_err(|e: String| Fail(format!("--device: {e}"), 2))
+}
+
+/// Opens the replay's device once, so that a GPU that cannot be used (no driver, no such
+/// device) is one line and exit 2 before anything is replayed.
+fn probe(opts: &ReplayOptions) -> Result<(), Fail> {
+    oomguard_cli::device::open(&opts.device, opts.capacity, &opts.config)
+        .map(drop)
+        .map_err(|e| Fail(e, 2))
+}
+
 fn load(path: &Path) -> Result<Trace, Fail> {
     let name = if path == Path::new("-") {
         "standard input".to_string()
@@ -253,6 +276,7 @@ macro_rules! outln {
 fn mincap_with_progress(
     trace: &Trace,
     cfg: &AllocatorConfig,
+    device: &DeviceSpec,
     tolerance: f64,
 ) -> Result<oomguard_cli::mincap::MinCapacity, Fail> {
     let bar = indicatif::ProgressBar::hidden();
@@ -272,7 +296,7 @@ fn mincap_with_progress(
             }
         });
     }
-    let r = min_capacity_with_progress(trace, cfg, tolerance, &mut |p: Progress| {
+    let r = min_capacity_on(trace, cfg, device, tolerance, &mut |p: Progress| {
         bar.set_message(match p.hi {
             Some(hi) => format!(
                 "{} replays, between {} and {}",
@@ -297,13 +321,16 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             config: c,
             capacity: cap,
             json,
+            device,
         } => {
             let opts = ReplayOptions {
                 config: config(&c)?,
                 capacity: capacity(&cap)?,
+                device: device_spec(&device)?,
                 ..Default::default()
             };
             let trace = load(&file)?;
+            probe(&opts)?;
             let r = replay_with_progress(&trace, &opts);
             if json {
                 let mut v = serde_json::to_value(&r).map_err(input)?;
@@ -348,7 +375,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 };
                 let r = replay_with_progress(&trace, &opts);
                 let m = if mincap {
-                    Some(mincap_with_progress(&trace, c, 0.001)?)
+                    Some(mincap_with_progress(&trace, c, &DeviceSpec::Sim, 0.001)?)
                 } else {
                     None
                 };
@@ -506,7 +533,9 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             config: c,
             tolerance,
             json,
+            device,
         } => {
+            let device = device_spec(&device)?;
             if !(tolerance > 0.0 && tolerance < 1.0) {
                 return Err(Fail(
                     format!("--tolerance: {tolerance} is outside (0, 1)"),
@@ -515,7 +544,12 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             }
             let cfg = config(&c)?;
             let trace = load(&file)?;
-            let m = mincap_with_progress(&trace, &cfg, tolerance)?;
+            probe(&ReplayOptions {
+                config: cfg.clone(),
+                device: device.clone(),
+                ..Default::default()
+            })?;
+            let m = mincap_with_progress(&trace, &cfg, &device, tolerance)?;
             if json {
                 outln!(out, "{}", serde_json::to_string(&m).map_err(input)?);
             } else {
@@ -572,6 +606,7 @@ fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) 
     for n in &trace.notes {
         outln!(out, "note             {n}");
     }
+    outln!(out, "device           {}", r.device);
     outln!(out, "config           {}", r.config);
     outln!(out, "capacity         {}", ByteSize(r.capacity_bytes));
     outln!(

@@ -3,6 +3,7 @@
 use oomguard_runtime::{AllocatorConfig, ByteSize};
 use serde::Serialize;
 
+use crate::device::DeviceSpec;
 use crate::event::Trace;
 use crate::replay::{replay, ReplayOptions};
 
@@ -104,6 +105,18 @@ pub fn min_capacity_with_progress(
     tolerance: f64,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<MinCapacity, NoCapacity> {
+    min_capacity_on(trace, config, &DeviceSpec::Sim, tolerance, progress)
+}
+
+/// [`min_capacity_with_progress`] on `device`: on a GPU each replay runs under a memory limit of
+/// the capacity tried (see [`crate::device`]).
+pub fn min_capacity_on(
+    trace: &Trace,
+    config: &AllocatorConfig,
+    device: &DeviceSpec,
+    tolerance: f64,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<MinCapacity, NoCapacity> {
     let peak_live = trace.peak_live_bytes();
     // Bound first: the floor itself is replayed next, and a replay's cost grows with capacity.
     if peak_live > MAX_CAPACITY {
@@ -117,6 +130,7 @@ pub fn min_capacity_with_progress(
             capacity,
             stop_at_first_failure: true,
             timeline: false,
+            device: device.clone(),
         };
         let (r, _) = replay(trace, &opts, &mut |_| {});
         (
