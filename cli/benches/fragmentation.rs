@@ -1,9 +1,9 @@
-//! Fragmentation benchmark: every shared real trace (and generated varying-shape traces) replayed
-//! with `expandable_segments:False` and `:True`, our ratio and smallest capacity printed beside
-//! PyTorch's own figures (read from `pytorch_figures.json` at run time).
+//! Fragmentation benchmark: every real trace of `traces/` (and generated varying-shape traces)
+//! replayed with `expandable_segments:False` and `:True`, our ratio and smallest capacity printed
+//! beside PyTorch's own figures (read from `pytorch_figures.json` at run time).
 //!
-//! `cargo bench -p oomguard-cli --bench fragmentation` (set `OOMGUARD_TRACES_DIR` if the shared
-//! traces are not in `shared/traces` beside the checkout).
+//! `cargo bench -p oomguard-cli --bench fragmentation` (reads the repository's `traces/`; set
+//! `OOMGUARD_TRACES_DIR` to read other traces with a `pytorch_figures.json`).
 //!
 //! Columns: `res/live` = peak reserved / peak live bytes; `res/alloc` = peak reserved / peak
 //! allocated (rounded) bytes, PyTorch's `reserved_over_allocated`; `mincap/live` = smallest
@@ -22,10 +22,8 @@ fn traces_dir() -> Option<PathBuf> {
     if let Ok(d) = std::env::var("OOMGUARD_TRACES_DIR") {
         return Some(PathBuf::from(d));
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    [root.join("../shared/traces"), root.join("shared/traces")]
-        .into_iter()
-        .find(|c| c.join("pytorch_figures.json").exists())
+    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces");
+    d.join("pytorch_figures.json").exists().then_some(d)
 }
 
 fn row(name: &str, trace: &Trace, conf: &str, pytorch: Option<&serde_json::Value>) {
@@ -130,7 +128,7 @@ fn main() {
             }
         }
         None => {
-            eprintln!("shared traces not found: set OOMGUARD_TRACES_DIR (generated traces only)")
+            eprintln!("traces/pytorch_figures.json not found (set OOMGUARD_TRACES_DIR): generated traces only")
         }
     }
     for kind in [GenKind::Training, GenKind::Inference] {

@@ -40,21 +40,34 @@ pub fn parse(data: &[u8], path: Option<&Path>) -> Result<Trace, ReadError> {
     if data.is_empty() {
         return Err(ReadError::Empty);
     }
-    match detect(data, path) {
+    let mut t = match detect(data, path) {
         Some(TraceFormat::Csv) => crate::csv_trace::parse(data),
         Some(TraceFormat::RmmLog) => crate::rmm::parse(data),
         Some(TraceFormat::PytorchSnapshot) => crate::snapshot::parse(data),
         None => Err(ReadError::UnknownFormat {
             first_line: crate::lines::first_line(data).chars().take(60).collect(),
         }),
+    }?;
+    if t.format != TraceFormat::PytorchSnapshot && data.last() != Some(&b'\n') {
+        t.notes.push(
+            "the last line has no newline at its end: the file may have been cut there".into(),
+        );
     }
+    t.note_live_at_end();
+    Ok(t)
 }
 
-/// Reads and parses the trace file at `path`.
+/// Reads and parses the trace file at `path`; `-` reads standard input.
 pub fn read_trace(path: &Path) -> Result<Trace, ReadError> {
-    let data = std::fs::read(path).map_err(|source| ReadError::Io {
+    let io = |source| ReadError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    if path == Path::new("-") {
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut data).map_err(io)?;
+        return parse(&data, None);
+    }
+    let data = std::fs::read(path).map_err(io)?;
     parse(&data, Some(path))
 }

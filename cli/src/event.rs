@@ -77,6 +77,10 @@ pub struct Trace {
     pub events: Vec<Event>,
     /// What the reader skipped or assumed (e.g. frees of memory allocated before recording began).
     pub notes: Vec<String>,
+    /// Allocation sites (a snapshot's stack frames, innermost first, one per line), each once.
+    pub sites: Vec<String>,
+    /// The site of each allocation id that has one (an index into `sites`).
+    pub alloc_site: std::collections::HashMap<u64, u32>,
 }
 
 impl Trace {
@@ -86,6 +90,8 @@ impl Trace {
             format,
             events,
             notes: Vec::new(),
+            sites: Vec::new(),
+            alloc_site: std::collections::HashMap::new(),
         }
     }
 
@@ -111,6 +117,42 @@ impl Trace {
             }
         }
         peak
+    }
+
+    /// Allocations never freed, and their bytes.
+    pub fn live_at_end(&self) -> (usize, u64) {
+        let mut live: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+        for e in &self.events {
+            match e.op {
+                Op::Alloc => {
+                    live.insert(e.id, e.bytes);
+                }
+                Op::Free => {
+                    live.remove(&e.id);
+                }
+            }
+        }
+        (
+            live.len(),
+            live.values().fold(0u64, |a, b| a.saturating_add(*b)),
+        )
+    }
+
+    /// Adds a note on what is still live at the end. A trace file cut short at a line boundary
+    /// reads as a valid shorter trace; what it leaves live (half a training step's activations)
+    /// is the sign, so the note puts it beside the peak for the reader to judge.
+    pub fn note_live_at_end(&mut self) {
+        let (n, bytes) = self.live_at_end();
+        if n == 0 {
+            return;
+        }
+        let peak = self.peak_live_bytes().max(1);
+        self.notes.push(format!(
+            "{n} allocations ({}, {:.1}% of peak live) are still live at the end: the program's \
+             state when recording stopped, or a file cut short",
+            oomguard_runtime::ByteSize(bytes),
+            100.0 * bytes as f64 / peak as f64
+        ));
     }
 
     /// Number of allocations.

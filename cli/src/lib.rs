@@ -16,8 +16,10 @@
 //! Readers: [`csv_trace`] (`op,id,bytes,stream`), [`snapshot`] (PyTorch memory snapshot pickles,
 //! decoded by the small [`pickle`] VM), [`rmm`] (RMM logs); [`detect`] picks one from the content.
 
+pub mod counting;
 pub mod csv_trace;
 pub mod detect;
+pub mod device;
 mod error;
 mod event;
 pub mod gen;
@@ -28,6 +30,8 @@ pub mod plot;
 pub mod replay;
 pub mod rmm;
 pub mod snapshot;
+pub mod view;
+pub mod viewdata;
 
 pub use error::ReadError;
 pub use event::{Event, Op, Trace, TraceFormat};

@@ -1,15 +1,19 @@
 //! `oomguard`: replay allocation traces through oomguard's caching allocator.
 //!
-//! Exit status: 0 on success, 1 when a replay hit out-of-memory (or another allocation failure),
-//! 2 on bad input (unreadable or malformed file, bad size, bad configuration, bad arguments).
+//! Exit status: 0 on success, 1 when a replay hit out-of-memory (or another allocation failure;
+//! `plot` and `view` still write their picture), 2 on bad input (unreadable, malformed or hostile
+//! file, bad size, bad configuration, bad arguments). A closed standard output (`| head`) ends
+//! the command quietly with the status it would have had.
 
-use std::io::IsTerminal;
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use oomguard_cli::device::DeviceSpec;
 use oomguard_cli::gen::{generate, GenKind, GenSpec};
-use oomguard_cli::mincap::min_capacity;
+use oomguard_cli::mincap::{min_capacity_on, NoCapacity, Progress, MAX_CAPACITY};
 use oomguard_cli::replay::{replay, ReplayOptions, ReplayReport};
 use oomguard_cli::{detect, plot, Trace};
 use oomguard_runtime::{AllocatorConfig, ByteSize};
@@ -27,7 +31,7 @@ struct Cli {
 enum Cmd {
     /// Replay a trace (CSV, PyTorch snapshot pickle or RMM log); exit 1 if it runs out of memory.
     Replay {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// Allocator configuration (OOMGUARD_ALLOC_CONF syntax).
         #[arg(long, default_value = "")]
@@ -38,10 +42,15 @@ enum Cmd {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+        /// The device: `sim` (simulated, address-only), `cuda:N` (a real GPU: the allocator's
+        /// driver calls happen, no kernel runs; the capacity becomes a memory limit) or
+        /// `sim-limit` (the simulated device run the way a GPU is).
+        #[arg(long, default_value = "sim")]
+        device: String,
     },
     /// Replay a trace under several configurations, side by side.
     Compare {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// A configuration (repeat for each); default: expandable_segments False and True.
         #[arg(long = "config")]
@@ -56,9 +65,10 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Plot live and reserved bytes and the segments over a replay (self-contained SVG or HTML).
+    /// Plot live and reserved bytes and the segments over a replay (self-contained SVG or HTML);
+    /// exit 1 (after writing) if the replay runs out of memory.
     Plot {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// Output file: .svg or .html.
         #[arg(short, long)]
@@ -70,9 +80,25 @@ enum Cmd {
         #[arg(long, default_value = "80GiB")]
         capacity: String,
     },
+    /// Write an interactive page (one self-contained HTML file): a zoomable timeline of live and
+    /// reserved bytes, and the memory map at any moment and at each OOM; exit 1 (after writing)
+    /// if the replay runs out of memory.
+    View {
+        /// The trace file (`-`: standard input).
+        file: PathBuf,
+        /// Output file (.html).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Allocator configuration.
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Simulated device capacity.
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+    },
     /// Find the smallest device capacity on which the trace replays without out-of-memory.
     Mincap {
-        /// The trace file.
+        /// The trace file (`-`: standard input).
         file: PathBuf,
         /// Allocator configuration.
         #[arg(long, default_value = "")]
@@ -83,6 +109,10 @@ enum Cmd {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+        /// The device: `sim`, `cuda:N` (each replay under a memory limit on the GPU) or
+        /// `sim-limit`.
+        #[arg(long, default_value = "sim")]
+        device: String,
     },
     /// Generate a seeded varying-shape trace in the CSV format.
     Gen {
@@ -125,22 +155,52 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
             }
-            let text = e.to_string();
-            let line = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
-            eprintln!("oomguard: {line} (see `oomguard --help`)");
+            eprintln!(
+                "oomguard: {} (see `oomguard --help`)",
+                clap_line(&e.to_string())
+            );
             return ExitCode::from(2);
         }
     };
-    match run(cli.cmd) {
+    let mut out = String::new();
+    let result = run(cli.cmd, &mut out);
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => {}
+        // `oomguard gen training | head -2`: the reader has all it wants; exit quietly.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        Err(e) => {
+            eprintln!("oomguard: standard output: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    match result {
         Ok(code) => ExitCode::from(code),
         Err(Fail(msg, code)) => {
             eprintln!("oomguard: {}", msg.replace('\n', " "));
             ExitCode::from(code)
         }
+    }
+}
+
+/// clap's error as one line: its message and the arguments it names (a missing `<FILE>` is on
+/// the line after "the following required arguments were not provided:"), without the usage.
+fn clap_line(text: &str) -> String {
+    let parts: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect();
+    let line = parts.join(" ");
+    let line = line.trim_start_matches("error: ");
+    if line.is_empty() {
+        "invalid arguments".to_string()
+    } else {
+        line.to_string()
     }
 }
 
@@ -153,13 +213,40 @@ fn capacity(s: &str) -> Result<u64, Fail> {
     if c.0 == 0 {
         return Err(Fail("--capacity: must be more than 0 bytes".into(), 2));
     }
+    if c.0 > MAX_CAPACITY {
+        return Err(Fail(
+            format!(
+                "--capacity: {c} is more than the {} a replay goes up to",
+                ByteSize(MAX_CAPACITY)
+            ),
+            2,
+        ));
+    }
     Ok(c.0)
 }
 
+fn device_spec(s: &str) -> Result<DeviceSpec, Fail> {
+    s.parse()
+        .map_err(|e: String| Fail(format!("--device: {e}"), 2))
+}
+
+/// Opens the replay's device once, so that a GPU that cannot be used (no driver, no such
+/// device) is one line and exit 2 before anything is replayed.
+fn probe(opts: &ReplayOptions) -> Result<(), Fail> {
+    oomguard_cli::device::open(&opts.device, opts.capacity, &opts.config)
+        .map(drop)
+        .map_err(|e| Fail(e, 2))
+}
+
 fn load(path: &Path) -> Result<Trace, Fail> {
+    let name = if path == Path::new("-") {
+        "standard input".to_string()
+    } else {
+        path.display().to_string()
+    };
     detect::read_trace(path).map_err(|e| match e {
-        oomguard_cli::ReadError::Io { .. } => input(e),
-        _ => Fail(format!("{}: {e}", path.display()), 2),
+        oomguard_cli::ReadError::Io { source, .. } => Fail(format!("{name}: {source}"), 2),
+        _ => Fail(format!("{name}: {e}"), 2),
     })
 }
 
@@ -176,20 +263,74 @@ fn replay_with_progress(trace: &Trace, opts: &ReplayOptions) -> ReplayReport {
     }
 }
 
-fn run(cmd: Cmd) -> Result<u8, Fail> {
+/// Appends a line to the command's standard output (written at the end, in one piece).
+macro_rules! outln {
+    ($o:expr, $($t:tt)*) => {{
+        let _ = writeln!($o, $($t)*);
+    }};
+}
+
+/// The capacity search, with a progress line on stderr once it has run for a second (when stderr
+/// is a terminal). A trace too large to search is bad input (2); one that fails at every
+/// capacity is a replay failure (1).
+fn mincap_with_progress(
+    trace: &Trace,
+    cfg: &AllocatorConfig,
+    device: &DeviceSpec,
+    tolerance: f64,
+) -> Result<oomguard_cli::mincap::MinCapacity, Fail> {
+    let bar = indicatif::ProgressBar::hidden();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {elapsed} mincap: {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    bar.set_message("replaying at the floor (peak live bytes)");
+    if std::io::stderr().is_terminal() {
+        // Shown only if the search is still running after a second: short ones stay silent.
+        let late = bar.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            if !late.is_finished() {
+                late.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                late.enable_steady_tick(std::time::Duration::from_millis(120));
+            }
+        });
+    }
+    let r = min_capacity_on(trace, cfg, device, tolerance, &mut |p: Progress| {
+        bar.set_message(match p.hi {
+            Some(hi) => format!(
+                "{} replays, between {} and {}",
+                p.replays,
+                ByteSize(p.lo),
+                ByteSize(hi)
+            ),
+            None => format!("{} replays, fails at {}", p.replays, ByteSize(p.lo)),
+        });
+    });
+    bar.finish_and_clear();
+    r.map_err(|e| match e {
+        NoCapacity::TooLarge { .. } => Fail(e.to_string(), 2),
+        NoCapacity::Fails { .. } => Fail(e.to_string(), 1),
+    })
+}
+
+fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
     match cmd {
         Cmd::Replay {
             file,
             config: c,
             capacity: cap,
             json,
+            device,
         } => {
             let opts = ReplayOptions {
                 config: config(&c)?,
                 capacity: capacity(&cap)?,
+                device: device_spec(&device)?,
                 ..Default::default()
             };
             let trace = load(&file)?;
+            probe(&opts)?;
             let r = replay_with_progress(&trace, &opts);
             if json {
                 let mut v = serde_json::to_value(&r).map_err(input)?;
@@ -198,9 +339,9 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                     o.insert("format".into(), trace.format.to_string().into());
                     o.insert("notes".into(), trace.notes.clone().into());
                 }
-                println!("{v}");
+                outln!(out, "{v}");
             } else {
-                print_report(&file, &trace, &r);
+                print_report(out, &file, &trace, &r);
             }
             Ok(if r.completed { 0 } else { 1 })
         }
@@ -234,7 +375,7 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                 };
                 let r = replay_with_progress(&trace, &opts);
                 let m = if mincap {
-                    Some(min_capacity(&trace, c, 0.001).map_err(|e| Fail(e.to_string(), 1))?)
+                    Some(mincap_with_progress(&trace, c, &DeviceSpec::Sim, 0.001)?)
                 } else {
                     None
                 };
@@ -252,16 +393,18 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                         v
                     })
                     .collect();
-                println!("{}", serde_json::Value::from(arr));
+                outln!(out, "{}", serde_json::Value::from(arr));
             } else {
-                println!(
+                outln!(
+                    out,
                     "{} ({}, {} events, peak live {})",
                     file.display(),
                     trace.format,
                     trace.events.len(),
                     ByteSize(trace.peak_live_bytes())
                 );
-                println!(
+                outln!(
+                    out,
                     "{:<40} {:>14} {:>8} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>7} {:>8}",
                     "config",
                     "peak reserved",
@@ -281,7 +424,8 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
                         .map(|m| format!("{:.4}", m.ratio))
                         .unwrap_or_else(|| "-".into());
                     let b = r.backend_calls;
-                    println!(
+                    outln!(
+                        out,
                         "{:<40} {:>14} {:>8.4} {:>9} {:>7} {:>5} {:>8} {:>8} {:>7} {:>7} {:>8.3}",
                         r.config,
                         ByteSize(r.peak_reserved_bytes).to_string(),
@@ -344,19 +488,54 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
             std::fs::write(&output, body)
                 .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
             eprintln!(
-                "wrote {} (peak reserved {}, ratio {:.4})",
+                "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
                 output.display(),
                 ByteSize(r.peak_reserved_bytes),
-                r.ratio
+                r.ratio,
+                r.failures.len()
             );
-            Ok(0)
+            // As `replay`: the picture is written either way, and the status says whether the
+            // trace fits on this capacity.
+            Ok(if r.completed { 0 } else { 1 })
+        }
+        Cmd::View {
+            file,
+            output,
+            config: c,
+            capacity: cap,
+        } => {
+            let opts = ReplayOptions {
+                config: config(&c)?,
+                capacity: capacity(&cap)?,
+                ..Default::default()
+            };
+            let trace = load(&file)?;
+            let r = replay_with_progress(&trace, &opts);
+            let data = oomguard_cli::viewdata::ViewData::record(&trace, &opts);
+            let title = file
+                .file_name()
+                .map(|f| f.to_string_lossy().to_string())
+                .unwrap_or_else(|| "standard input".into());
+            let page = oomguard_cli::view::html(&title, &trace, &r, &data);
+            std::fs::write(&output, page)
+                .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
+            eprintln!(
+                "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
+                output.display(),
+                ByteSize(r.peak_reserved_bytes),
+                r.ratio,
+                r.failures.len()
+            );
+            Ok(if r.completed { 0 } else { 1 })
         }
         Cmd::Mincap {
             file,
             config: c,
             tolerance,
             json,
+            device,
         } => {
+            let device = device_spec(&device)?;
             if !(tolerance > 0.0 && tolerance < 1.0) {
                 return Err(Fail(
                     format!("--tolerance: {tolerance} is outside (0, 1)"),
@@ -365,11 +544,17 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
             }
             let cfg = config(&c)?;
             let trace = load(&file)?;
-            let m = min_capacity(&trace, &cfg, tolerance).map_err(|e| Fail(e.to_string(), 1))?;
+            probe(&ReplayOptions {
+                config: cfg.clone(),
+                device: device.clone(),
+                ..Default::default()
+            })?;
+            let m = mincap_with_progress(&trace, &cfg, &device, tolerance)?;
             if json {
-                println!("{}", serde_json::to_string(&m).map_err(input)?);
+                outln!(out, "{}", serde_json::to_string(&m).map_err(input)?);
             } else {
-                println!(
+                outln!(
+                    out,
                     "{}: smallest capacity {} ({} bytes), {:.4} x peak live {} ({} replays, {})",
                     file.display(),
                     ByteSize(m.min_capacity_bytes),
@@ -402,49 +587,56 @@ fn run(cmd: Cmd) -> Result<u8, Fail> {
             match output {
                 Some(p) => std::fs::write(&p, text)
                     .map_err(|e| Fail(format!("{}: {e}", p.display()), 2))?,
-                None => print!("{text}"),
+                None => out.push_str(&text),
             }
             Ok(0)
         }
     }
 }
 
-fn print_report(file: &Path, trace: &Trace, r: &ReplayReport) {
+fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) {
     let b = r.backend_calls;
-    println!(
+    outln!(
+        out,
         "trace            {} ({}, {} events)",
         file.display(),
         trace.format,
         trace.events.len()
     );
     for n in &trace.notes {
-        println!("note             {n}");
+        outln!(out, "note             {n}");
     }
-    println!("config           {}", r.config);
-    println!("capacity         {}", ByteSize(r.capacity_bytes));
-    println!(
+    outln!(out, "device           {}", r.device);
+    outln!(out, "config           {}", r.config);
+    outln!(out, "capacity         {}", ByteSize(r.capacity_bytes));
+    outln!(
+        out,
         "peak live        {} ({} bytes)",
         ByteSize(r.peak_live_bytes),
         r.peak_live_bytes
     );
-    println!(
+    outln!(
+        out,
         "peak reserved    {} ({} bytes)",
         ByteSize(r.peak_reserved_bytes),
         r.peak_reserved_bytes
     );
-    println!(
+    outln!(
+        out,
         "ratio            {:.4} (peak reserved / peak live)",
         r.ratio
     );
-    println!("alloc retries    {}", r.num_alloc_retries);
-    println!("out-of-memory    {}", r.num_ooms);
-    println!(
+    outln!(out, "alloc retries    {}", r.num_alloc_retries);
+    outln!(out, "out-of-memory    {}", r.num_ooms);
+    outln!(
+                out,
         "backend calls    alloc_segment {}, free_segment {}, map {}, unmap {}, reserve {}, release {}",
         b.alloc_segment, b.free_segment, b.map, b.unmap, b.reserve, b.release
     );
-    println!("seconds          {:.3}", r.seconds);
+    outln!(out, "seconds          {:.3}", r.seconds);
     for f in r.failures.iter().take(5) {
-        println!(
+        outln!(
+            out,
             "failed           event {} (id {}, {}): {}",
             f.index,
             f.id,
@@ -453,6 +645,6 @@ fn print_report(file: &Path, trace: &Trace, r: &ReplayReport) {
         );
     }
     if r.failures.len() > 5 {
-        println!("failed           … and {} more", r.failures.len() - 5);
+        outln!(out, "failed           … and {} more", r.failures.len() - 5);
     }
 }

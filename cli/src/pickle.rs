@@ -8,6 +8,26 @@
 //! arena (`Heap`) so that memoized references alias as in Python, and cycles cannot leak.
 //! Malformed or truncated input is an error naming the byte offset of the opcode; nothing panics
 //! and no length read from the input is trusted before it is checked against the input's size.
+//!
+//! Hostile input (issue 17) is bounded in stack, time and memory:
+//! - **No recursion anywhere.** Tuples live in the heap like lists, so a [`Value`] never owns
+//!   another value and nothing (drop, clone, comparison, the snapshot reader) recurses: a 1 MB
+//!   pickle of 10^6 nested tuples decodes in constant stack (it aborted with a stack overflow
+//!   when tuples were `Rc<[Value]>`).
+//! - **Memo references alias, never copy**: `BINGET` pushes the same heap id, so K references to
+//!   a dict of N pairs cost K values, not K×N (the snapshot reader also reads each distinct
+//!   entry dict once; see `snapshot.rs`).
+//! - **A memory budget**: every value, heap object, string byte and memo slot is charged at its
+//!   in-memory size, and decoding stops with an error past [`memory_budget`] (64 MiB + 16× the
+//!   file). A 20 MB pickle of memoized empty lists, the worst ratio of any opcode, took 1.36 GB
+//!   (68×) before; it now stops at the budget (see docs/RELIABILITY.md for the measured figures).
+//!
+//! Why not the `serde-pickle` crate: its decoder resolves a memo reference by cloning the memoized
+//! value (all but the last reference), so a 180 KB snapshot whose 50,000 entries reference two
+//! dicts of 10,000 pairs would materialize 500 million pairs (at least 32 GB at 64 bytes a pair)
+//! where this VM holds 50,000 ids (it decodes that file in 0.15 s and 11 MB); its `Value` is recursive (nested tuples overflow the stack on drop); and it rejects the
+//! class-building opcodes (`BUILD`, `NEWOBJ`, `INST`, `OBJ`) that snapshots of other tools carry,
+//! where this VM keeps an opaque object. Hostile input, memo semantics and memory decided it.
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -38,8 +58,8 @@ pub enum Value {
     List(ObjId),
     /// A `dict` in the heap.
     Dict(ObjId),
-    /// A `tuple`.
-    Tuple(Rc<[Value]>),
+    /// A `tuple` in the heap (kept as a list, so that no value owns another: see the module docs).
+    Tuple(ObjId),
     /// A `set` or `frozenset` in the heap (kept as a list).
     Set(ObjId),
     /// An object of a class this VM does not build (its `module.name`).
@@ -80,10 +100,11 @@ impl Value {
     }
 }
 
-/// A list or a dict (dicts keep insertion order as pairs; keys need not be hashable).
+/// A list (also a tuple or a set) or a dict (dicts keep insertion order as pairs; keys need not be
+/// hashable).
 #[derive(Clone, Debug, PartialEq)]
 pub enum HeapObj {
-    /// A list (or set).
+    /// A list (or tuple, or set).
     List(Vec<Value>),
     /// A dict.
     Dict(Vec<(Value, Value)>),
@@ -100,16 +121,23 @@ impl Heap {
         self.objs.push(o);
         self.objs.len() - 1
     }
-    /// The items of a list or set value (`None` for anything else).
-    pub fn list<'a>(&'a self, v: &'a Value) -> Option<&'a [Value]> {
+    /// The items of a list, tuple or set value (`None` for anything else).
+    pub fn list(&self, v: &Value) -> Option<&[Value]> {
         match v {
-            Value::List(id) | Value::Set(id) => match self.objs.get(*id) {
+            Value::List(id) | Value::Set(id) | Value::Tuple(id) => match self.objs.get(*id) {
                 Some(HeapObj::List(items)) => Some(items),
                 _ => None,
             },
-            Value::Tuple(items) => Some(items),
             _ => None,
         }
+    }
+    /// Number of lists, tuples, sets and dicts.
+    pub fn len(&self) -> usize {
+        self.objs.len()
+    }
+    /// Whether the pickle held no list, tuple, set or dict.
+    pub fn is_empty(&self) -> bool {
+        self.objs.is_empty()
     }
     /// The pairs of a dict value (`None` for anything else).
     pub fn dict(&self, v: &Value) -> Option<&[(Value, Value)]> {
@@ -138,6 +166,9 @@ pub struct Decoded {
     pub value: Value,
     /// Lists and dicts.
     pub heap: Heap,
+    /// Bytes of memory the decoder charged against its budget (an estimate of what it
+    /// allocated: values, objects, strings, memo slots).
+    pub charged: usize,
 }
 
 enum Slot {
@@ -150,9 +181,29 @@ struct Vm<'a> {
     pos: usize,
     op_at: usize,
     stack: Vec<Slot>,
-    memo: HashMap<u64, Value>,
+    /// Memo slots 0..n as pickle writes them (`MEMOIZE`, and `BINPUT` counting up): a vector,
+    /// 24 bytes a slot instead of a hash map's ~50.
+    memo: Vec<Value>,
+    /// Memo slots put out of order, far beyond the dense ones (never by CPython's pickler).
+    memo_sparse: HashMap<u64, Value>,
     heap: Heap,
+    /// Bytes charged so far against `budget`.
+    charged: usize,
+    budget: usize,
 }
+
+/// Most bytes of memory [`decode`] may use for a pickle of `len` bytes: 64 MiB plus 16 times the
+/// file. Real PyTorch snapshots need about 7× (the resnet50 snapshot of `traces/`: 570 KB,
+/// charged 4.0 MB); only hostile files (long runs of 1- and 2-byte opcodes that each build a
+/// 24–56 byte object) come near the limit.
+pub fn memory_budget(len: usize) -> usize {
+    (64 << 20) + len.saturating_mul(16)
+}
+
+/// Bytes charged for one value (on the stack, in a container or in the memo).
+const VALUE: usize = std::mem::size_of::<Value>();
+/// Bytes charged for one list, tuple, set or dict (beyond its items).
+const OBJ: usize = std::mem::size_of::<HeapObj>();
 
 /// Decodes a pickle.
 ///
@@ -165,18 +216,39 @@ struct Vm<'a> {
 /// assert!(decode(b"\x80\x02}q\x00X\x01\x00").unwrap_err().to_string().contains("byte offset"));
 /// ```
 pub fn decode(data: &[u8]) -> Result<Decoded, ReadError> {
+    decode_with_budget(data, memory_budget(data.len()))
+}
+
+/// [`decode`] with a memory budget of `budget` bytes instead of [`memory_budget`]'s: past it,
+/// decoding stops with an error naming the offset.
+///
+/// ```
+/// use oomguard_cli::pickle::decode_with_budget;
+/// // a list of 1,000 empty lists: fine with 1 MB, refused with 10 kB
+/// let mut p = b"\x80\x04(".to_vec();
+/// p.extend(std::iter::repeat_n(b']', 1000));
+/// p.extend(b"l.");
+/// assert!(decode_with_budget(&p, 1 << 20).is_ok());
+/// let e = decode_with_budget(&p, 10_000).unwrap_err().to_string();
+/// assert!(e.contains("more than 10000 bytes of memory"), "{e}");
+/// ```
+pub fn decode_with_budget(data: &[u8], budget: usize) -> Result<Decoded, ReadError> {
     let mut vm = Vm {
         data,
         pos: 0,
         op_at: 0,
         stack: Vec::new(),
-        memo: HashMap::new(),
+        memo: Vec::new(),
+        memo_sparse: HashMap::new(),
         heap: Heap::default(),
+        charged: 0,
+        budget,
     };
     let value = vm.run()?;
     Ok(Decoded {
         value,
         heap: vm.heap,
+        charged: vm.charged,
     })
 }
 
@@ -225,8 +297,21 @@ impl<'a> Vm<'a> {
         Ok(&rest[..i])
     }
 
+    /// Pushes `v`, charging the value and, when it was just made (not a memo reference), the
+    /// bytes of its string.
     fn push(&mut self, v: Value) {
+        self.charged += VALUE
+            + match &v {
+                Value::Str(s) | Value::Object(s) if Rc::strong_count(s) == 1 => s.len() + 16,
+                Value::Bytes(b) if Rc::strong_count(b) == 1 => b.len() + 16,
+                _ => 0,
+            };
         self.stack.push(Slot::V(v));
+    }
+    /// A new list, tuple, set or dict in the heap, charged.
+    fn new_obj(&mut self, o: HeapObj) -> ObjId {
+        self.charged += OBJ;
+        self.heap.alloc(o)
     }
     fn pop(&mut self) -> Result<Value, ReadError> {
         match self.stack.pop() {
@@ -305,6 +390,7 @@ impl<'a> Vm<'a> {
         match target {
             Value::Dict(id) => match self.heap.objs.get_mut(*id) {
                 Some(HeapObj::Dict(d)) => {
+                    d.reserve(items.len() / 2);
                     let mut it = items.into_iter();
                     while let (Some(k), Some(v)) = (it.next(), it.next()) {
                         d.push((k, v));
@@ -319,15 +405,27 @@ impl<'a> Vm<'a> {
     }
 
     fn memo_get(&self, idx: u64) -> Result<Value, ReadError> {
-        self.memo
-            .get(&idx)
+        let dense = usize::try_from(idx).ok().and_then(|i| self.memo.get(i));
+        dense
+            .or_else(|| self.memo_sparse.get(&idx))
             .cloned()
             .ok_or_else(|| self.err(format!("memo key {idx} not defined")))
     }
     fn memo_put(&mut self, idx: u64) -> Result<(), ReadError> {
         let v = self.top()?.clone();
-        self.memo.insert(idx, v);
+        self.charged += VALUE + 8;
+        match usize::try_from(idx) {
+            Ok(i) if i < self.memo.len() => self.memo[i] = v,
+            Ok(i) if i == self.memo.len() => self.memo.push(v),
+            _ => {
+                self.memo_sparse.insert(idx, v);
+            }
+        }
         Ok(())
+    }
+    /// The index `MEMOIZE` stores at: the number of memo entries so far, as in CPython.
+    fn memo_len(&self) -> u64 {
+        (self.memo.len() + self.memo_sparse.len()) as u64
     }
 
     fn global_name(&self, module: &[u8], name: &[u8]) -> Value {
@@ -339,6 +437,14 @@ impl<'a> Vm<'a> {
     fn run(&mut self) -> Result<Value, ReadError> {
         loop {
             self.op_at = self.pos;
+            if self.charged > self.budget {
+                return Err(self.err(format!(
+                    "decoding needs more than {} bytes of memory ({} MiB), the reader's budget \
+                     for this file: not a memory snapshot PyTorch writes",
+                    self.budget,
+                    self.budget >> 20
+                )));
+            }
             if self.pos >= self.data.len() {
                 return Err(self.err("truncated: no STOP opcode"));
             }
@@ -348,7 +454,10 @@ impl<'a> Vm<'a> {
                     // STOP
                     return self.pop();
                 }
-                b'(' => self.stack.push(Slot::Mark),
+                b'(' => {
+                    self.charged += std::mem::size_of::<Slot>();
+                    self.stack.push(Slot::Mark);
+                }
                 b'0' => {
                     self.pop_any()?;
                 }
@@ -494,31 +603,31 @@ impl<'a> Vm<'a> {
                 0x97 => return Err(self.err("out-of-band buffers (NEXT_BUFFER) are not supported")),
                 0x98 => {} // READONLY_BUFFER: no-op on the top value
                 b']' => {
-                    let id = self.heap.alloc(HeapObj::List(Vec::new()));
+                    let id = self.new_obj(HeapObj::List(Vec::new()));
                     self.push(Value::List(id));
                 }
                 b'l' => {
                     let items = self.pop_mark()?;
-                    let id = self.heap.alloc(HeapObj::List(items));
+                    let id = self.new_obj(HeapObj::List(items));
                     self.push(Value::List(id));
                 }
                 b'}' => {
-                    let id = self.heap.alloc(HeapObj::Dict(Vec::new()));
+                    let id = self.new_obj(HeapObj::Dict(Vec::new()));
                     self.push(Value::Dict(id));
                 }
                 b'd' => {
                     let items = self.pop_mark()?;
-                    let id = self.heap.alloc(HeapObj::Dict(Vec::new()));
+                    let id = self.new_obj(HeapObj::Dict(Vec::new()));
                     self.setitems(&Value::Dict(id), items)?;
                     self.push(Value::Dict(id));
                 }
                 0x8f => {
-                    let id = self.heap.alloc(HeapObj::List(Vec::new()));
+                    let id = self.new_obj(HeapObj::List(Vec::new()));
                     self.push(Value::Set(id));
                 }
                 0x91 => {
                     let items = self.pop_mark()?;
-                    let id = self.heap.alloc(HeapObj::List(items));
+                    let id = self.new_obj(HeapObj::List(items));
                     self.push(Value::Set(id));
                 }
                 0x90 => {
@@ -526,10 +635,14 @@ impl<'a> Vm<'a> {
                     let target = self.top()?.clone();
                     self.append_to(&target, items)?;
                 }
-                b')' => self.push(Value::Tuple(Rc::from(Vec::new()))),
+                b')' => {
+                    let id = self.new_obj(HeapObj::List(Vec::new()));
+                    self.push(Value::Tuple(id));
+                }
                 b't' => {
                     let items = self.pop_mark()?;
-                    self.push(Value::Tuple(Rc::from(items)));
+                    let id = self.new_obj(HeapObj::List(items));
+                    self.push(Value::Tuple(id));
                 }
                 0x85..=0x87 => {
                     let n = (op - 0x84) as usize;
@@ -538,7 +651,8 @@ impl<'a> Vm<'a> {
                         items.push(self.pop()?);
                     }
                     items.reverse();
-                    self.push(Value::Tuple(Rc::from(items)));
+                    let id = self.new_obj(HeapObj::List(items));
+                    self.push(Value::Tuple(id));
                 }
                 b'a' => {
                     let v = self.pop()?;
@@ -591,7 +705,8 @@ impl<'a> Vm<'a> {
                     self.memo_put(idx)?;
                 }
                 0x94 => {
-                    let idx = self.memo.len() as u64;
+                    // CPython's MEMOIZE stores at len(memo).
+                    let idx = self.memo_len();
                     self.memo_put(idx)?;
                 }
                 b'c' => {

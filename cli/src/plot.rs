@@ -111,8 +111,11 @@ pub fn svg(title: &str, report: &ReplayReport, tl: &Timeline) -> String {
     let px = x(tl.peak_event);
     let _ = writeln!(
         o,
-        r##"<line x1="{px:.1}" x2="{px:.1}" y1="{top}" y2="{}" stroke="#c0392b" stroke-dasharray="4 3"/>"##,
-        top + ph
+        r##"<line x1="{px:.1}" x2="{px:.1}" y1="{top}" y2="{}" stroke="#c0392b" stroke-dasharray="4 3"/><text x="{:.1}" y="{}" fill="#c0392b">peak live (event {})</text>"##,
+        top + ph,
+        px + 4.0,
+        top + 30.0,
+        tl.peak_event
     );
 
     // Panel 2: segments held.
@@ -177,13 +180,19 @@ pub fn svg(title: &str, report: &ReplayReport, tl: &Timeline) -> String {
             o,
             r##"<rect x="{sx:.2}" y="{top3}" width="{sw:.2}" height="{ph3}" fill="#fdebd0" stroke="#7f8c8d" stroke-width="0.5"/>"##
         );
-        // Merge runs of allocated blocks narrower than a pixel.
-        for &(bo, bs, allocated) in &s.blocks {
+        // Blocks at their offset in the mapped bytes (a growable segment's unmapped holes are
+        // not drawn; placing blocks by address pushed them past the segment's frame).
+        let mut mapped_off = 0u64;
+        for &(_, bs, allocated) in &s.blocks {
+            let at = mapped_off;
+            mapped_off += bs;
             if !allocated {
                 continue;
             }
-            let bx = sx + sw * bo as f64 / s.mapped.max(1) as f64;
-            let bw = (sw * bs as f64 / s.mapped.max(1) as f64).max(0.3);
+            let bx = sx + sw * at as f64 / s.mapped.max(1) as f64;
+            let bw = (sw * bs as f64 / s.mapped.max(1) as f64)
+                .max(0.3)
+                .min(sx + sw - bx);
             let _ = writeln!(
                 o,
                 r##"<rect x="{bx:.2}" y="{}" width="{bw:.2}" height="{}" fill="#2c7fb8"/>"##,
@@ -215,4 +224,43 @@ pub fn html(title: &str, report: &ReplayReport, tl: &Timeline) -> String {
     let json = serde_json::to_string_pretty(report).unwrap_or_default();
     let _ = writeln!(o, "<pre>{}</pre>\n</body></html>", esc(&json));
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::{replay, ReplayOptions};
+
+    /// Every rectangle stays inside the plot's frame, growable segments with holes included.
+    #[test]
+    fn segment_bar_stays_in_its_frame() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../traces/resnet50.trace.csv");
+        let t = crate::detect::read_trace(std::path::Path::new(path)).unwrap();
+        let opts = ReplayOptions {
+            timeline: true,
+            ..Default::default()
+        };
+        let (r, tl) = replay(&t, &opts, &mut |_| {});
+        let tl = tl.unwrap();
+        assert!(tl
+            .peak_segments
+            .iter()
+            .any(|s| s.growable && s.mapped < s.size));
+        let s = svg("resnet50", &r, &tl);
+        let num = |tag: &str, key: &str| -> f64 {
+            let at = tag.find(&format!(" {key}=\"")).unwrap() + key.len() + 3;
+            tag[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        let mut n = 0;
+        for tag in s.split("<rect").skip(2) {
+            let (x, w) = (num(tag, "x"), num(tag, "width"));
+            assert!(
+                x + w <= LEFT + PLOT_W + 0.01,
+                "rect at {x} + {w} past the frame"
+            );
+            n += 1;
+        }
+        assert!(n > 10);
+        assert!(s.contains("peak live (event"));
+    }
 }

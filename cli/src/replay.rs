@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use oomguard_runtime::alloc::{BlockStatus, SegmentInfo};
-use oomguard_runtime::backend::sim::{SimCallCounts, SimDevice};
-use oomguard_runtime::{Allocation, AllocatorConfig, ByteSize, CachingAllocator};
+use oomguard_runtime::{Allocation, AllocatorConfig, CachingAllocator};
 use serde::Serialize;
 
+use crate::counting::CountingBackend;
+use crate::device::DeviceSpec;
 use crate::event::{Op, Trace};
 
 /// The default simulated capacity: an 80 GiB H100.
@@ -25,6 +26,8 @@ pub struct ReplayOptions {
     pub stop_at_first_failure: bool,
     /// Record a [`Timeline`] (for plots).
     pub timeline: bool,
+    /// The device: simulated (default) or a GPU.
+    pub device: DeviceSpec,
 }
 
 impl Default for ReplayOptions {
@@ -34,6 +37,7 @@ impl Default for ReplayOptions {
             capacity: DEFAULT_CAPACITY,
             stop_at_first_failure: false,
             timeline: false,
+            device: DeviceSpec::Sim,
         }
     }
 }
@@ -71,16 +75,6 @@ pub struct BackendCalls {
 }
 
 impl BackendCalls {
-    fn from_sim(c: SimCallCounts) -> Self {
-        Self {
-            alloc_segment: c.alloc_segment,
-            free_segment: c.free_segment,
-            map: c.map,
-            unmap: c.unmap,
-            reserve: c.reserve,
-            release: c.release,
-        }
-    }
     /// All calls together.
     pub fn total(&self) -> u64 {
         self.alloc_segment + self.free_segment + self.map + self.unmap + self.reserve + self.release
@@ -90,6 +84,8 @@ impl BackendCalls {
 /// The outcome of a replay.
 #[derive(Clone, Debug, Serialize)]
 pub struct ReplayReport {
+    /// The device it ran on (`sim`, or the GPU's name).
+    pub device: String,
     /// The configuration, in `OOMGUARD_ALLOC_CONF` syntax.
     pub config: String,
     /// The simulated device's capacity.
@@ -233,8 +229,17 @@ fn run(
     snapshot_at: Option<usize>,
     progress: &mut dyn FnMut(usize),
 ) -> RunOutput {
-    let sim = SimDevice::address_only(ByteSize(opts.capacity));
-    let alloc = CachingAllocator::new(Arc::new(sim.clone()), opts.config.clone());
+    let mut device = match crate::device::open(&opts.device, opts.capacity, &opts.config) {
+        Ok(d) => d,
+        // The CLI opens the device first and reports this itself; a library caller gets a
+        // replay that failed at its first event.
+        Err(message) => return unavailable(trace, opts, message),
+    };
+    let counting = Arc::new(CountingBackend::new(Arc::clone(&device.backend)));
+    let alloc = CachingAllocator::new(counting.clone(), opts.config.clone());
+    if device.limit {
+        alloc.set_memory_limit(Some(opts.capacity));
+    }
     let mut live: HashMap<u64, Allocation> = HashMap::with_capacity(1024);
     let mut live_bytes = 0u64;
     let mut peak_live = 0u64;
@@ -259,7 +264,11 @@ fn run(
     let start = Instant::now();
     for (i, e) in trace.events.iter().enumerate() {
         match e.op {
-            Op::Alloc => match alloc.allocate(e.bytes, e.stream) {
+            Op::Alloc => match device
+                .stream(e.stream)
+                .map_err(oomguard_runtime::Error::InvalidArgument)
+                .and_then(|s| alloc.allocate(e.bytes, s))
+            {
                 Ok(a) => {
                     live.insert(e.id, a);
                     live_bytes = live_bytes.saturating_add(e.bytes);
@@ -330,8 +339,18 @@ fn run(
     let seconds = start.elapsed().as_secs_f64();
     progress(done);
     let st = alloc.stats();
+    let calls = counting.calls();
+    if device.limit {
+        // A real device: give everything back before the next replay (a capacity search runs
+        // many), rather than leaving it to the backend's drop.
+        for (_, a) in live.drain() {
+            let _ = alloc.free(a);
+        }
+        let _ = alloc.empty_cache();
+    }
     let peak_reserved = st.reserved_bytes.all.peak;
     let report = ReplayReport {
+        device: device.backend.name(),
         config: opts.config.to_string(),
         capacity_bytes: opts.capacity,
         events: done,
@@ -347,10 +366,38 @@ fn run(
         num_ooms: st.num_ooms,
         completed: failures.is_empty() && done == n,
         failures,
-        backend_calls: BackendCalls::from_sim(sim.calls()),
+        backend_calls: calls,
         seconds,
     };
     (report, samples, peak_event, segments)
+}
+
+/// The report of a replay whose device could not be opened.
+fn unavailable(trace: &Trace, opts: &ReplayOptions, message: String) -> RunOutput {
+    let first = trace.events.first();
+    let report = ReplayReport {
+        device: opts.device.to_string(),
+        config: opts.config.to_string(),
+        capacity_bytes: opts.capacity,
+        events: 0,
+        peak_live_bytes: 0,
+        peak_allocated_bytes: 0,
+        peak_reserved_bytes: 0,
+        ratio: 0.0,
+        num_alloc_retries: 0,
+        num_ooms: 0,
+        failures: vec![Failure {
+            index: 0,
+            id: first.map_or(0, |e| e.id),
+            bytes: first.map_or(0, |e| e.bytes),
+            oom: false,
+            message,
+        }],
+        backend_calls: BackendCalls::default(),
+        seconds: 0.0,
+        completed: false,
+    };
+    (report, Vec::new(), 0, Vec::new())
 }
 
 #[cfg(test)]

@@ -46,7 +46,8 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
         return Err(ReadError::Empty);
     }
     let header = crate::lines::first_line(data);
-    if header.replace(' ', "") != HEADER {
+    // Case-insensitive, as detection is: some RMM versions write `thread,time,action,...`.
+    if !header.replace(' ', "").eq_ignore_ascii_case(HEADER) {
         return Err(ReadError::line(
             1,
             format!("expected the header `{HEADER}`, found {header:?}"),

@@ -3,19 +3,23 @@
 
 use std::path::PathBuf;
 
-/// The shared real traces: `$OOMGUARD_TRACES_DIR`, else `shared/traces` beside the checkout.
-/// Panics (failing the test) when missing: these tests must see the real files.
+/// The real traces: `$OOMGUARD_TRACES_DIR` when set, else the copy in the repository's `traces/`
+/// (a fresh clone needs nothing beside it). A test binary run elsewhere than where it was built
+/// (the GPU machine runs staged binaries from `.gpu/bin` in a copy of the tree) finds `traces/`
+/// in its working directory or a parent of it.
 pub fn traces_dir() -> PathBuf {
     if let Ok(d) = std::env::var("OOMGUARD_TRACES_DIR") {
         return PathBuf::from(d);
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    for cand in [root.join("../shared/traces"), root.join("shared/traces")] {
-        if cand.join("pytorch_figures.json").exists() {
-            return cand;
-        }
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces");
+    if built.join("pytorch_figures.json").exists() {
+        return built;
     }
-    panic!("shared traces not found beside the checkout; set OOMGUARD_TRACES_DIR");
+    let cwd = std::env::current_dir().unwrap_or_default();
+    cwd.ancestors()
+        .map(|d| d.join("traces"))
+        .find(|d| d.join("pytorch_figures.json").exists())
+        .unwrap_or(built)
 }
 
 /// The trace names and their figures, from `pytorch_figures.json`.
