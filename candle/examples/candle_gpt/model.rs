@@ -2,7 +2,7 @@
 //! self-attention and a GELU MLP, a final norm, and an output head tied to the token embedding.
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, Module, VarBuilder};
+use candle_nn::{layer_norm, linear, Embedding, Init, LayerNorm, Linear, Module, VarBuilder};
 
 /// The shape of the model.
 #[derive(Clone, Copy, Debug)]
@@ -96,9 +96,19 @@ impl Gpt {
                 }
             })
             .collect();
+        // GPT-2's initialisation of the embeddings, N(0, 0.02): the output head is tied to the
+        // token embedding, so N(0, 1) would start with logits in the hundreds.
+        let emb = |n: usize, name: &str| -> Result<Embedding> {
+            let init = Init::Randn {
+                mean: 0.,
+                stdev: 0.02,
+            };
+            let w = vb.pp(name).get_with_hints((n, cfg.width), "weight", init)?;
+            Ok(Embedding::new(w, cfg.width))
+        };
         Ok(Self {
-            wte: embedding(cfg.vocab, cfg.width, vb.pp("wte"))?,
-            wpe: embedding(cfg.seq, cfg.width, vb.pp("wpe"))?,
+            wte: emb(cfg.vocab, "wte")?,
+            wpe: emb(cfg.seq, "wpe")?,
             blocks,
             ln_f: layer_norm(cfg.width, 1e-5, vb.pp("ln_f"))?,
             mask: Tensor::from_vec(mask, (s, s), dev)?,

@@ -251,21 +251,25 @@ impl MemorySource for DriverPool {
             (Ok(u), Ok(t)) => {
                 let row = |name: &str, cur: u64, peak: u64| {
                     format!(
-                        "| {name:<16} | current {:>12} | peak {:>12} |\n",
+                        "| {name:<17} | current {:>12} | peak {:>12} |\n",
                         ByteSize(cur).to_string(),
                         ByteSize(peak).to_string()
                     )
                 };
                 s += &row("used", u.used, u.used_peak);
                 s += &row("reserved", u.reserved, u.reserved_peak);
+                let threshold = if t == u64::MAX {
+                    "max (cache kept)".to_string()
+                } else {
+                    ByteSize(t).to_string()
+                };
                 s += &format!(
-                    "| cached (unused)  | {:>20} |\n| release threshold | {} |\n",
+                    "| {:<17} | current {:>12} | {:>17} |\n| {:<17} | {:>39} |\n",
+                    "cached (unused)",
                     ByteSize(u.reserved.saturating_sub(u.used)).to_string(),
-                    if t == u64::MAX {
-                        "max (cache kept)".to_string()
-                    } else {
-                        ByteSize(t).to_string()
-                    }
+                    "",
+                    "release threshold",
+                    threshold
                 );
             }
             (Err(e), _) | (_, Err(e)) => s += &format!("| unavailable: {e} |\n"),
