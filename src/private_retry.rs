@@ -131,10 +131,22 @@ fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
     }
 }
 
+/// The `Ok` and `Err` types of a function's `Result` return type, written or aliased
+/// (`io::Result<T>`, `anyhow::Result<T>`): the attempt of a function with a commit phase
+/// returns `Result<_, <Ret as FnResult>::Err>`.
+pub trait FnResult {
+    /// The error type.
+    type Err;
+}
+impl<T, E> FnResult for Result<T, E> {
+    type Err = E;
+}
+
 /// The retry loop of one call of a `#[oom_retry]` function.
 pub struct Retry<E> {
     lp: Option<RetryLoop<E>>,
     kind: RetryKind,
+    site: &'static str,
 }
 
 impl<E: IsOom + fmt::Display> Retry<E> {
@@ -155,7 +167,11 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         let site = cfg.site.key;
         // A batch of 0 rows: nothing to plan, the body runs once as written.
         let lp = start.ok().and_then(|s| engine.begin_any(site, s).ok());
-        Retry { lp, kind: cfg.kind }
+        Retry {
+            lp,
+            kind: cfg.kind,
+            site,
+        }
     }
 
     /// The batch size for this attempt (`batch = param`).
@@ -173,6 +189,23 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             (Some(lp), _) => lp.plan(),
             (None, RetryKind::Plan(p)) => *p,
             (None, _) => BatchPlan::whole(1).expect("1 row is a plan"),
+        }
+    }
+
+    /// The commit phase ended with `out`. It ran once and is never retried: an error (an
+    /// out-of-memory included) is the function's error, logged, and recorded in
+    /// [`last_report`](oomguard_runtime::retry::last_report) as the commit's.
+    pub fn committed<T>(&self, out: &Result<T, E>) {
+        if let Err(e) = out {
+            let oom = e.is_oom();
+            tracing::error!(
+                target: "oomguard::retry",
+                site = self.site,
+                oom,
+                error = %e,
+                "the commit phase failed; it is not retried (it runs once)"
+            );
+            oomguard_runtime::retry::record_commit_error(self.site, e.to_string(), oom);
         }
     }
 

@@ -312,6 +312,10 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     // What the retry controls: a batch size, a batch plan, or nothing (empty-cache retries only).
     let mut kind = quote!(#p::RetryKind::Plain);
     let mut rebind = Vec::new();
+    let allow_unused = opts
+        .commit
+        .as_ref()
+        .map(|_| quote!(#[allow(unused_variables)]));
     for (i, prm) in params.iter().enumerate() {
         let Some(ident) = &prm.ident else {
             errors.at(&prm.pat, "#[oom_retry] needs plain names for parameters (no patterns), so each attempt can pass them again");
@@ -357,10 +361,12 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         }
         match prm.passing {
             Passing::SharedRef => {}
-            Passing::MutRef => rebind.push(quote!(let #pat = &mut *#ident;)),
-            Passing::Value => {
-                rebind.push(quote_spanned!(pat.span()=> let #pat = #p::clone_for_retry(&#ident);))
-            }
+            // With a commit phase a parameter may be used by the commit only: its rebinding in
+            // the attempt is then unused, and the warning would be wrong.
+            Passing::MutRef => rebind.push(quote!(#allow_unused let #pat = &mut *#ident;)),
+            Passing::Value => rebind.push(
+                quote_spanned!(pat.span()=> #allow_unused let #pat = #p::clone_for_retry(&#ident);),
+            ),
         }
     }
     for (opt, what) in [(&opts.batch, "batch"), (&opts.plan, "plan")] {
@@ -401,43 +407,95 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     let name = f.sig.ident.to_string();
     let line = quote_spanned!(f.sig.ident.span()=> ::core::line!());
     let ret = return_type(&f);
+    // With a commit phase the body is the attempt: it returns the value handed to the commit
+    // (any type), with the function's error type.
+    let attempt_ret = match (&opts.commit, &ret) {
+        (Some(_), Some(r)) => Some(quote!(::core::result::Result<_, <#r as #p::FnResult>::Err>)),
+        (Some(_), None) => None,
+        (None, r) => r.clone(),
+    };
     let body = &f.block;
     let attempt = if f.sig.asyncness.is_some() {
         let fut = quote!(async #body);
-        guarded_future(fut, &guards, &krate, &ret)
+        guarded_future(fut, &guards, &krate, &attempt_ret)
     } else {
-        let arrow = ret.as_ref().map(|r| quote!(-> #r));
+        let arrow = attempt_ret.as_ref().map(|r| quote!(-> #r));
         let inner = quote!({
             #[allow(clippy::redundant_closure_call)]
             let __oomguard_attempt = (|| #arrow #body)();
             __oomguard_attempt
         });
-        guarded_block(inner, &guards, &krate, &ret)
+        guarded_block(inner, &guards, &krate, &attempt_ret)
     };
-    let new_body = quote!({
-        #(#absorbed)*
-        let mut __oomguard_retry = #p::Retry::new(#p::RetryConfig {
-            site: #p::Site {
-                file: ::core::file!(),
-                line: #line,
-                function: #name,
-                key: ::core::concat!(::core::file!(), ":", #line, " ", #name),
-            },
-            kind: #kind,
-            min: #min,
-            max_retries: #max_retries,
-            remember: #remember,
-            persist: #persist,
-            policy: #policy,
-        });
-        loop {
-            #(#rebind)*
-            let __oomguard_out = #attempt;
-            match __oomguard_retry.next(__oomguard_out) {
-                ::core::ops::ControlFlow::Break(__oomguard_done) => return __oomguard_done,
-                ::core::ops::ControlFlow::Continue(()) => {}
-            }
-        }
+    let config = quote!(#p::RetryConfig {
+        site: #p::Site {
+            file: ::core::file!(),
+            line: #line,
+            function: #name,
+            key: ::core::concat!(::core::file!(), ":", #line, " ", #name),
+        },
+        kind: #kind,
+        min: #min,
+        max_retries: #max_retries,
+        remember: #remember,
+        persist: #persist,
+        policy: #policy,
     });
+    let new_body = match &opts.commit {
+        None => quote!({
+            #(#absorbed)*
+            let mut __oomguard_retry = #p::Retry::new(#config);
+            loop {
+                #(#rebind)*
+                let __oomguard_out = #attempt;
+                match __oomguard_retry.next(__oomguard_out) {
+                    ::core::ops::ControlFlow::Break(__oomguard_done) => return __oomguard_done,
+                    ::core::ops::ControlFlow::Continue(()) => {}
+                }
+            }
+        }),
+        Some(commit) => {
+            let ret_ty = ret.clone().unwrap_or_else(|| quote!(_));
+            // The closure gets the function's return type, so that a mismatch is reported in
+            // its body.
+            let mut commit = commit.clone();
+            if let (syn::Expr::Closure(c), Some(r)) = (&mut commit, &ret) {
+                if matches!(c.output, ReturnType::Default) {
+                    let b = &c.body;
+                    let block = quote_spanned!(b.span()=> { #b });
+                    if let (Ok(ty), Ok(body)) = (syn::parse2(r.clone()), syn::parse2(block)) {
+                        c.output = ReturnType::Type(Default::default(), Box::new(ty));
+                        *c.body = body;
+                    }
+                }
+            }
+            // The commit runs once, outside the retry loop and outside the attempt's guards
+            // (a `#[leak_check(action = error)]` of the attempt has already passed).
+            let call = quote_spanned!(commit.span()=>
+                #[allow(clippy::redundant_closure_call)]
+                let __oomguard_committed: #ret_ty = (#commit)(__oomguard_value);
+            );
+            quote!({
+                #(#absorbed)*
+                let mut __oomguard_retry = #p::Retry::new(#config);
+                let __oomguard_value = loop {
+                    #(#rebind)*
+                    let __oomguard_out = #attempt;
+                    match __oomguard_retry.next(__oomguard_out) {
+                        ::core::ops::ControlFlow::Break(::core::result::Result::Ok(__oomguard_v)) => {
+                            break __oomguard_v
+                        }
+                        ::core::ops::ControlFlow::Break(::core::result::Result::Err(__oomguard_e)) => {
+                            return ::core::result::Result::Err(__oomguard_e)
+                        }
+                        ::core::ops::ControlFlow::Continue(()) => {}
+                    }
+                };
+                #call
+                __oomguard_retry.committed(&__oomguard_committed);
+                __oomguard_committed
+            })
+        }
+    };
     set_block(f, new_body)
 }

@@ -16,6 +16,8 @@ pub struct RetryOptions {
     pub max_retries: Option<u64>,
     pub remember: Option<bool>,
     pub persist: Option<LitStr>,
+    /// `commit = |value| ...`: the commit phase, run once with the successful attempt's value.
+    pub commit: Option<Expr>,
     pub krate: Option<syn::Path>,
 }
 
@@ -27,6 +29,7 @@ const RETRY_KEYS: &[&str] = &[
     "max_retries",
     "remember",
     "persist",
+    "commit",
     "crate",
 ];
 
@@ -75,6 +78,7 @@ impl RetryOptions {
                         errors.at(&value, "`persist` needs a file path");
                     }
                 }
+                "commit" => o.commit = commit_closure(value, errors),
                 "crate" => o.krate = args::crate_path(&value, errors),
                 _ => unreachable!("keys are checked above"),
             }
@@ -87,6 +91,44 @@ impl RetryOptions {
         }
         o
     }
+}
+
+/// `commit = |value| body`: a closure of one parameter (the attempt's value), run once after an
+/// attempt succeeded. It is pasted after the retry loop, so it may use the function's
+/// parameters (`self` included) and must return the function's return type.
+fn commit_closure(value: Expr, errors: &mut Errors) -> Option<Expr> {
+    let Expr::Closure(c) = &value else {
+        errors.at(
+            &value,
+            "`commit` takes a closure of one parameter, the attempt's value: \
+             `commit = |grads| self.apply(grads)`",
+        );
+        return None;
+    };
+    if c.inputs.len() != 1 {
+        let at = if c.inputs.is_empty() {
+            quote::quote!(#c)
+        } else {
+            let i = &c.inputs;
+            quote::quote!(#i)
+        };
+        errors.at(
+            at,
+            format!(
+                "the `commit` closure takes exactly one parameter (the value the body returned), not {}",
+                c.inputs.len()
+            ),
+        );
+        return None;
+    }
+    if let Some(a) = &c.asyncness {
+        errors.at(
+            a,
+            "the `commit` closure cannot be `async`: it runs once, after the attempt",
+        );
+        return None;
+    }
+    Some(value)
 }
 
 /// What a budget is.

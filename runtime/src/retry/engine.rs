@@ -398,6 +398,7 @@ impl RetryEngine {
             regrow: None,
             thrash_moved_to: None,
             elapsed: Default::default(),
+            commit_error: None,
         };
         Ok(RetryLoop {
             engine: self.clone(),

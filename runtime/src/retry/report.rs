@@ -69,6 +69,18 @@ pub struct RetryReport {
     pub thrash_moved_to: Option<BatchPlan>,
     /// Total time of the step, retries included.
     pub elapsed: Duration,
+    /// The commit phase's failure, when it failed (`#[oom_retry(commit = ...)]`). The commit runs
+    /// once and is never retried, an out-of-memory included: its error is the step's error.
+    pub commit_error: Option<CommitFailure>,
+}
+
+/// A commit phase that failed (see [`RetryReport::commit_error`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommitFailure {
+    /// The error's message.
+    pub error: String,
+    /// Whether it was an out-of-memory (which is not retried in the commit).
+    pub oom: bool,
 }
 
 thread_local! {
@@ -81,6 +93,16 @@ thread_local! {
 /// [`RetryEngine`]: super::RetryEngine
 pub fn last_report() -> Option<RetryReport> {
     LAST.with(|l| l.borrow().clone())
+}
+
+/// Records that the commit phase of the step last reported on this thread at `site` failed
+/// (the macros' glue calls it; a hand-written commit may too).
+pub fn record_commit_error(site: &str, error: String, oom: bool) {
+    let _ = LAST.try_with(|l| {
+        if let Some(r) = l.borrow_mut().as_mut().filter(|r| r.site == site) {
+            r.commit_error = Some(CommitFailure { error, oom });
+        }
+    });
 }
 
 pub(crate) fn set_last_report(r: &RetryReport) {
@@ -111,6 +133,10 @@ impl fmt::Display for RetryReport {
             if let Some(e) = &a.error {
                 write!(f, ": {e}")?;
             }
+        }
+        if let Some(c) = &self.commit_error {
+            let what = if c.oom { "out of memory" } else { "error" };
+            write!(f, "\n  commit failed ({what}, not retried): {}", c.error)?;
         }
         Ok(())
     }
