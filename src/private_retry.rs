@@ -8,7 +8,7 @@ use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
     Accumulate, BatchPlan, EmptyCacheRetry, IsOom, PolicyExt, RetryEngine, RetryLoop, RetryPolicy,
-    Shrink,
+    Shrink, StepMode,
 };
 
 /// Where the function is.
@@ -51,6 +51,8 @@ pub struct RetryConfig {
     pub persist: Option<&'static str>,
     /// `policy`: replaces the built-in policy (`min` and `max_retries` still apply).
     pub policy: Option<Box<dyn RetryPolicy>>,
+    /// `#[no_grad]` is on the function: the step evaluates whatever the caller's grad mode.
+    pub no_grad: bool,
 }
 
 /// `policy = EXPR`.
@@ -104,7 +106,7 @@ fn engine_for(persist: Option<&'static str>) -> RetryEngine {
         .clone()
 }
 
-fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
+fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
     let min = cfg
         .min
         .map_or(1, |m| usize::try_from(m).unwrap_or(usize::MAX));
@@ -117,7 +119,15 @@ fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
     };
     match (cfg.policy.take(), &cfg.kind) {
         (Some(p), _) => Box::new(p.with_floor(min_micro, min_batch).max_retries(max)),
-        (None, RetryKind::Plain) => Box::new(EmptyCacheRetry::times(max)),
+        // The same call again only helps once the cache is empty: once, unless told otherwise.
+        (None, RetryKind::Plain) => Box::new(EmptyCacheRetry::times(
+            cfg.max_retries
+                .map_or(1, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+        )),
+        // A training step is never shrunk silently: dropping rows changes what it computes.
+        (None, RetryKind::Batch(_)) if mode == StepMode::Train => {
+            Box::new(EmptyCacheRetry::once().max_retries(max))
+        }
         (None, RetryKind::Batch(_)) => Box::new(
             EmptyCacheRetry::once()
                 .then(Shrink::halving().min_batch(min))
@@ -134,6 +144,9 @@ fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
 /// The `Ok` and `Err` types of a function's `Result` return type, written or aliased
 /// (`io::Result<T>`, `anyhow::Result<T>`): the attempt of a function with a commit phase
 /// returns `Result<_, <Ret as FnResult>::Err>`.
+#[diagnostic::on_unimplemented(
+    message = "#[oom_retry] and #[leak_check(action = error)] need a function returning a `Result`, not `{Self}`"
+)]
 pub trait FnResult {
     /// The error type.
     type Err;
@@ -147,18 +160,32 @@ pub struct Retry<E> {
     lp: Option<RetryLoop<E>>,
     kind: RetryKind,
     site: &'static str,
+    /// `batch =` on a training step: the batch is not shrunk (say so when giving up).
+    train_batch: bool,
 }
 
 impl<E: IsOom + fmt::Display> Retry<E> {
     /// Starts the loop for one call.
     pub fn new(mut cfg: RetryConfig) -> Self {
-        let policy = policy_for(&mut cfg);
+        // The mode inside the function: `#[no_grad]` on it applies to each attempt, after this.
+        let mode = if cfg.no_grad {
+            StepMode::Eval
+        } else {
+            StepMode::current()
+        };
+        let train_batch = mode == StepMode::Train
+            && matches!(cfg.kind, RetryKind::Batch(_))
+            && cfg.policy.is_none();
+        let policy = policy_for(&mut cfg, mode);
         let mut engine = if cfg.remember == Some(false) {
             RetryEngine::new()
         } else {
             engine_for(cfg.persist)
         };
         engine = engine.with_policy(policy);
+        if cfg.no_grad {
+            engine = engine.with_mode_hook(|| StepMode::Eval);
+        }
         let start = match &cfg.kind {
             RetryKind::Plain => BatchPlan::whole(1),
             RetryKind::Batch(n) => BatchPlan::whole(usize::try_from(*n).unwrap_or(usize::MAX)),
@@ -171,6 +198,7 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             lp,
             kind: cfg.kind,
             site,
+            train_batch,
         }
     }
 
@@ -217,8 +245,32 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         };
         match lp.next(out) {
             ControlFlow::Continue(()) => ControlFlow::Continue(()),
-            ControlFlow::Break(Ok((v, _report))) => ControlFlow::Break(Ok(v)),
+            ControlFlow::Break(Ok((v, report))) => {
+                let rows = report.final_plan.batch();
+                if rows < report.requested_batch {
+                    // `batch =` on an evaluation step: the caller asked for shrinking, and sees it.
+                    tracing::warn!(
+                        target: "oomguard::retry",
+                        site = self.site,
+                        rows,
+                        requested = report.requested_batch,
+                        "out of memory: processed {rows} of {} rows (the batch was shrunk; \
+                         `last_report()` has the plan)",
+                        report.requested_batch
+                    );
+                }
+                ControlFlow::Break(Ok(v))
+            }
             ControlFlow::Break(Err(e)) => {
+                if self.train_batch && e.is_oom() {
+                    tracing::error!(
+                        target: "oomguard::retry",
+                        site = self.site,
+                        "out of memory in a training step: `batch =` does not shrink a step \
+                         with gradients on (it would train on fewer rows); use `plan =` to \
+                         accumulate micro-batches, or `#[no_grad]` for evaluation"
+                    );
+                }
                 // One process, so the step ended with this rank's own error (a non-OOM error or
                 // the last OOM): give it back as the function's error.
                 let msg = e.to_string();

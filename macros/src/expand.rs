@@ -427,6 +427,12 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         });
         guarded_block(inner, &guards, &krate, &attempt_ret)
     };
+    let no_grad = guards.no_grad;
+    // `Retry::<E>`, E from the return type (through `FnResult`, so that aliases work and a
+    // return type that is not a `Result` gets a clear error).
+    let err_turbofish = ret
+        .as_ref()
+        .map(|r| quote_spanned!(r.span()=> <<#r as #p::FnResult>::Err>::));
     let config = quote!(#p::RetryConfig {
         site: #p::Site {
             file: ::core::file!(),
@@ -440,11 +446,12 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         remember: #remember,
         persist: #persist,
         policy: #policy,
+        no_grad: #no_grad,
     });
     let new_body = match &opts.commit {
         None => quote!({
             #(#absorbed)*
-            let mut __oomguard_retry = #p::Retry::new(#config);
+            let mut __oomguard_retry = #p::Retry::#err_turbofish new(#config);
             loop {
                 #(#rebind)*
                 let __oomguard_out = #attempt;
@@ -477,7 +484,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
             );
             quote!({
                 #(#absorbed)*
-                let mut __oomguard_retry = #p::Retry::new(#config);
+                let mut __oomguard_retry = #p::Retry::#err_turbofish new(#config);
                 let __oomguard_value = loop {
                     #(#rebind)*
                     let __oomguard_out = #attempt;

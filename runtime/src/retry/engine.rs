@@ -343,6 +343,7 @@ impl RetryEngine {
         batch: usize,
         micro_cap: Option<usize>,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
+        super::report::clear_last_report();
         if batch == 0 {
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
@@ -488,6 +489,10 @@ impl Target {
     }
 }
 
+/// Most failed attempts of one step, whatever the policy says: a policy that never gives up
+/// cannot loop forever.
+pub const MAX_ATTEMPTS: u32 = 64;
+
 const OK: u64 = 0;
 const OOM: u64 = 1;
 const GIVE_UP: u64 = 2;
@@ -525,6 +530,29 @@ impl<E> fmt::Debug for RetryLoop<E> {
 }
 
 impl<E: IsOom + fmt::Display> RetryLoop<E> {
+    /// A policy's plan, if the engine may run it: the rows of the step at most, and no larger
+    /// than the plan that failed (a policy that grows plans would never end). Anything else is
+    /// logged and treated as giving up: the policy is not trusted to be right.
+    fn checked(&self, next: BatchPlan, failed: BatchPlan) -> Option<BatchPlan> {
+        let ok = next.batch() <= self.batch
+            && next.batch() <= failed.batch()
+            && next.micro_batch() <= failed.micro_batch();
+        if !ok {
+            tracing::error!(
+                target: "oomguard::retry",
+                site = %self.report.site,
+                policy = ?self.engine.policy,
+                failed = %failed,
+                proposed = %next,
+                rows = self.batch,
+                "the retry policy proposed a plan larger than the one that failed (or than the \
+                 step's rows): giving up"
+            );
+            return None;
+        }
+        Some(next)
+    }
+
     /// The plan the next attempt must run.
     pub fn plan(&self) -> BatchPlan {
         self.plan
@@ -556,15 +584,33 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         let elapsed = self.attempt_started.elapsed();
         let retries_after = self.target.alloc_retries();
         let plan = self.plan;
+        let mut budget = false;
         let (status, proposal) = match &result {
             Ok(_) => (OK, plan),
             Err(e) if e.is_oom() => {
                 self.oom_count += 1;
+                budget = e.is_budget_exceeded();
                 let next = if self.regrow.is_some() {
                     Some(self.good)
+                } else if self.oom_count > MAX_ATTEMPTS {
+                    tracing::error!(
+                        target: "oomguard::retry",
+                        site = %self.report.site,
+                        "the policy retried {MAX_ATTEMPTS} times: giving up"
+                    );
+                    None
                 } else {
-                    let ctx = RetryContext::new(plan, self.batch, self.oom_count, Pressure::Oom);
-                    self.engine.policy.next_plan(&ctx)
+                    // A budget is not helped by emptying the cache: the policy skips that retry.
+                    let pressure = if budget {
+                        Pressure::Budget
+                    } else {
+                        Pressure::Oom
+                    };
+                    let ctx = RetryContext::new(plan, self.batch, self.oom_count, pressure);
+                    self.engine
+                        .policy
+                        .next_plan(&ctx)
+                        .and_then(|p| self.checked(p, plan))
                 };
                 match next {
                     Some(p) => (OOM, p),
@@ -576,6 +622,8 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         let mut v = encode(status, &proposal, self.batch);
         if let Err(e) = self.engine.agree(&mut v) {
             self.done = true;
+            self.report.elapsed = self.started.elapsed();
+            super::report::set_last_report(&self.report);
             return ControlFlow::Break(Err(RetryError::Consensus(e)));
         }
         let agreed_status = v[0];
@@ -622,6 +670,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                     self.done = true;
                     self.report.final_plan = plan;
                     self.report.elapsed = self.started.elapsed();
+                    super::report::set_last_report(&self.report);
                     return ControlFlow::Break(Err(RetryError::Step {
                         error: e,
                         report: Box::new(self.report.clone()),
@@ -641,11 +690,14 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             elapsed,
         });
         self.failures.push(FailedAttempt { plan, error });
-        self.target.empty_cache();
+        if !budget {
+            self.target.empty_cache();
+        }
         if !continuing {
             self.done = true;
             self.report.final_plan = plan;
             self.report.elapsed = self.started.elapsed();
+            super::report::set_last_report(&self.report);
             tracing::error!(
                 target: "oomguard::retry",
                 site = %self.report.site,

@@ -52,7 +52,9 @@ mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
-pub use engine::{RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
+pub use engine::{
+    RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW, MAX_ATTEMPTS,
+};
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
 pub use gradients::GradientSync;
 pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode};

@@ -87,8 +87,11 @@ thread_local! {
     static LAST: std::cell::RefCell<Option<RetryReport>> = const { std::cell::RefCell::new(None) };
 }
 
-/// The report of the last step that completed on this thread (through any [`RetryEngine`] use,
-/// `#[oom_retry]` included), to see the retries a step took and the plan it ran with.
+/// The report of the last step on this thread (through any [`RetryEngine`] use, `#[oom_retry]`
+/// included), to see the retries a step took, the plan it ran with and the rows it processed
+/// (`final_plan.batch()` of `requested_batch`). Cleared when a step starts and set when it
+/// ends, whether it succeeded or failed; `None` while a step runs and after a step that did not
+/// start (a batch of 0 rows).
 ///
 /// [`RetryEngine`]: super::RetryEngine
 pub fn last_report() -> Option<RetryReport> {
@@ -103,6 +106,11 @@ pub fn record_commit_error(site: &str, error: String, oom: bool) {
             r.commit_error = Some(CommitFailure { error, oom });
         }
     });
+}
+
+/// Forgets the thread's last report (a step starts).
+pub(crate) fn clear_last_report() {
+    let _ = LAST.try_with(|l| *l.borrow_mut() = None);
 }
 
 pub(crate) fn set_last_report(r: &RetryReport) {
@@ -191,12 +199,20 @@ pub enum RetryError<E> {
 
 impl<E> RetryError<E> {
     /// The step's own error, for callers that must return `E`: the non-OOM error, or the last
-    /// out-of-memory error of a step that gave up. `None` when this rank had no error of its own
-    /// (another rank failed, consensus failed, invalid argument).
-    pub fn into_error(self) -> Option<E> {
+    /// out-of-memory error of a step that gave up, with the report attached where `E` can carry
+    /// it ([`IsOom::with_retry_report`]). `None` when this rank had no error of its own (another
+    /// rank failed, consensus failed, invalid argument).
+    pub fn into_error(self) -> Option<E>
+    where
+        E: IsOom,
+    {
         match self {
             RetryError::Step { error, .. } => Some(error),
-            RetryError::GaveUp { failures, .. } => failures.into_iter().rev().find_map(|f| f.error),
+            RetryError::GaveUp { failures, report } => failures
+                .into_iter()
+                .rev()
+                .find_map(|f| f.error)
+                .map(|e| e.with_retry_report(&report)),
             _ => None,
         }
     }
