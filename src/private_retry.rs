@@ -67,7 +67,7 @@ pub fn clone_for_retry<T: Clone>(v: &T) -> T {
 
 /// The integer types `batch = param` accepts.
 pub trait BatchInt: Copy {
-    /// As a `u64` (negative values are 0).
+    /// As a `u64`.
     fn to_u64(self) -> u64;
     /// From a `u64` (saturating).
     fn from_u64(v: u64) -> Self;
@@ -84,7 +84,7 @@ macro_rules! batch_ints {
         }
     )*};
 }
-batch_ints!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize);
+batch_ints!(u8, u16, u32, u64, usize);
 
 /// One engine per persistence file (`None`: in memory), shared by every `#[oom_retry]` function.
 fn engine_for(persist: Option<&'static str>) -> RetryEngine {

@@ -113,11 +113,10 @@ pub fn no_value_self(f: &ItemFn, errors: &mut Errors) {
     }
 }
 
-/// Whether a type is a primitive integer.
-pub fn is_integer(ty: &Type) -> bool {
-    const INTS: &[&str] = &[
-        "usize", "u8", "u16", "u32", "u64", "u128", "isize", "i8", "i16", "i32", "i64", "i128",
-    ];
+/// Whether a type is one of the unsigned integers `batch =` takes (a row count: never negative;
+/// `u128` is more than any batch).
+pub fn is_batch_integer(ty: &Type) -> bool {
+    const INTS: &[&str] = &["usize", "u8", "u16", "u32", "u64"];
     matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.get_ident().is_some_and(|i| INTS.contains(&i.to_string().as_str())))
 }
 
