@@ -467,11 +467,14 @@ impl Target {
             Target::All => Device::all(),
         }
     }
+    /// The allocator retries thrash detection watches: the device's, or for a step that holds
+    /// none, those caused by this thread's allocations (another thread's device, busy as it may
+    /// be, is not what the step uses).
     fn alloc_retries(&self) -> u64 {
-        self.devices()
-            .iter()
-            .map(|d| d.allocator().num_alloc_retries())
-            .sum()
+        match self {
+            Target::One(d) => d.allocator().num_alloc_retries(),
+            Target::All => crate::alloc::thread_alloc_retries(),
+        }
     }
     /// Allocated and reserved bytes now.
     fn bytes(&self) -> (u64, u64) {
