@@ -60,6 +60,55 @@
 pub use oomguard_macros::*;
 pub use oomguard_runtime::*;
 
+/// A plan remembered by an `#[oom_retry]` function (see [`remembered_plans`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RememberedPlan {
+    /// The `persist` file it is saved in (`None`: remembered in memory only).
+    pub file: Option<&'static str>,
+    /// Where it applies: the function (`file:line name`, with the generic instance in `<..>`),
+    /// the device (name, ordinal, capacity) and the mode (train/eval) inside the function.
+    pub key: retry::MemoryKey,
+    /// The caps learned: the largest micro-batch (and, for evaluation, batch) known to work.
+    pub limits: retry::Limits,
+}
+
+/// Every plan the `#[oom_retry]` functions of this process remember (those with
+/// `remember = false` remember none), sorted by file and function.
+///
+/// ```
+/// use oomguard::{oom_retry, BatchPlan, ByteSize, Device, Error};
+///
+/// #[oom_retry(plan = plan)]
+/// fn step(dev: &Device, plan: &BatchPlan) -> Result<(), Error> {
+///     for c in plan.chunks() {
+///         dev.alloc::<u8>(c.len() << 20)?; // 1 MiB a row
+///     }
+///     Ok(())
+/// }
+///
+/// let dev = Device::sim(ByteSize::mib(64));
+/// step(&dev, &BatchPlan::whole(100)?)?;
+/// let plans = oomguard::remembered_plans();
+/// let mine = plans.iter().find(|p| p.key.site.ends_with(" step")).unwrap();
+/// assert_eq!(mine.key.device.total_bytes, 64 << 20);
+/// assert!(mine.limits.micro_batch.unwrap() <= 64);
+/// oomguard::forget_remembered_plans()?;
+/// assert!(oomguard::remembered_plans().is_empty());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn remembered_plans() -> Vec<RememberedPlan> {
+    __private::remembered()
+        .into_iter()
+        .map(|(file, key, limits)| RememberedPlan { file, key, limits })
+        .collect()
+}
+
+/// Forgets every plan the `#[oom_retry]` functions remember, and empties their `persist` files.
+/// Returns the first error writing a file (every engine is cleared in memory regardless).
+pub fn forget_remembered_plans() -> Result<(), retry::MemoryError> {
+    __private::forget()
+}
+
 /// Items the attribute macros' generated code calls. Not public API: it may change in any
 /// release.
 #[doc(hidden)]

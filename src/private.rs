@@ -120,5 +120,6 @@ pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
 #[path = "private_retry.rs"]
 mod retry;
 pub use retry::{
-    boxed_policy, clone_for_retry, BatchInt, FnResult, Retry, RetryConfig, RetryKind, Site,
+    boxed_policy, clone_for_retry, forget, remembered, BatchInt, FnResult, Retry, RetryConfig,
+    RetryKind, Site,
 };

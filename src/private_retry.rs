@@ -7,8 +7,8 @@ use std::ops::ControlFlow;
 use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
-    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, PolicyExt, RetryEngine, RetryLoop, RetryPolicy,
-    Shrink, StepMode,
+    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, Limits, MemoryError, MemoryKey, PolicyExt,
+    RetryEngine, RetryLoop, RetryPolicy, Shrink, StepMode,
 };
 
 /// Where the function is.
@@ -20,8 +20,11 @@ pub struct Site {
     pub line: u32,
     /// The function's name.
     pub function: &'static str,
-    /// `file:line function`, made at compile time: the memory key of the call site.
+    /// `file:line function`, made at compile time: the memory key of the function.
     pub key: &'static str,
+    /// The generic instance (`type_name` of the function's type parameters), `""` for a
+    /// function without any: plans of `step::<f32>` and `step::<f64>` are remembered apart.
+    pub instance: &'static str,
 }
 
 /// What the retry controls.
@@ -87,12 +90,15 @@ macro_rules! batch_ints {
 batch_ints!(u8, u16, u32, u64, usize);
 
 /// One engine per persistence file (`None`: in memory), shared by every `#[oom_retry]` function.
+type EngineMap = HashMap<Option<&'static str>, RetryEngine>;
+
+fn static_engines() -> &'static Mutex<EngineMap> {
+    static ENGINES: OnceLock<Mutex<EngineMap>> = OnceLock::new();
+    ENGINES.get_or_init(Default::default)
+}
+
 fn engine_for(persist: Option<&'static str>) -> RetryEngine {
-    static ENGINES: OnceLock<Mutex<HashMap<Option<&'static str>, RetryEngine>>> = OnceLock::new();
-    let mut map = ENGINES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut map = static_engines().lock().unwrap_or_else(|e| e.into_inner());
     map.entry(persist)
         .or_insert_with(|| {
             match persist {
@@ -104,6 +110,41 @@ fn engine_for(persist: Option<&'static str>) -> RetryEngine {
         }
         })
         .clone()
+}
+
+/// Every engine of the `#[oom_retry]` functions, with its persistence file.
+fn engines() -> Vec<(Option<&'static str>, RetryEngine)> {
+    static_engines()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(k, v)| (*k, v.clone()))
+        .collect()
+}
+
+/// `oomguard::remembered_plans`.
+pub fn remembered() -> Vec<(Option<&'static str>, MemoryKey, Limits)> {
+    let mut out = Vec::new();
+    for (file, engine) in engines() {
+        for (k, l) in engine.memory().iter() {
+            if l != Limits::NONE {
+                out.push((file, k.clone(), l));
+            }
+        }
+    }
+    out.sort_by(|a, b| (a.0, &a.1.site).cmp(&(b.0, &b.1.site)));
+    out
+}
+
+/// `oomguard::forget_remembered_plans`.
+pub fn forget() -> Result<(), MemoryError> {
+    let mut first_err = None;
+    for (_, engine) in engines() {
+        if let Err(e) = engine.memory().clear() {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
 }
 
 fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
@@ -192,8 +233,13 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             RetryKind::Plan(p) => Ok(*p),
         };
         let site = cfg.site.key;
+        let key = if cfg.site.instance.is_empty() {
+            site.to_string()
+        } else {
+            format!("{site}<{}>", cfg.site.instance)
+        };
         // A batch of 0 rows: nothing to plan, the body runs once as written.
-        let lp = start.ok().and_then(|s| engine.begin_any(site, s).ok());
+        let lp = start.ok().and_then(|s| engine.begin_any(key, s).ok());
         Retry {
             lp,
             kind: cfg.kind,
@@ -233,7 +279,9 @@ impl<E: IsOom + fmt::Display> Retry<E> {
                 error = %e,
                 "the commit phase failed; it is not retried (it runs once)"
             );
-            oomguard_runtime::retry::record_commit_error(self.site, e.to_string(), oom);
+            if let Some(lp) = &self.lp {
+                oomguard_runtime::retry::record_commit_error(&lp.report().site, e.to_string(), oom);
+            }
         }
     }
 

@@ -522,6 +522,14 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         guarded_block(inner, &guards, &krate, &attempt_ret)
     };
     let no_grad = guards.no_grad;
+    // Plans are remembered per generic instance: the memory of `step::<f32>` is not
+    // `step::<f64>`'s.
+    let type_params: Vec<_> = f.sig.generics.type_params().map(|t| &t.ident).collect();
+    let instance = if type_params.is_empty() {
+        quote!("")
+    } else {
+        quote!(::core::any::type_name::<(#(#type_params,)*)>())
+    };
     // `Retry::<E>`, E from the return type (through `FnResult`, so that aliases work and a
     // return type that is not a `Result` gets a clear error).
     let err_turbofish = ret
@@ -533,6 +541,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
             line: #line,
             function: #name,
             key: ::core::concat!(::core::file!(), ":", #line, " ", #name),
+            instance: #instance,
         },
         kind: #kind,
         min: #min,

@@ -320,8 +320,11 @@ impl RetryEngine {
 
     /// [`RetryEngine::begin_at`] for code that holds no [`Device`] (the attribute macros): an
     /// out-of-memory on any device counts, the cache of every live device ([`Device::all`]) is
-    /// emptied before a retry, thrashing is watched on all of them, and plans are remembered
-    /// under [`DeviceKey::any`](super::DeviceKey::any). The step covers `start.batch()` rows in
+    /// emptied before a retry, thrashing is watched through the allocator retries of this
+    /// thread's allocations. Plans are remembered per device: the device this thread allocated
+    /// on last ([`Device::last_used_on_thread`]; before the step for the lookup, after it for
+    /// what is learned), its name, ordinal and capacity; [`DeviceKey::any`](super::DeviceKey::any)
+    /// when the thread has allocated nothing yet. The step covers `start.batch()` rows in
     /// micro-batches no larger than `start`'s (the remembered plan may split them further).
     pub fn begin_any<E: IsOom + fmt::Display>(
         &self,
@@ -330,7 +333,7 @@ impl RetryEngine {
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         let key = MemoryKey {
             site: site.into(),
-            device: super::memory::DeviceKey::any(),
+            device: thread_device_key(),
             mode: (self.mode)(),
         };
         self.begin_on(key, Target::All, start.batch(), Some(start.micro_batch()))
@@ -356,7 +359,18 @@ impl RetryEngine {
         let (limits, mut regrow) = {
             let mut mem = self.memory();
             let e = mem.entry(&key);
-            let limits = e.limits;
+            let mut limits = e.limits;
+            if mode == StepMode::Train && limits.batch.is_some() {
+                // A training step never runs fewer rows than asked because of a remembered batch
+                // cap (from a plan file, or a policy that shrank): only micro-batch caps apply.
+                tracing::warn!(
+                    target: "oomguard::retry",
+                    site = %key.site,
+                    limits = %limits,
+                    "a remembered batch cap is ignored for a training step (it would drop rows)"
+                );
+                limits.batch = None;
+            }
             let mut regrow = None;
             if let Some(k) = self.regrow_after {
                 let wait = u64::from(k) << e.failed_regrows.min(16);
@@ -450,6 +464,13 @@ impl RetryEngine {
             }
         }
     }
+}
+
+/// The device key of a step that holds no device: the device this thread allocated on last.
+fn thread_device_key() -> super::memory::DeviceKey {
+    Device::last_used_on_thread().map_or_else(super::memory::DeviceKey::any, |d| {
+        super::memory::DeviceKey::of(&d)
+    })
 }
 
 /// The device(s) a step runs on.
@@ -631,6 +652,10 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         }
         let agreed_status = v[0];
         let next = decode(&v, self.batch);
+        if matches!(self.target, Target::All) {
+            // What the attempt learned belongs to the device it allocated on.
+            self.key.device = thread_device_key();
+        }
 
         if agreed_status == OK {
             let Ok(value) = result else {
