@@ -7,8 +7,8 @@ use std::ops::ControlFlow;
 use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
-    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, Limits, MemoryError, MemoryKey, PolicyExt,
-    RetryEngine, RetryLoop, RetryPolicy, Shrink, StepMode,
+    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, Limits, MemoryError, MemoryKey, PlanMemory,
+    PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, StepMode,
 };
 
 /// Where the function is.
@@ -100,14 +100,13 @@ fn static_engines() -> &'static Mutex<EngineMap> {
 fn engine_for(persist: Option<&'static str>) -> RetryEngine {
     let mut map = static_engines().lock().unwrap_or_else(|e| e.into_inner());
     map.entry(persist)
-        .or_insert_with(|| {
-            match persist {
+        .or_insert_with(|| match persist {
             None => RetryEngine::new(),
-            Some(path) => RetryEngine::new().with_memory_file(path).unwrap_or_else(|e| {
-                tracing::warn!(target: "oomguard::retry", error = %e, "plans are not persisted");
-                RetryEngine::new()
-            }),
-        }
+            // A file that cannot be read is reported (a warning, and in every step's report),
+            // never silently ignored.
+            Some(path) => RetryEngine::new().with_memory(std::sync::Arc::new(Mutex::new(
+                PlanMemory::open_or_in_memory(path),
+            ))),
         })
         .clone()
 }

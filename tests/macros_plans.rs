@@ -138,3 +138,27 @@ fn a_batch_cap_from_a_plan_file_does_not_truncate_a_training_step() {
     assert_eq!(r.final_plan.micro_batch(), 10);
     let _ = std::fs::remove_file(PLAN_FILE);
 }
+
+#[oom_retry(plan = plan, persist = "target/oomguard-test-corrupt-plans.json")]
+fn corrupt_file_step(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn a_corrupt_plan_file_is_in_every_report() {
+    std::fs::write("target/oomguard-test-corrupt-plans.json", "{not json").unwrap();
+    let dev = Device::sim(ByteSize::mib(64));
+    let plan = BatchPlan::whole(100).unwrap();
+    for _ in 0..2 {
+        assert_eq!(corrupt_file_step(&dev, &plan).unwrap(), 100);
+        let r = last_report().unwrap();
+        let m = r.memory_error.as_deref().expect("reported");
+        assert!(m.contains("is not valid"), "{m}");
+        assert!(r.to_string().contains("plan file:"), "{r}");
+    }
+    let _ = std::fs::remove_file("target/oomguard-test-corrupt-plans.json");
+}

@@ -356,7 +356,7 @@ impl RetryEngine {
         let mode = key.mode;
 
         // Starting plan: remembered limits, or one size up after enough clean steps.
-        let (limits, mut regrow) = {
+        let (limits, mut regrow, memory_error) = {
             let mut mem = self.memory();
             let e = mem.entry(&key);
             let mut limits = e.limits;
@@ -379,7 +379,7 @@ impl RetryEngine {
                     regrow = limits.one_up(batch);
                 }
             }
-            (limits, regrow)
+            (limits, regrow, mem.error().map(str::to_string))
         };
         let capped = |p: BatchPlan| match micro_cap {
             Some(m) if m < p.micro_batch() => {
@@ -414,6 +414,7 @@ impl RetryEngine {
             thrash_moved_to: None,
             elapsed: Default::default(),
             commit_error: None,
+            memory_error,
         };
         Ok(RetryLoop {
             engine: self.clone(),
@@ -822,6 +823,7 @@ impl RetryEngine {
         }
         if let Err(err) = mem.set_limits(key, limits) {
             tracing::warn!(target: "oomguard::retry", error = %err, "could not save remembered plans");
+            report.memory_error = Some(err.to_string());
         }
     }
 }

@@ -57,7 +57,9 @@ pub use engine::{
 };
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
 pub use gradients::GradientSync;
-pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
+pub use memory::{
+    DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode, LOCK_WAIT, STALE_LOCK,
+};
 pub use plan::{BatchPlan, Chunk, PlanError};
 pub use policy::{
     inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,

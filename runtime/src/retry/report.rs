@@ -72,6 +72,9 @@ pub struct RetryReport {
     /// The commit phase's failure, when it failed (`#[oom_retry(commit = ...)]`). The commit runs
     /// once and is never retried, an out-of-memory included: its error is the step's error.
     pub commit_error: Option<CommitFailure>,
+    /// The plan file could not be read or written (corrupt, locked, unwritable): what is
+    /// remembered is not persisted, and why.
+    pub memory_error: Option<String>,
 }
 
 /// A commit phase that failed (see [`RetryReport::commit_error`]).
@@ -141,6 +144,9 @@ impl fmt::Display for RetryReport {
             if let Some(e) = &a.error {
                 write!(f, ": {e}")?;
             }
+        }
+        if let Some(m) = &self.memory_error {
+            write!(f, "\n  plan file: {m}")?;
         }
         if let Some(c) = &self.commit_error {
             let what = if c.oom { "out of memory" } else { "error" };
