@@ -348,6 +348,10 @@ impl RetryEngine {
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         super::report::clear_last_report();
         if batch == 0 {
+            // Other ranks wait for this rank in the starting agreement: take part, so that they
+            // stop too instead of waiting forever.
+            let mut v = [FATAL, 0, 0];
+            let _ = self.agree(&mut v);
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
             ));
@@ -396,6 +400,11 @@ impl RetryEngine {
         let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
         let mut v = encode(OK, &plan, batch);
         self.agree(&mut v).map_err(RetryError::Consensus)?;
+        if v[0] != OK {
+            return Err(RetryError::Consensus(ConsensusError(
+                "another rank cannot start this step (an empty batch): every rank stops".into(),
+            )));
+        }
         let agreed = decode(&v, batch);
         if agreed != plan {
             // Another rank starts smaller: no regrow this step.
@@ -542,6 +551,21 @@ pub struct RetryLoop<E> {
     attempt_started: Instant,
     retries_before: u64,
     done: bool,
+}
+
+/// A loop dropped before its step ended (a panic in the attempt, or a caller that stopped
+/// driving it): the other ranks wait for this rank's next agreement, so it takes part as failed
+/// and they stop with [`RetryError::PeerFailed`] instead of waiting forever.
+impl<E> Drop for RetryLoop<E> {
+    fn drop(&mut self) {
+        if !self.done && self.engine.consensus.world_size() > 1 {
+            self.done = true;
+            let mut v = [FATAL, 0, 0];
+            if let Err(e) = self.engine.agree(&mut v) {
+                tracing::error!(target: "oomguard::retry", error = %e, "agreement failed while stopping");
+            }
+        }
+    }
 }
 
 impl<E> fmt::Debug for RetryLoop<E> {
