@@ -14,6 +14,8 @@ use crate::options::{self, BudgetLimit, BudgetOptions, LeakAction, LeakOptions, 
 /// body of a function without `#[oom_retry]`).
 #[derive(Default)]
 pub struct Guards {
+    /// The function's name, for leak reports.
+    pub function: String,
     pub no_grad: bool,
     pub budget: Option<BudgetLimit>,
     pub leak: Option<LeakOptions>,
@@ -53,7 +55,10 @@ pub fn guard_attribute(
             return f.into_token_stream();
         }
     };
-    let mut guards = Guards::default();
+    let mut guards = Guards {
+        function: f.sig.ident.to_string(),
+        ..Guards::default()
+    };
     let krate = parse_guard(
         name,
         list,
@@ -203,6 +208,7 @@ fn guarded_block(
     let __oomguard_leak = generated("__oomguard_leak");
     let __oomguard_out = generated("__oomguard_out");
     let p = quote!(#krate::__private);
+    let function = &g.function;
     let grad = g
         .no_grad
         .then(|| quote!(let #__oomguard_grad = #p::no_grad();));
@@ -215,7 +221,7 @@ fn guarded_block(
             let allow = l.allow;
             let arrow = ret.as_ref().map(|r| quote!(-> #r));
             quote!({
-                let #__oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow);
+                let #__oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow, #function);
                 #[allow(clippy::redundant_closure_call)]
                 let #__oomguard_out = {
                     #budget
@@ -229,7 +235,7 @@ fn guarded_block(
             let (allow, action) = (l.allow, leak_action(l.action, &p));
             let stmts = statements(body);
             quote!({
-                let #__oomguard_leak = #p::leak_check(#action, #allow);
+                let #__oomguard_leak = #p::leak_check(#action, #allow, #function);
                 #budget
                 #grad
                 #stmts
@@ -293,7 +299,8 @@ fn guarded_future(
         None => (quote!(::core::option::Option::None), false),
     };
     let out_ty = ret.as_ref().map_or(quote!(_), |r| r.clone());
-    let call = quote!(#p::guarded::<#out_ty, _>(#p::GuardSpec { no_grad: #no_grad, budget: #budget, leak: #leak }, #fut));
+    let function = &g.function;
+    let call = quote!(#p::guarded::<#out_ty, _>(#p::GuardSpec { no_grad: #no_grad, budget: #budget, leak: #leak, function: #function }, #fut));
     if is_error {
         quote!({
             let (#__oomguard_leak, #__oomguard_out) = #call.await;
@@ -346,7 +353,10 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     check::no_value_self(&f, errors);
 
     // Guard attributes move inside: they apply to each attempt.
-    let mut guards = Guards::default();
+    let mut guards = Guards {
+        function: f.sig.ident.to_string(),
+        ..Guards::default()
+    };
     let mut kept = Vec::new();
     let mut absorbed = Vec::new();
     let mut seen_guards: Vec<String> = Vec::new();
