@@ -127,5 +127,5 @@ pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
 mod retry;
 pub use retry::{
     boxed_policy, clone_for_retry, forget, remembered, BatchInt, FnResult, Retry, RetryConfig,
-    RetryKind, Site,
+    RetryKind, Site, SiteCache,
 };

@@ -195,6 +195,43 @@ impl<T, E> FnResult for Result<T, E> {
     type Err = E;
 }
 
+/// What a `#[oom_retry]` function keeps across calls (a `static` in its body): its engines,
+/// one per mode, with their policies, built on the first call. Used when the function has no
+/// `policy` option (an expression evaluated at each call) and remembers plans.
+#[derive(Debug)]
+pub struct SiteCache {
+    engines: OnceLock<[RetryEngine; 2]>,
+}
+
+impl SiteCache {
+    /// An empty cache.
+    pub const fn new() -> Self {
+        Self {
+            engines: OnceLock::new(),
+        }
+    }
+}
+
+impl Default for SiteCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn build_engine(cfg: &mut RetryConfig, mode: StepMode) -> RetryEngine {
+    let policy = policy_for(cfg, mode);
+    let mut engine = if cfg.remember == Some(false) {
+        RetryEngine::new()
+    } else {
+        engine_for(cfg.persist)
+    };
+    engine = engine.with_policy(policy);
+    if cfg.no_grad {
+        engine = engine.with_mode_hook(|| StepMode::Eval);
+    }
+    engine
+}
+
 /// The retry loop of one call of a `#[oom_retry]` function.
 pub struct Retry<E> {
     lp: Option<RetryLoop<E>>,
@@ -206,7 +243,7 @@ pub struct Retry<E> {
 
 impl<E: IsOom + fmt::Display> Retry<E> {
     /// Starts the loop for one call.
-    pub fn new(mut cfg: RetryConfig) -> Self {
+    pub fn new(mut cfg: RetryConfig, cache: &SiteCache) -> Self {
         // The mode inside the function: `#[no_grad]` on it applies to each attempt, after this.
         let mode = if cfg.no_grad {
             StepMode::Eval
@@ -216,16 +253,19 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         let train_batch = mode == StepMode::Train
             && matches!(cfg.kind, RetryKind::Batch(_))
             && cfg.policy.is_none();
-        let policy = policy_for(&mut cfg, mode);
-        let mut engine = if cfg.remember == Some(false) {
-            RetryEngine::new()
+        let owned;
+        let engine: &RetryEngine = if cfg.policy.is_none() && cfg.remember != Some(false) {
+            let engines = cache.engines.get_or_init(|| {
+                [
+                    build_engine(&mut cfg, StepMode::Train),
+                    build_engine(&mut cfg, StepMode::Eval),
+                ]
+            });
+            &engines[usize::from(mode == StepMode::Eval)]
         } else {
-            engine_for(cfg.persist)
+            owned = build_engine(&mut cfg, mode);
+            &owned
         };
-        engine = engine.with_policy(policy);
-        if cfg.no_grad {
-            engine = engine.with_mode_hook(|| StepMode::Eval);
-        }
         let start = match &cfg.kind {
             RetryKind::Plain => BatchPlan::whole(1),
             RetryKind::Batch(n) => BatchPlan::whole(usize::try_from(*n).unwrap_or(usize::MAX)),

@@ -564,7 +564,8 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     let new_body = match &opts.commit {
         None => quote!({
             #(#absorbed)*
-            let mut #__oomguard_retry = #p::Retry::#err_turbofish new(#config);
+            static __OOMGUARD_SITE: #p::SiteCache = #p::SiteCache::new();
+            let mut #__oomguard_retry = #p::Retry::#err_turbofish new(#config, &__OOMGUARD_SITE);
             loop {
                 #(#rebind)*
                 let #__oomguard_out = #attempt;
@@ -597,7 +598,8 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
             );
             quote!({
                 #(#absorbed)*
-                let mut #__oomguard_retry = #p::Retry::#err_turbofish new(#config);
+                static __OOMGUARD_SITE: #p::SiteCache = #p::SiteCache::new();
+            let mut #__oomguard_retry = #p::Retry::#err_turbofish new(#config, &__OOMGUARD_SITE);
                 let #__oomguard_value = loop {
                     #(#rebind)*
                     let #__oomguard_out = #attempt;

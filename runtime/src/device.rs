@@ -40,6 +40,21 @@ struct DeviceInner {
 /// Weak handles of every device made, so that device-agnostic guards can reach them.
 static REGISTRY: Mutex<Vec<Weak<DeviceInner>>> = Mutex::new(Vec::new());
 
+/// A [`Device`] that is not kept alive (see `Device::downgrade`).
+#[derive(Clone, Debug)]
+pub(crate) struct WeakDevice(Weak<DeviceInner>);
+
+impl WeakDevice {
+    /// The device's address, as `Device::thread_device_addr` gives it.
+    pub(crate) fn addr(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+    /// Whether the device is alive.
+    pub(crate) fn alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+}
+
 thread_local! {
     /// The address of the device this thread last allocated on (0: none).
     static THREAD_DEVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -91,6 +106,17 @@ impl Device {
             .filter_map(Weak::upgrade)
             .map(|inner| Device { inner })
             .collect()
+    }
+
+    /// The address identifying the device the calling thread last allocated on (0: none).
+    pub(crate) fn thread_device_addr() -> usize {
+        THREAD_DEVICE.try_with(|d| d.get()).unwrap_or(0)
+    }
+
+    /// A handle that does not keep the device alive; while it exists, no other device can have
+    /// this device's address.
+    pub(crate) fn downgrade(&self) -> WeakDevice {
+        WeakDevice(Arc::downgrade(&self.inner))
     }
 
     /// The device the calling thread last allocated on, if it is still alive: what a step that

@@ -426,6 +426,7 @@ impl RetryEngine {
             memory_error,
         };
         Ok(RetryLoop {
+            device_addr: Device::thread_device_addr(),
             engine: self.clone(),
             retries_before: target.alloc_retries(),
             target,
@@ -439,7 +440,7 @@ impl RetryEngine {
             failures: Vec::new(),
             oom_count: 0,
             started,
-            attempt_started: Instant::now(),
+            attempt_started: started,
             done: false,
         })
     }
@@ -477,10 +478,38 @@ impl RetryEngine {
 }
 
 /// The device key of a step that holds no device: the device this thread allocated on last.
+/// Cached per thread (the device's name is a string the backend builds); the cache holds a
+/// weak handle, so the address cannot belong to another device while it is cached.
 fn thread_device_key() -> super::memory::DeviceKey {
-    Device::last_used_on_thread().map_or_else(super::memory::DeviceKey::any, |d| {
-        super::memory::DeviceKey::of(&d)
-    })
+    use super::memory::DeviceKey;
+    thread_local! {
+        static CACHE: std::cell::RefCell<Option<(crate::device::WeakDevice, DeviceKey)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let addr = Device::thread_device_addr();
+    if addr == 0 {
+        return DeviceKey::any();
+    }
+    let cached = CACHE
+        .try_with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|(w, _)| w.addr() == addr && w.alive())
+                .map(|(_, k)| k.clone())
+        })
+        .ok()
+        .flatten();
+    if let Some(k) = cached {
+        return k;
+    }
+    match Device::last_used_on_thread() {
+        Some(d) => {
+            let k = DeviceKey::of(&d);
+            let _ = CACHE.try_with(|c| *c.borrow_mut() = Some((d.downgrade(), k.clone())));
+            k
+        }
+        None => DeviceKey::any(),
+    }
 }
 
 /// The device(s) a step runs on.
@@ -536,6 +565,8 @@ const FATAL: u64 = 3;
 /// result to [`RetryLoop::next`], and repeat while it says `Continue`. Made by
 /// [`RetryEngine::begin`]. Commit only after `next` returns `Break(Ok(..))`.
 pub struct RetryLoop<E> {
+    /// For a step that holds no device: the thread's device when its key was taken.
+    device_addr: usize,
     engine: RetryEngine,
     target: Target,
     key: MemoryKey,
@@ -630,7 +661,9 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 "RetryLoop::next called after the step finished".into(),
             )));
         }
-        let elapsed = self.attempt_started.elapsed();
+        // One clock read per attempt: its time and the step's.
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(self.attempt_started);
         let retries_after = self.target.alloc_retries();
         let plan = self.plan;
         let mut budget = false;
@@ -671,15 +704,16 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         let mut v = encode(status, &proposal, self.batch);
         if let Err(e) = self.engine.agree(&mut v) {
             self.done = true;
-            self.report.elapsed = self.started.elapsed();
+            self.report.elapsed = now.saturating_duration_since(self.started);
             super::report::set_last_report(&self.report);
             return ControlFlow::Break(Err(RetryError::Consensus(e)));
         }
         let agreed_status = v[0];
         let next = decode(&v, self.batch);
-        if matches!(self.target, Target::All) {
+        if matches!(self.target, Target::All) && Device::thread_device_addr() != self.device_addr {
             // What the attempt learned belongs to the device it allocated on.
             self.key.device = thread_device_key();
+            self.device_addr = Device::thread_device_addr();
         }
 
         if agreed_status == OK {
@@ -705,7 +739,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 retries_after,
                 self.regrow,
             );
-            self.report.elapsed = self.started.elapsed();
+            self.report.elapsed = now.saturating_duration_since(self.started);
             super::report::set_last_report(&self.report);
             return ControlFlow::Break(Ok((value, self.report.clone())));
         }
@@ -722,7 +756,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 if status == FATAL {
                     self.done = true;
                     self.report.final_plan = plan;
-                    self.report.elapsed = self.started.elapsed();
+                    self.report.elapsed = now.saturating_duration_since(self.started);
                     super::report::set_last_report(&self.report);
                     return ControlFlow::Break(Err(RetryError::Step {
                         error: e,
@@ -749,7 +783,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         if !continuing {
             self.done = true;
             self.report.final_plan = plan;
-            self.report.elapsed = self.started.elapsed();
+            self.report.elapsed = now.saturating_duration_since(self.started);
             super::report::set_last_report(&self.report);
             tracing::error!(
                 target: "oomguard::retry",
@@ -793,7 +827,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         }
         self.plan = next;
         self.retries_before = self.target.alloc_retries();
-        self.attempt_started = Instant::now();
+        self.attempt_started = now;
         ControlFlow::Continue(())
     }
 }
@@ -844,6 +878,10 @@ impl RetryEngine {
                     e.clean_steps = 0;
                 }
             }
+        }
+        if limits == e.limits {
+            // nothing learned (the usual step): no second lookup, nothing to save
+            return;
         }
         if let Err(err) = mem.set_limits(key, limits) {
             tracing::warn!(target: "oomguard::retry", error = %err, "could not save remembered plans");
