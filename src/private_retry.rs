@@ -277,8 +277,12 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         } else {
             format!("{site}<{}>", cfg.site.instance)
         };
-        // A batch of 0 rows: nothing to plan, the body runs once as written.
+        // A batch of 0 rows: nothing to plan, the body runs once as written (and the thread's
+        // last report is not the previous call's).
         let lp = start.ok().and_then(|s| engine.begin_any(key, s).ok());
+        if lp.is_none() {
+            oomguard_runtime::retry::clear_last_report();
+        }
         Retry {
             lp,
             kind: cfg.kind,

@@ -56,6 +56,9 @@ fn batch_shrinks_an_evaluation_step_and_the_caller_learns_the_rows() {
     let report = last_report().unwrap();
     assert_eq!(report.requested_batch, 200);
     assert_eq!(report.final_plan.batch(), 50);
+    // a call with nothing to plan leaves no stale report behind
+    assert_eq!(eval_rows(&dev, 0, &attempts).unwrap(), 0);
+    assert!(last_report().is_none());
 }
 
 #[oom_retry]

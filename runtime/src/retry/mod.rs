@@ -66,7 +66,7 @@ pub use policy::{
     MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
 pub use report::{
-    last_report, record_commit_error, AttemptOutcome, AttemptRecord, CommitFailure, FailedAttempt,
-    Regrow, Retried, RetryError, RetryReport,
+    clear_last_report, last_report, record_commit_error, AttemptOutcome, AttemptRecord,
+    CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
 };
 pub use thrash::ThrashDetector;

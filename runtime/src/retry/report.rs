@@ -111,8 +111,9 @@ pub fn record_commit_error(site: &str, error: String, oom: bool) {
     });
 }
 
-/// Forgets the thread's last report (a step starts).
-pub(crate) fn clear_last_report() {
+/// Forgets this thread's last report (every step does when it starts; `#[oom_retry]` also
+/// when a call has nothing to plan, such as a batch of 0 rows).
+pub fn clear_last_report() {
     let _ = LAST.try_with(|l| *l.borrow_mut() = None);
 }
 
