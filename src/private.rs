@@ -61,11 +61,14 @@ pub fn budget(limit: BudgetLimit) -> Option<ThreadBudget> {
     }
 }
 
-/// `#[leak_check]`: a leak check over this thread's allocations on every device.
-pub fn leak_check(action: LeakAction, allow: u64) -> ThreadLeakCheck {
+/// `#[leak_check]`: a leak check over this thread's allocations on every device, opened where
+/// the attribute is (the caller's location) and naming the function.
+#[track_caller]
+pub fn leak_check(action: LeakAction, allow: u64, function: &'static str) -> ThreadLeakCheck {
     guard::thread_leak_check()
         .on_leak(action)
         .allow(ByteSize(allow))
+        .named(function)
 }
 
 /// `#[leak_check(action = error)]`: a leak becomes the function's `Err` (its own error wins).
@@ -93,11 +96,14 @@ pub struct GuardSpec {
     pub budget: Option<BudgetLimit>,
     /// `#[leak_check]`: its action and allowance.
     pub leak: Option<(LeakAction, u64)>,
+    /// The function's name (for the leak report).
+    pub function: &'static str,
 }
 
 /// An async body with its guards applied on each poll.
+#[track_caller]
 pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
-    let mut set = GuardSet::new();
+    let mut set = GuardSet::new().named(spec.function);
     if spec.no_grad {
         set = set.no_grad();
     }
@@ -106,7 +112,7 @@ pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
         Some(BudgetLimit::Fraction(f)) => {
             set = match set.budget_fraction(f) {
                 Ok(s) => s,
-                Err(_) => GuardSet::new(),
+                Err(_) => GuardSet::new().named(spec.function),
             }
         }
         None => {}
@@ -119,4 +125,7 @@ pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
 
 #[path = "private_retry.rs"]
 mod retry;
-pub use retry::{boxed_policy, clone_for_retry, BatchInt, Retry, RetryConfig, RetryKind, Site};
+pub use retry::{
+    boxed_policy, clone_for_retry, forget, remembered, BatchInt, FnResult, Retry, RetryConfig,
+    RetryKind, Site, SiteCache,
+};

@@ -7,8 +7,8 @@ use std::ops::ControlFlow;
 use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
-    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, PolicyExt, RetryEngine, RetryLoop, RetryPolicy,
-    Shrink,
+    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, Limits, MemoryError, MemoryKey, PlanMemory,
+    PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, StepMode,
 };
 
 /// Where the function is.
@@ -20,8 +20,11 @@ pub struct Site {
     pub line: u32,
     /// The function's name.
     pub function: &'static str,
-    /// `file:line function`, made at compile time: the memory key of the call site.
+    /// `file:line function`, made at compile time: the memory key of the function.
     pub key: &'static str,
+    /// The generic instance (`type_name` of the function's type parameters), `""` for a
+    /// function without any: plans of `step::<f32>` and `step::<f64>` are remembered apart.
+    pub instance: &'static str,
 }
 
 /// What the retry controls.
@@ -51,6 +54,8 @@ pub struct RetryConfig {
     pub persist: Option<&'static str>,
     /// `policy`: replaces the built-in policy (`min` and `max_retries` still apply).
     pub policy: Option<Box<dyn RetryPolicy>>,
+    /// `#[no_grad]` is on the function: the step evaluates whatever the caller's grad mode.
+    pub no_grad: bool,
 }
 
 /// `policy = EXPR`.
@@ -65,7 +70,7 @@ pub fn clone_for_retry<T: Clone>(v: &T) -> T {
 
 /// The integer types `batch = param` accepts.
 pub trait BatchInt: Copy {
-    /// As a `u64` (negative values are 0).
+    /// As a `u64`.
     fn to_u64(self) -> u64;
     /// From a `u64` (saturating).
     fn from_u64(v: u64) -> Self;
@@ -82,29 +87,66 @@ macro_rules! batch_ints {
         }
     )*};
 }
-batch_ints!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize);
+batch_ints!(u8, u16, u32, u64, usize);
 
 /// One engine per persistence file (`None`: in memory), shared by every `#[oom_retry]` function.
+type EngineMap = HashMap<Option<&'static str>, RetryEngine>;
+
+fn static_engines() -> &'static Mutex<EngineMap> {
+    static ENGINES: OnceLock<Mutex<EngineMap>> = OnceLock::new();
+    ENGINES.get_or_init(Default::default)
+}
+
 fn engine_for(persist: Option<&'static str>) -> RetryEngine {
-    static ENGINES: OnceLock<Mutex<HashMap<Option<&'static str>, RetryEngine>>> = OnceLock::new();
-    let mut map = ENGINES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut map = static_engines().lock().unwrap_or_else(|e| e.into_inner());
     map.entry(persist)
-        .or_insert_with(|| {
-            match persist {
+        .or_insert_with(|| match persist {
             None => RetryEngine::new(),
-            Some(path) => RetryEngine::new().with_memory_file(path).unwrap_or_else(|e| {
-                tracing::warn!(target: "oomguard::retry", error = %e, "plans are not persisted");
-                RetryEngine::new()
-            }),
-        }
+            // A file that cannot be read is reported (a warning, and in every step's report),
+            // never silently ignored.
+            Some(path) => RetryEngine::new().with_memory(std::sync::Arc::new(Mutex::new(
+                PlanMemory::open_or_in_memory(path),
+            ))),
         })
         .clone()
 }
 
-fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
+/// Every engine of the `#[oom_retry]` functions, with its persistence file.
+fn engines() -> Vec<(Option<&'static str>, RetryEngine)> {
+    static_engines()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(k, v)| (*k, v.clone()))
+        .collect()
+}
+
+/// `oomguard::remembered_plans`.
+pub fn remembered() -> Vec<(Option<&'static str>, MemoryKey, Limits)> {
+    let mut out = Vec::new();
+    for (file, engine) in engines() {
+        for (k, l) in engine.memory().iter() {
+            if l != Limits::NONE {
+                out.push((file, k.clone(), l));
+            }
+        }
+    }
+    out.sort_by(|a, b| (a.0, &a.1.site).cmp(&(b.0, &b.1.site)));
+    out
+}
+
+/// `oomguard::forget_remembered_plans`.
+pub fn forget() -> Result<(), MemoryError> {
+    let mut first_err = None;
+    for (_, engine) in engines() {
+        if let Err(e) = engine.memory().clear() {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
     let min = cfg
         .min
         .map_or(1, |m| usize::try_from(m).unwrap_or(usize::MAX));
@@ -117,7 +159,15 @@ fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
     };
     match (cfg.policy.take(), &cfg.kind) {
         (Some(p), _) => Box::new(p.with_floor(min_micro, min_batch).max_retries(max)),
-        (None, RetryKind::Plain) => Box::new(EmptyCacheRetry::times(max)),
+        // The same call again only helps once the cache is empty: once, unless told otherwise.
+        (None, RetryKind::Plain) => Box::new(EmptyCacheRetry::times(
+            cfg.max_retries
+                .map_or(1, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+        )),
+        // A training step is never shrunk silently: dropping rows changes what it computes.
+        (None, RetryKind::Batch(_)) if mode == StepMode::Train => {
+            Box::new(EmptyCacheRetry::once().max_retries(max))
+        }
         (None, RetryKind::Batch(_)) => Box::new(
             EmptyCacheRetry::once()
                 .then(Shrink::halving().min_batch(min))
@@ -131,31 +181,114 @@ fn policy_for(cfg: &mut RetryConfig) -> Box<dyn RetryPolicy> {
     }
 }
 
+/// The `Ok` and `Err` types of a function's `Result` return type, written or aliased
+/// (`io::Result<T>`, `anyhow::Result<T>`): the attempt of a function with a commit phase
+/// returns `Result<_, <Ret as FnResult>::Err>`.
+#[diagnostic::on_unimplemented(
+    message = "#[oom_retry] and #[leak_check(action = error)] need a function returning a `Result`, not `{Self}`"
+)]
+pub trait FnResult {
+    /// The error type.
+    type Err;
+}
+impl<T, E> FnResult for Result<T, E> {
+    type Err = E;
+}
+
+/// What a `#[oom_retry]` function keeps across calls (a `static` in its body): its engines,
+/// one per mode, with their policies, built on the first call. Used when the function has no
+/// `policy` option (an expression evaluated at each call) and remembers plans.
+#[derive(Debug)]
+pub struct SiteCache {
+    engines: OnceLock<[RetryEngine; 2]>,
+}
+
+impl SiteCache {
+    /// An empty cache.
+    pub const fn new() -> Self {
+        Self {
+            engines: OnceLock::new(),
+        }
+    }
+}
+
+impl Default for SiteCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn build_engine(cfg: &mut RetryConfig, mode: StepMode) -> RetryEngine {
+    let policy = policy_for(cfg, mode);
+    let mut engine = if cfg.remember == Some(false) {
+        RetryEngine::new()
+    } else {
+        engine_for(cfg.persist)
+    };
+    engine = engine.with_policy(policy);
+    if cfg.no_grad {
+        engine = engine.with_mode_hook(|| StepMode::Eval);
+    }
+    engine
+}
+
 /// The retry loop of one call of a `#[oom_retry]` function.
 pub struct Retry<E> {
     lp: Option<RetryLoop<E>>,
     kind: RetryKind,
+    site: &'static str,
+    /// `batch =` on a training step: the batch is not shrunk (say so when giving up).
+    train_batch: bool,
 }
 
 impl<E: IsOom + fmt::Display> Retry<E> {
     /// Starts the loop for one call.
-    pub fn new(mut cfg: RetryConfig) -> Self {
-        let policy = policy_for(&mut cfg);
-        let mut engine = if cfg.remember == Some(false) {
-            RetryEngine::new()
+    pub fn new(mut cfg: RetryConfig, cache: &SiteCache) -> Self {
+        // The mode inside the function: `#[no_grad]` on it applies to each attempt, after this.
+        let mode = if cfg.no_grad {
+            StepMode::Eval
         } else {
-            engine_for(cfg.persist)
+            StepMode::current()
         };
-        engine = engine.with_policy(policy);
+        let train_batch = mode == StepMode::Train
+            && matches!(cfg.kind, RetryKind::Batch(_))
+            && cfg.policy.is_none();
+        let owned;
+        let engine: &RetryEngine = if cfg.policy.is_none() && cfg.remember != Some(false) {
+            let engines = cache.engines.get_or_init(|| {
+                [
+                    build_engine(&mut cfg, StepMode::Train),
+                    build_engine(&mut cfg, StepMode::Eval),
+                ]
+            });
+            &engines[usize::from(mode == StepMode::Eval)]
+        } else {
+            owned = build_engine(&mut cfg, mode);
+            &owned
+        };
         let start = match &cfg.kind {
             RetryKind::Plain => BatchPlan::whole(1),
             RetryKind::Batch(n) => BatchPlan::whole(usize::try_from(*n).unwrap_or(usize::MAX)),
             RetryKind::Plan(p) => Ok(*p),
         };
         let site = cfg.site.key;
-        // A batch of 0 rows: nothing to plan, the body runs once as written.
-        let lp = start.ok().and_then(|s| engine.begin_any(site, s).ok());
-        Retry { lp, kind: cfg.kind }
+        let key = if cfg.site.instance.is_empty() {
+            site.to_string()
+        } else {
+            format!("{site}<{}>", cfg.site.instance)
+        };
+        // A batch of 0 rows: nothing to plan, the body runs once as written (and the thread's
+        // last report is not the previous call's).
+        let lp = start.ok().and_then(|s| engine.begin_any(key, s).ok());
+        if lp.is_none() {
+            oomguard_runtime::retry::clear_last_report();
+        }
+        Retry {
+            lp,
+            kind: cfg.kind,
+            site,
+            train_batch,
+        }
     }
 
     /// The batch size for this attempt (`batch = param`).
@@ -176,6 +309,25 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         }
     }
 
+    /// The commit phase ended with `out`. It ran once and is never retried: an error (an
+    /// out-of-memory included) is the function's error, logged, and recorded in
+    /// [`last_report`](oomguard_runtime::retry::last_report) as the commit's.
+    pub fn committed<T>(&self, out: &Result<T, E>) {
+        if let Err(e) = out {
+            let oom = e.is_oom();
+            tracing::error!(
+                target: "oomguard::retry",
+                site = self.site,
+                oom,
+                error = %e,
+                "the commit phase failed; it is not retried (it runs once)"
+            );
+            if let Some(lp) = &self.lp {
+                oomguard_runtime::retry::record_commit_error(&lp.report().site, e.to_string(), oom);
+            }
+        }
+    }
+
     /// Takes an attempt's outcome: `Break` with the function's result, or `Continue` to run the
     /// body again with [`Retry::batch`] / [`Retry::plan`].
     pub fn next<T>(&mut self, out: Result<T, E>) -> ControlFlow<Result<T, E>> {
@@ -184,8 +336,32 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         };
         match lp.next(out) {
             ControlFlow::Continue(()) => ControlFlow::Continue(()),
-            ControlFlow::Break(Ok((v, _report))) => ControlFlow::Break(Ok(v)),
+            ControlFlow::Break(Ok((v, report))) => {
+                let rows = report.final_plan.batch();
+                if rows < report.requested_batch {
+                    // `batch =` on an evaluation step: the caller asked for shrinking, and sees it.
+                    tracing::warn!(
+                        target: "oomguard::retry",
+                        site = self.site,
+                        rows,
+                        requested = report.requested_batch,
+                        "out of memory: processed {rows} of {} rows (the batch was shrunk; \
+                         `last_report()` has the plan)",
+                        report.requested_batch
+                    );
+                }
+                ControlFlow::Break(Ok(v))
+            }
             ControlFlow::Break(Err(e)) => {
+                if self.train_batch && e.is_oom() {
+                    tracing::error!(
+                        target: "oomguard::retry",
+                        site = self.site,
+                        "out of memory in a training step: `batch =` does not shrink a step \
+                         with gradients on (it would train on fewer rows); use `plan =` to \
+                         accumulate micro-batches, or `#[no_grad]` for evaluation"
+                    );
+                }
                 // One process, so the step ended with this rank's own error (a non-OOM error or
                 // the last OOM): give it back as the function's error.
                 let msg = e.to_string();

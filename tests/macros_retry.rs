@@ -38,8 +38,10 @@ fn plan_is_split_and_remembered() {
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
 }
 
-/// Inference over `rows` rows of 1 MiB; returns how many it processed.
+/// Inference over `rows` rows of 1 MiB; returns how many it processed. `#[no_grad]`: the step
+/// evaluates, so `batch =` may shrink it.
 #[oom_retry(batch = rows, min = 8, remember = false)]
+#[oomguard::no_grad]
 fn infer(dev: &Device, rows: u32, attempts: &Cell<u32>) -> Result<u32, Error> {
     attempts.set(attempts.get() + 1);
     let out = dev.alloc::<u8>(rows as usize * MIB)?;

@@ -24,7 +24,7 @@ struct Trainer {
 
 impl Trainer {
     /// The example's step (see examples/train_mlp/main.rs), on host math.
-    #[oom_retry(plan = plan, remember = false)]
+    #[oom_retry(plan = plan, remember = false, commit = |loss| self.apply(loss))]
     #[leak_check(action = error)]
     fn train_step(&mut self, plan: &BatchPlan) -> Result<f64, Error> {
         let ops = HostOps;
@@ -45,9 +45,14 @@ impl Trainer {
             self.mlp.backward(&self.dev, &ops, saved, dl, rows)?;
             loss += l;
         }
-        self.mlp.sgd(&ops, 0.5)?;
-        self.updates += 1;
         Ok(loss / n as f64)
+    }
+
+    /// The commit: the update, once.
+    fn apply(&mut self, loss: f64) -> Result<f64, Error> {
+        self.mlp.sgd(&HostOps, 0.5)?;
+        self.updates += 1;
+        Ok(loss)
     }
 }
 

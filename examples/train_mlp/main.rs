@@ -187,9 +187,10 @@ impl Trainer {
 
     /// One SGD step over the logical batch of `plan.batch()` rows, run as the plan's
     /// micro-batches: each chunk's loss gradient is scaled by 1/N, so the accumulated gradient is
-    /// exactly the full batch's. The update (the commit) runs once, after every micro-batch
-    /// succeeded; an OOM anywhere before it retries the whole step with a finer plan.
-    #[oom_retry(plan = plan)]
+    /// the full batch's (up to floating-point summation order). The body is the attempt: an OOM
+    /// anywhere in it reruns it with a finer plan. The update is the commit (`apply`): it runs
+    /// once, after every micro-batch of one attempt succeeded, and is never rerun.
+    #[oom_retry(plan = plan, commit = |stats| self.apply(stats))]
     #[leak_check(action = error)]
     fn train_step(&mut self, plan: &BatchPlan) -> Result<Stats, Error> {
         let n = plan.batch();
@@ -223,12 +224,17 @@ impl Trainer {
             loss += l;
             correct += c;
         }
-        self.mlp.sgd(&*self.ops, self.lr)?;
-        self.steps_done += 1;
         Ok(Stats {
             loss: loss / n as f64,
             accuracy: correct as f64 / n as f64,
         })
+    }
+
+    /// The commit of `train_step`: the SGD update, once per step.
+    fn apply(&mut self, stats: Stats) -> Result<Stats, Error> {
+        self.mlp.sgd(&*self.ops, self.lr)?;
+        self.steps_done += 1;
+        Ok(stats)
     }
 
     /// Loss and accuracy on `rows` held-out rows, with grad mode off: activations are dropped as

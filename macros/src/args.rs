@@ -14,19 +14,25 @@ pub enum Arg {
     Flag(Ident),
     /// `"2 GiB"`
     Literal(Lit),
+    /// Any other expression (`self.budget`), reported by each attribute with what it expects.
+    Expr(Expr),
 }
 
 impl Parse for Arg {
     fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
-        if input.peek(Lit) {
+        if input.peek(Lit) && (input.peek2(Token![,]) || peek2_end(input)) {
             return Ok(Arg::Literal(input.parse()?));
         }
         // `crate` is a keyword: accept it as an option name, as tokio does.
-        let key = if input.peek(Token![crate]) {
+        let key = if input.peek(Token![crate]) && input.peek2(Token![=]) {
             let kw: Token![crate] = input.parse()?;
             Ident::new("crate", kw.span)
-        } else {
+        } else if input.peek(Ident)
+            && (input.peek2(Token![=]) || input.peek2(Token![,]) || peek2_end(input))
+        {
             input.parse::<Ident>()?
+        } else {
+            return Ok(Arg::Expr(input.parse()?));
         };
         if input.peek(Token![=]) {
             input.parse::<Token![=]>()?;
@@ -38,6 +44,12 @@ impl Parse for Arg {
             Ok(Arg::Flag(key))
         }
     }
+}
+
+/// Whether the token after the next one is the end of the input.
+fn peek2_end(input: ParseStream<'_>) -> bool {
+    let fork = input.fork();
+    fork.parse::<proc_macro2::TokenTree>().is_ok() && fork.is_empty()
 }
 
 /// Parses the tokens inside `#[attr(...)]`.

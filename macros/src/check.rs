@@ -79,9 +79,20 @@ pub fn require_result(f: &ItemFn, attr: &str, why: &str, errors: &mut Errors) ->
     }
 }
 
+/// Whether the type may be a `Result`: `Result<..>` under any path, or a type alias (any other
+/// path but the well-known types that are not one). An alias that is not a `Result` is reported
+/// by the compiler through `__private::FnResult`.
 fn is_result(ty: &Type) -> bool {
+    const NOT_RESULT: &[&str] = &[
+        "bool", "char", "str", "String", "Option", "Vec", "Box", "usize", "u8", "u16", "u32",
+        "u64", "u128", "isize", "i8", "i16", "i32", "i64", "i128", "f32", "f64", "Self",
+    ];
     match ty {
-        Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Result"),
+        Type::Path(p) => p
+            .path
+            .segments
+            .last()
+            .is_some_and(|s| !NOT_RESULT.contains(&s.ident.to_string().as_str())),
         Type::Group(g) => is_result(&g.elem),
         Type::Paren(p) => is_result(&p.elem),
         _ => false,
@@ -102,11 +113,10 @@ pub fn no_value_self(f: &ItemFn, errors: &mut Errors) {
     }
 }
 
-/// Whether a type is a primitive integer.
-pub fn is_integer(ty: &Type) -> bool {
-    const INTS: &[&str] = &[
-        "usize", "u8", "u16", "u32", "u64", "u128", "isize", "i8", "i16", "i32", "i64", "i128",
-    ];
+/// Whether a type is one of the unsigned integers `batch =` takes (a row count: never negative;
+/// `u128` is more than any batch).
+pub fn is_batch_integer(ty: &Type) -> bool {
+    const INTS: &[&str] = &["usize", "u8", "u16", "u32", "u64"];
     matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.get_ident().is_some_and(|i| INTS.contains(&i.to_string().as_str())))
 }
 

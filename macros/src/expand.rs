@@ -14,6 +14,8 @@ use crate::options::{self, BudgetLimit, BudgetOptions, LeakAction, LeakOptions, 
 /// body of a function without `#[oom_retry]`).
 #[derive(Default)]
 pub struct Guards {
+    /// The function's name, for leak reports.
+    pub function: String,
     pub no_grad: bool,
     pub budget: Option<BudgetLimit>,
     pub leak: Option<LeakOptions>,
@@ -25,6 +27,12 @@ pub const GUARD_ATTRS: &[&str] = &["memory_budget", "leak_check", "no_grad"];
 
 fn attr_name(a: &Attribute) -> Option<String> {
     a.path().segments.last().map(|s| s.ident.to_string())
+}
+
+/// An identifier of the generated code, hygienic (`Span::mixed_site`): a parameter or local of
+/// the user's named like it cannot clash with it.
+fn generated(name: &str) -> proc_macro2::Ident {
+    proc_macro2::Ident::new(name, proc_macro2::Span::mixed_site())
 }
 
 pub fn default_crate() -> syn::Path {
@@ -47,7 +55,10 @@ pub fn guard_attribute(
             return f.into_token_stream();
         }
     };
-    let mut guards = Guards::default();
+    let mut guards = Guards {
+        function: f.sig.ident.to_string(),
+        ..Guards::default()
+    };
     let krate = parse_guard(
         name,
         list,
@@ -55,19 +66,49 @@ pub fn guard_attribute(
         proc_macro2::Span::call_site(),
         errors,
     );
-    let krate = krate.unwrap_or_else(default_crate);
     check::not_const(&f, name, errors);
     check_leak_error(&f, &guards, errors);
-    if f.attrs
+    if let Some(retry) = f
+        .attrs
         .iter()
-        .any(|a| attr_name(a).as_deref() == Some("oom_retry"))
+        .find(|a| attr_name(a).as_deref() == Some("oom_retry"))
     {
+        // Moved below `#[oom_retry]`, which absorbs it: under the crate path `#[oom_retry]`
+        // names (its `crate = ...`, or the path it is written with), unless this one has its own.
+        let krate = krate
+            .or_else(|| retry_crate(retry))
+            .unwrap_or_else(default_crate);
         let mut f = f;
         let ident = format_ident!("{}", name);
         f.attrs.push(syn::parse_quote!(#[#krate::#ident(#args)]));
         return f.into_token_stream();
     }
-    wrap_function(f, &guards, &krate)
+    wrap_function(f, &guards, &krate.unwrap_or_else(default_crate))
+}
+
+/// The facade's path as an `#[oom_retry]` attribute names it: its `crate = "..."` option, or the
+/// prefix of its path (`#[og::oom_retry]`).
+fn retry_crate(a: &Attribute) -> Option<syn::Path> {
+    if let syn::Meta::List(l) = &a.meta {
+        if let Ok(list) = args::parse_args(l.tokens.clone()) {
+            for arg in list {
+                if let args::Arg::KeyValue { key, value } = arg {
+                    if key == "crate" {
+                        return args::crate_path(&value, &mut Errors::default());
+                    }
+                }
+            }
+        }
+    }
+    let segs = &a.path().segments;
+    (segs.len() > 1).then(|| {
+        let mut p = a.path().clone();
+        p.segments.pop();
+        // drop the trailing `::` left by the popped segment
+        let last = p.segments.pop().map(|s| s.into_value());
+        p.segments.extend(last);
+        p
+    })
 }
 
 /// `#[leak_check(action = error)]` turns a leak into the function's `Err`: it needs a `Result`.
@@ -162,43 +203,64 @@ fn guarded_block(
     krate: &syn::Path,
     ret: &Option<TokenStream>,
 ) -> TokenStream {
+    let __oomguard_budget = generated("__oomguard_budget");
+    let __oomguard_grad = generated("__oomguard_grad");
+    let __oomguard_leak = generated("__oomguard_leak");
+    let __oomguard_out = generated("__oomguard_out");
     let p = quote!(#krate::__private);
+    let function = &g.function;
     let grad = g
         .no_grad
-        .then(|| quote!(let __oomguard_grad = #p::no_grad();));
+        .then(|| quote!(let #__oomguard_grad = #p::no_grad();));
     let budget = g.budget.as_ref().map(|b| {
         let limit = budget_limit(b, &p);
-        quote!(let __oomguard_budget = #p::budget(#limit);)
+        quote!(let #__oomguard_budget = #p::budget(#limit);)
     });
     match &g.leak {
         Some(l) if l.action == LeakAction::Error => {
             let allow = l.allow;
             let arrow = ret.as_ref().map(|r| quote!(-> #r));
             quote!({
-                let __oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow);
+                let #__oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow, #function);
                 #[allow(clippy::redundant_closure_call)]
-                let __oomguard_out = {
+                let #__oomguard_out = {
                     #budget
                     #grad
                     (|| #arrow #body)()
                 };
-                #p::leak_result(__oomguard_leak, __oomguard_out)
+                #p::leak_result(#__oomguard_leak, #__oomguard_out)
             })
         }
         Some(l) => {
             let (allow, action) = (l.allow, leak_action(l.action, &p));
+            let stmts = statements(body);
             quote!({
-                let __oomguard_leak = #p::leak_check(#action, #allow);
+                let #__oomguard_leak = #p::leak_check(#action, #allow, #function);
                 #budget
                 #grad
-                #body
+                #stmts
             })
         }
-        None => quote!({
-            #budget
-            #grad
-            #body
-        }),
+        None => {
+            let stmts = statements(body);
+            quote!({
+                #budget
+                #grad
+                #stmts
+            })
+        }
+    }
+}
+
+/// The statements of a block, to splice after the guards (a nested block around an expression
+/// body would draw an `unused_braces` warning with a wrong fix).
+fn statements(block: TokenStream) -> TokenStream {
+    match syn::parse2::<syn::Block>(block.clone()) {
+        Ok(b) => {
+            let st = &b.stmts;
+            quote!(#(#st)*)
+        }
+        Err(_) => block,
     }
 }
 
@@ -210,6 +272,8 @@ fn guarded_future(
     krate: &syn::Path,
     ret: &Option<TokenStream>,
 ) -> TokenStream {
+    let __oomguard_leak = generated("__oomguard_leak");
+    let __oomguard_out = generated("__oomguard_out");
     let p = quote!(#krate::__private);
     let budget = match &g.budget {
         Some(b) => {
@@ -235,11 +299,12 @@ fn guarded_future(
         None => (quote!(::core::option::Option::None), false),
     };
     let out_ty = ret.as_ref().map_or(quote!(_), |r| r.clone());
-    let call = quote!(#p::guarded::<#out_ty, _>(#p::GuardSpec { no_grad: #no_grad, budget: #budget, leak: #leak }, #fut));
+    let function = &g.function;
+    let call = quote!(#p::guarded::<#out_ty, _>(#p::GuardSpec { no_grad: #no_grad, budget: #budget, leak: #leak, function: #function }, #fut));
     if is_error {
         quote!({
-            let (__oomguard_leak, __oomguard_out) = #call.await;
-            #p::leak_result_of(__oomguard_leak, __oomguard_out)
+            let (#__oomguard_leak, #__oomguard_out) = #call.await;
+            #p::leak_result_of(#__oomguard_leak, #__oomguard_out)
         })
     } else {
         quote!(#call.await.1)
@@ -267,6 +332,14 @@ fn leak_action(a: LeakAction, p: &TokenStream) -> TokenStream {
 /// `#[oom_retry]`: the body becomes one attempt, run again with a smaller plan after an
 /// out-of-memory. Guard attributes on the same function apply to each attempt.
 pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> TokenStream {
+    let __oomguard_attempt = generated("__oomguard_attempt");
+    let __oomguard_committed = generated("__oomguard_committed");
+    let __oomguard_done = generated("__oomguard_done");
+    let __oomguard_e = generated("__oomguard_e");
+    let __oomguard_out = generated("__oomguard_out");
+    let __oomguard_retry = generated("__oomguard_retry");
+    let __oomguard_v = generated("__oomguard_v");
+    let __oomguard_value = generated("__oomguard_value");
     let list = match args::parse_args(args) {
         Ok(l) => l,
         Err(e) => {
@@ -275,18 +348,35 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         }
     };
     let opts = RetryOptions::from_args(list, errors);
-    let krate = opts.krate.clone().unwrap_or_else(default_crate);
     check::not_const(&f, "oom_retry", errors);
     check::require_result(&f, "oom_retry", "retries on an out-of-memory error", errors);
     check::no_value_self(&f, errors);
 
     // Guard attributes move inside: they apply to each attempt.
-    let mut guards = Guards::default();
+    let mut guards = Guards {
+        function: f.sig.ident.to_string(),
+        ..Guards::default()
+    };
     let mut kept = Vec::new();
     let mut absorbed = Vec::new();
+    let mut seen_guards: Vec<String> = Vec::new();
+    let mut guard_crate = None;
     for a in std::mem::take(&mut f.attrs) {
         match attr_name(&a) {
+            Some(n) if n == "oom_retry" => {
+                errors.at(
+                    &a,
+                    "#[oom_retry] is given twice: one retry loop per function (nested loops would multiply the attempts)",
+                );
+            }
+            Some(n) if GUARD_ATTRS.contains(&n.as_str()) && seen_guards.contains(&n) => {
+                errors.at(
+                    &a,
+                    format!("#[{n}] is given twice: give it once (each attempt runs under one)"),
+                );
+            }
             Some(n) if GUARD_ATTRS.contains(&n.as_str()) => {
+                seen_guards.push(n.clone());
                 // Keep the user's import of the attribute used, though it expands no more.
                 let path = a.path().clone();
                 absorbed.push(quote!(#[allow(unused_imports)] use #path as _;));
@@ -296,7 +386,8 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 };
                 match args::parse_args(tokens) {
                     Ok(list) => {
-                        parse_guard(&n, list, &mut guards, a.span(), errors);
+                        let k = parse_guard(&n, list, &mut guards, a.span(), errors);
+                        guard_crate = guard_crate.or(k);
                     }
                     Err(e) => errors.push(e),
                 }
@@ -306,13 +397,27 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     }
     f.attrs = kept;
     check_leak_error(&f, &guards, errors);
+    // The facade's path: this attribute's `crate`, else one given on a guard attribute.
+    let krate = opts
+        .krate
+        .clone()
+        .or(guard_crate)
+        .unwrap_or_else(default_crate);
 
     let params = check::params(&f);
     let p = quote!(#krate::__private);
     // What the retry controls: a batch size, a batch plan, or nothing (empty-cache retries only).
     let mut kind = quote!(#p::RetryKind::Plain);
     let mut rebind = Vec::new();
+    let allow_unused = opts
+        .commit
+        .as_ref()
+        .map(|_| quote!(#[allow(unused_variables)]));
     for (i, prm) in params.iter().enumerate() {
+        if matches!(&*prm.pat, Pat::Wild(_)) {
+            // `_`: never used, nothing to pass again
+            continue;
+        }
         let Some(ident) = &prm.ident else {
             errors.at(&prm.pat, "#[oom_retry] needs plain names for parameters (no patterns), so each attempt can pass them again");
             continue;
@@ -320,11 +425,11 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         let pat = &prm.pat;
         let ty = &prm.ty;
         if opts.batch.as_ref() == Some(ident) {
-            if !check::is_integer(ty) {
-                errors.at(ty, format!("`batch = {ident}` needs an integer parameter (usize, u32, …), not this type"));
+            if !check::is_batch_integer(ty) {
+                errors.at(ty, format!("`batch = {ident}` needs an unsigned integer parameter (usize, u64, u32, u16 or u8), not this type"));
             }
             kind = quote!(#p::RetryKind::Batch(#p::BatchInt::to_u64(#ident)));
-            rebind.push(quote!(let #pat: #ty = #p::BatchInt::from_u64(__oomguard_retry.batch());));
+            rebind.push(quote!(let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch());));
             continue;
         }
         if opts.plan.as_ref() == Some(ident) {
@@ -347,20 +452,25 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 quote!(#ident)
             };
             kind = quote!(#p::RetryKind::Plan(#init));
-            let tmp = format_ident!("__oomguard_plan{}", i);
+            let tmp = proc_macro2::Ident::new(
+                &format!("__oomguard_plan{i}"),
+                proc_macro2::Span::mixed_site(),
+            );
             if by_ref {
-                rebind.push(quote!(let #tmp = __oomguard_retry.plan(); let #pat = &#tmp;));
+                rebind.push(quote!(let #tmp = #__oomguard_retry.plan(); let #pat = &#tmp;));
             } else {
-                rebind.push(quote!(let #pat = __oomguard_retry.plan();));
+                rebind.push(quote!(let #pat = #__oomguard_retry.plan();));
             }
             continue;
         }
         match prm.passing {
             Passing::SharedRef => {}
-            Passing::MutRef => rebind.push(quote!(let #pat = &mut *#ident;)),
-            Passing::Value => {
-                rebind.push(quote_spanned!(pat.span()=> let #pat = #p::clone_for_retry(&#ident);))
-            }
+            // With a commit phase a parameter may be used by the commit only: its rebinding in
+            // the attempt is then unused, and the warning would be wrong.
+            Passing::MutRef => rebind.push(quote!(#allow_unused let #pat = &mut *#ident;)),
+            Passing::Value => rebind.push(
+                quote_spanned!(pat.span()=> #allow_unused let #pat = #p::clone_for_retry(&#ident);),
+            ),
         }
     }
     for (opt, what) in [(&opts.batch, "batch"), (&opts.plan, "plan")] {
@@ -401,43 +511,113 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     let name = f.sig.ident.to_string();
     let line = quote_spanned!(f.sig.ident.span()=> ::core::line!());
     let ret = return_type(&f);
+    // With a commit phase the body is the attempt: it returns the value handed to the commit
+    // (any type), with the function's error type.
+    let attempt_ret = match (&opts.commit, &ret) {
+        (Some(_), Some(r)) => Some(quote!(::core::result::Result<_, <#r as #p::FnResult>::Err>)),
+        (Some(_), None) => None,
+        (None, r) => r.clone(),
+    };
     let body = &f.block;
     let attempt = if f.sig.asyncness.is_some() {
         let fut = quote!(async #body);
-        guarded_future(fut, &guards, &krate, &ret)
+        guarded_future(fut, &guards, &krate, &attempt_ret)
     } else {
-        let arrow = ret.as_ref().map(|r| quote!(-> #r));
+        let arrow = attempt_ret.as_ref().map(|r| quote!(-> #r));
         let inner = quote!({
             #[allow(clippy::redundant_closure_call)]
-            let __oomguard_attempt = (|| #arrow #body)();
-            __oomguard_attempt
+            let #__oomguard_attempt = (|| #arrow #body)();
+            #__oomguard_attempt
         });
-        guarded_block(inner, &guards, &krate, &ret)
+        guarded_block(inner, &guards, &krate, &attempt_ret)
     };
-    let new_body = quote!({
-        #(#absorbed)*
-        let mut __oomguard_retry = #p::Retry::new(#p::RetryConfig {
-            site: #p::Site {
-                file: ::core::file!(),
-                line: #line,
-                function: #name,
-                key: ::core::concat!(::core::file!(), ":", #line, " ", #name),
-            },
-            kind: #kind,
-            min: #min,
-            max_retries: #max_retries,
-            remember: #remember,
-            persist: #persist,
-            policy: #policy,
-        });
-        loop {
-            #(#rebind)*
-            let __oomguard_out = #attempt;
-            match __oomguard_retry.next(__oomguard_out) {
-                ::core::ops::ControlFlow::Break(__oomguard_done) => return __oomguard_done,
-                ::core::ops::ControlFlow::Continue(()) => {}
-            }
-        }
+    let no_grad = guards.no_grad;
+    // Plans are remembered per generic instance: the memory of `step::<f32>` is not
+    // `step::<f64>`'s.
+    let type_params: Vec<_> = f.sig.generics.type_params().map(|t| &t.ident).collect();
+    let instance = if type_params.is_empty() {
+        quote!("")
+    } else {
+        quote!(::core::any::type_name::<(#(#type_params,)*)>())
+    };
+    // `Retry::<E>`, E from the return type (through `FnResult`, so that aliases work and a
+    // return type that is not a `Result` gets a clear error).
+    let err_turbofish = ret
+        .as_ref()
+        .map(|r| quote_spanned!(r.span()=> <<#r as #p::FnResult>::Err>::));
+    let config = quote!(#p::RetryConfig {
+        site: #p::Site {
+            file: ::core::file!(),
+            line: #line,
+            function: #name,
+            key: ::core::concat!(::core::file!(), ":", #line, " ", #name),
+            instance: #instance,
+        },
+        kind: #kind,
+        min: #min,
+        max_retries: #max_retries,
+        remember: #remember,
+        persist: #persist,
+        policy: #policy,
+        no_grad: #no_grad,
     });
+    let new_body = match &opts.commit {
+        None => quote!({
+            #(#absorbed)*
+            static __OOMGUARD_SITE: #p::SiteCache = #p::SiteCache::new();
+            let mut #__oomguard_retry = #p::Retry::#err_turbofish new(#config, &__OOMGUARD_SITE);
+            loop {
+                #(#rebind)*
+                let #__oomguard_out = #attempt;
+                match #__oomguard_retry.next(#__oomguard_out) {
+                    ::core::ops::ControlFlow::Break(#__oomguard_done) => return #__oomguard_done,
+                    ::core::ops::ControlFlow::Continue(()) => {}
+                }
+            }
+        }),
+        Some(commit) => {
+            let ret_ty = ret.clone().unwrap_or_else(|| quote!(_));
+            // The closure gets the function's return type, so that a mismatch is reported in
+            // its body.
+            let mut commit = commit.clone();
+            if let (syn::Expr::Closure(c), Some(r)) = (&mut commit, &ret) {
+                if matches!(c.output, ReturnType::Default) {
+                    let b = &c.body;
+                    let block = quote_spanned!(b.span()=> { #b });
+                    if let (Ok(ty), Ok(body)) = (syn::parse2(r.clone()), syn::parse2(block)) {
+                        c.output = ReturnType::Type(Default::default(), Box::new(ty));
+                        *c.body = body;
+                    }
+                }
+            }
+            // The commit runs once, outside the retry loop and outside the attempt's guards
+            // (a `#[leak_check(action = error)]` of the attempt has already passed).
+            let call = quote_spanned!(commit.span()=>
+                #[allow(clippy::redundant_closure_call)]
+                let #__oomguard_committed: #ret_ty = (#commit)(#__oomguard_value);
+            );
+            quote!({
+                #(#absorbed)*
+                static __OOMGUARD_SITE: #p::SiteCache = #p::SiteCache::new();
+            let mut #__oomguard_retry = #p::Retry::#err_turbofish new(#config, &__OOMGUARD_SITE);
+                let #__oomguard_value = loop {
+                    #(#rebind)*
+                    let #__oomguard_out = #attempt;
+                    match #__oomguard_retry.next(#__oomguard_out) {
+                        ::core::ops::ControlFlow::Break(::core::result::Result::Ok(#__oomguard_v)) => {
+                            break #__oomguard_v
+                        }
+                        ::core::ops::ControlFlow::Break(::core::result::Result::Err(#__oomguard_e)) => {
+                            return ::core::result::Result::Err(#__oomguard_e)
+                        }
+                        ::core::ops::ControlFlow::Continue(()) => {}
+                    }
+                };
+                #call
+                #__oomguard_retry.committed(&#__oomguard_committed);
+                #__oomguard_committed
+            })
+        }
+    };
     set_block(f, new_body)
 }

@@ -49,26 +49,25 @@ fn run(name: &str, args: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-/// Retries the function after an out-of-memory with a smaller footprint. See the `oomguard`
-/// crate's documentation.
+/// An attribute macro of oomguard: use it through the `oomguard` crate, which documents it.
 #[proc_macro_attribute]
 pub fn oom_retry(args: TokenStream, item: TokenStream) -> TokenStream {
     run("oom_retry", args, item)
 }
 
-/// Runs the function inside a memory budget. See the `oomguard` crate's documentation.
+/// An attribute macro of oomguard: use it through the `oomguard` crate, which documents it.
 #[proc_macro_attribute]
 pub fn memory_budget(args: TokenStream, item: TokenStream) -> TokenStream {
     run("memory_budget", args, item)
 }
 
-/// Checks that the function leaks no device memory. See the `oomguard` crate's documentation.
+/// An attribute macro of oomguard: use it through the `oomguard` crate, which documents it.
 #[proc_macro_attribute]
 pub fn leak_check(args: TokenStream, item: TokenStream) -> TokenStream {
     run("leak_check", args, item)
 }
 
-/// Runs the function with gradient tracking off. See the `oomguard` crate's documentation.
+/// An attribute macro of oomguard: use it through the `oomguard` crate, which documents it.
 #[proc_macro_attribute]
 pub fn no_grad(args: TokenStream, item: TokenStream) -> TokenStream {
     run("no_grad", args, item)

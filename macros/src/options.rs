@@ -16,6 +16,8 @@ pub struct RetryOptions {
     pub max_retries: Option<u64>,
     pub remember: Option<bool>,
     pub persist: Option<LitStr>,
+    /// `commit = |value| ...`: the commit phase, run once with the successful attempt's value.
+    pub commit: Option<Expr>,
     pub krate: Option<syn::Path>,
 }
 
@@ -27,6 +29,7 @@ const RETRY_KEYS: &[&str] = &[
     "max_retries",
     "remember",
     "persist",
+    "commit",
     "crate",
 ];
 
@@ -34,6 +37,7 @@ impl RetryOptions {
     pub fn from_args(list: Vec<Arg>, errors: &mut Errors) -> Self {
         let mut o = RetryOptions::default();
         let mut seen = Seen::new();
+        let mut min_at: Option<Ident> = None;
         for arg in list {
             let (key, value) = match arg {
                 Arg::KeyValue { key, value } => (key, value),
@@ -49,6 +53,10 @@ impl RetryOptions {
                     errors.at(l, "#[oom_retry] takes `key = value` options");
                     continue;
                 }
+                Arg::Expr(e) => {
+                    errors.at(e, "#[oom_retry] takes `key = value` options");
+                    continue;
+                }
             };
             if !RETRY_KEYS.contains(&key.to_string().as_str()) {
                 args::unknown(&key, "oom_retry", RETRY_KEYS, errors);
@@ -62,6 +70,7 @@ impl RetryOptions {
                 "plan" => o.plan = args::ident(&value, "plan", errors),
                 "policy" => o.policy = Some(value),
                 "min" => {
+                    min_at = Some(key.clone());
                     o.min = args::int_lit(&value, "min", errors);
                     if o.min == Some(0) {
                         errors.at(&value, "`min` must be at least 1");
@@ -75,9 +84,22 @@ impl RetryOptions {
                         errors.at(&value, "`persist` needs a file path");
                     }
                 }
+                "commit" => o.commit = commit_closure(value, errors),
                 "crate" => o.krate = args::crate_path(&value, errors),
                 _ => unreachable!("keys are checked above"),
             }
+        }
+        if let (Some(at), None, None, None) = (&min_at, &o.batch, &o.plan, &o.policy) {
+            errors.at(
+                at,
+                "`min` is the smallest batch (`batch = ...`) or micro-batch (`plan = ...`): give one of them, or a `policy`",
+            );
+        }
+        if let (Some(p), Some(false)) = (&o.persist, o.remember) {
+            errors.at(
+                p,
+                "`persist` saves remembered plans, and `remember = false` remembers none: drop one",
+            );
         }
         if let (Some(b), Some(_)) = (&o.batch, &o.plan) {
             errors.at(
@@ -87,6 +109,44 @@ impl RetryOptions {
         }
         o
     }
+}
+
+/// `commit = |value| body`: a closure of one parameter (the attempt's value), run once after an
+/// attempt succeeded. It is pasted after the retry loop, so it may use the function's
+/// parameters (`self` included) and must return the function's return type.
+fn commit_closure(value: Expr, errors: &mut Errors) -> Option<Expr> {
+    let Expr::Closure(c) = &value else {
+        errors.at(
+            &value,
+            "`commit` takes a closure of one parameter, the attempt's value: \
+             `commit = |grads| self.apply(grads)`",
+        );
+        return None;
+    };
+    if c.inputs.len() != 1 {
+        let at = if c.inputs.is_empty() {
+            quote::quote!(#c)
+        } else {
+            let i = &c.inputs;
+            quote::quote!(#i)
+        };
+        errors.at(
+            at,
+            format!(
+                "the `commit` closure takes exactly one parameter (the value the body returned), not {}",
+                c.inputs.len()
+            ),
+        );
+        return None;
+    }
+    if let Some(a) = &c.asyncness {
+        errors.at(
+            a,
+            "the `commit` closure cannot be `async`: it runs once, after the attempt",
+        );
+        return None;
+    }
+    Some(value)
 }
 
 /// What a budget is.
@@ -134,15 +194,29 @@ impl BudgetOptions {
                 _ => {}
             }
             match arg {
-                Arg::Literal(Lit::Str(s)) => {
-                    if let Some(n) = args::size_lit(&s, errors) {
-                        set_limit(&mut o, BudgetLimit::Bytes(n), &s, errors);
-                    }
-                }
+                Arg::Literal(Lit::Str(s)) => match args::size_lit(&s, errors) {
+                    Some(0) => errors.at(&s, "a budget of 0 bytes allows no allocation at all"),
+                    Some(n) => set_limit(&mut o, BudgetLimit::Bytes(n), &s, errors),
+                    None => {}
+                },
                 Arg::Literal(l) => {
                     errors.at(l, "the budget literal is a size string such as \"2 GiB\"")
                 }
-                Arg::Flag(key) => args::unknown(&key, "memory_budget", BUDGET_KEYS, errors),
+                Arg::Flag(key) => {
+                    limit_given = true;
+                    errors.at(
+                        &key,
+                        format!("a budget computed at run time is `bytes = {key}`; a fixed one is a size literal such as \"2 GiB\" (options: bytes, fraction, crate)"),
+                    )
+                }
+                Arg::Expr(e) => {
+                    limit_given = true;
+                    let shown = quote::quote!(#e).to_string().replace(" . ", ".");
+                    errors.at(
+                        &e,
+                        format!("a budget computed at run time is `bytes = {shown}`; a fixed one is a size literal such as \"2 GiB\""),
+                    )
+                }
                 Arg::KeyValue { key, value } => {
                     if !BUDGET_KEYS.contains(&key.to_string().as_str()) {
                         args::unknown(&key, "memory_budget", BUDGET_KEYS, errors);
@@ -153,6 +227,18 @@ impl BudgetOptions {
                     }
                     match key.to_string().as_str() {
                         "bytes" => {
+                            if let Expr::Lit(syn::ExprLit {
+                                lit: Lit::Int(i), ..
+                            }) = &value
+                            {
+                                if i.base10_parse::<u64>().ok() == Some(0) {
+                                    errors.at(
+                                        &value,
+                                        "a budget of 0 bytes allows no allocation at all",
+                                    );
+                                    continue;
+                                }
+                            }
                             set_limit(&mut o, BudgetLimit::Expr(value.clone()), &key, errors)
                         }
                         "fraction" => {
@@ -230,6 +316,13 @@ impl LeakOptions {
                     );
                     continue;
                 }
+                Arg::Expr(e) => {
+                    errors.at(
+                        e,
+                        "#[leak_check] takes `action = ...` and `allow = \"size\"`",
+                    );
+                    continue;
+                }
             };
             if !LEAK_KEYS.contains(&key.to_string().as_str()) {
                 args::unknown(&key, "leak_check", LEAK_KEYS, errors);
@@ -240,7 +333,21 @@ impl LeakOptions {
             }
             match key.to_string().as_str() {
                 "action" => {
-                    let Some(id) = args::ident(&value, "action", errors) else {
+                    if let Expr::Lit(syn::ExprLit {
+                        lit: Lit::Str(text),
+                        ..
+                    }) = &value
+                    {
+                        errors.at(
+                            &value,
+                            format!(
+                                "`action` takes `panic`, `warn` or `error` without quotes: `action = {}`",
+                                text.value()
+                            ),
+                        );
+                        continue;
+                    }
+                    let Some(id) = action_ident(&value, errors) else {
                         continue;
                     };
                     o.action_span = Some(id.span());
@@ -270,6 +377,17 @@ impl LeakOptions {
     }
 }
 
+/// The `action` value: `panic`, `warn` or `error`.
+fn action_ident(e: &Expr, errors: &mut Errors) -> Option<Ident> {
+    if let Expr::Path(p) = e {
+        if let Some(id) = p.path.get_ident() {
+            return Some(id.clone());
+        }
+    }
+    errors.at(e, "`action` takes `panic`, `warn` or `error`");
+    None
+}
+
 /// `#[no_grad]` takes only `crate = "path"`.
 pub fn no_grad_options(list: Vec<Arg>, errors: &mut Errors) -> Option<syn::Path> {
     let mut krate = None;
@@ -287,6 +405,7 @@ pub fn no_grad_options(list: Vec<Arg>, errors: &mut Errors) -> Option<syn::Path>
             Arg::Literal(l) => {
                 errors.at(l, "#[no_grad] takes no arguments (only `crate = \"path\"`)")
             }
+            Arg::Expr(e) => errors.at(e, "#[no_grad] takes no arguments (only `crate = \"path\"`)"),
         }
     }
     krate

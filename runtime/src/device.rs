@@ -40,6 +40,26 @@ struct DeviceInner {
 /// Weak handles of every device made, so that device-agnostic guards can reach them.
 static REGISTRY: Mutex<Vec<Weak<DeviceInner>>> = Mutex::new(Vec::new());
 
+/// A [`Device`] that is not kept alive (see `Device::downgrade`).
+#[derive(Clone, Debug)]
+pub(crate) struct WeakDevice(Weak<DeviceInner>);
+
+impl WeakDevice {
+    /// The device's address, as `Device::thread_device_addr` gives it.
+    pub(crate) fn addr(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+    /// Whether the device is alive.
+    pub(crate) fn alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+}
+
+thread_local! {
+    /// The address of the device this thread last allocated on (0: none).
+    static THREAD_DEVICE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 fn registry() -> MutexGuard<'static, Vec<Weak<DeviceInner>>> {
     // Only pushes and retains happen under the lock: a poisoned list is still a valid list.
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
@@ -86,6 +106,38 @@ impl Device {
             .filter_map(Weak::upgrade)
             .map(|inner| Device { inner })
             .collect()
+    }
+
+    /// The address identifying the device the calling thread last allocated on (0: none).
+    pub(crate) fn thread_device_addr() -> usize {
+        THREAD_DEVICE.try_with(|d| d.get()).unwrap_or(0)
+    }
+
+    /// A handle that does not keep the device alive; while it exists, no other device can have
+    /// this device's address.
+    pub(crate) fn downgrade(&self) -> WeakDevice {
+        WeakDevice(Arc::downgrade(&self.inner))
+    }
+
+    /// The device the calling thread last allocated on, if it is still alive: what a step that
+    /// holds no device (`#[oom_retry]`) runs on, for remembering its plans per device.
+    ///
+    /// ```
+    /// use oomguard_runtime::{ByteSize, Device};
+    /// let dev = Device::sim(ByteSize::mib(8));
+    /// let _b = dev.alloc::<u8>(16).unwrap();
+    /// assert_eq!(Device::last_used_on_thread().unwrap().ordinal(), dev.ordinal());
+    /// ```
+    pub fn last_used_on_thread() -> Option<Device> {
+        let addr = THREAD_DEVICE.try_with(|d| d.get()).unwrap_or(0);
+        if addr == 0 {
+            return None;
+        }
+        registry()
+            .iter()
+            .find(|w| w.as_ptr() as usize == addr)
+            .and_then(Weak::upgrade)
+            .map(|inner| Device { inner })
     }
 
     /// The caching allocator.
@@ -137,6 +189,7 @@ impl Device {
     #[track_caller]
     pub fn alloc_raw(&self, bytes: u64, stream: StreamId) -> Result<Allocation> {
         let inner = &*self.inner;
+        THREAD_DEVICE.with(|d| d.set(Arc::as_ptr(&self.inner) as usize));
         if !inner.tracker.scopes_open() {
             return inner.allocator.allocate(bytes, stream);
         }

@@ -109,12 +109,28 @@ pub enum Error {
     /// A leak check found device memory still held (`#[leak_check(action = error)]`).
     #[error("{0}")]
     Leak(#[from] crate::guard::LeakReport),
+    /// A step retried by the OOM retry engine (`#[oom_retry]`, [`crate::retry::RetryEngine`])
+    /// gave up: its last error, with the report of every attempt (plans tried, the smallest
+    /// one). An out-of-memory when `error` is one.
+    #[error("{error}\n{report}")]
+    RetriesExhausted {
+        /// The last attempt's error.
+        #[source]
+        error: Box<Error>,
+        /// Every attempt of the step.
+        report: Box<crate::retry::RetryReport>,
+    },
 }
 
 impl Error {
     /// Whether this error is an out-of-memory (device OOM or exceeded budget).
     pub fn is_oom(&self) -> bool {
-        matches!(self, Error::Oom(_) | Error::BudgetExceeded(_))
+        match self {
+            Error::Oom(_) | Error::BudgetExceeded(_) => true,
+            Error::Backend(b) => b.is_oom(),
+            Error::RetriesExhausted { error, .. } => error.is_oom(),
+            _ => false,
+        }
     }
 }
 

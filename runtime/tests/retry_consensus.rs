@@ -141,3 +141,75 @@ fn giving_up_on_one_rank_stops_all_ranks() {
         assert!(o.2.is_some());
     }
 }
+
+/// Runs `f` on one thread per rank; fails the test if they do not all finish within 20 s (a
+/// hang). Each rank's result is `Err` when its thread panicked.
+fn on_ranks_no_hang<T: Send + 'static>(
+    world: usize,
+    f: impl Fn(usize, LocalGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<thread::Result<T>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (rank, g) in LocalGroup::new(world).into_iter().enumerate() {
+        let f = f.clone();
+        let tx = tx.clone();
+        thread::spawn(move || {
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(rank, g)));
+            let _ = tx.send((rank, out));
+        });
+    }
+    let mut out: Vec<Option<thread::Result<T>>> = (0..world).map(|_| None).collect();
+    for _ in 0..world {
+        let (rank, r) = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("a rank hangs");
+        out[rank] = Some(r);
+    }
+    out.into_iter().map(|r| r.unwrap()).collect()
+}
+
+#[test]
+fn a_rank_with_an_empty_batch_stops_every_rank() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        let dev = Device::sim(ByteSize::mib(64));
+        let engine = RetryEngine::new().with_consensus(group);
+        let rows = if rank == 1 { 0 } else { 10 };
+        engine
+            .run(&dev, rows, |plan| activations(&dev, plan), |r| r)
+            .map(|r| r.value)
+            .map_err(|e| e.to_string())
+    });
+    let errors: Vec<String> = out.into_iter().map(|r| r.unwrap().unwrap_err()).collect();
+    assert!(
+        errors[0].contains("another rank cannot start"),
+        "{errors:?}"
+    );
+    assert!(errors[1].contains("0 rows"), "{errors:?}");
+}
+
+#[test]
+fn a_rank_that_panics_mid_attempt_stops_the_others() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        let dev = Device::sim(ByteSize::mib(64));
+        let engine = RetryEngine::new().with_consensus(group);
+        engine
+            .run(
+                &dev,
+                10,
+                |plan| {
+                    if rank == 1 {
+                        panic!("rank 1 fails mid-attempt");
+                    }
+                    activations(&dev, plan)
+                },
+                |r| r,
+            )
+            .map(|r| r.value)
+            .map_err(|e| matches!(e, RetryError::PeerFailed { .. }))
+    });
+    assert_eq!(
+        out[0].as_ref().unwrap(),
+        &Err(true),
+        "rank 0 stops with PeerFailed"
+    );
+    assert!(out[1].is_err(), "rank 1 panicked");
+}

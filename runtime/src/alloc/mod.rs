@@ -85,6 +85,18 @@ pub struct CachingAllocator {
     total: u64,
 }
 
+thread_local! {
+    static THREAD_ALLOC_RETRIES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Allocator retries (the cache freed and the request tried again after an out-of-memory) that
+/// allocations made by the calling thread caused, on every device. The retry engine's thrash
+/// detection for steps that hold no device watches this, so that another thread's device does
+/// not count.
+pub fn thread_alloc_retries() -> u64 {
+    THREAD_ALLOC_RETRIES.try_with(|c| c.get()).unwrap_or(0)
+}
+
 impl CachingAllocator {
     /// An allocator over `backend`. Growable segments are used when the configuration asks for
     /// them and the backend supports them.
@@ -223,6 +235,7 @@ impl CachingAllocator {
         };
         // Out of memory: wait for pending cross-stream frees, give the cache back, retry.
         st.stats.num_alloc_retries += 1;
+        THREAD_ALLOC_RETRIES.with(|c| c.set(c.get() + 1));
         self.process_events(st, true);
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);

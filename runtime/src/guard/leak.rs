@@ -56,6 +56,8 @@ pub struct LeakReport {
     pub allowed_bytes: u64,
     /// Where the scope was opened.
     pub scope: &'static Location<'static>,
+    /// The function the check covers (`#[leak_check]` names it), if known.
+    pub function: Option<&'static str>,
 }
 
 impl LeakReport {
@@ -80,6 +82,7 @@ impl LeakReport {
             leaks,
             allowed_bytes,
             scope,
+            function: None,
         }
     }
 
@@ -90,9 +93,23 @@ impl LeakReport {
         }
         match action {
             LeakAction::Panic if !std::thread::panicking() => panic!("{self}"),
-            LeakAction::Panic => tracing::error!("{self}"),
-            LeakAction::Warn => tracing::warn!("{self}"),
+            LeakAction::Panic => {
+                tracing::error!("{self}");
+                self.to_stderr_without_subscriber("error");
+            }
+            LeakAction::Warn => {
+                tracing::warn!("{self}");
+                self.to_stderr_without_subscriber("warning");
+            }
             LeakAction::Report => {}
+        }
+    }
+
+    /// A leak nobody would see: without a global `tracing` subscriber the report goes to
+    /// standard error, so that `Warn` leaks and leaks found while panicking are never silent.
+    fn to_stderr_without_subscriber(&self, level: &str) {
+        if !tracing::dispatcher::has_been_set() {
+            eprintln!("oomguard {level}: {self}");
         }
     }
 
@@ -113,11 +130,17 @@ impl LeakReport {
 
 impl fmt::Display for LeakReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(func) = self.function {
+            write!(f, "leak check of `{func}` (")?;
+        }
+        write!(f, "leak check opened at {}", self.scope)?;
+        if self.function.is_some() {
+            write!(f, ")")?;
+        }
         write!(
             f,
-            "leak check opened at {}: {} buffer(s) allocated inside the scope still live, {} \
+            ": {} buffer(s) allocated inside the scope still live, {} \
              (allowance {})",
-            self.scope,
             self.leaks.len(),
             ByteSize(self.total_bytes),
             ByteSize(self.allowed_bytes),

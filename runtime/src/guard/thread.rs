@@ -117,6 +117,7 @@ pub struct ThreadLeakCheck {
     scope: Arc<Scope>,
     action: LeakAction,
     allowed: u64,
+    function: Option<&'static str>,
     finished: bool,
     _not_send: PhantomData<*const ()>,
 }
@@ -128,6 +129,7 @@ pub fn thread_leak_check() -> ThreadLeakCheck {
         scope: open(ScopeKind::Leak, Location::caller(), true),
         action: LeakAction::Panic,
         allowed: 0,
+        function: None,
         finished: false,
         _not_send: PhantomData,
     }
@@ -144,9 +146,17 @@ impl ThreadLeakCheck {
         self.allowed = bytes.into().bytes();
         self
     }
+    /// Names the function the check covers, for the report (`#[leak_check]` does).
+    pub fn named(mut self, function: &'static str) -> Self {
+        self.function = Some(function);
+        self
+    }
     /// The buffers allocated inside the scope that are live now.
     pub fn report(&self) -> LeakReport {
-        leak_report(&self.scope, self.allowed)
+        LeakReport {
+            function: self.function,
+            ..leak_report(&self.scope, self.allowed)
+        }
     }
     /// Ends the scope: `Err` with the report when the leaks exceed the allowance.
     pub fn finish(mut self) -> Result<(), LeakReport> {
@@ -170,6 +180,7 @@ pub struct GuardSet {
     no_grad: bool,
     budget: Option<Arc<Scope>>,
     leak: Option<(Arc<Scope>, LeakAction, u64)>,
+    function: Option<&'static str>,
 }
 
 impl GuardSet {
@@ -209,6 +220,11 @@ impl GuardSet {
         ));
         self
     }
+    /// Names the function the guards cover, for the leak report.
+    pub fn named(mut self, function: &'static str) -> Self {
+        self.function = Some(function);
+        self
+    }
     /// Runs `fut` with these guards applied on each poll.
     pub fn scope<F: Future>(self, fut: F) -> Scoped<F> {
         Scoped {
@@ -229,7 +245,10 @@ impl GuardSet {
         self.budget = None;
         match self.leak.take() {
             Some((scope, action, allowed)) => {
-                let r = leak_report(&scope, allowed);
+                let r = LeakReport {
+                    function: self.function,
+                    ..leak_report(&scope, allowed)
+                };
                 if action == LeakAction::Report {
                     return r.into_result();
                 }

@@ -7,6 +7,7 @@
 
 use std::error::Error as StdError;
 
+use super::report::RetryReport;
 use crate::backend::BackendError;
 use crate::error::{BudgetExceeded, Error, OomError};
 
@@ -38,11 +39,46 @@ use crate::error::{BudgetExceeded, Error, OomError};
 pub trait IsOom {
     /// `true` when the error is an out-of-memory.
     fn is_oom(&self) -> bool;
+
+    /// `true` when the out-of-memory is a memory budget's ([`BudgetExceeded`]): emptying the
+    /// cache cannot help, so the engine skips the same-plan retry. `false` by default.
+    fn is_budget_exceeded(&self) -> bool {
+        false
+    }
+
+    /// The error a step that gave up returns, with the report of its attempts attached when the
+    /// type can carry it: oomguard's [`Error`] becomes [`Error::RetriesExhausted`], an
+    /// `anyhow::Error` (feature `anyhow`) gets the report as context, an `io::Error` wraps it.
+    /// By default the error is returned as it is; the report is always in
+    /// [`last_report`](super::last_report).
+    fn with_retry_report(self, _report: &RetryReport) -> Self
+    where
+        Self: Sized,
+    {
+        self
+    }
 }
 
 impl IsOom for Error {
     fn is_oom(&self) -> bool {
         Error::is_oom(self)
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        match self {
+            Error::BudgetExceeded(_) => true,
+            Error::RetriesExhausted { error, .. } => error.is_budget_exceeded(),
+            _ => false,
+        }
+    }
+    fn with_retry_report(self, report: &RetryReport) -> Self {
+        match self {
+            // a nested retried step: keep the inner report, the outer is in `last_report`
+            e @ Error::RetriesExhausted { .. } => e,
+            error => Error::RetriesExhausted {
+                error: Box::new(error),
+                report: Box::new(report.clone()),
+            },
+        }
     }
 }
 
@@ -55,6 +91,62 @@ impl IsOom for OomError {
 impl IsOom for BudgetExceeded {
     fn is_oom(&self) -> bool {
         true
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        true
+    }
+}
+
+/// An `io::Error` is an out-of-memory when the error it wraps is one (its `get_ref`, then that
+/// error's `source()` chain).
+impl IsOom for std::io::Error {
+    fn is_oom(&self) -> bool {
+        chain_is_oom(self)
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        chain_is_budget(self)
+    }
+    fn with_retry_report(self, report: &RetryReport) -> Self {
+        std::io::Error::new(
+            self.kind(),
+            ReportedIo {
+                error: self,
+                report: Box::new(report.clone()),
+            },
+        )
+    }
+}
+
+/// An `io::Error` with the report of the retried step that gave up (see
+/// [`IsOom::with_retry_report`]); its source is the original error.
+#[derive(Debug)]
+struct ReportedIo {
+    error: std::io::Error,
+    report: Box<RetryReport>,
+}
+
+impl std::fmt::Display for ReportedIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}\n{}", self.error, self.report)
+    }
+}
+
+impl StdError for ReportedIo {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&self.error)
+    }
+}
+
+#[cfg(feature = "anyhow")]
+impl IsOom for anyhow::Error {
+    fn is_oom(&self) -> bool {
+        chain_is_oom(self.as_ref())
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        chain_is_budget(self.as_ref())
+    }
+    fn with_retry_report(self, report: &RetryReport) -> Self {
+        self.context(report.clone())
     }
 }
 
@@ -82,11 +174,17 @@ impl<T: IsOom + ?Sized> IsOom for &T {
     fn is_oom(&self) -> bool {
         (**self).is_oom()
     }
+    fn is_budget_exceeded(&self) -> bool {
+        (**self).is_budget_exceeded()
+    }
 }
 
 impl<T: IsOom + ?Sized> IsOom for Box<T> {
     fn is_oom(&self) -> bool {
         (**self).is_oom()
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        (**self).is_budget_exceeded()
     }
 }
 
@@ -94,25 +192,28 @@ impl<T: IsOom + ?Sized> IsOom for std::sync::Arc<T> {
     fn is_oom(&self) -> bool {
         (**self).is_oom()
     }
-}
-
-impl IsOom for dyn StdError + 'static {
-    fn is_oom(&self) -> bool {
-        chain_is_oom(self)
+    fn is_budget_exceeded(&self) -> bool {
+        (**self).is_budget_exceeded()
     }
 }
 
-impl IsOom for dyn StdError + Send + 'static {
-    fn is_oom(&self) -> bool {
-        chain_is_oom(self)
-    }
+macro_rules! dyn_is_oom {
+    ($($t:ty),*) => {$(
+        impl IsOom for $t {
+            fn is_oom(&self) -> bool {
+                chain_is_oom(self)
+            }
+            fn is_budget_exceeded(&self) -> bool {
+                chain_is_budget(self)
+            }
+        }
+    )*};
 }
-
-impl IsOom for dyn StdError + Send + Sync + 'static {
-    fn is_oom(&self) -> bool {
-        chain_is_oom(self)
-    }
-}
+dyn_is_oom!(
+    dyn StdError + 'static,
+    dyn StdError + Send + 'static,
+    dyn StdError + Send + Sync + 'static
+);
 
 /// Whether `err` or any error in its `source()` chain is a known out-of-memory error.
 ///
@@ -138,14 +239,38 @@ impl IsOom for dyn StdError + Send + Sync + 'static {
 /// assert!(chain_is_oom(&e));
 /// ```
 pub fn chain_is_oom(err: &(dyn StdError + 'static)) -> bool {
+    chain_any(err, known_is_oom)
+}
+
+/// Whether `err` or any error in its `source()` chain is a memory budget's out-of-memory.
+fn chain_is_budget(err: &(dyn StdError + 'static)) -> bool {
+    chain_any(err, |e| {
+        e.is::<BudgetExceeded>()
+            || e.downcast_ref::<Error>()
+                .is_some_and(|e| e.is_budget_exceeded())
+    })
+}
+
+/// Walks the chain: each error, then the error an `io::Error` wraps (its `source()` skips it),
+/// then `source()`.
+fn chain_any(
+    err: &(dyn StdError + 'static),
+    pred: impl Fn(&(dyn StdError + 'static)) -> bool,
+) -> bool {
     let mut cur = Some(err);
     // Bounded, in case a source chain loops.
     for _ in 0..64 {
         let Some(e) = cur else { return false };
-        if known_is_oom(e) {
+        if pred(e) {
             return true;
         }
-        cur = e.source();
+        cur = match e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn StdError + 'static)),
+            None => e.source(),
+        };
     }
     false
 }

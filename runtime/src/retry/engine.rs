@@ -20,6 +20,7 @@ use super::report::{
 };
 use super::thrash::ThrashDetector;
 use crate::source::MemorySource;
+use crate::Device;
 
 /// A training (or evaluation) step processed micro-batch by micro-batch; see the
 /// [contract](crate::retry#the-contract).
@@ -320,8 +321,11 @@ impl RetryEngine {
 
     /// [`RetryEngine::begin_at`] for code that holds no [`Device`] (the attribute macros): an
     /// out-of-memory on any device counts, the cache of every live device ([`Device::all`]) is
-    /// emptied before a retry, thrashing is watched on all of them, and plans are remembered
-    /// under [`DeviceKey::any`](super::DeviceKey::any). The step covers `start.batch()` rows in
+    /// emptied before a retry, thrashing is watched through the allocator retries of this
+    /// thread's allocations. Plans are remembered per device: the device this thread allocated
+    /// on last ([`Device::last_used_on_thread`]; before the step for the lookup, after it for
+    /// what is learned), its name, ordinal and capacity; [`DeviceKey::any`](super::DeviceKey::any)
+    /// when the thread has allocated nothing yet. The step covers `start.batch()` rows in
     /// micro-batches no larger than `start`'s (the remembered plan may split them further).
     pub fn begin_any<E: IsOom + fmt::Display>(
         &self,
@@ -330,7 +334,7 @@ impl RetryEngine {
     ) -> Result<RetryLoop<E>, RetryError<E>> {
         let key = MemoryKey {
             site: site.into(),
-            device: super::memory::DeviceKey::any(),
+            device: thread_device_key(),
             mode: (self.mode)(),
         };
         self.begin_on(key, Target::All, start.batch(), Some(start.micro_batch()))
@@ -343,7 +347,12 @@ impl RetryEngine {
         batch: usize,
         micro_cap: Option<usize>,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
+        super::report::clear_last_report();
         if batch == 0 {
+            // Other ranks wait for this rank in the starting agreement: take part, so that they
+            // stop too instead of waiting forever.
+            let mut v = [FATAL, 0, 0];
+            let _ = self.agree(&mut v);
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
             ));
@@ -352,10 +361,21 @@ impl RetryEngine {
         let mode = key.mode;
 
         // Starting plan: remembered limits, or one size up after enough clean steps.
-        let (limits, mut regrow) = {
+        let (limits, mut regrow, memory_error) = {
             let mut mem = self.memory();
             let e = mem.entry(&key);
-            let limits = e.limits;
+            let mut limits = e.limits;
+            if mode == StepMode::Train && limits.batch.is_some() {
+                // A training step never runs fewer rows than asked because of a remembered batch
+                // cap (from a plan file, or a policy that shrank): only micro-batch caps apply.
+                tracing::warn!(
+                    target: "oomguard::retry",
+                    site = %key.site,
+                    limits = %limits,
+                    "a remembered batch cap is ignored for a training step (it would drop rows)"
+                );
+                limits.batch = None;
+            }
             let mut regrow = None;
             if let Some(k) = self.regrow_after {
                 let wait = u64::from(k) << e.failed_regrows.min(16);
@@ -364,7 +384,7 @@ impl RetryEngine {
                     regrow = limits.one_up(batch);
                 }
             }
-            (limits, regrow)
+            (limits, regrow, mem.error().map(str::to_string))
         };
         let capped = |p: BatchPlan| match micro_cap {
             Some(m) if m < p.micro_batch() => {
@@ -381,6 +401,11 @@ impl RetryEngine {
         let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
         let mut v = encode(OK, &plan, batch);
         self.agree(&mut v).map_err(RetryError::Consensus)?;
+        if v[0] != OK {
+            return Err(RetryError::Consensus(ConsensusError(
+                "another rank cannot start this step (an empty batch): every rank stops".into(),
+            )));
+        }
         let agreed = decode(&v, batch);
         if agreed != plan {
             // Another rank starts smaller: no regrow this step.
@@ -398,8 +423,11 @@ impl RetryEngine {
             regrow: None,
             thrash_moved_to: None,
             elapsed: Default::default(),
+            commit_error: None,
+            memory_error,
         };
         Ok(RetryLoop {
+            device_addr: Device::thread_device_addr(),
             engine: self.clone(),
             retries_before: target.alloc_retries(),
             target,
@@ -413,7 +441,7 @@ impl RetryEngine {
             failures: Vec::new(),
             oom_count: 0,
             started,
-            attempt_started: Instant::now(),
+            attempt_started: started,
             done: false,
         })
     }
@@ -450,6 +478,41 @@ impl RetryEngine {
     }
 }
 
+/// The device key of a step that holds no device: the device this thread allocated on last.
+/// Cached per thread (the device's name is a string the backend builds); the cache holds a
+/// weak handle, so the address cannot belong to another device while it is cached.
+fn thread_device_key() -> super::memory::DeviceKey {
+    use super::memory::DeviceKey;
+    thread_local! {
+        static CACHE: std::cell::RefCell<Option<(crate::device::WeakDevice, DeviceKey)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let addr = Device::thread_device_addr();
+    if addr == 0 {
+        return DeviceKey::any();
+    }
+    let cached = CACHE
+        .try_with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|(w, _)| w.addr() == addr && w.alive())
+                .map(|(_, k)| k.clone())
+        })
+        .ok()
+        .flatten();
+    if let Some(k) = cached {
+        return k;
+    }
+    match Device::last_used_on_thread() {
+        Some(d) => {
+            let k = DeviceKey::of(&d);
+            let _ = CACHE.try_with(|c| *c.borrow_mut() = Some((d.downgrade(), k.clone())));
+            k
+        }
+        None => DeviceKey::any(),
+    }
+}
+
 /// The memory source(s) a step runs on.
 #[derive(Clone, Debug)]
 enum Target {
@@ -465,10 +528,13 @@ impl Target {
             Target::All => crate::source::all(),
         }
     }
+    /// The allocator retries thrash detection watches: the device's, or for a step that holds
+    /// none, those caused by this thread's allocations (another thread's device, busy as it may
+    /// be, is not what the step uses).
     fn alloc_retries(&self) -> u64 {
         match self {
             Target::One(s) => s.alloc_retries(),
-            Target::All => crate::source::all().iter().map(|s| s.alloc_retries()).sum(),
+            Target::All => crate::alloc::thread_alloc_retries(),
         }
     }
     /// Used and reserved bytes now (sources that cannot be read count 0).
@@ -487,6 +553,10 @@ impl Target {
     }
 }
 
+/// Most failed attempts of one step, whatever the policy says: a policy that never gives up
+/// cannot loop forever.
+pub const MAX_ATTEMPTS: u32 = 64;
+
 const OK: u64 = 0;
 const OOM: u64 = 1;
 const GIVE_UP: u64 = 2;
@@ -496,6 +566,8 @@ const FATAL: u64 = 3;
 /// result to [`RetryLoop::next`], and repeat while it says `Continue`. Made by
 /// [`RetryEngine::begin`]. Commit only after `next` returns `Break(Ok(..))`.
 pub struct RetryLoop<E> {
+    /// For a step that holds no device: the thread's device when its key was taken.
+    device_addr: usize,
     engine: RetryEngine,
     target: Target,
     key: MemoryKey,
@@ -513,6 +585,21 @@ pub struct RetryLoop<E> {
     done: bool,
 }
 
+/// A loop dropped before its step ended (a panic in the attempt, or a caller that stopped
+/// driving it): the other ranks wait for this rank's next agreement, so it takes part as failed
+/// and they stop with [`RetryError::PeerFailed`] instead of waiting forever.
+impl<E> Drop for RetryLoop<E> {
+    fn drop(&mut self) {
+        if !self.done && self.engine.consensus.world_size() > 1 {
+            self.done = true;
+            let mut v = [FATAL, 0, 0];
+            if let Err(e) = self.engine.agree(&mut v) {
+                tracing::error!(target: "oomguard::retry", error = %e, "agreement failed while stopping");
+            }
+        }
+    }
+}
+
 impl<E> fmt::Debug for RetryLoop<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLoop")
@@ -524,6 +611,29 @@ impl<E> fmt::Debug for RetryLoop<E> {
 }
 
 impl<E: IsOom + fmt::Display> RetryLoop<E> {
+    /// A policy's plan, if the engine may run it: the rows of the step at most, and no larger
+    /// than the plan that failed (a policy that grows plans would never end). Anything else is
+    /// logged and treated as giving up: the policy is not trusted to be right.
+    fn checked(&self, next: BatchPlan, failed: BatchPlan) -> Option<BatchPlan> {
+        let ok = next.batch() <= self.batch
+            && next.batch() <= failed.batch()
+            && next.micro_batch() <= failed.micro_batch();
+        if !ok {
+            tracing::error!(
+                target: "oomguard::retry",
+                site = %self.report.site,
+                policy = ?self.engine.policy,
+                failed = %failed,
+                proposed = %next,
+                rows = self.batch,
+                "the retry policy proposed a plan larger than the one that failed (or than the \
+                 step's rows): giving up"
+            );
+            return None;
+        }
+        Some(next)
+    }
+
     /// The plan the next attempt must run.
     pub fn plan(&self) -> BatchPlan {
         self.plan
@@ -552,18 +662,38 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 "RetryLoop::next called after the step finished".into(),
             )));
         }
-        let elapsed = self.attempt_started.elapsed();
+        // One clock read per attempt: its time and the step's.
+        let now = Instant::now();
+        let elapsed = now.saturating_duration_since(self.attempt_started);
         let retries_after = self.target.alloc_retries();
         let plan = self.plan;
+        let mut budget = false;
         let (status, proposal) = match &result {
             Ok(_) => (OK, plan),
             Err(e) if e.is_oom() => {
                 self.oom_count += 1;
+                budget = e.is_budget_exceeded();
                 let next = if self.regrow.is_some() {
                     Some(self.good)
+                } else if self.oom_count > MAX_ATTEMPTS {
+                    tracing::error!(
+                        target: "oomguard::retry",
+                        site = %self.report.site,
+                        "the policy retried {MAX_ATTEMPTS} times: giving up"
+                    );
+                    None
                 } else {
-                    let ctx = RetryContext::new(plan, self.batch, self.oom_count, Pressure::Oom);
-                    self.engine.policy.next_plan(&ctx)
+                    // A budget is not helped by emptying the cache: the policy skips that retry.
+                    let pressure = if budget {
+                        Pressure::Budget
+                    } else {
+                        Pressure::Oom
+                    };
+                    let ctx = RetryContext::new(plan, self.batch, self.oom_count, pressure);
+                    self.engine
+                        .policy
+                        .next_plan(&ctx)
+                        .and_then(|p| self.checked(p, plan))
                 };
                 match next {
                     Some(p) => (OOM, p),
@@ -575,10 +705,17 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         let mut v = encode(status, &proposal, self.batch);
         if let Err(e) = self.engine.agree(&mut v) {
             self.done = true;
+            self.report.elapsed = now.saturating_duration_since(self.started);
+            super::report::set_last_report(&self.report);
             return ControlFlow::Break(Err(RetryError::Consensus(e)));
         }
         let agreed_status = v[0];
         let next = decode(&v, self.batch);
+        if matches!(self.target, Target::All) && Device::thread_device_addr() != self.device_addr {
+            // What the attempt learned belongs to the device it allocated on.
+            self.key.device = thread_device_key();
+            self.device_addr = Device::thread_device_addr();
+        }
 
         if agreed_status == OK {
             let Ok(value) = result else {
@@ -603,7 +740,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 retries_after,
                 self.regrow,
             );
-            self.report.elapsed = self.started.elapsed();
+            self.report.elapsed = now.saturating_duration_since(self.started);
             super::report::set_last_report(&self.report);
             return ControlFlow::Break(Ok((value, self.report.clone())));
         }
@@ -620,7 +757,8 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                 if status == FATAL {
                     self.done = true;
                     self.report.final_plan = plan;
-                    self.report.elapsed = self.started.elapsed();
+                    self.report.elapsed = now.saturating_duration_since(self.started);
+                    super::report::set_last_report(&self.report);
                     return ControlFlow::Break(Err(RetryError::Step {
                         error: e,
                         report: Box::new(self.report.clone()),
@@ -640,11 +778,14 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             elapsed,
         });
         self.failures.push(FailedAttempt { plan, error });
-        self.target.empty_cache();
+        if !budget {
+            self.target.empty_cache();
+        }
         if !continuing {
             self.done = true;
             self.report.final_plan = plan;
-            self.report.elapsed = self.started.elapsed();
+            self.report.elapsed = now.saturating_duration_since(self.started);
+            super::report::set_last_report(&self.report);
             tracing::error!(
                 target: "oomguard::retry",
                 site = %self.report.site,
@@ -687,7 +828,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         }
         self.plan = next;
         self.retries_before = self.target.alloc_retries();
-        self.attempt_started = Instant::now();
+        self.attempt_started = now;
         ControlFlow::Continue(())
     }
 }
@@ -739,8 +880,13 @@ impl RetryEngine {
                 }
             }
         }
+        if limits == e.limits {
+            // nothing learned (the usual step): no second lookup, nothing to save
+            return;
+        }
         if let Err(err) = mem.set_limits(key, limits) {
             tracing::warn!(target: "oomguard::retry", error = %err, "could not save remembered plans");
+            report.memory_error = Some(err.to_string());
         }
     }
 }

@@ -4,7 +4,8 @@
 //! Lightning doubles then bisects (13 step runs for GPT-2 small on an H100), Accelerate
 //! multiplies by 0.9 from a guess (23 runs, 0.88 of the maximum), toma halves (5 runs, 0.58).
 //! Memory of a training step is close to `fixed + per_row × rows`; measuring it at two sizes
-//! predicts the largest batch that fits, so the search usually takes 3–4 runs.
+//! predicts the largest batch that fits: 4 runs when memory is affine in the batch, more when it
+//! is not (see [`find_max_batch`]).
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -29,6 +30,7 @@ pub struct FinderOptions {
     pub max_trials: u32,
 }
 
+/// The defaults: `start` 1 row, `max` 2^20 rows, `margin` 0.03, `refine` on, `max_trials` 16.
 impl Default for FinderOptions {
     fn default() -> Self {
         Self {
@@ -98,6 +100,9 @@ pub struct FinderReport {
     pub fit: Option<LinearFit>,
     /// Bytes available to the step's peak (what the device could still give, cache emptied).
     pub budget_bytes: u64,
+    /// The search ended because it used `max_trials` runs, not because it was within
+    /// [`TOLERANCE`] of the limit: `max_batch` may be further from the maximum.
+    pub stopped_by_max_trials: bool,
 }
 
 impl FinderReport {
@@ -147,6 +152,16 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
     /// The device could not be queried.
     #[error("device error: {0}")]
     Device(#[from] crate::Error),
+    /// The step retried out-of-memory itself (it runs an OOM retry engine or `#[oom_retry]`
+    /// that shrank or split its batch): its success says nothing about the rows asked for, so
+    /// the search would overestimate the maximum. Give the finder the step without its retry.
+    #[error("the step retried internally at {rows} rows (it ran {report}); find_max_batch needs the step without its OOM retry")]
+    RetriesInside {
+        /// The rows asked for.
+        rows: usize,
+        /// The inner retry's report.
+        report: Box<super::report::RetryReport>,
+    },
 }
 
 /// Peak bytes allocated while `f` runs, above what was allocated when it started (what a
@@ -166,8 +181,15 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 ///
 /// Runs the step at `start` and `8 × start` rows while measuring peak memory, fits
 /// `peak = fixed + per_row × rows`, jumps to the predicted maximum under the available memory
-/// minus the margin, optionally refines once, and bisects only if the jump fails. The step
-/// should do what a real step does (forward, backward, optimizer) and keep nothing between calls.
+/// minus the margin, and optionally refines once: **4 runs when peak memory is affine in the
+/// batch**. When the jump fails (memory quadratic in the rows, a jump, rows padded to buckets)
+/// it searches between the largest batch that ran and the smallest that did not, probing where
+/// a parabola (or secant) through the measured peaks meets the budget, until the first is
+/// within [`TOLERANCE`] (0.95) of the second; measured: 6–8 runs on quadratic and bucketed
+/// steps, 7 to 11 on steps whose memory jumps (docs/BENCHMARKS.md). If `max_trials` ends the
+/// search first, [`FinderReport::stopped_by_max_trials`] says so. The step should do what a
+/// real step does (forward, backward, optimizer), keep nothing between calls, and not retry
+/// out-of-memory itself (a step that did is refused: [`FinderError::RetriesInside`]).
 ///
 /// ```
 /// use oomguard_runtime::retry::{find_max_batch, FinderOptions};
@@ -217,7 +239,16 @@ where
     let mut run = |rows: usize, trials: &mut Vec<Trial>| -> Result<Option<u64>, FinderError<E>> {
         device.empty_cache()?;
         let t0 = Instant::now();
+        super::report::clear_last_report();
         let (res, peak) = measure_peak(device, || step(rows))?;
+        if let Some(r) = super::report::last_report() {
+            if r.retries() > 0 || r.final_plan.batch() != r.requested_batch {
+                return Err(FinderError::RetriesInside {
+                    rows,
+                    report: Box::new(r),
+                });
+            }
+        }
         let peak_bytes = match res {
             Ok(_) => Some(peak),
             Err(e) if e.is_oom() => None,
@@ -237,6 +268,7 @@ where
     let mut lo: Option<(usize, u64)> = None;
     let mut hi: Option<usize> = None;
     let mut fit = None;
+    let mut stopped_by_trials = false;
 
     let s1 = opts.start;
     match run(s1, &mut trials)? {
@@ -283,6 +315,7 @@ where
                             trials,
                             fit,
                             budget_bytes: budget,
+                            stopped_by_max_trials: false,
                         });
                     }
                 }
@@ -296,7 +329,15 @@ where
             if r >= opts.max || !budget_left(&trials) {
                 break;
             }
-            let next = r.saturating_mul(2).min(opts.max);
+            // Memory did not grow from the last probes (rows padded to buckets, a fixed
+            // workspace): assume at worst proportional memory, `peak / rows` a row, which never
+            // overshoots an affine step with a nonnegative fixed part.
+            let p = lo.map_or(0, |x| x.1).max(1);
+            let proportional =
+                (r as f64 * budget as f64 * (1.0 - opts.margin) / p as f64).floor() as usize;
+            // at least past the tolerance, so that a failure there ends the search
+            let just_above = ((r as f64) / TOLERANCE).floor() as usize + 1;
+            let next = proportional.max(just_above).min(opts.max);
             match run(next, &mut trials)? {
                 Some(p) => lo = Some((next, p)),
                 None => {
@@ -306,31 +347,140 @@ where
             }
         }
     }
-    // Bisect between the largest success and the smallest failure.
+    // The prediction failed: memory is not affine in the rows (quadratic, a jump, buckets).
+    // Search the bracket [largest success, smallest failure) until the success is within
+    // `TOLERANCE` of the failure (the maximum lies between them), probing where the secant
+    // through the two largest successes meets the budget when that is inside the bracket, else
+    // in its middle (geometric while it is wide).
     if let Some(mut h) = hi {
         let mut l = lo.map_or(0, |x| x.0);
-        while h - l > 1 && budget_left(&trials) {
-            // stop once within 1% of the lower bound: further runs gain little
-            if l > 0 && (h - l) * 100 <= l {
-                break;
-            }
-            let mid = l + (h - l) / 2;
+        let mut confirm = false;
+        while h - l > 1 && (l as f64) < TOLERANCE * h as f64 && budget_left(&trials) {
+            let successes: Vec<(usize, u64)> = {
+                let mut v: Vec<_> = trials
+                    .iter()
+                    .filter_map(|t| t.peak_bytes.map(|p| (t.rows, p)))
+                    .collect();
+                v.sort_unstable();
+                v
+            };
+            let mid = bracket_probe(l, h, &successes, budget, opts.margin, confirm);
+            let was_confirm = mid == ((l as f64) / TOLERANCE).floor() as usize + 1;
             match run(mid, &mut trials)? {
                 Some(p) => {
                     l = mid;
                     lo = Some((mid, p));
+                    // after a success, try once just above it (unless that was the try)
+                    confirm = !was_confirm;
                 }
-                None => h = mid,
+                None => {
+                    h = mid;
+                    confirm = false;
+                }
             }
         }
+        stopped_by_trials = h - l > 1 && (l as f64) < TOLERANCE * h as f64;
         if l == 0 {
             return Err(FinderError::NothingFits(trials));
         }
+    }
+    if stopped_by_trials {
+        tracing::warn!(
+            target: "oomguard::retry",
+            runs = trials.len(),
+            "find_max_batch: stopped by max_trials before the bracket was within 5%"
+        );
     }
     Ok(FinderReport {
         max_batch: lo.map_or(0, |l| l.0),
         trials,
         fit,
         budget_bytes: budget,
+        stopped_by_max_trials: stopped_by_trials,
     })
+}
+
+/// The largest rows at which the parabola through three `(rows, peak)` points stays under
+/// `target`, when it is increasing and convex there.
+fn quadratic_rows(a: (usize, u64), b: (usize, u64), c: (usize, u64), target: f64) -> Option<usize> {
+    let (x1, y1, x2, y2, x3, y3) = (
+        a.0 as f64, a.1 as f64, b.0 as f64, b.1 as f64, c.0 as f64, c.1 as f64,
+    );
+    let d1 = (y2 - y1) / (x2 - x1);
+    let d2 = (y3 - y2) / (x3 - x2);
+    let k = (d2 - d1) / (x3 - x1); // the r² coefficient
+    if k.is_nan() || k <= 0.0 || !k.is_finite() {
+        return None;
+    }
+    // y = y3 + m (x - x3) + k (x - x3)(x - x2)  →  k x² + (m - k (x2 + x3)) x + ... = target
+    let m = d2;
+    let qa = k;
+    let qb = m - k * (x2 + x3);
+    let qc = y3 - m * x3 + k * x2 * x3 - target;
+    let disc = qb * qb - 4.0 * qa * qc;
+    if disc < 0.0 {
+        return None;
+    }
+    let root = (-qb + disc.sqrt()) / (2.0 * qa);
+    (root.is_finite() && root >= 1.0).then(|| root.floor() as usize)
+}
+
+/// The search stops once the largest success is at least this fraction of the smallest failure.
+pub const TOLERANCE: f64 = 0.95;
+
+/// The next probe inside the bracket `(l, h)` (`l` ran, `h` did not). `confirm`: the last probe
+/// ran and a probe just above it could end the search (`l` within [`TOLERANCE`] of it).
+fn bracket_probe(
+    l: usize,
+    h: usize,
+    successes: &[(usize, u64)],
+    budget: u64,
+    margin: f64,
+    confirm: bool,
+) -> usize {
+    let inside = |x: usize| x.clamp(l + 1, h - 1);
+    // The smallest failure that would end the search.
+    let just_above = ((l as f64) / TOLERANCE).floor() as usize + 1;
+    // Close to the end: one probe at the tolerance settles it if it runs.
+    if l as f64 >= 0.9 * h as f64 {
+        return inside((TOLERANCE * h as f64).ceil() as usize);
+    }
+    // The model of the largest successes: a parabola through three (memory growing faster
+    // than the rows), else the secant through two; aimed at the budget.
+    let model = |target: f64| -> Option<usize> {
+        if let [.., a, b, c] = successes {
+            if let Some(g) = quadratic_rows(*a, *b, *c, target) {
+                return Some(g);
+            }
+        }
+        if let [.., (r1, p1), (r2, p2)] = successes {
+            let f = LinearFit::through(*r1, *p1, *r2, *p2)?;
+            return Some(
+                ((target - f.fixed_bytes) / f.per_row_bytes)
+                    .floor()
+                    .max(0.0) as usize,
+            );
+        }
+        None
+    };
+    if let Some(m) = model(budget as f64) {
+        if m < just_above && just_above < h {
+            // The model puts the maximum within the tolerance of `l`: a failure just above
+            // ends the search.
+            return just_above;
+        }
+        let aimed = model(budget as f64 * (1.0 - margin)).unwrap_or(m);
+        if aimed > l && aimed < h {
+            return inside(aimed);
+        }
+    }
+    if confirm && just_above < h && h / l.max(1) < 4 {
+        // The model is out of the bracket (memory jumps): try just above the last success once.
+        return just_above;
+    }
+    if l > 0 && h / l >= 4 {
+        inside(((l as f64) * (h as f64)).sqrt() as usize)
+    } else {
+        inside(l + (h - l) / 2)
+    }
 }

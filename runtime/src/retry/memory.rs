@@ -228,8 +228,10 @@ struct FileEntry {
     limits: Limits,
 }
 
-/// The remembered plans. Kept in memory; with a file, every change is written to it (atomically:
-/// a temporary file renamed over the old one).
+/// The remembered plans. Kept in memory; with a file, every change is written to it: under a
+/// lock file (`<path>.lock`, waited for at most [`LOCK_WAIT`]), merged with what other writers
+/// (threads, processes) saved since (their keys are kept, ours win), through a temporary file
+/// of a unique name renamed over the old one.
 ///
 /// ```
 /// use oomguard_runtime::retry::{Limits, PlanMemory};
@@ -242,7 +244,17 @@ struct FileEntry {
 pub struct PlanMemory {
     entries: HashMap<MemoryKey, Entry>,
     path: Option<PathBuf>,
+    /// `clear` was called: the next save drops what other writers saved too.
+    cleared: bool,
+    /// The last error reading or writing the file, reported with every step.
+    error: Option<String>,
 }
+
+/// How long a save waits for another writer's lock on the plan file before it fails (it never
+/// hangs). A lock file older than [`STALE_LOCK`] is taken over (its writer died).
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// See [`LOCK_WAIT`].
+pub const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl PlanMemory {
     /// An empty memory that is not persisted.
@@ -255,44 +267,47 @@ impl PlanMemory {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, MemoryError> {
         let path = path.as_ref().to_path_buf();
         let mut entries = HashMap::default();
-        match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                let file: FileFormat =
-                    serde_json::from_str(&text).map_err(|e| MemoryError::Format {
-                        path: path.clone(),
-                        message: e.to_string(),
-                    })?;
-                if file.version != VERSION {
-                    return Err(MemoryError::Format {
-                        path,
-                        message: format!(
-                            "version {} (this oomguard reads version {VERSION})",
-                            file.version
-                        ),
-                    });
-                }
-                for e in file.plans {
-                    entries.insert(
-                        e.key,
-                        Entry {
-                            limits: e.limits,
-                            ..Entry::default()
-                        },
-                    );
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => return Err(MemoryError::Io { path, source }),
+        for (key, limits) in read_file(&path)? {
+            entries.insert(
+                key,
+                Entry {
+                    limits,
+                    ..Entry::default()
+                },
+            );
         }
         Ok(Self {
             entries,
             path: Some(path),
+            cleared: false,
+            error: None,
         })
+    }
+
+    /// [`PlanMemory::open`], or when the file cannot be read (corrupt, another version,
+    /// unreadable) an in-memory memory that says why in [`PlanMemory::error`] (and so in every
+    /// step's [`RetryReport::memory_error`](super::RetryReport::memory_error)), after a warning.
+    pub fn open_or_in_memory(path: impl AsRef<Path>) -> Self {
+        match Self::open(path.as_ref()) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(target: "oomguard::retry", error = %e, "plans are not persisted");
+                Self {
+                    error: Some(format!("{e}; plans are remembered in memory only")),
+                    ..Self::default()
+                }
+            }
+        }
     }
 
     /// The file this memory is persisted to.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
+    }
+
+    /// The last error reading or writing the file (`None`: none, or no file).
+    pub fn error(&self) -> Option<&str> {
+        self.error.as_deref()
     }
 
     /// The limits remembered for `key` ([`Limits::NONE`] if none).
@@ -310,9 +325,10 @@ impl PlanMemory {
         self.save()
     }
 
-    /// Forgets everything (and persists that).
+    /// Forgets everything (and persists that: the file is emptied, other writers' plans too).
     pub fn clear(&mut self) -> Result<(), MemoryError> {
         self.entries.clear();
+        self.cleared = true;
         self.save()
     }
 
@@ -341,42 +357,157 @@ impl PlanMemory {
             .unwrap_or_else(|| unreachable!("the key was just found"))
     }
 
-    /// Writes the file (no-op without one).
-    pub fn save(&self) -> Result<(), MemoryError> {
-        let Some(path) = &self.path else {
+    /// Writes the file (no-op without one), merged with what other writers saved: their keys
+    /// are kept, ours win. A failure is returned and kept in [`PlanMemory::error`].
+    pub fn save(&mut self) -> Result<(), MemoryError> {
+        let Some(path) = self.path.clone() else {
             return Ok(());
         };
-        let mut plans: Vec<FileEntry> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.limits != Limits::NONE)
-            .map(|(k, e)| FileEntry {
-                key: k.clone(),
-                limits: e.limits,
-            })
+        let out = self.save_to(&path);
+        match &out {
+            Ok(()) => {
+                self.error = None;
+                self.cleared = false;
+            }
+            Err(e) => self.error = Some(e.to_string()),
+        }
+        out
+    }
+
+    fn save_to(&self, path: &Path) -> Result<(), MemoryError> {
+        let io = |source| MemoryError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let _lock = FileLock::acquire(path).map_err(io)?;
+        let mut merged: HashMap<MemoryKey, Limits> = HashMap::default();
+        if !self.cleared {
+            // Another writer's plans since we read the file: keep them. A file that became
+            // unreadable is replaced (and said so).
+            match read_file(path) {
+                Ok(theirs) => merged.extend(theirs),
+                Err(e) => {
+                    tracing::warn!(target: "oomguard::retry", error = %e, "replacing the plan file")
+                }
+            }
+        }
+        for (k, e) in &self.entries {
+            merged.insert(k.clone(), e.limits);
+        }
+        let mut plans: Vec<FileEntry> = merged
+            .into_iter()
+            .filter(|(_, l)| *l != Limits::NONE)
+            .map(|(key, limits)| FileEntry { key, limits })
             .collect();
         plans.sort_by(|a, b| {
-            (&a.key.site, &a.key.device.name, a.key.device.ordinal).cmp(&(
-                &b.key.site,
-                &b.key.device.name,
-                b.key.device.ordinal,
-            ))
+            (
+                &a.key.site,
+                &a.key.device.name,
+                a.key.device.ordinal,
+                a.key.mode as u8,
+            )
+                .cmp(&(
+                    &b.key.site,
+                    &b.key.device.name,
+                    b.key.device.ordinal,
+                    b.key.mode as u8,
+                ))
         });
         let text = serde_json::to_string_pretty(&FileFormat {
             version: VERSION,
             plans,
         })
         .map_err(|e| MemoryError::Format {
-            path: path.clone(),
+            path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        let tmp = path.with_extension("json.tmp");
-        let io = |source| MemoryError::Io {
-            path: path.clone(),
-            source,
-        };
-        std::fs::write(&tmp, text).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        // A unique temporary name: two writers never write the same temporary file.
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("json.{}.{seq}.tmp", std::process::id()));
+        if let Err(e) = std::fs::write(&tmp, text) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
+        }
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(e)
+        })
+    }
+}
+
+/// The entries of a plan file (none when it does not exist).
+fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(MemoryError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let file: FileFormat = serde_json::from_str(&text).map_err(|e| MemoryError::Format {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    if file.version != VERSION {
+        return Err(MemoryError::Format {
+            path: path.to_path_buf(),
+            message: format!(
+                "version {} (this oomguard reads version {VERSION})",
+                file.version
+            ),
+        });
+    }
+    Ok(file.plans.into_iter().map(|e| (e.key, e.limits)).collect())
+}
+
+/// `<path>.lock`, created exclusively, removed on drop.
+struct FileLock(PathBuf);
+
+impl FileLock {
+    fn acquire(path: &Path) -> std::io::Result<FileLock> {
+        let lock = path.with_extension("json.lock");
+        let started = std::time::Instant::now();
+        loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&lock)
+            {
+                Ok(_) => return Ok(FileLock(lock)),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let stale = std::fs::metadata(&lock)
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .is_some_and(|age| age > STALE_LOCK);
+                    if stale {
+                        let _ = std::fs::remove_file(&lock);
+                        continue;
+                    }
+                    if started.elapsed() > LOCK_WAIT {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!(
+                                "{} is held by another writer (waited {LOCK_WAIT:?})",
+                                lock.display()
+                            ),
+                        ));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl Drop for FileLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 

@@ -34,7 +34,10 @@
 //! What must not happen in an attempt: changing parameters or optimizer state, advancing a data
 //! iterator (fetch the batch before calling the engine), or anything else that cannot be done
 //! twice. The commit is not retried: allocate optimizer state before the first step. With
-//! `#[oom_retry]` the whole function body is the attempt: commit after it returns.
+//! `#[oom_retry]` the function body is the attempt and `commit = |value| ...` is the commit: it
+//! runs once with the body's value, after the attempt's guards (a `#[leak_check(action =
+//! error)]` fails the step before the commit); its error, an out-of-memory included, is the
+//! function's error and is recorded in [`RetryReport::commit_error`].
 
 mod classify;
 #[cfg(feature = "candle")]
@@ -51,17 +54,21 @@ mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
-pub use engine::{RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
+pub use engine::{
+    RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW, MAX_ATTEMPTS,
+};
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
 pub use gradients::GradientSync;
-pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
+pub use memory::{
+    DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode, LOCK_WAIT, STALE_LOCK,
+};
 pub use plan::{BatchPlan, Chunk, PlanError};
 pub use policy::{
     inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,
     MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
 pub use report::{
-    last_report, AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError,
-    RetryReport,
+    clear_last_report, last_report, record_commit_error, AttemptOutcome, AttemptRecord,
+    CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
 };
 pub use thrash::ThrashDetector;

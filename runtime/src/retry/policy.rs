@@ -35,6 +35,9 @@ pub enum Pressure {
     /// The step succeeded, but the allocator had to free its cache and retry in several
     /// consecutive steps: move down before a hard OOM. A same-plan retry makes no sense here.
     Thrash,
+    /// The step exceeded a memory budget (`#[memory_budget]`, [`crate::guard::thread_budget`]):
+    /// emptying the cache cannot help, so a same-plan retry makes no sense here either.
+    Budget,
 }
 
 /// What a policy sees when asked for the next plan.
@@ -114,7 +117,7 @@ impl<P: RetryPolicy + ?Sized> RetryPolicy for Box<P> {
 }
 
 /// Retries the same plan (the engine has emptied the cache) on the first `times` failures of a
-/// step. Never used for [`Pressure::Thrash`].
+/// step. Only for [`Pressure::Oom`]: never for [`Pressure::Thrash`] or [`Pressure::Budget`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EmptyCacheRetry {
     times: u32,

@@ -69,18 +69,52 @@ pub struct RetryReport {
     pub thrash_moved_to: Option<BatchPlan>,
     /// Total time of the step, retries included.
     pub elapsed: Duration,
+    /// The commit phase's failure, when it failed (`#[oom_retry(commit = ...)]`). The commit runs
+    /// once and is never retried, an out-of-memory included: its error is the step's error.
+    pub commit_error: Option<CommitFailure>,
+    /// The plan file could not be read or written (corrupt, locked, unwritable): what is
+    /// remembered is not persisted, and why.
+    pub memory_error: Option<String>,
+}
+
+/// A commit phase that failed (see [`RetryReport::commit_error`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommitFailure {
+    /// The error's message.
+    pub error: String,
+    /// Whether it was an out-of-memory (which is not retried in the commit).
+    pub oom: bool,
 }
 
 thread_local! {
     static LAST: std::cell::RefCell<Option<RetryReport>> = const { std::cell::RefCell::new(None) };
 }
 
-/// The report of the last step that completed on this thread (through any [`RetryEngine`] use,
-/// `#[oom_retry]` included), to see the retries a step took and the plan it ran with.
+/// The report of the last step on this thread (through any [`RetryEngine`] use, `#[oom_retry]`
+/// included), to see the retries a step took, the plan it ran with and the rows it processed
+/// (`final_plan.batch()` of `requested_batch`). Cleared when a step starts and set when it
+/// ends, whether it succeeded or failed; `None` while a step runs and after a step that did not
+/// start (a batch of 0 rows).
 ///
 /// [`RetryEngine`]: super::RetryEngine
 pub fn last_report() -> Option<RetryReport> {
     LAST.with(|l| l.borrow().clone())
+}
+
+/// Records that the commit phase of the step last reported on this thread at `site` failed
+/// (the macros' glue calls it; a hand-written commit may too).
+pub fn record_commit_error(site: &str, error: String, oom: bool) {
+    let _ = LAST.try_with(|l| {
+        if let Some(r) = l.borrow_mut().as_mut().filter(|r| r.site == site) {
+            r.commit_error = Some(CommitFailure { error, oom });
+        }
+    });
+}
+
+/// Forgets this thread's last report (every step does when it starts; `#[oom_retry]` also
+/// when a call has nothing to plan, such as a batch of 0 rows).
+pub fn clear_last_report() {
+    let _ = LAST.try_with(|l| *l.borrow_mut() = None);
 }
 
 pub(crate) fn set_last_report(r: &RetryReport) {
@@ -111,6 +145,13 @@ impl fmt::Display for RetryReport {
             if let Some(e) = &a.error {
                 write!(f, ": {e}")?;
             }
+        }
+        if let Some(m) = &self.memory_error {
+            write!(f, "\n  plan file: {m}")?;
+        }
+        if let Some(c) = &self.commit_error {
+            let what = if c.oom { "out of memory" } else { "error" };
+            write!(f, "\n  commit failed ({what}, not retried): {}", c.error)?;
         }
         Ok(())
     }
@@ -165,12 +206,20 @@ pub enum RetryError<E> {
 
 impl<E> RetryError<E> {
     /// The step's own error, for callers that must return `E`: the non-OOM error, or the last
-    /// out-of-memory error of a step that gave up. `None` when this rank had no error of its own
-    /// (another rank failed, consensus failed, invalid argument).
-    pub fn into_error(self) -> Option<E> {
+    /// out-of-memory error of a step that gave up, with the report attached where `E` can carry
+    /// it ([`IsOom::with_retry_report`]). `None` when this rank had no error of its own (another
+    /// rank failed, consensus failed, invalid argument).
+    pub fn into_error(self) -> Option<E>
+    where
+        E: IsOom,
+    {
         match self {
             RetryError::Step { error, .. } => Some(error),
-            RetryError::GaveUp { failures, .. } => failures.into_iter().rev().find_map(|f| f.error),
+            RetryError::GaveUp { failures, report } => failures
+                .into_iter()
+                .rev()
+                .find_map(|f| f.error)
+                .map(|e| e.with_retry_report(&report)),
             _ => None,
         }
     }

@@ -1,0 +1,62 @@
+//! The engine does not trust custom policies: plans with more rows than the step (or than the
+//! plan that failed) are refused, and a policy that never gives up is stopped after
+//! `MAX_ATTEMPTS` failed attempts.
+
+use oomguard_runtime::retry::{
+    BatchPlan, FnPolicy, RetryContext, RetryEngine, RetryError, MAX_ATTEMPTS,
+};
+use oomguard_runtime::{ByteSize, Device, Error};
+
+/// 1 MiB of device memory per row of each micro-batch.
+fn step(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() << 20)?.len() >> 20;
+    }
+    Ok(n)
+}
+
+#[test]
+fn a_policy_that_never_gives_up_is_stopped() {
+    // 64 rows of 1 MiB never fit in 4 MiB; the policy retries the same plan forever.
+    let dev = Device::sim(ByteSize::mib(4));
+    let engine = RetryEngine::new().with_policy(FnPolicy(|ctx: &RetryContext| Some(ctx.plan)));
+    let mut attempts = 0u32;
+    let e = engine
+        .run(
+            &dev,
+            64,
+            |plan| {
+                attempts += 1;
+                step(&dev, plan)
+            },
+            |n| n,
+        )
+        .unwrap_err();
+    assert!(matches!(e, RetryError::GaveUp { .. }), "{e}");
+    assert_eq!(attempts, MAX_ATTEMPTS + 1);
+    assert_eq!(e.report().unwrap().retries(), (MAX_ATTEMPTS + 1) as usize);
+}
+
+#[test]
+fn a_plan_with_more_rows_than_the_step_is_refused() {
+    let dev = Device::sim(ByteSize::mib(8));
+    let engine = RetryEngine::new().with_policy(FnPolicy(|ctx: &RetryContext| {
+        BatchPlan::whole(ctx.requested_batch + 1).ok()
+    }));
+    let mut attempts = 0;
+    let e = engine
+        .run(
+            &dev,
+            16,
+            |plan| {
+                attempts += 1;
+                step(&dev, plan)
+            },
+            |n| n,
+        )
+        .unwrap_err();
+    assert!(matches!(e, RetryError::GaveUp { .. }), "{e}");
+    assert_eq!(attempts, 1, "the larger plan was not run");
+    assert!(e.into_error().unwrap().is_oom());
+}

@@ -1,0 +1,213 @@
+//! Traps of `#[oom_retry]` that changed what the user's code computes without saying so, or hid
+//! what happened (issue 15): each test fails on the behaviour before the fix.
+
+use std::cell::Cell;
+
+use oomguard::backend::{BackendError, BackendErrorKind};
+use oomguard::retry::{last_report, BatchPlan, FnPolicy, PlanError};
+use oomguard::{memory_budget, no_grad, oom_retry, ByteSize, Device, Error};
+
+const MIB: usize = 1 << 20;
+
+/// A "training" step over `rows` rows of 1 MiB: grad mode is on.
+#[oom_retry(batch = rows, remember = false)]
+fn train_rows(dev: &Device, rows: usize, attempts: &Cell<u32>) -> Result<usize, Error> {
+    attempts.set(attempts.get() + 1);
+    Ok(dev.alloc::<u8>(rows * MIB)?.len() / MIB)
+}
+
+/// The same as an evaluation step.
+#[oom_retry(batch = rows, remember = false)]
+#[no_grad]
+fn eval_rows(dev: &Device, rows: usize, attempts: &Cell<u32>) -> Result<usize, Error> {
+    attempts.set(attempts.get() + 1);
+    Ok(dev.alloc::<u8>(rows * MIB)?.len() / MIB)
+}
+
+#[test]
+fn batch_does_not_shrink_a_training_step() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let attempts = Cell::new(0);
+    let e = train_rows(&dev, 200, &attempts).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert_eq!(
+        attempts.get(),
+        2,
+        "the call, then once after emptying the cache"
+    );
+    let report = last_report().expect("a failed step has a report");
+    assert_eq!(report.final_plan.batch(), 200, "no row dropped");
+    // Under the caller's no_grad it evaluates, and may shrink: the caller sees the rows.
+    let _g = oomguard::no_grad();
+    attempts.set(0);
+    assert_eq!(train_rows(&dev, 200, &attempts).unwrap(), 50);
+    let report = last_report().unwrap();
+    assert_eq!(
+        (report.requested_batch, report.final_plan.batch()),
+        (200, 50)
+    );
+}
+
+#[test]
+fn batch_shrinks_an_evaluation_step_and_the_caller_learns_the_rows() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let attempts = Cell::new(0);
+    assert_eq!(eval_rows(&dev, 200, &attempts).unwrap(), 50);
+    let report = last_report().unwrap();
+    assert_eq!(report.requested_batch, 200);
+    assert_eq!(report.final_plan.batch(), 50);
+    // a call with nothing to plan leaves no stale report behind
+    assert_eq!(eval_rows(&dev, 0, &attempts).unwrap(), 0);
+    assert!(last_report().is_none());
+}
+
+#[oom_retry]
+fn plain(dev: &Device, bytes: usize, attempts: &Cell<u32>) -> Result<(), Error> {
+    attempts.set(attempts.get() + 1);
+    let _b = dev.alloc::<u8>(bytes)?;
+    Ok(())
+}
+
+#[test]
+fn a_bare_retry_is_bounded_and_its_error_carries_the_report() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let attempts = Cell::new(0);
+    let e = plain(&dev, 128 * MIB, &attempts).unwrap_err();
+    assert_eq!(
+        attempts.get(),
+        2,
+        "the call and one retry after emptying the cache"
+    );
+    assert!(e.is_oom());
+    let Error::RetriesExhausted { error, report } = &e else {
+        panic!("the error carries the report: {e:?}")
+    };
+    assert!(matches!(**error, Error::Oom(_)));
+    assert_eq!(report.retries(), 2);
+    assert!(
+        e.to_string().contains("Tried to allocate 128.00 MiB"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("attempt 2"), "{e}");
+    // last_report: set on failure too, and not stale.
+    assert_eq!(last_report().unwrap().retries(), 2);
+    plain(&dev, MIB, &attempts).unwrap();
+    assert_eq!(last_report().unwrap().retries(), 0);
+    plain(&dev, 128 * MIB, &attempts).unwrap_err();
+    assert_eq!(
+        last_report().unwrap().retries(),
+        2,
+        "the failed step's report"
+    );
+}
+
+#[oom_retry(plan = plan, remember = false)]
+#[memory_budget("8 MiB")]
+fn within_budget(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn a_budget_overrun_goes_straight_to_a_smaller_plan() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let plan = BatchPlan::whole(32).unwrap();
+    assert_eq!(within_budget(&dev, &plan).unwrap(), 32);
+    let r = last_report().unwrap();
+    let first = &r.attempts[0];
+    assert!(
+        first.next.unwrap().micro_batch() < 32,
+        "no same-plan retry after a budget overrun: {r}"
+    );
+    assert_eq!(r.retries(), 2, "32 → 16 → 8: {r}");
+}
+
+#[oom_retry(plan = plan, remember = false, policy = FnPolicy(|ctx: &oomguard::retry::RetryContext| BatchPlan::whole(ctx.requested_batch * 2).ok()))]
+fn growing_policy(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn a_policy_that_proposes_more_rows_is_refused_not_run() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let e = growing_policy(&dev, &BatchPlan::whole(100).unwrap()).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert_eq!(last_report().unwrap().retries(), 1, "gave up at once");
+}
+
+// --- reach: other error types ---
+
+#[oom_retry(plan = plan, remember = false)]
+fn with_anyhow(dev: &Device, plan: &BatchPlan) -> anyhow::Result<usize> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        let b = dev
+            .alloc::<u8>(c.len() * MIB)
+            .map_err(|e| anyhow::Error::new(e).context("forward pass"))?;
+        n += b.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn anyhow_results_are_retried_and_carry_the_report() {
+    let dev = Device::sim(ByteSize::mib(64));
+    assert_eq!(
+        with_anyhow(&dev, &BatchPlan::whole(100).unwrap()).unwrap(),
+        100
+    );
+    assert!(last_report().unwrap().retries() >= 2);
+    let small = Device::sim(ByteSize::mib(1));
+    let e = with_anyhow(&small, &BatchPlan::whole(4).unwrap()).unwrap_err();
+    assert!(oomguard::retry::IsOom::is_oom(&e));
+    assert!(
+        e.downcast_ref::<oomguard::retry::RetryReport>().is_some(),
+        "the report is in the chain: {e:?}"
+    );
+}
+
+type StepResult<T> = Result<T, std::io::Error>;
+
+/// A `Result` alias, and an OOM boxed in an `io::Error`.
+#[oom_retry(plan = plan, remember = false)]
+fn with_io(dev: &Device, plan: &BatchPlan) -> StepResult<usize> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        let b = dev
+            .alloc::<u8>(c.len() * MIB)
+            .map_err(std::io::Error::other)?;
+        n += b.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn io_errors_and_result_aliases_work() {
+    let dev = Device::sim(ByteSize::mib(64));
+    assert_eq!(with_io(&dev, &BatchPlan::whole(100).unwrap()).unwrap(), 100);
+    assert!(last_report().unwrap().retries() >= 2);
+}
+
+#[test]
+fn a_backend_oom_is_an_oom_and_plan_errors_convert() {
+    let e = Error::Backend(BackendError::new(
+        BackendErrorKind::OutOfMemory,
+        "cuMemCreate",
+        "out of memory",
+    ));
+    assert!(e.is_oom());
+    assert!(oomguard::retry::chain_is_oom(&e));
+    fn plan(rows: usize) -> Result<BatchPlan, Error> {
+        Ok(BatchPlan::whole(rows)?)
+    }
+    let e = plan(0).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let _: PlanError = BatchPlan::whole(0).unwrap_err();
+}

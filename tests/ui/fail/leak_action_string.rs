@@ -1,0 +1,8 @@
+use oomguard::{leak_check, Error};
+
+#[leak_check(action = "error")]
+fn step() -> Result<(), Error> {
+    Ok(())
+}
+
+fn main() {}
