@@ -56,8 +56,9 @@ pub(crate) struct Block {
     pub pool: PoolKind,
     /// Streams other than `stream` that used the block (`record_stream`).
     pub other_streams: Vec<StreamId>,
-    /// Bumped when the slot is reused, so stale handles are detected.
-    pub generation: u32,
+    /// The allocation's number, unique over the allocator's life (set when the block is handed
+    /// out; 0 while free), so that a stale handle never matches a later allocation.
+    pub generation: u64,
 }
 
 impl Block {

@@ -33,6 +33,12 @@ use state::State;
 
 /// A live allocation: what the allocator handed out. Freed with [`CachingAllocator::free`];
 /// [`crate::DeviceBuffer`] does that on drop.
+///
+/// A handle names one allocation of one allocator: it carries the allocator's identity and the
+/// allocation's number (never reused), so [`CachingAllocator::free`] rejects a handle that was
+/// freed already (even after its memory went to a new allocation), one from another allocator,
+/// and the copy a live [`crate::DeviceBuffer`] lends out through
+/// [`crate::DeviceBuffer::allocation`] (the buffer frees its memory itself).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Allocation {
     /// Device address of the first byte.
@@ -44,8 +50,35 @@ pub struct Allocation {
     /// The stream the allocation belongs to.
     pub stream: StreamId,
     block: BlockId,
-    generation: u32,
+    /// The allocation's number ([`BORROWED`] set on copies a buffer lends out).
+    generation: u64,
+    /// The identity of the allocator that made it.
+    owner: u64,
 }
+
+/// Set in [`Allocation::generation`] on the copy a [`crate::DeviceBuffer`] lends out: such a
+/// copy can name the allocation (`record_stream`) but not free it.
+const BORROWED: u64 = 1 << 63;
+
+impl Allocation {
+    /// This handle marked as lent out by its owner (it cannot free the allocation).
+    pub(crate) fn borrowed(mut self) -> Self {
+        self.generation |= BORROWED;
+        self
+    }
+    /// The owner's handle back from a lent-out copy.
+    pub(crate) fn owned(mut self) -> Self {
+        self.generation &= !BORROWED;
+        self
+    }
+    /// Whether this is a copy lent out by a buffer (see [`Allocation`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.generation & BORROWED != 0
+    }
+}
+
+/// Allocator identities: every allocator made in this process gets its own.
+static NEXT_ALLOCATOR_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Why growing the cache failed.
 #[derive(Debug)]
@@ -83,6 +116,8 @@ pub struct CachingAllocator {
     backend: Arc<dyn Backend>,
     state: Mutex<State>,
     total: u64,
+    /// This allocator's identity, carried in its handles.
+    id: u64,
 }
 
 impl CachingAllocator {
@@ -97,6 +132,7 @@ impl CachingAllocator {
             state: Mutex::new(State::new(config, growable, granularity)),
             backend,
             total,
+            id: NEXT_ALLOCATOR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -156,7 +192,7 @@ impl CachingAllocator {
         if st.history.is_some() {
             self.record_alloc(&mut st, id, stream);
         }
-        Ok(handle(&st, id, bytes, stream))
+        Ok(self.handle(&st, id, bytes, stream))
     }
 
     /// History of an allocation, with the caller's location (off the fast path).
@@ -194,7 +230,7 @@ impl CachingAllocator {
             }
         };
         st.mark_allocated(id, bytes);
-        Ok(handle(st, id, bytes, stream))
+        Ok(self.handle(st, id, bytes, stream))
     }
 
     /// The device must give more memory: grow; on out-of-memory release the cache and try again.
@@ -285,16 +321,30 @@ impl CachingAllocator {
         st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, u64::MAX, None)
     }
 
-    /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live:
-    /// freed already, or from another allocator.
+    /// Whether `a` names a live allocation of this allocator (lent-out copies included).
+    fn is_live(&self, st: &State, a: &Allocation) -> bool {
+        let generation = a.generation & !BORROWED;
+        a.owner == self.id
+            && st.blocks.get(a.block).is_some_and(|b| {
+                b.state == BlockState::Allocated && b.generation == generation && b.addr == a.ptr
+            })
+    }
+
+    /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live
+    /// (freed already), is from another allocator, or is the copy a live
+    /// [`crate::DeviceBuffer`] lends out.
     pub fn free(&self, a: Allocation) -> Result<(), Error> {
         let mut st = self.lock();
-        let live = st.blocks.get(a.block).is_some_and(|b| {
-            b.state == BlockState::Allocated && b.generation == a.generation && b.addr == a.ptr
-        });
-        if !live {
+        if !self.is_live(&st, &a) {
             return Err(Error::InvalidArgument(format!(
                 "free of {:#x}: not a live allocation of this allocator (double free?)",
+                a.ptr
+            )));
+        }
+        if a.is_borrowed() {
+            return Err(Error::InvalidArgument(format!(
+                "free of {:#x}: this handle is a copy lent out by a DeviceBuffer, which frees its \
+                 memory when dropped; drop the buffer instead",
                 a.ptr
             )));
         }
@@ -330,14 +380,11 @@ impl CachingAllocator {
     /// when freed, it is not reused until the work queued on `stream` by then has completed.
     pub fn record_stream(&self, a: &Allocation, stream: StreamId) -> Result<(), Error> {
         let mut st = self.lock();
-        match st.blocks.get(a.block) {
-            Some(b) if b.state == BlockState::Allocated && b.generation == a.generation => {}
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "record_stream on {:#x}: not a live allocation",
-                    a.ptr
-                )))
-            }
+        if !self.is_live(&st, a) {
+            return Err(Error::InvalidArgument(format!(
+                "record_stream on {:#x}: not a live allocation of this allocator",
+                a.ptr
+            )));
         }
         let b = &mut st.blocks[a.block];
         if stream != b.stream && !b.other_streams.contains(&stream) {
@@ -438,19 +485,20 @@ impl CachingAllocator {
     pub fn device_total(&self) -> u64 {
         self.total
     }
-}
 
-/// The handle of allocated block `id`.
-#[inline]
-fn handle(st: &State, id: BlockId, requested: u64, stream: StreamId) -> Allocation {
-    let b = &st.blocks[id];
-    Allocation {
-        ptr: b.addr,
-        size: b.size,
-        requested,
-        stream,
-        block: id,
-        generation: b.generation,
+    /// The handle of allocated block `id`.
+    #[inline]
+    fn handle(&self, st: &State, id: BlockId, requested: u64, stream: StreamId) -> Allocation {
+        let b = &st.blocks[id];
+        Allocation {
+            ptr: b.addr,
+            size: b.size,
+            requested,
+            stream,
+            block: id,
+            generation: b.generation,
+            owner: self.id,
+        }
     }
 }
 

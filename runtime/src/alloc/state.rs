@@ -52,6 +52,9 @@ pub(crate) struct State {
     pub parked: usize,
     /// Recorded events, when recording.
     pub history: Option<History>,
+    /// The generation of the next allocation: allocations are numbered 1, 2, … and a number is
+    /// never reused (2^63 of them would take centuries), so a handle names one allocation only.
+    pub next_generation: u64,
 }
 
 /// Most blocks parked per (stream, size).
@@ -79,6 +82,7 @@ impl State {
             quick: FxHashMap::default(),
             parked: 0,
             history: None,
+            next_generation: 1,
         }
     }
 
@@ -228,7 +232,8 @@ impl State {
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
-        b.generation = b.generation.wrapping_add(1);
+        b.generation = self.next_generation;
+        self.next_generation += 1;
         let (small, size) = (b.pool.is_small(), b.size);
         let s = &mut self.stats;
         s.allocated_bytes.add(small, size);

@@ -1,0 +1,127 @@
+//! Conformance and soundness of the allocator against what PyTorch's caching allocator and RMM's
+//! resources do, and against misuse of handles and absurd inputs (issue 16). Each test names the
+//! point of the issue it covers.
+
+use std::sync::Arc;
+
+use oomguard_runtime::alloc::CachingAllocator;
+use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::{AllocatorConfig, ByteSize, Device, Error};
+
+const MIB: u64 = 1 << 20;
+const MODES: [&str; 2] = ["expandable_segments:False", "expandable_segments:True"];
+
+fn allocator(cap: ByteSize, cfg: &str) -> (SimDevice, CachingAllocator) {
+    let sim = SimDevice::address_only(cap);
+    let a = CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::parse(cfg).unwrap());
+    (sim, a)
+}
+
+fn device(cap: ByteSize, cfg: &str) -> Device {
+    Device::new(SimDevice::new(cap), AllocatorConfig::parse(cfg).unwrap())
+}
+
+// ---- point 1: stale and foreign handles ----
+
+/// A handle kept after its buffer was dropped must not free the block that now sits at the same
+/// address after a merge and a split reused its arena slot (it used to: generations restarted at
+/// 0 for new blocks, and the next allocation aliased the live buffer).
+#[test]
+fn p1_stale_handle_after_merge_and_split_is_rejected() {
+    for mode in MODES {
+        let dev = device(ByteSize::mib(64), mode);
+        let a0 = dev.alloc::<u8>(1000).unwrap();
+        let x = dev.alloc::<u8>(1000).unwrap();
+        let _y = dev.alloc::<u8>(1000).unwrap();
+        let stale = *x.allocation();
+        drop(a0);
+        drop(x);
+        dev.empty_cache().unwrap(); // merges a0 and x: x's slot is vacant
+        let _p = dev.alloc::<u8>(1000).unwrap();
+        let z = dev.from_slice(&[7u8; 1000]).unwrap();
+        // The scenario: the live buffer now sits where the stale handle points.
+        assert_eq!(z.device_ptr(), stale.ptr, "{mode}: scenario not reproduced");
+        let e = dev.free_raw(stale).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{mode}: {e}");
+        let w = dev.from_slice(&[9u8; 1000]).unwrap();
+        assert_ne!(w.device_ptr(), z.device_ptr(), "{mode}: aliased");
+        assert_eq!(z.to_vec().unwrap(), vec![7u8; 1000], "{mode}");
+        dev.allocator().check_invariants().unwrap();
+    }
+}
+
+/// Random alloc/free churn, trying every stale handle after each step: none is ever accepted.
+#[test]
+fn p1_no_stale_handle_is_ever_accepted_under_churn() {
+    for mode in MODES {
+        let (_, a) = allocator(ByteSize::mib(256), mode);
+        let mut live = Vec::new();
+        let mut stale = Vec::new();
+        let mut rng = 0x2545F4914F6CDD1Du64;
+        for step in 0..3000 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            if (rng % 3 != 0 && live.len() < 40) || live.is_empty() {
+                let size = [512, 1000, 1024, 3000, 2 * MIB, 5 * MIB][(rng >> 8) as usize % 6];
+                live.push(a.allocate(size, 0).unwrap());
+            } else {
+                let x = live.swap_remove((rng >> 8) as usize % live.len());
+                a.free(x).unwrap();
+                stale.push(x);
+            }
+            if step % 97 == 0 {
+                a.empty_cache().unwrap();
+            }
+            for s in &stale {
+                assert!(
+                    a.free(*s).is_err(),
+                    "{mode}: stale handle accepted at {step}"
+                );
+            }
+            stale.truncate(64);
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
+/// A handle from another allocator is rejected, even when its address and block index match a
+/// live block here (every simulated device starts at the same address).
+#[test]
+fn p1_foreign_handle_is_rejected() {
+    for mode in MODES {
+        let d1 = device(ByteSize::mib(64), mode);
+        let d2 = device(ByteSize::mib(64), mode);
+        let x1 = d1.alloc::<u8>(4096).unwrap();
+        let x2 = d2.from_slice(&[5u8; 4096]).unwrap();
+        assert_eq!(x1.device_ptr(), x2.device_ptr(), "same address on both");
+        let foreign = *x1.allocation();
+        assert!(d2.free_raw(foreign).is_err(), "{mode}");
+        assert!(d2.allocator().free(foreign).is_err(), "{mode}");
+        assert!(d2.allocator().record_stream(&foreign, 1).is_err(), "{mode}");
+        let again = d2.alloc::<u8>(4096).unwrap();
+        assert_ne!(again.device_ptr(), x2.device_ptr());
+        assert_eq!(x2.to_vec().unwrap(), vec![5u8; 4096]);
+    }
+}
+
+/// The handle a live buffer lends out (`*buf.allocation()`) cannot free the buffer's memory
+/// behind its back; the buffer frees it on drop.
+#[test]
+fn p1_borrowed_handle_of_a_live_buffer_cannot_free_it() {
+    let dev = device(ByteSize::mib(64), MODES[1]);
+    let buf = dev.from_slice(&[3u8; 4096]).unwrap();
+    let copy = *buf.allocation();
+    let e = dev.free_raw(copy).unwrap_err();
+    assert!(e.to_string().contains("DeviceBuffer"), "{e}");
+    assert!(dev.allocator().free(copy).is_err());
+    let other = dev.alloc::<u8>(4096).unwrap();
+    assert_ne!(other.device_ptr(), buf.device_ptr());
+    // record_stream through the borrowed handle is fine (it frees nothing)
+    dev.allocator().record_stream(&copy, 1).unwrap();
+    drop(buf);
+    assert_eq!(dev.stats().allocated_bytes.all.current, 4096);
+    drop(other);
+    assert_eq!(dev.stats().allocated_bytes.all.current, 0);
+    dev.allocator().check_invariants().unwrap();
+}
