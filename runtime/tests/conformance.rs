@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use oomguard_runtime::alloc::CachingAllocator;
-use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::backend::sim::{SimDevice, SIM_GRANULARITY};
+use oomguard_runtime::backend::Backend;
 use oomguard_runtime::{AllocatorConfig, ByteSize, Device, Error};
 
 const MIB: u64 = 1 << 20;
@@ -124,4 +125,98 @@ fn p1_borrowed_handle_of_a_live_buffer_cannot_free_it() {
     drop(other);
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
     dev.allocator().check_invariants().unwrap();
+}
+
+// ---- point 16: absurd values are errors, never panics ----
+
+#[test]
+fn p16_huge_roundup_divisions_do_not_panic() {
+    for v in [1u64 << 62, 1 << 63] {
+        for mode in MODES {
+            let cfg = format!("{mode},roundup_power2_divisions:{v}");
+            match AllocatorConfig::parse(&cfg) {
+                Err(e) => assert!(e.to_string().contains("roundup_power2_divisions"), "{e}"),
+                Ok(c) => {
+                    let a = CachingAllocator::new(
+                        Arc::new(SimDevice::address_only(ByteSize::gib(1))),
+                        c,
+                    );
+                    for size in [1, 513, 3 * MIB, 1 << 40, u64::MAX / 3] {
+                        let _ = a.allocate(size, 0).map(|x| a.free(x).unwrap());
+                    }
+                    a.check_invariants().unwrap();
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn p16_requests_near_2_pow_64_are_errors() {
+    for mode in MODES {
+        let (_, a) = allocator(ByteSize::gib(1), mode);
+        for size in [
+            u64::MAX,
+            u64::MAX - 511,
+            u64::MAX - MIB,
+            u64::MAX - 2 * MIB + 1,
+            u64::MAX - 3 * MIB,
+            u64::MAX / 2 + 1,
+        ] {
+            let e = a.allocate(size, 0).unwrap_err();
+            assert!(
+                e.is_oom() || matches!(e, Error::InvalidArgument(_)),
+                "{mode} {size}: {e}"
+            );
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn p16_sim_map_with_an_overflowing_range_is_an_error() {
+    let sim = SimDevice::new(ByteSize::gib(1));
+    let base = sim.reserve(64 * MIB).unwrap();
+    let g = SIM_GRANULARITY;
+    assert!(sim.map(base, u64::MAX / g * g).is_err());
+    assert!(sim.map(u64::MAX / g * g, g).is_err());
+    assert!(sim.unmap(u64::MAX / g * g, 2 * g).is_err());
+    assert!(sim.release(u64::MAX / g * g, 2 * g).is_err());
+    assert!(sim.reserve(u64::MAX / g * g).is_err());
+    assert!(sim.alloc_segment(u64::MAX / 512 * 512, 0).is_err());
+    sim.map(base, g).unwrap();
+    assert_eq!(sim.used(), g);
+}
+
+#[test]
+fn p16_byte_size_constructors_and_parser_never_overflow() {
+    // saturating constructors (const, infallible) and checked ones
+    assert_eq!(ByteSize::gib(1 << 34), ByteSize(u64::MAX));
+    assert_eq!(ByteSize::mib(u64::MAX), ByteSize(u64::MAX));
+    assert_eq!(ByteSize::kib(u64::MAX), ByteSize(u64::MAX));
+    assert!(ByteSize::checked_gib(1 << 34).is_err());
+    assert_eq!(ByteSize::checked_gib(3).unwrap(), ByteSize::gib(3));
+    assert!(ByteSize::checked_mib(1 << 44).is_err());
+    assert!(ByteSize::checked_kib(1 << 54).is_err());
+    // sizes above 2^64 - 1 are errors, not silently u64::MAX
+    for s in [
+        "16777216.5 TiB",
+        "16777216.01 TiB",
+        "16777216 TiB",
+        "18446744073709551616",
+        "18446744073709551616.0",
+        "18446744073709.551616 MB",
+    ] {
+        let e = s.parse::<ByteSize>().unwrap_err();
+        assert!(e.reason.contains("too large"), "{s}: {e}");
+    }
+    assert_eq!(
+        "18446744073709551615".parse::<ByteSize>().unwrap(),
+        ByteSize(u64::MAX)
+    );
+    // the largest values still print in a form that parses back
+    for n in [u64::MAX, u64::MAX - 1, u64::MAX - (1 << 30)] {
+        let back: ByteSize = ByteSize(n).to_string().parse().unwrap();
+        assert!(back.0.abs_diff(n) as f64 <= n as f64 * 0.005, "{n}");
+    }
 }

@@ -408,15 +408,20 @@ impl Backend for SimDevice {
                 "{bytes} bytes at {addr:#x} are not whole pages"
             )));
         }
+        let Some(end) = addr.checked_add(bytes) else {
+            return Err(invalid(format!("{bytes} bytes at {addr:#x} overflow")));
+        };
         let inside = st
             .regions
             .range(..=addr)
             .next_back()
-            .is_some_and(|(&b, r)| r.growable && addr + bytes <= b + r.size);
+            .is_some_and(|(&b, r)| r.growable && end <= b + r.size);
         if !inside {
-            return Err(invalid(format!("{addr:#x} is not in a reserved range")));
+            return Err(invalid(format!(
+                "{bytes} bytes at {addr:#x} are not in a reserved range"
+            )));
         }
-        if st.mapped.range(addr..addr + bytes).next().is_some() {
+        if st.mapped.range(addr..end).next().is_some() {
             return Err(invalid(format!(
                 "a page in {addr:#x}+{bytes} is already mapped"
             )));
@@ -425,7 +430,7 @@ impl Backend for SimDevice {
             return Err(Self::oom(&mut st, "map", bytes));
         }
         let mut p = addr;
-        while p < addr + bytes {
+        while p < end {
             st.mapped.insert(p, ());
             p += SIM_GRANULARITY;
         }
@@ -437,10 +442,12 @@ impl Backend for SimDevice {
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
         let pages = bytes / SIM_GRANULARITY;
+        let end = addr.checked_add(bytes).unwrap_or(0);
         let all_mapped = addr % SIM_GRANULARITY == 0
             && bytes % SIM_GRANULARITY == 0
-            && st.mapped.range(addr..addr.saturating_add(bytes)).count() as u64 == pages;
-        if bytes == 0 || !all_mapped {
+            && end > addr
+            && st.mapped.range(addr..end).count() as u64 == pages;
+        if !all_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
                 "unmap",
@@ -448,7 +455,7 @@ impl Backend for SimDevice {
             ));
         }
         let mut p = addr;
-        while p < addr + bytes {
+        while p < end {
             st.mapped.remove(&p);
             p += SIM_GRANULARITY;
         }
