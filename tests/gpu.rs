@@ -478,10 +478,16 @@ fn copies_and_streams_outside_this_device_are_errors() -> TestResult {
             .find(|s| s.base <= p && p < s.base + s.size)
             .map(|s| s.base + s.mapped)
             .expect("the buffer's segment");
-        assert!(backend.copy_to_host(&mut out, seg_end - 8).is_err(), "{name}: past the end");
+        assert!(
+            backend.copy_to_host(&mut out, seg_end - 8).is_err(),
+            "{name}: past the end"
+        );
         drop(buf);
         dev.empty_cache()?;
-        assert!(backend.copy_to_host(&mut out, p).is_err(), "{name}: freed memory");
+        assert!(
+            backend.copy_to_host(&mut out, p).is_err(),
+            "{name}: freed memory"
+        );
         println!("{name}: host, unmapped, freed and out-of-range addresses refused");
     }
     let dev = cuda(AllocatorConfig::parse("backend:cudaMallocAsync")?);

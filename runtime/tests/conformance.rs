@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use oomguard_runtime::alloc::CachingAllocator;
+use oomguard_runtime::alloc::{CachingAllocator, TraceAction};
 use oomguard_runtime::backend::sim::{SimDevice, SIM_GRANULARITY};
 use oomguard_runtime::backend::Backend;
 use oomguard_runtime::{AllocatorConfig, ByteSize, Device, Error};
@@ -219,4 +219,25 @@ fn p16_byte_size_constructors_and_parser_never_overflow() {
         let back: ByteSize = ByteSize(n).to_string().parse().unwrap();
         assert!(back.0.abs_diff(n) as f64 <= n as f64 * 0.005, "{n}");
     }
+}
+
+// ---- point 2: pass-through mode ----
+
+/// `backend:cudaMallocAsync` frees blocks waiting on other streams before it gives up, and
+/// records its allocations in the history.
+#[test]
+fn p2_pass_through_processes_pending_frees_and_records_allocs() {
+    let (sim, a) = allocator(ByteSize::mib(64), "backend:cudaMallocAsync");
+    a.record_history(100, false);
+    let x = a.allocate(40 * MIB, 0).unwrap();
+    a.record_stream(&x, 1).unwrap();
+    a.free(x).unwrap();
+    // nothing is live: the pending block must be given back for this to fit
+    let y = a.allocate(40 * MIB, 0).unwrap();
+    a.free(y).unwrap();
+    assert_eq!(sim.used(), 0);
+    let h = a.history();
+    let allocs = h.iter().filter(|e| e.action == TraceAction::Alloc).count();
+    assert_eq!(allocs, 2, "{h:?}");
+    a.check_invariants().unwrap();
 }

@@ -170,7 +170,11 @@ impl CachingAllocator {
         let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
         let pool = pool::pool_for(size);
         if st.cfg.pass_through {
-            return self.allocate_through(&mut st, pool, stream, size, bytes);
+            let a = self.allocate_through(&mut st, pool, stream, size, bytes)?;
+            if st.history.is_some() {
+                self.record_alloc(&mut st, a.block, stream);
+            }
+            return Ok(a);
         }
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
@@ -211,6 +215,8 @@ impl CachingAllocator {
     }
 
     /// `backend:cudaMallocAsync`: a segment of exactly the rounded size for every allocation.
+    /// Blocks freed while other streams used them go back to the device once those streams'
+    /// events complete (checked first, waited for on out-of-memory).
     fn allocate_through(
         &self,
         st: &mut State,
@@ -219,7 +225,18 @@ impl CachingAllocator {
         size: u64,
         bytes: u64,
     ) -> Result<Allocation, Error> {
-        let id = match st.grow_exact(&*self.backend, pool, stream, size) {
+        if !st.pending.is_empty() {
+            self.process_events(st, false);
+            st.release_fixed(&*self.backend);
+        }
+        let mut grown = st.grow_exact(&*self.backend, pool, stream, size);
+        if matches!(&grown, Err(GrowError::Backend(e)) if e.is_oom()) && !st.pending.is_empty() {
+            st.stats.num_alloc_retries += 1;
+            self.process_events(st, true);
+            st.release_fixed(&*self.backend);
+            grown = st.grow_exact(&*self.backend, pool, stream, size);
+        }
+        let id = match grown {
             Ok(id) => id,
             Err(GrowError::Backend(e)) => return Err(self.fail(st, bytes, e)),
             Err(GrowError::TooLarge) => return Err(too_large(bytes)),

@@ -258,7 +258,9 @@ impl CudaBackend {
             return f();
         }
         drop(segs);
-        self.pages.while_mapped(addr, end, f).unwrap_or_else(|| Err(bad()))
+        self.pages
+            .while_mapped(addr, end, f)
+            .unwrap_or_else(|| Err(bad()))
     }
 }
 
