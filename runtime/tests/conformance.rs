@@ -241,3 +241,34 @@ fn p2_pass_through_processes_pending_frees_and_records_allocs() {
     assert_eq!(allocs, 2, "{h:?}");
     a.check_invariants().unwrap();
 }
+
+// ---- point 4: zero-byte allocations ----
+
+/// PyTorch (`malloc` of 0 returns a null data pointer) and RMM (`allocate(0)` returns nullptr)
+/// allocate nothing for zero bytes.
+#[test]
+fn p4_zero_byte_allocations_take_nothing() {
+    for mode in MODES {
+        let (sim, a) = allocator(ByteSize::mib(64), mode);
+        let z = a.allocate(0, 0).unwrap();
+        assert_eq!((z.ptr, z.size, z.requested), (0, 0, 0));
+        let s = a.stats();
+        assert_eq!(s.allocated_bytes.all.current, 0);
+        assert_eq!(s.allocation.all.current, 0);
+        assert_eq!(s.reserved_bytes.all.current, 0);
+        assert_eq!(sim.used(), 0);
+        a.free(z).unwrap();
+        a.check_invariants().unwrap();
+    }
+    // through a device: an empty buffer, charging no budget
+    let dev = device(ByteSize::mib(64), MODES[1]);
+    let budget = dev.budget(ByteSize(0));
+    let e = dev.alloc::<f32>(0).unwrap();
+    assert!(e.is_empty());
+    assert_eq!(e.to_vec().unwrap(), Vec::<f32>::new());
+    assert_eq!(budget.used(), 0);
+    assert!(dev.alloc::<u8>(1).unwrap_err().is_oom(), "the budget is 0");
+    drop(e);
+    drop(budget);
+    assert_eq!(dev.stats().allocation.all.allocated, 0);
+}

@@ -60,6 +60,9 @@ pub struct Allocation {
 /// copy can name the allocation (`record_stream`) but not free it.
 const BORROWED: u64 = 1 << 63;
 
+/// The block index of zero-byte allocations, which have no block.
+const NO_BLOCK: BlockId = BlockId::MAX;
+
 impl Allocation {
     /// This handle marked as lent out by its owner (it cannot free the allocation).
     pub(crate) fn borrowed(mut self) -> Self {
@@ -160,8 +163,14 @@ impl CachingAllocator {
     /// Allocates `bytes` on `stream`: from the cache when a free block fits, otherwise from the
     /// device. On out-of-memory it frees the cache and retries once before returning
     /// [`Error::Oom`].
+    ///
+    /// Zero bytes allocate nothing, as in PyTorch and RMM: the handle's `ptr` is 0 (null) and
+    /// its `size` 0; freeing it does nothing.
     #[track_caller]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
+        if bytes == 0 {
+            return Ok(self.null_handle(stream));
+        }
         if let Err(e) = self.backend.check_request(bytes) {
             let mut st = self.lock();
             return Err(self.fail(&mut st, bytes, e));
@@ -349,8 +358,11 @@ impl CachingAllocator {
 
     /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live
     /// (freed already), is from another allocator, or is the copy a live
-    /// [`crate::DeviceBuffer`] lends out.
+    /// [`crate::DeviceBuffer`] lends out. Freeing a zero-byte (null) allocation does nothing.
     pub fn free(&self, a: Allocation) -> Result<(), Error> {
+        if a.block == NO_BLOCK && a.owner == self.id {
+            return Ok(());
+        }
         let mut st = self.lock();
         if !self.is_live(&st, &a) {
             return Err(Error::InvalidArgument(format!(
@@ -396,6 +408,9 @@ impl CachingAllocator {
     /// Marks an allocation as used by `stream` as well as its own, as PyTorch's `record_stream`:
     /// when freed, it is not reused until the work queued on `stream` by then has completed.
     pub fn record_stream(&self, a: &Allocation, stream: StreamId) -> Result<(), Error> {
+        if a.block == NO_BLOCK && a.owner == self.id {
+            return Ok(()); // a zero-byte allocation: no memory to protect
+        }
         let mut st = self.lock();
         if !self.is_live(&st, a) {
             return Err(Error::InvalidArgument(format!(
@@ -501,6 +516,19 @@ impl CachingAllocator {
     /// Device capacity as the backend reported it when the allocator was made.
     pub fn device_total(&self) -> u64 {
         self.total
+    }
+
+    /// The handle of a zero-byte allocation: no block, a null pointer.
+    fn null_handle(&self, stream: StreamId) -> Allocation {
+        Allocation {
+            ptr: 0,
+            size: 0,
+            requested: 0,
+            stream,
+            block: NO_BLOCK,
+            generation: 0,
+            owner: self.id,
+        }
     }
 
     /// The handle of allocated block `id`.

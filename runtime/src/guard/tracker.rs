@@ -197,6 +197,10 @@ impl Tracker {
         stream: StreamId,
     ) -> Result<Allocation> {
         let site = Location::caller();
+        if bytes == 0 {
+            // nothing is allocated (a null handle): nothing to charge or record
+            return allocator.allocate(bytes, stream);
+        }
         let scopes = self.applicable();
         if scopes.is_empty() {
             return allocator.allocate(bytes, stream);
