@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use oomguard_runtime::alloc::{CachingAllocator, TraceAction};
+use oomguard_runtime::alloc::{BlockStatus, CachingAllocator, TraceAction};
 use oomguard_runtime::backend::sim::{SimDevice, SIM_GRANULARITY};
 use oomguard_runtime::backend::Backend;
 use oomguard_runtime::{AllocatorConfig, ByteSize, Device, Error};
@@ -271,4 +271,59 @@ fn p4_zero_byte_allocations_take_nothing() {
     drop(e);
     drop(budget);
     assert_eq!(dev.stats().allocation.all.allocated, 0);
+}
+
+// ---- point 3: statistics equal a recount ----
+
+/// `inactive_split` as PyTorch keeps it: free (cached or parked) blocks of split fixed segments;
+/// growable segments are excluded (their free pages can always be released).
+fn inactive_split_recount(a: &CachingAllocator) -> (u64, u64) {
+    let (mut n, mut bytes) = (0, 0);
+    for s in a.snapshot() {
+        if s.growable || s.blocks.len() < 2 {
+            continue;
+        }
+        for b in &s.blocks {
+            if b.status == BlockStatus::Free {
+                n += 1;
+                bytes += b.size;
+            }
+        }
+    }
+    (n, bytes)
+}
+
+#[test]
+fn p3_inactive_split_counts_parked_blocks_and_excludes_growable_segments() {
+    for mode in MODES {
+        let (_, a) = allocator(ByteSize::mib(256), mode);
+        let xs: Vec<_> = (0..6)
+            .map(|i| a.allocate(1000 + i * 600, 0).unwrap())
+            .collect();
+        let big: Vec<_> = (0..3).map(|_| a.allocate(3 * MIB, 0).unwrap()).collect();
+        for (i, x) in xs.into_iter().enumerate() {
+            if i % 2 == 0 {
+                a.free(x).unwrap(); // parked for quick reuse
+            }
+        }
+        a.free(big[1]).unwrap();
+        let s = a.stats();
+        let (n, bytes) = inactive_split_recount(&a);
+        assert_eq!(s.inactive_split.all.current, n, "{mode}");
+        assert_eq!(s.inactive_split_bytes.all.current, bytes, "{mode}");
+        assert_eq!(
+            s.inactive_split_bytes.small.current + s.inactive_split_bytes.large.current,
+            bytes
+        );
+        if mode.ends_with("True") {
+            assert_eq!(bytes, 0, "growable segments are excluded");
+        } else {
+            assert!(bytes > 0, "the scenario has split free blocks");
+        }
+        a.check_invariants().unwrap();
+        a.empty_cache().unwrap();
+        let (n, bytes) = inactive_split_recount(&a);
+        assert_eq!(a.stats().inactive_split.all.current, n, "{mode}");
+        assert_eq!(a.stats().inactive_split_bytes.all.current, bytes, "{mode}");
+    }
 }

@@ -86,22 +86,38 @@ impl State {
         }
     }
 
-    /// Whether a free block counts as "inactive split": mapped memory that is free but not a
-    /// whole fixed segment.
-    fn inactive_split(&self, b: &Block) -> bool {
-        b.mapped && (self.segs[b.seg].growable || b.prev.is_some() || b.next.is_some())
+    /// Whether a free (cached or parked) block counts as "inactive split", as PyTorch keeps it:
+    /// part of a split fixed segment, so it cannot be returned to the device as it is. Growable
+    /// segments are excluded (as in PyTorch): their free pages can always be released. Whether a
+    /// block has neighbours does not change while it is free, so the count is kept exactly by
+    /// adding when a block becomes free and subtracting when it stops being free.
+    pub fn inactive_split(&self, b: &Block) -> bool {
+        b.mapped && !self.segs[b.seg].growable && (b.prev.is_some() || b.next.is_some())
+    }
+
+    /// Counts block `id` into (`add`) or out of the inactive-split statistics, if it is one.
+    #[inline]
+    fn count_inactive_split(&mut self, id: BlockId, add: bool) {
+        let b = &self.blocks[id];
+        if self.inactive_split(b) {
+            let (small, size) = (b.pool.is_small(), b.size);
+            let s = &mut self.stats;
+            if add {
+                s.inactive_split.add(small, 1);
+                s.inactive_split_bytes.add(small, size);
+            } else {
+                s.inactive_split.sub(small, 1);
+                s.inactive_split_bytes.sub(small, size);
+            }
+        }
     }
 
     /// Puts a free block into the index that matches its mapped state.
     pub fn index_insert(&mut self, id: BlockId) {
+        self.count_inactive_split(id, true);
         let b = &self.blocks[id];
         let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
         if b.mapped {
-            if self.inactive_split(b) {
-                let small = b.pool.is_small();
-                self.stats.inactive_split.add(small, 1);
-                self.stats.inactive_split_bytes.add(small, size);
-            }
             self.free[pool].insert(stream, size, addr, id);
         } else {
             let fresh = self.unmapped[pool].insert((stream, addr, id));
@@ -111,14 +127,10 @@ impl State {
 
     /// Takes a free block out of its index.
     pub fn index_remove(&mut self, id: BlockId) {
+        self.count_inactive_split(id, false);
         let b = &self.blocks[id];
         let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
         if b.mapped {
-            if self.inactive_split(b) {
-                let small = b.pool.is_small();
-                self.stats.inactive_split.sub(small, 1);
-                self.stats.inactive_split_bytes.sub(small, size);
-            }
             self.free[pool].remove(stream, size, addr, id);
         } else {
             let was = self.unmapped[pool].remove(&(stream, addr, id));
@@ -131,8 +143,8 @@ impl State {
     pub fn take_parked(&mut self, stream: StreamId, size: u64) -> Option<BlockId> {
         let id = self.quick.get_mut(&(stream, size))?.pop()?;
         self.parked -= 1;
-        let b = &mut self.blocks[id];
-        b.state = BlockState::Free;
+        self.count_inactive_split(id, false);
+        self.blocks[id].state = BlockState::Free;
         Some(id)
     }
 
@@ -157,6 +169,7 @@ impl State {
         }
         list.push(id);
         self.parked += 1;
+        self.count_inactive_split(id, true);
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
         let (addr, stream) = (b.addr, b.stream);
@@ -183,6 +196,7 @@ impl State {
         let mut lists = std::mem::take(&mut self.quick);
         for list in lists.values_mut() {
             for id in list.drain(..) {
+                self.count_inactive_split(id, false);
                 self.blocks[id].state = BlockState::Free;
                 let id = self.coalesce(id);
                 self.index_insert(id);
