@@ -109,6 +109,9 @@ impl State {
         let mut c = Recount::default();
         for (sid, s) in self.segs.iter() {
             let p = s.pool as usize;
+            if s.growable != self.growable {
+                return Err(format!("segment {sid}: not of the allocator's kind"));
+            }
             c.segment[p] += 1;
             if !s.growable && s.size >= self.cfg.max_split_size {
                 c.oversize_segments += 1;

@@ -90,14 +90,19 @@ impl State {
     /// part of a split fixed segment, so it cannot be returned to the device as it is. Growable
     /// segments are excluded (as in PyTorch): their free pages can always be released. Whether a
     /// block has neighbours does not change while it is free, so the count is kept exactly by
-    /// adding when a block becomes free and subtracting when it stops being free.
+    /// adding when a block becomes free and subtracting when it stops being free. (All segments
+    /// of an allocator are of one kind: growable exactly when `self.growable`.)
+    #[inline]
     pub fn inactive_split(&self, b: &Block) -> bool {
-        b.mapped && !self.segs[b.seg].growable && (b.prev.is_some() || b.next.is_some())
+        !self.growable && (b.prev.is_some() || b.next.is_some())
     }
 
     /// Counts block `id` into (`add`) or out of the inactive-split statistics, if it is one.
-    #[inline]
+    #[inline(always)]
     fn count_inactive_split(&mut self, id: BlockId, add: bool) {
+        if self.growable {
+            return;
+        }
         let b = &self.blocks[id];
         if self.inactive_split(b) {
             let (small, size) = (b.pool.is_small(), b.size);
@@ -149,8 +154,9 @@ impl State {
     }
 
     /// A freed block (no longer allocated, not pending): parked for quick reuse when its list
-    /// has room, otherwise merged and indexed.
-    #[inline]
+    /// has room, otherwise merged and indexed. Kept out of line: the quick list's hash-map
+    /// entry then inlines here, which measured faster than inlining this into `free`.
+    #[inline(never)]
     pub fn park_or_release(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         // A large block is parked only in growable segments and only when it has no free
