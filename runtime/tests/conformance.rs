@@ -327,3 +327,24 @@ fn p3_inactive_split_counts_parked_blocks_and_excludes_growable_segments() {
         assert_eq!(a.stats().inactive_split_bytes.all.current, bytes, "{mode}");
     }
 }
+
+// ---- point 5: empty_cache counts a synchronisation ----
+
+/// PyTorch's `empty_cache` calls `synchronize_and_free_events`, which counts one
+/// `num_sync_all_streams` every time (whether or not anything was cached).
+#[test]
+fn p5_empty_cache_counts_one_synchronisation() {
+    for mode in MODES {
+        let (_, a) = allocator(ByteSize::mib(64), mode);
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().num_sync_all_streams, 1, "{mode}: empty cache");
+        let x = a.allocate(3 * MIB, 0).unwrap();
+        a.free(x).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(
+            a.stats().num_sync_all_streams,
+            2,
+            "{mode}: one per empty_cache"
+        );
+    }
+}

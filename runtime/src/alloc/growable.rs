@@ -48,7 +48,7 @@ impl State {
             .saturating_sub(self.high_water);
         if over > 0 {
             let keep = choice.and_then(|(h, _)| self.blocks[h].prev);
-            if self.release_pages(backend, over, keep) > 0 {
+            if self.release_pages(backend, over, keep, false) > 0 {
                 choice = self.cheapest_hole(pool, stream, size);
             }
         }
@@ -164,12 +164,15 @@ impl State {
 
     /// Unmaps pages of growable segments that hold no live byte, the largest free runs first,
     /// until at least `budget` bytes are unmapped (`u64::MAX`: all), leaving block `keep` alone;
-    /// returns the bytes unmapped.
+    /// returns the bytes unmapped. The device is synchronised first; that counts in
+    /// `num_sync_all_streams` unless the caller counted its own synchronisation already
+    /// (`sync_counted`), so one `empty_cache` counts one, as in PyTorch.
     pub fn release_pages(
         &mut self,
         backend: &dyn Backend,
         budget: u64,
         keep: Option<BlockId>,
+        sync_counted: bool,
     ) -> u64 {
         let g = self.granularity;
         let whole_pages = |b: &Block| (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
@@ -199,7 +202,9 @@ impl State {
                 tracing::warn!(error = %e, "synchronize before unmapping failed; keeping pages");
                 return 0;
             }
-            self.stats.num_sync_all_streams += 1;
+            if !sync_counted {
+                self.stats.num_sync_all_streams += 1;
+            }
         }
         let mut released = 0;
         for (_, id) in candidates {

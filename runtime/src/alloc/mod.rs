@@ -270,7 +270,7 @@ impl CachingAllocator {
     ) -> Result<BlockId, Error> {
         if let Some(t) = st.cfg.garbage_collection_threshold {
             if st.reserved() as f64 + size as f64 > t * self.total as f64 {
-                self.release_cache(st);
+                self.release_cache(st, false);
                 if let Some(id) = st.take_free(pool, stream, size) {
                     return Ok(id);
                 }
@@ -289,7 +289,7 @@ impl CachingAllocator {
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);
         }
-        self.release_cache(st);
+        self.release_cache(st, true);
         match self.grow(st, pool, stream, size) {
             Ok(id) => Ok(id),
             Err(GrowError::Backend(e)) if !e.is_oom() => Err(Error::Backend(e)),
@@ -343,8 +343,9 @@ impl CachingAllocator {
     }
 
     /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
-    fn release_cache(&self, st: &mut State) -> u64 {
-        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, u64::MAX, None)
+    fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
+        st.release_fixed(&*self.backend)
+            + st.release_pages(&*self.backend, u64::MAX, None, sync_counted)
     }
 
     /// Whether `a` names a live allocation of this allocator (lent-out copies included).
@@ -425,8 +426,12 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Frees pending blocks whose events have completed (all of them, waiting, with `wait`).
+    /// Frees pending blocks whose events have completed (all of them, waiting, with `wait`:
+    /// PyTorch's `synchronize_and_free_events`, counted in `num_sync_all_streams` as there).
     fn process_events(&self, st: &mut State, wait: bool) {
+        if wait {
+            st.stats.num_sync_all_streams += 1;
+        }
         let pending = std::mem::take(&mut st.pending);
         for (id, events) in pending {
             let mut left = Vec::new();
@@ -460,7 +465,7 @@ impl CachingAllocator {
         self.process_events(&mut st, true);
         st.flush_parked();
         st.release_fixed(&*self.backend);
-        st.release_pages(&*self.backend, u64::MAX, None);
+        st.release_pages(&*self.backend, u64::MAX, None, true);
         st.release_empty_ranges(&*self.backend);
         Ok(())
     }

@@ -101,7 +101,9 @@ pub struct MemoryStats {
     pub num_alloc_retries: u64,
     /// Out-of-memory errors returned to callers.
     pub num_ooms: u64,
-    /// Times the allocator waited for all streams (before releasing memory under pressure).
+    /// Times the allocator synchronised with all streams: once per `empty_cache` and per cache
+    /// release on out-of-memory (PyTorch's `synchronize_and_free_events`), and before unmapping
+    /// free pages under pressure.
     pub num_sync_all_streams: u64,
     /// Successful backend calls that obtained memory: `alloc_segment` and `map`.
     pub num_device_alloc: u64,
