@@ -348,3 +348,41 @@ fn p5_empty_cache_counts_one_synchronisation() {
         );
     }
 }
+
+// ---- point 6: history records requested sizes ----
+
+/// PyTorch's `record_trace` for `alloc`, `free_requested` and `free_completed` takes the
+/// requested size (`orig_size` / `block->requested_size`), not the rounded block size.
+#[test]
+fn p6_history_records_the_requested_size() {
+    for mode in MODES {
+        for cross_stream in [false, true] {
+            let dev = device(ByteSize::mib(64), mode);
+            dev.allocator().record_history(100, false);
+            let x = dev.alloc::<u8>(1000).unwrap();
+            assert_eq!(x.allocation().size, 1024);
+            if cross_stream {
+                x.record_stream(1).unwrap(); // freed through the pending path
+            }
+            drop(x);
+            dev.empty_cache().unwrap();
+            let h = dev.allocator().history();
+            for action in [
+                TraceAction::Alloc,
+                TraceAction::FreeRequested,
+                TraceAction::FreeCompleted,
+            ] {
+                let e = h.iter().find(|e| e.action == action).expect("recorded");
+                assert_eq!(e.size, 1000, "{mode} {action:?}");
+            }
+            let json = dev.memory_snapshot().to_json().unwrap();
+            assert!(json.contains("\"action\":\"alloc\""), "{json}");
+            let snap = oomguard_runtime::export::MemorySnapshot::from_json(&json).unwrap();
+            assert!(snap
+                .device_traces
+                .iter()
+                .filter(|e| e.action == TraceAction::Alloc)
+                .all(|e| e.size == 1000));
+        }
+    }
+}

@@ -75,7 +75,9 @@ pub struct TraceEntry {
     pub action: TraceAction,
     /// Device address (for `oom`: the device's free bytes).
     pub addr: u64,
-    /// Bytes.
+    /// Bytes: for `alloc`, `free_requested` and `free_completed` the size the caller asked for
+    /// (as PyTorch records it; the block's rounded size is in the snapshot), for segment events
+    /// the segment's or mapping's size, for `oom` the request.
     pub size: u64,
     /// Stream.
     pub stream: StreamId,

@@ -211,12 +211,13 @@ impl CachingAllocator {
     /// History of an allocation, with the caller's location (off the fast path).
     #[track_caller]
     fn record_alloc(&self, st: &mut State, id: BlockId, stream: StreamId) {
-        let (addr, size) = (st.blocks[id].addr, st.blocks[id].size);
+        // the requested size, as PyTorch records it (the block's size is in the snapshot)
+        let (addr, requested) = (st.blocks[id].addr, st.blocks[id].requested);
         if let Some(h) = &mut st.history {
             h.record(
                 TraceAction::Alloc,
                 addr,
-                size,
+                requested,
                 stream,
                 Some(std::panic::Location::caller()),
             );
@@ -379,7 +380,7 @@ impl CachingAllocator {
             )));
         }
         st.unmark_allocated(a.block);
-        st.trace(TraceAction::FreeRequested, a.ptr, a.size, a.stream);
+        st.trace(TraceAction::FreeRequested, a.ptr, a.requested, a.stream);
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
             if st.cfg.pass_through {

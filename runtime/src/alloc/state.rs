@@ -178,13 +178,14 @@ impl State {
         self.count_inactive_split(id, true);
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
-        let (addr, stream) = (b.addr, b.stream);
+        let (addr, stream, requested) = (b.addr, b.stream, b.requested);
         b.state = BlockState::Parked;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
-        self.trace(TraceAction::FreeCompleted, addr, size, stream);
+        // PyTorch records the requested size in alloc and free events
+        self.trace(TraceAction::FreeCompleted, addr, requested, stream);
     }
 
     fn merges_with(&self, n: Option<BlockId>, mapped: bool) -> bool {
@@ -283,13 +284,13 @@ impl State {
     pub fn release_block(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
-        let (addr, stream) = (b.addr, b.stream);
+        let (addr, stream, requested) = (b.addr, b.stream, b.requested);
         b.state = BlockState::Free;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
-        self.trace(TraceAction::FreeCompleted, addr, size, stream);
+        self.trace(TraceAction::FreeCompleted, addr, requested, stream);
         let id = self.coalesce(id);
         self.index_insert(id);
     }
