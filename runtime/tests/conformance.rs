@@ -2,6 +2,7 @@
 //! resources do, and against misuse of handles and absurd inputs (issue 16). Each test names the
 //! point of the issue it covers.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use oomguard_runtime::alloc::{BlockStatus, CachingAllocator, TraceAction};
@@ -384,5 +385,51 @@ fn p6_history_records_the_requested_size() {
                 .filter(|e| e.action == TraceAction::Alloc)
                 .all(|e| e.size == 1000));
         }
+    }
+}
+
+// ---- point 7: fraction budgets per device ----
+
+/// A fraction budget is a share of *each* device: bytes on one device do not count against
+/// another device's share (they used to share one counter checked against the allocating
+/// device's limit).
+#[test]
+fn p7_fraction_budgets_count_each_device_against_its_own_capacity() {
+    use oomguard_runtime::guard::{thread_budget_fraction, GuardSet};
+    let small = device(ByteSize::mib(100), MODES[1]);
+    let big = device(ByteSize::mib(1000), MODES[1]);
+    {
+        let budget = thread_budget_fraction(0.5).unwrap();
+        let b = big.alloc::<u8>(400 << 20).unwrap(); // 400 of big's 500 MiB share
+        let s = small.alloc::<u8>(40 << 20).unwrap(); // 40 of small's 50 MiB share
+        assert_eq!(budget.used(), 440 << 20);
+        let e = small.alloc::<u8>(20 << 20).unwrap_err(); // 60 > 50 on small
+        assert!(matches!(e, Error::BudgetExceeded(_)), "{e}");
+        let b2 = big.alloc::<u8>(90 << 20).unwrap(); // 490 <= 500 on big
+        assert!(big.alloc::<u8>(20 << 20).unwrap_err().is_oom()); // 510 > 500
+        drop((b, b2));
+        // freeing on big gives big's share back, not small's
+        assert!(small.alloc::<u8>(20 << 20).unwrap_err().is_oom());
+        let b3 = big.alloc::<u8>(450 << 20).unwrap();
+        drop((s, b3));
+        assert_eq!(budget.used(), 0);
+    }
+    // the async form (GuardSet) counts the same way
+    let set = GuardSet::new().budget_fraction(0.5).unwrap();
+    let fut = set.scope(async {
+        let b = big.alloc::<u8>(400 << 20)?;
+        let s = small.alloc::<u8>(40 << 20)?;
+        drop((b, s));
+        Ok::<(), Error>(())
+    });
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    let mut fut = std::pin::pin!(fut);
+    match fut.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready((leaks, r)) => {
+            leaks.unwrap();
+            r.unwrap()
+        }
+        std::task::Poll::Pending => panic!("no await inside"),
     }
 }

@@ -77,6 +77,8 @@ pub fn thread_budget(limit: impl Into<ByteSize>) -> ThreadBudget {
 }
 
 /// A [`ThreadBudget`] of `fraction` of each device's capacity; `Err` unless 0 < fraction ≤ 1.
+/// Each device is counted on its own: the bytes live on a device are checked against that
+/// device's share ([`ThreadBudget::used`] is the sum over devices).
 #[track_caller]
 pub fn thread_budget_fraction(fraction: f64) -> Result<ThreadBudget> {
     let ppm = fraction_ppm(fraction)?;
@@ -188,7 +190,7 @@ impl GuardSet {
         self.budget = Some(open(ScopeKind::Budget(limit), Location::caller(), false));
         self
     }
-    /// A budget of `fraction` of each device's capacity.
+    /// A budget of `fraction` of each device's capacity, each device counted on its own.
     #[track_caller]
     pub fn budget_fraction(mut self, fraction: f64) -> Result<Self> {
         let ppm = fraction_ppm(fraction)?;

@@ -56,8 +56,11 @@ pub(crate) struct Scope {
     /// Identity of the device's tracker the scope belongs to.
     tracker: usize,
     pub kind: ScopeKind,
-    /// Bytes (block sizes) charged to the scope and still live.
+    /// Bytes (block sizes) charged to the scope and still live (on all devices together).
     pub live: AtomicU64,
+    /// Fraction budgets only: bytes charged and still live per device (by tracker identity),
+    /// each checked against that device's own capacity.
+    per_device: Mutex<FxHashMap<usize, u64>>,
     /// The highest `live` seen.
     pub peak: AtomicU64,
     /// Allocations charged to the scope.
@@ -213,19 +216,20 @@ impl Tracker {
             .checked_next_multiple_of(MIN_BLOCK)
             .unwrap_or(0);
         let total = allocator.device_total();
-        charge(&scopes, estimate, total).map_err(Error::BudgetExceeded)?;
+        let dev = self.id();
+        charge(&scopes, estimate, total, dev).map_err(Error::BudgetExceeded)?;
         let a = match allocator.allocate(bytes, stream) {
             Ok(a) => a,
             Err(e) => {
-                uncharge(&scopes, estimate);
+                uncharge(&scopes, estimate, dev);
                 return Err(e);
             }
         };
         // The block may be larger than the estimate (power-of-two rounding, an unsplit block):
         // charge the rest, and give the block back if that breaks a budget.
         if a.size > estimate {
-            if let Err(mut e) = charge(&scopes, a.size - estimate, total) {
-                uncharge(&scopes, estimate);
+            if let Err(mut e) = charge(&scopes, a.size - estimate, total, dev) {
+                uncharge(&scopes, estimate, dev);
                 if let Err(fe) = allocator.free(a) {
                     tracing::error!(error = %fe, "freeing an over-budget allocation failed");
                 }
@@ -234,7 +238,7 @@ impl Tracker {
                 return Err(Error::BudgetExceeded(e));
             }
         } else if a.size < estimate {
-            uncharge(&scopes, estimate - a.size);
+            uncharge(&scopes, estimate - a.size, dev);
         }
         let mut want_backtrace = None;
         for s in &scopes {
@@ -266,7 +270,7 @@ impl Tracker {
         match t.map.insert(a.ptr, entry) {
             // A stale record: its allocation was freed behind the device's back (through the
             // allocator directly), since the address was handed out again. Credit it now.
-            Some(old) => credit(&old),
+            Some(old) => credit(&old, dev),
             None => {
                 self.tracked.fetch_add(1, Relaxed);
             }
@@ -290,7 +294,7 @@ impl Tracker {
             }
         };
         if let Some(old) = old {
-            credit(&old);
+            credit(&old, self.id());
         }
     }
 
@@ -366,6 +370,7 @@ fn new_scope(tracker: usize, kind: ScopeKind, opened_at: &'static Location<'stat
         allocations: AtomicU64::new(0),
         live_allocations: AtomicU64::new(0),
         force_backtrace: AtomicBool::new(false),
+        per_device: Mutex::new(FxHashMap::default()),
         opened_at,
     })
 }
@@ -380,17 +385,35 @@ fn remove_from_thread(scope: &Arc<Scope>) {
     });
 }
 
-/// Adds `n` bytes to every scope; fails, changing nothing, when a budget would be exceeded.
-fn charge(scopes: &[Arc<Scope>], n: u64, device_total: u64) -> Result<(), BudgetExceeded> {
+/// Adds `n` bytes allocated on device `dev` (a tracker identity) to every scope; fails,
+/// changing nothing, when a budget would be exceeded. A fraction budget counts each device on
+/// its own, against that device's capacity.
+fn charge(
+    scopes: &[Arc<Scope>],
+    n: u64,
+    device_total: u64,
+    dev: usize,
+) -> Result<(), BudgetExceeded> {
     for (i, s) in scopes.iter().enumerate() {
-        let r = match s.limit(device_total) {
-            None => Ok(s.live.fetch_add(n, Relaxed)),
-            Some(limit) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
+        let r = match (s.kind, s.limit(device_total)) {
+            (_, None) => Ok(s.live.fetch_add(n, Relaxed)),
+            (ScopeKind::BudgetFraction(_), Some(limit)) => {
+                let mut map = lock(&s.per_device);
+                let cur = map.entry(dev).or_default();
+                match cur.checked_add(n).filter(|&v| v <= limit) {
+                    Some(v) => {
+                        *cur = v;
+                        Ok(s.live.fetch_add(n, Relaxed))
+                    }
+                    None => Err(*cur),
+                }
+            }
+            (_, Some(limit)) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
                 cur.checked_add(n).filter(|&v| v <= limit)
             }),
         };
         if let Err(in_use) = r {
-            uncharge(&scopes[..i], n);
+            uncharge(&scopes[..i], n, dev);
             return Err(BudgetExceeded {
                 requested: n,
                 in_use,
@@ -401,15 +424,22 @@ fn charge(scopes: &[Arc<Scope>], n: u64, device_total: u64) -> Result<(), Budget
     Ok(())
 }
 
-fn uncharge(scopes: &[Arc<Scope>], n: u64) {
+/// Takes `n` bytes of device `dev` off every scope.
+fn uncharge(scopes: &[Arc<Scope>], n: u64, dev: usize) {
     for s in scopes {
+        if let ScopeKind::BudgetFraction(_) = s.kind {
+            if let Some(cur) = lock(&s.per_device).get_mut(&dev) {
+                *cur = cur.saturating_sub(n);
+            }
+        }
         s.live.fetch_sub(n, Relaxed);
     }
 }
 
-fn credit(t: &Tracked) {
+/// Credits a recorded allocation of device `dev` back to its scopes.
+fn credit(t: &Tracked, dev: usize) {
+    uncharge(&t.scopes, t.alloc.size, dev);
     for s in &t.scopes {
-        s.live.fetch_sub(t.alloc.size, Relaxed);
         s.live_allocations.fetch_sub(1, Relaxed);
     }
 }
