@@ -433,3 +433,45 @@ fn p7_fraction_budgets_count_each_device_against_its_own_capacity() {
         std::task::Poll::Pending => panic!("no await inside"),
     }
 }
+
+// ---- point 8: grad guards dropped out of order ----
+
+#[test]
+fn p8_grad_guards_dropped_out_of_order_leave_a_live_guards_mode() {
+    use oomguard_runtime::guard::{enable_grad, inference_mode, no_grad, GradMode};
+    let g1 = no_grad();
+    let g2 = enable_grad();
+    drop(g1);
+    assert!(
+        GradMode::current().grad_enabled,
+        "g2 (enable_grad) is the live guard"
+    );
+    drop(g2);
+    assert_eq!(GradMode::current(), GradMode::DEFAULT, "no guard left");
+
+    let a = no_grad();
+    let b = inference_mode();
+    let c = enable_grad();
+    let c_mode = GradMode::current();
+    drop(b);
+    assert_eq!(GradMode::current(), c_mode);
+    drop(c);
+    assert!(
+        !GradMode::current().grad_enabled,
+        "a (no_grad) is the live guard"
+    );
+    assert!(!GradMode::current().inference_mode);
+    drop(a);
+    assert_eq!(GradMode::current(), GradMode::DEFAULT);
+
+    // in order, as before
+    {
+        let _x = no_grad();
+        {
+            let _y = enable_grad();
+            assert!(GradMode::current().grad_enabled);
+        }
+        assert!(!GradMode::current().grad_enabled);
+    }
+    assert_eq!(GradMode::current(), GradMode::DEFAULT);
+}
