@@ -475,3 +475,50 @@ fn p8_grad_guards_dropped_out_of_order_leave_a_live_guards_mode() {
     }
     assert_eq!(GradMode::current(), GradMode::DEFAULT);
 }
+
+// ---- point 9: the out-of-memory hint ----
+
+/// Every other 1 MiB block of a full 64 MiB device freed: 30 MiB cached in split segments (or
+/// half-used pages) that cannot be released, 4 MiB free on the device. A 32 MiB request fails,
+/// though free plus cached memory (34 MiB) exceeds it: fragmentation. The hint says so, and
+/// recommends growable segments only when they are off.
+#[test]
+fn p9_oom_hint_names_fragmentation_and_recommends_only_what_is_off() {
+    for mode in MODES {
+        let (_, a) = allocator(ByteSize::mib(64), mode);
+        let xs: Vec<_> = (0..60).map(|_| a.allocate(MIB, 0).unwrap()).collect();
+        let mut keep = Vec::new();
+        for (i, x) in xs.into_iter().enumerate() {
+            if i % 2 == 0 {
+                a.free(x).unwrap();
+            } else {
+                keep.push(x);
+            }
+        }
+        let e = match a.allocate(32 * MIB, 0).unwrap_err() {
+            Error::Oom(e) => e,
+            e => panic!("{mode}: {e}"),
+        };
+        assert!(
+            e.device_free < e.requested && e.reserved_unallocated < e.requested,
+            "{e:?}"
+        );
+        assert!(
+            e.device_free + e.reserved_unallocated >= e.requested,
+            "{e:?}"
+        );
+        assert!(e.likely_fragmentation(), "{mode}: {e:?}");
+        let m = e.to_string();
+        assert!(m.contains("fragment"), "{mode}: {m}");
+        let growable = mode.ends_with("True");
+        assert_eq!(e.expandable_segments, growable);
+        assert_eq!(
+            m.contains("expandable_segments:True"),
+            !growable,
+            "{mode}: recommend growable segments only when off: {m}"
+        );
+        for x in keep {
+            a.free(x).unwrap();
+        }
+    }
+}

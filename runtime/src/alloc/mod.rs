@@ -340,6 +340,7 @@ impl CachingAllocator {
             reserved_unallocated: st.reserved().saturating_sub(allocated),
             largest_free_block: st.largest_free(),
             cause: Some(cause.to_string()),
+            expandable_segments: st.growable,
         })
     }
 
