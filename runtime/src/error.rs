@@ -46,6 +46,24 @@ impl OomError {
     }
 }
 
+/// A size as PyTorch's out-of-memory message prints it (`format_size` in
+/// CUDACachingAllocator.cpp): bytes up to 1024, then KiB, MiB, and GiB at most, two decimals, so
+/// an absurd request reads "800000000.00 GiB" as there.
+struct PtSize(u64);
+
+impl fmt::Display for PtSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0;
+        let (div, unit) = match n {
+            0..=1024 => return write!(f, "{n} bytes"),
+            1025..=1_048_576 => (1024.0, "KiB"),
+            1_048_577..=1_073_741_824 => (1_048_576.0, "MiB"),
+            _ => (1_073_741_824.0, "GiB"),
+        };
+        write!(f, "{:.2} {unit}", n as f64 / div)
+    }
+}
+
 impl fmt::Display for OomError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -53,13 +71,13 @@ impl fmt::Display for OomError {
             "out of memory. Tried to allocate {}. Device {} has a total capacity of {} of which {} \
              is free. Of the allocated memory {} is allocated by oomguard and {} is reserved but \
              unallocated (largest free block {}).",
-            ByteSize(self.requested),
+            PtSize(self.requested),
             self.device,
-            ByteSize(self.device_total),
-            ByteSize(self.device_free),
-            ByteSize(self.allocated),
-            ByteSize(self.reserved_unallocated),
-            ByteSize(self.largest_free_block),
+            PtSize(self.device_total),
+            PtSize(self.device_free),
+            PtSize(self.allocated),
+            PtSize(self.reserved_unallocated),
+            PtSize(self.largest_free_block),
         )?;
         if self.likely_fragmentation() {
             write!(

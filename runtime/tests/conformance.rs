@@ -522,3 +522,41 @@ fn p9_oom_hint_names_fragmentation_and_recommends_only_what_is_off() {
         }
     }
 }
+
+// ---- point 17: huge failed requests ----
+
+/// PyTorch's test_cuda `test_out_of_memory`: "Tried to allocate 800000000.00 GiB" (sizes in GiB
+/// at most, as its format_size). A failed request leaves no address reservation behind.
+#[test]
+fn p17_absurd_requests_fail_like_pytorch_and_reserve_nothing() {
+    for mode in MODES {
+        let (sim, a) = allocator(ByteSize::gib(1), mode);
+        let keep = a.allocate(600 * MIB, 0).unwrap();
+        let before = (
+            a.snapshot().len(),
+            sim.calls().reserve - sim.calls().release,
+        );
+        let e = a.allocate(1024 * 1024 * 1024 * 800_000_000, 0).unwrap_err();
+        assert!(e.is_oom(), "{mode}: {e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("Tried to allocate 800000000.00 GiB"),
+            "{mode}: {m}"
+        );
+        // exactly 1 GiB is "1024.00 MiB" in PyTorch's format_size (`size <= 1 GiB`)
+        assert!(m.contains("total capacity of 1024.00 MiB"), "{mode}: {m}");
+        // fits the device, not its free memory; on another stream (a new address range)
+        let e = a.allocate(600 * MIB, 1).unwrap_err();
+        assert!(e.is_oom(), "{mode}: {e}");
+        let after = (
+            a.snapshot().len(),
+            sim.calls().reserve - sim.calls().release,
+        );
+        assert_eq!(
+            after, before,
+            "{mode}: a failed request left a segment or reservation"
+        );
+        a.check_invariants().unwrap();
+        a.free(keep).unwrap();
+    }
+}

@@ -291,7 +291,13 @@ impl CachingAllocator {
             return Ok(id);
         }
         self.release_cache(st, true);
-        match self.grow(st, pool, stream, size) {
+        let second = self.grow(st, pool, stream, size);
+        if second.is_err() {
+            // An address range reserved for this request holds nothing: give it back now
+            // rather than at the next empty_cache.
+            st.release_empty_ranges(&*self.backend);
+        }
+        match second {
             Ok(id) => Ok(id),
             Err(GrowError::Backend(e)) if !e.is_oom() => Err(Error::Backend(e)),
             Err(GrowError::Backend(e)) => Err(self.fail(st, bytes, e)),
