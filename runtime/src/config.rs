@@ -101,9 +101,14 @@ impl AllocatorConfig {
             Err(std::env::VarError::NotPresent) => Ok(Self::default()),
             Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError {
                 key: None,
-                message: format!("{ENV_VAR} is not valid UTF-8"),
+                message: "not valid UTF-8".to_string(),
             }),
         }
+        .map_err(|mut e| {
+            // say where the bad value came from
+            e.message = format!("{} (from {ENV_VAR})", e.message);
+            e
+        })
     }
 
     /// Parses a configuration string, starting from the default. Later keys override earlier ones.

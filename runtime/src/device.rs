@@ -55,12 +55,31 @@ impl fmt::Debug for Device {
 }
 
 impl Device {
-    /// A host-backed simulated device of `capacity` with the default allocator configuration.
+    /// A host-backed simulated device of `capacity`, configured from `OOMGUARD_ALLOC_CONF`
+    /// ([`AllocatorConfig::from_env`]; the default when unset), as [`Device::cuda`] is.
+    ///
+    /// This constructor cannot fail: when the variable holds an invalid configuration it logs
+    /// the error (`tracing::error!`) and uses the default. [`Device::try_sim`] returns the error
+    /// instead; [`Device::new`] with an explicit configuration ignores the variable.
     pub fn sim(capacity: ByteSize) -> Self {
-        Self::new(SimDevice::new(capacity), AllocatorConfig::default())
+        let config = AllocatorConfig::from_env().unwrap_or_else(|e| {
+            tracing::error!(error = %e, "ignoring {}; using the default configuration", crate::config::ENV_VAR);
+            AllocatorConfig::default()
+        });
+        Self::new(SimDevice::new(capacity), config)
     }
 
-    /// A device over any backend, with `config`.
+    /// A host-backed simulated device of `capacity`, configured from `OOMGUARD_ALLOC_CONF`;
+    /// [`Error::Config`] (naming the key) when the variable holds an invalid configuration.
+    pub fn try_sim(capacity: ByteSize) -> Result<Self> {
+        Ok(Self::new(
+            SimDevice::new(capacity),
+            AllocatorConfig::from_env()?,
+        ))
+    }
+
+    /// A device over any backend, with `config` (the environment variable is not read: an
+    /// explicit configuration overrides it).
     pub fn new(backend: impl Backend, config: AllocatorConfig) -> Self {
         Self::from_arc(Arc::new(backend), config)
     }
