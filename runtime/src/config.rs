@@ -17,6 +17,7 @@ pub const VALID_KEYS: &[&str] = &[
     "max_split_size_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
+    "per_process_memory_fraction",
 ];
 
 /// Number of power-of-two size intervals (from 1 MiB up) that `roundup_power2_divisions` sets.
@@ -71,6 +72,11 @@ pub struct AllocatorConfig {
     /// device (on CUDA, its stream-ordered memory pool) and every free straight back. A baseline
     /// to measure the cache against; `native` (the default) is the caching allocator.
     pub pass_through: bool,
+    /// Cap on the memory the allocator may hold, as a fraction of the device's capacity
+    /// (PyTorch's `per_process_memory_fraction` key; `set_per_process_memory_fraction` at run
+    /// time is [`crate::Device::set_memory_fraction`]). `None`: no cap; the key's value 0 means
+    /// no cap, as in PyTorch.
+    pub per_process_memory_fraction: Option<f64>,
 }
 
 impl Default for AllocatorConfig {
@@ -81,6 +87,7 @@ impl Default for AllocatorConfig {
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: None,
             pass_through: false,
+            per_process_memory_fraction: None,
         }
     }
 }
@@ -156,6 +163,16 @@ impl AllocatorConfig {
                     }
                     c.garbage_collection_threshold = Some(t);
                 }
+                "per_process_memory_fraction" => {
+                    let t: f64 = value
+                        .parse()
+                        .map_err(|_| err(format!("{value:?} is not a number")))?;
+                    if !(0.0..=1.0).contains(&t) {
+                        return Err(err(format!("{t} is outside [0, 1]")));
+                    }
+                    // 0: no limit, as PyTorch reads the key
+                    c.per_process_memory_fraction = (t > 0.0).then_some(t);
+                }
                 other => {
                     return Err(ConfigError {
                         key: Some(other.to_string()),
@@ -208,6 +225,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if self.pass_through {
             write!(f, ",backend:cudaMallocAsync")?;
+        }
+        if let Some(t) = self.per_process_memory_fraction {
+            write!(f, ",per_process_memory_fraction:{t}")?;
         }
         Ok(())
     }

@@ -213,6 +213,13 @@ impl Device {
         self.inner.allocator.reset_peak_stats()
     }
 
+    /// Resets the accumulated statistics and event counters (PyTorch's
+    /// `reset_accumulated_memory_stats`); see
+    /// [`CachingAllocator::reset_accumulated_memory_stats`].
+    pub fn reset_accumulated_memory_stats(&self) {
+        self.inner.allocator.reset_accumulated_memory_stats()
+    }
+
     /// Returns cached unused memory to the device.
     pub fn empty_cache(&self) -> Result<()> {
         self.inner.allocator.empty_cache()

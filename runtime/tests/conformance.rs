@@ -560,3 +560,123 @@ fn p17_absurd_requests_fail_like_pytorch_and_reserve_nothing() {
         a.free(keep).unwrap();
     }
 }
+
+// ---- point 10: PyTorch features users rely on ----
+
+#[test]
+fn p10_per_process_memory_fraction_key_and_getter() {
+    let c = AllocatorConfig::parse("per_process_memory_fraction:0.25").unwrap();
+    assert_eq!(c.per_process_memory_fraction, Some(0.25));
+    assert_eq!(AllocatorConfig::parse(&c.to_string()).unwrap(), c);
+    let dev = Device::new(SimDevice::new(ByteSize::gib(1)), c);
+    assert_eq!(dev.memory_fraction(), 0.25);
+    assert!(dev.alloc::<u8>(300 << 20).unwrap_err().is_oom());
+    drop(dev.alloc::<u8>(200 << 20).unwrap());
+    dev.set_memory_fraction(0.5).unwrap();
+    assert_eq!(dev.memory_fraction(), 0.5);
+    drop(dev.alloc::<u8>(300 << 20).unwrap());
+    // 0 is "no limit", as in PyTorch's config
+    let c = AllocatorConfig::parse("per_process_memory_fraction:0").unwrap();
+    assert_eq!(c.per_process_memory_fraction, None);
+    let dev = Device::new(SimDevice::new(ByteSize::gib(1)), c);
+    assert_eq!(dev.memory_fraction(), 1.0);
+    drop(dev.alloc::<u8>(900 << 20).unwrap());
+    for bad in [
+        "per_process_memory_fraction:1.5",
+        "per_process_memory_fraction:-0.1",
+    ] {
+        let e = AllocatorConfig::parse(bad).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("per_process_memory_fraction"), "{e}");
+    }
+}
+
+#[test]
+fn p10_reset_accumulated_memory_stats() {
+    let (_, a) = allocator(ByteSize::mib(64), MODES[0]);
+    let keep = a.allocate(4096, 0).unwrap();
+    let x = a.allocate(8 * MIB, 0).unwrap();
+    a.free(x).unwrap();
+    let _ = a.allocate(1 << 30, 0).unwrap_err();
+    a.empty_cache().unwrap();
+    let before = a.stats();
+    assert!(before.allocation.all.allocated >= 2 && before.num_ooms == 1);
+    a.reset_accumulated_memory_stats();
+    let s = a.stats();
+    for p in [
+        s.allocated_bytes,
+        s.allocation,
+        s.reserved_bytes,
+        s.segment,
+        s.active_bytes,
+        s.active,
+        s.requested_bytes,
+        s.inactive_split,
+        s.inactive_split_bytes,
+    ] {
+        for st in [p.all, p.small, p.large] {
+            assert_eq!((st.allocated, st.freed), (0, 0));
+        }
+    }
+    assert_eq!(
+        (s.num_alloc_retries, s.num_ooms, s.num_sync_all_streams),
+        (0, 0, 0)
+    );
+    assert_eq!((s.num_device_alloc, s.num_device_free), (0, 0));
+    // current values and peaks stay
+    assert_eq!(
+        s.allocated_bytes.all.current,
+        before.allocated_bytes.all.current
+    );
+    assert_eq!(s.allocated_bytes.all.peak, before.allocated_bytes.all.peak);
+    a.free(keep).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// PyTorch's `_cuda_attach_out_of_memory_observer`: called on every OOM with the device, the
+/// request, what is allocated and what the device has free, outside the allocator's lock, so
+/// the observer can take a snapshot.
+#[test]
+fn p10_out_of_memory_observer_can_snapshot() {
+    use std::sync::Mutex;
+    let dev = Device::new(
+        SimDevice::new(ByteSize::mib(64)).with_ordinal(2),
+        AllocatorConfig::default(),
+    );
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (seen2, dev2) = (seen.clone(), dev.clone());
+    dev.allocator().attach_oom_observer(move |e| {
+        let segments = dev2.snapshot().len(); // would deadlock under the lock
+        seen2
+            .lock()
+            .unwrap()
+            .push((e.device, e.requested, e.allocated, e.device_free, segments));
+    });
+    let keep = dev.alloc::<u8>(10 << 20).unwrap();
+    let _ = dev.alloc::<u8>(100 << 20).unwrap_err();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    let (device, requested, allocated, free, segments) = seen[0];
+    assert_eq!((device, requested, allocated), (2, 100 << 20, 10 << 20));
+    assert!(free <= 54 << 20 && segments >= 1, "{free} {segments}");
+    drop(keep);
+}
+
+#[test]
+fn p10_leak_reports_name_the_device() {
+    use oomguard_runtime::guard::{thread_leak_check, LeakAction};
+    let dev = Device::new(
+        SimDevice::new(ByteSize::mib(64)).with_ordinal(3),
+        AllocatorConfig::default(),
+    );
+    let check = dev.leak_check().on_leak(LeakAction::Report);
+    let kept = dev.alloc::<u8>(1000).unwrap();
+    let r = check.finish().unwrap_err();
+    assert_eq!(r.leaks[0].device, 3);
+    assert!(r.to_string().contains("device 3"), "{r}");
+    let check = thread_leak_check().on_leak(LeakAction::Report);
+    let kept2 = dev.alloc::<u8>(1000).unwrap();
+    let r = check.finish().unwrap_err();
+    assert_eq!(r.leaks[0].device, 3);
+    assert!(r.to_string().contains("device 3"), "{r}");
+    drop((kept, kept2));
+}

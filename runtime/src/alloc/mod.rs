@@ -121,6 +121,18 @@ pub struct CachingAllocator {
     total: u64,
     /// This allocator's identity, carried in its handles.
     id: u64,
+    /// Called on every out-of-memory error, outside the state lock.
+    observers: Mutex<Vec<OomObserver>>,
+}
+
+/// A function called with every out-of-memory error ([`CachingAllocator::attach_oom_observer`]).
+#[derive(Clone)]
+struct OomObserver(Arc<dyn Fn(&OomError) + Send + Sync>);
+
+impl std::fmt::Debug for OomObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OomObserver")
+    }
 }
 
 impl CachingAllocator {
@@ -131,11 +143,18 @@ impl CachingAllocator {
             config.expandable_segments && !config.pass_through && backend.supports_growable();
         let total = backend.mem_info().map(|m| m.total).unwrap_or(0);
         let granularity = backend.granularity().max(MIN_BLOCK);
+        let fraction = config.per_process_memory_fraction;
+        let mut state = State::new(config, growable, granularity);
+        if let Some(f) = fraction {
+            state.limit = Some((total as f64 * f) as u64);
+            state.fraction = Some(f);
+        }
         Self {
-            state: Mutex::new(State::new(config, growable, granularity)),
+            state: Mutex::new(state),
             backend,
             total,
             id: NEXT_ALLOCATOR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            observers: Mutex::new(Vec::new()),
         }
     }
 
@@ -165,9 +184,39 @@ impl CachingAllocator {
     /// [`Error::Oom`].
     ///
     /// Zero bytes allocate nothing, as in PyTorch and RMM: the handle's `ptr` is 0 (null) and
-    /// its `size` 0; freeing it does nothing.
+    /// its `size` 0; freeing it does nothing. Out-of-memory errors are passed to the observers
+    /// ([`CachingAllocator::attach_oom_observer`]) first.
     #[track_caller]
+    #[inline]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
+        let r = self.allocate_locked(bytes, stream);
+        if let Err(Error::Oom(e)) = &r {
+            self.notify_oom(e);
+        }
+        r
+    }
+
+    /// Calls the out-of-memory observers (the state lock is not held).
+    #[cold]
+    fn notify_oom(&self, e: &OomError) {
+        let observers = self.observers.lock().clone();
+        for o in observers {
+            (o.0)(e);
+        }
+    }
+
+    /// Registers `f` to be called with every out-of-memory error of this allocator (device,
+    /// request, allocated bytes, the device's free bytes, …), as PyTorch's
+    /// `torch._C._cuda_attach_out_of_memory_observer`: for instance to save a snapshot at the
+    /// moment of the failure. It runs on the allocating thread, without the allocator's lock
+    /// held, so it may call the allocator (`snapshot`, `memory_summary`, `empty_cache`).
+    pub fn attach_oom_observer(&self, f: impl Fn(&OomError) + Send + Sync + 'static) {
+        self.observers.lock().push(OomObserver(Arc::new(f)));
+    }
+
+    #[track_caller]
+    #[inline]
+    fn allocate_locked(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         if bytes == 0 {
             return Ok(self.null_handle(stream));
         }
@@ -502,11 +551,46 @@ impl CachingAllocator {
         self.lock().stats.reset_peaks();
     }
 
+    /// Resets the accumulated totals (`allocated`/`freed` of every statistic) and the event
+    /// counters (`num_*`, mapped/unmapped totals) to zero, as PyTorch's
+    /// `reset_accumulated_memory_stats`; current values and peaks stay.
+    pub fn reset_accumulated_memory_stats(&self) {
+        self.lock().stats.reset_accumulated();
+    }
+
     /// Caps the bytes this allocator may hold from the device (`None`: no cap), as PyTorch's
     /// `set_per_process_memory_fraction`. Memory already held stays; growth past the cap fails
     /// with out-of-memory after the cache is released.
     pub fn set_memory_limit(&self, limit: Option<u64>) {
-        self.lock().limit = limit;
+        let mut st = self.lock();
+        st.limit = limit;
+        st.fraction = None;
+    }
+
+    /// Caps the bytes this allocator may hold at `fraction` of the device's capacity (PyTorch's
+    /// `set_per_process_memory_fraction`); `Err` unless `0 < fraction <= 1`.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "memory fraction must be in (0, 1], got {fraction}"
+            )));
+        }
+        let mut st = self.lock();
+        st.limit = Some((self.total as f64 * fraction) as u64);
+        st.fraction = Some(fraction);
+        Ok(())
+    }
+
+    /// The fraction of the device's capacity this allocator may hold (PyTorch's
+    /// `get_per_process_memory_fraction`): 1.0 without a cap; a cap set in bytes
+    /// ([`CachingAllocator::set_memory_limit`]) as its share of the capacity.
+    pub fn memory_fraction(&self) -> f64 {
+        let st = self.lock();
+        match (st.fraction, st.limit) {
+            (Some(f), _) => f,
+            (None, Some(l)) if self.total > 0 => l as f64 / self.total as f64,
+            _ => 1.0,
+        }
     }
 
     /// The cap set by [`CachingAllocator::set_memory_limit`].

@@ -43,6 +43,8 @@ pub(crate) struct State {
     pub stats: MemoryStats,
     /// Device-wide cap on reserved bytes (`set_memory_fraction`).
     pub limit: Option<u64>,
+    /// The fraction of the device that `limit` was set from, when it was set as one.
+    pub fraction: Option<f64>,
     /// The most bytes ever reserved: growable segments recycle free pages rather than pass it.
     pub high_water: u64,
     /// Quick lists: blocks freed recently, by (stream, size), reused at exactly that size without
@@ -78,6 +80,7 @@ impl State {
             pending: Vec::new(),
             stats,
             limit: None,
+            fraction: None,
             high_water: 0,
             quick: FxHashMap::default(),
             parked: 0,

@@ -37,6 +37,10 @@ impl Stat {
     fn reset_peak(&mut self) {
         self.peak = self.current;
     }
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
+    }
 }
 
 /// A statistic for all memory and for each pool.
@@ -73,6 +77,11 @@ impl PoolStats {
         self.all.reset_peak();
         self.small.reset_peak();
         self.large.reset_peak();
+    }
+    fn reset_accumulated(&mut self) {
+        self.all.reset_accumulated();
+        self.small.reset_accumulated();
+        self.large.reset_accumulated();
     }
 }
 
@@ -147,6 +156,36 @@ impl MemoryStats {
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
         self.pinned_bytes.reset_peak();
+    }
+
+    /// PyTorch's `reset_accumulated_memory_stats`: the totals (`allocated`, `freed`) of every
+    /// statistic and the event counters go to zero; current values and peaks stay.
+    pub(crate) fn reset_accumulated(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.allocation,
+            &mut self.reserved_bytes,
+            &mut self.segment,
+            &mut self.active_bytes,
+            &mut self.active,
+            &mut self.requested_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.inactive_split,
+        ] {
+            s.reset_accumulated();
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.pinned_bytes.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_map = 0;
+        self.num_unmap = 0;
+        self.mapped_bytes_total = 0;
+        self.unmapped_bytes_total = 0;
     }
 }
 

@@ -38,7 +38,7 @@ fn fraction_ppm(fraction: f64) -> Result<u64> {
 fn leak_report(scope: &Arc<Scope>, allowed: u64) -> LeakReport {
     let mut records = Vec::new();
     for dev in Device::all() {
-        records.extend(dev.tracker().live_in(scope));
+        records.extend(dev.tracker().live_in(scope, dev.ordinal()));
     }
     LeakReport::from_records(records, allowed, scope.opened_at)
 }

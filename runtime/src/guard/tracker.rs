@@ -97,6 +97,8 @@ struct Tracked {
 /// A recorded live allocation, as a leak check reports it.
 pub(crate) struct LiveRecord {
     pub alloc: Allocation,
+    /// The ordinal of the device it lives on.
+    pub device: usize,
     pub site: &'static Location<'static>,
     pub backtrace: Option<Arc<Backtrace>>,
 }
@@ -298,8 +300,9 @@ impl Tracker {
         }
     }
 
-    /// The recorded live allocations charged to `scope`, in allocation order.
-    pub fn live_in(&self, scope: &Arc<Scope>) -> Vec<LiveRecord> {
+    /// The recorded live allocations charged to `scope`, in allocation order (`device`: this
+    /// tracker's device ordinal, for the report).
+    pub fn live_in(&self, scope: &Arc<Scope>, device: usize) -> Vec<LiveRecord> {
         let t = lock(&self.table);
         let mut v: Vec<(u64, LiveRecord)> = t
             .map
@@ -310,6 +313,7 @@ impl Tracker {
                     e.seq,
                     LiveRecord {
                         alloc: e.alloc,
+                        device,
                         site: e.site,
                         backtrace: e.backtrace.clone(),
                     },
