@@ -680,3 +680,97 @@ fn p10_leak_reports_name_the_device() {
     assert!(r.to_string().contains("device 3"), "{r}");
     drop((kept, kept2));
 }
+
+// ---- point 11: PyTorch's config keys ----
+
+/// `roundup_power2_divisions` as PyTorch's parseRoundUpPower2Divisions reads it: 0 disables an
+/// interval, `>` fills from after the last interval given (index 1 when it comes first),
+/// intervals in any order, a bare value must be a power of two.
+#[test]
+fn p11_roundup_power2_divisions_exactly_as_pytorch() {
+    let d = |s: &str| {
+        AllocatorConfig::parse(&format!("roundup_power2_divisions:{s}"))
+            .map(|c| c.roundup_power2_divisions)
+    };
+    // stored: 0 or 1 mean plain rounding (kept as 0)
+    let mut want = [4u64; 16];
+    want[0] = 0;
+    assert_eq!(
+        d("[>:4]").unwrap(),
+        want,
+        "[>:4] leaves the first interval alone"
+    );
+    let mut want = [4u64; 16];
+    want[1] = 0;
+    assert_eq!(d("[1:4,2:0,>:4]").unwrap(), want, "0 disables an interval");
+    let mut want = [0u64; 16];
+    want[..3].copy_from_slice(&[2, 8, 2]);
+    assert_eq!(d("[4:2,2:8]").unwrap(), want, "intervals in any order");
+    // a boundary past the last interval clamps to it; the first entry fills those before it
+    assert_eq!(d("[65536:2]").unwrap(), [2; 16]);
+    assert!(d("0").is_err(), "a bare value must be a power of two");
+    assert!(d("[3:2]").is_err() && d("[2:3]").is_err());
+    assert_eq!(d("1").unwrap(), [0; 16]);
+    for s in ["[>:4]", "[1:4,2:0,>:4]", "[4:2,2:8]"] {
+        let c = AllocatorConfig::parse(&format!("roundup_power2_divisions:{s}")).unwrap();
+        assert_eq!(
+            AllocatorConfig::parse(&c.to_string()).unwrap(),
+            c,
+            "{s} -> {c}"
+        );
+    }
+}
+
+/// Every key PyTorch's CUDA allocator accepts is honoured or accepted with a one-line warning,
+/// so an existing PYTORCH_CUDA_ALLOC_CONF value does not break startup.
+#[test]
+fn p11_every_pytorch_key_is_accepted() {
+    let ignored = [
+        "release_lock_on_cudamalloc:True",
+        "release_lock_on_hipmalloc:False",
+        "pinned_use_cuda_host_register:True",
+        "pinned_use_hip_host_register:False",
+        "pinned_num_register_threads:8",
+        "pinned_reserve_segment_size_mb:64",
+        "pinned_use_background_threads:True",
+        "graph_capture_record_stream_reuse:True",
+        "pinned_free_catch_all:True",
+        "throw_on_cudamalloc_oom:True",
+    ];
+    let s = format!("expandable_segments:False,{}", ignored.join(","));
+    let (c, warnings) = AllocatorConfig::parse_with_warnings(&s).unwrap();
+    assert!(!c.expandable_segments);
+    assert_eq!(warnings.len(), ignored.len(), "{warnings:?}");
+    for (w, k) in warnings.iter().zip(ignored) {
+        let key = k.split(':').next().unwrap();
+        assert!(
+            w.contains(key) && w.contains("no effect") && !w.contains('\n'),
+            "{w}"
+        );
+    }
+    assert_eq!(AllocatorConfig::parse(&s).unwrap(), c);
+    // still an error: unknown keys and bad values of accepted keys
+    assert!(AllocatorConfig::parse("release_lock_on_cudamalloc:maybe").is_err());
+    assert!(AllocatorConfig::parse("no_such_key:1").is_err());
+}
+
+/// `max_non_split_rounding_mb` is honoured: an oversize free block is reused for a request
+/// within that many MiB of its size (PyTorch's default and minimum: 20).
+#[test]
+fn p11_max_non_split_rounding_mb_is_honoured() {
+    for (cfg, reused) in [
+        ("expandable_segments:False,max_split_size_mb:100", false),
+        (
+            "expandable_segments:False,max_split_size_mb:100,max_non_split_rounding_mb:60",
+            true,
+        ),
+    ] {
+        let (_, a) = allocator(ByteSize::mib(512), cfg);
+        let x = a.allocate(200 * MIB, 0).unwrap();
+        a.free(x).unwrap();
+        let y = a.allocate(150 * MIB, 0).unwrap();
+        assert_eq!(y.ptr == x.ptr, reused, "{cfg}");
+        a.free(y).unwrap();
+    }
+    assert!(AllocatorConfig::parse("max_non_split_rounding_mb:10").is_err());
+}

@@ -225,7 +225,7 @@ impl State {
         let (found, id) = self.free[pool as usize].best_fit(stream, size)?;
         let max_split = self.cfg.max_split_size;
         if (size < max_split && found >= max_split)
-            || (size >= max_split && found >= size.saturating_add(20 << 20))
+            || (size >= max_split && found >= size.saturating_add(self.cfg.max_non_split_rounding))
         {
             return None;
         }
