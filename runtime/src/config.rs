@@ -244,6 +244,7 @@ impl AllocatorConfig {
     }
 
     /// The divisions that apply to a request of `size` bytes.
+    #[inline]
     pub(crate) fn divisions_for(&self, size: u64) -> u64 {
         let log = 63 - size.max(1).leading_zeros() as usize;
         let idx = log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1);

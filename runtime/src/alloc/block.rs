@@ -101,6 +101,7 @@ impl<T> Arena<T> {
         self.vacant.push(i);
         t
     }
+    #[inline]
     pub fn get(&self, i: u32) -> Option<&T> {
         self.items.get(i as usize).and_then(Option::as_ref)
     }
@@ -117,12 +118,14 @@ impl<T> Arena<T> {
 
 impl<T> std::ops::Index<u32> for Arena<T> {
     type Output = T;
+    #[inline]
     fn index(&self, i: u32) -> &T {
         self.items[i as usize].as_ref().expect("arena slot is live")
     }
 }
 
 impl<T> std::ops::IndexMut<u32> for Arena<T> {
+    #[inline]
     fn index_mut(&mut self, i: u32) -> &mut T {
         self.items[i as usize].as_mut().expect("arena slot is live")
     }

@@ -173,6 +173,7 @@ impl CachingAllocator {
         self.lock().growable
     }
 
+    #[inline]
     fn lock(&self) -> MutexGuard<'_, State> {
         // parking_lot: spins briefly before parking, which keeps short critical sections cheap
         // under contention; no poisoning (every mutation completes before anything can panic).
@@ -418,22 +419,15 @@ impl CachingAllocator {
     /// (freed already), is from another allocator, or is the copy a live
     /// [`crate::DeviceBuffer`] lends out. Freeing a zero-byte (null) allocation does nothing.
     pub fn free(&self, a: Allocation) -> Result<(), Error> {
-        if a.block == NO_BLOCK && a.owner == self.id {
-            return Ok(());
-        }
         let mut st = self.lock();
-        if !self.is_live(&st, &a) {
-            return Err(Error::InvalidArgument(format!(
-                "free of {:#x}: not a live allocation of this allocator (double free?)",
-                a.ptr
-            )));
-        }
-        if a.is_borrowed() {
-            return Err(Error::InvalidArgument(format!(
-                "free of {:#x}: this handle is a copy lent out by a DeviceBuffer, which frees its \
-                 memory when dropped; drop the buffer instead",
-                a.ptr
-            )));
+        // One test for the common case: the owner's handle of a live block (a lent-out copy has
+        // the BORROWED bit in its generation, a null handle no block, so neither matches).
+        let owned_live = a.owner == self.id
+            && st.blocks.get(a.block).is_some_and(|b| {
+                b.generation == a.generation && b.state == BlockState::Allocated && b.addr == a.ptr
+            });
+        if !owned_live {
+            return self.reject_free(&st, &a);
         }
         st.unmark_allocated(a.block);
         st.trace(TraceAction::FreeRequested, a.ptr, a.requested, a.stream);
@@ -461,6 +455,25 @@ impl CachingAllocator {
         st.blocks[a.block].state = BlockState::PendingFree;
         st.pending.push((a.block, events));
         Ok(())
+    }
+
+    /// Why `free` refused a handle (off the fast path): a null handle frees nothing.
+    #[cold]
+    fn reject_free(&self, st: &State, a: &Allocation) -> Result<(), Error> {
+        if a.block == NO_BLOCK && a.owner == self.id {
+            return Ok(());
+        }
+        if a.is_borrowed() && self.is_live(st, a) {
+            return Err(Error::InvalidArgument(format!(
+                "free of {:#x}: this handle is a copy lent out by a DeviceBuffer, which frees its \
+                 memory when dropped; drop the buffer instead",
+                a.ptr
+            )));
+        }
+        Err(Error::InvalidArgument(format!(
+            "free of {:#x}: not a live allocation of this allocator (double free?)",
+            a.ptr
+        )))
     }
 
     /// Marks an allocation as used by `stream` as well as its own, as PyTorch's `record_stream`:
