@@ -159,7 +159,8 @@ impl Device {
 
     /// Frees an allocation from [`Device::alloc_raw`] (and credits the memory guards it was
     /// charged to). Free through the device, not through [`Device::allocator`], so that the
-    /// guards see it.
+    /// guards see it. The caller's location is what the history records as where it was freed.
+    #[track_caller]
     pub fn free_raw(&self, a: Allocation) -> Result<()> {
         let inner = &*self.inner;
         if inner.tracker.tracking() {

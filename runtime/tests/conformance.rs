@@ -774,3 +774,96 @@ fn p11_max_non_split_rounding_mb_is_honoured() {
     }
     assert!(AllocatorConfig::parse("max_non_split_rounding_mb:10").is_err());
 }
+
+// ---- point 12: history options as PyTorch's _record_memory_history ----
+
+#[test]
+fn p12_history_free_stacks_skip_actions_metadata_and_no_clearing() {
+    use oomguard_runtime::alloc::{HistoryContext, HistoryOptions};
+    let (_, a) = allocator(ByteSize::mib(64), MODES[1]);
+    a.record_history_with(HistoryOptions {
+        max_entries: 1000,
+        context: HistoryContext::All,
+        skip_actions: vec![TraceAction::SegmentMap],
+        stacks: true,
+        clear: false,
+    });
+    a.set_history_metadata(Some("step 1".into()));
+    let x = a.allocate(1000, 0).unwrap();
+    let free_line = line!() + 1;
+    a.free(x).unwrap();
+    let h = a.history();
+    assert!(
+        h.iter().all(|e| e.action != TraceAction::SegmentMap),
+        "skipped"
+    );
+    let alloc = h.iter().find(|e| e.action == TraceAction::Alloc).unwrap();
+    let free = h
+        .iter()
+        .find(|e| e.action == TraceAction::FreeRequested)
+        .unwrap();
+    assert_eq!(alloc.user_metadata, "step 1");
+    assert!(
+        free.frames[0].filename.ends_with("conformance.rs"),
+        "{:?}",
+        free.frames
+    );
+    assert_eq!(free.frames[0].line, free_line, "where the block was freed");
+    assert!(free.backtrace.as_deref().is_some_and(|b| !b.is_empty()));
+    // buffers dropped: the free event carries a full backtrace (stacks), which names this test
+    let dev = device(ByteSize::mib(64), MODES[1]);
+    dev.allocator().record_history_with(HistoryOptions {
+        max_entries: 100,
+        context: HistoryContext::All,
+        skip_actions: vec![],
+        stacks: true,
+        clear: false,
+    });
+    drop(dev.alloc::<u8>(100).unwrap());
+    let h = dev.allocator().history();
+    let free = h
+        .iter()
+        .find(|e| e.action == TraceAction::FreeRequested)
+        .unwrap();
+    assert!(free.backtrace.is_some());
+
+    // changing what is captured keeps what was recorded (PyTorch's clear_history=False)
+    let before = a.history().len();
+    a.set_history_metadata(None);
+    a.record_history_with(HistoryOptions {
+        max_entries: 1000,
+        context: HistoryContext::Alloc,
+        skip_actions: vec![],
+        stacks: false,
+        clear: false,
+    });
+    let y = a.allocate(1000, 0).unwrap();
+    a.free(y).unwrap();
+    let h = a.history();
+    assert!(h.len() > before, "kept and extended");
+    let last_free = h
+        .iter()
+        .rev()
+        .find(|e| e.action == TraceAction::FreeRequested)
+        .unwrap();
+    assert!(last_free.frames.is_empty(), "context alloc: no free stacks");
+    assert_eq!(last_free.user_metadata, "");
+    let last_alloc = h
+        .iter()
+        .rev()
+        .find(|e| e.action == TraceAction::Alloc)
+        .unwrap();
+    assert_eq!(last_alloc.frames.len(), 1);
+    // and clear does clear
+    a.record_history_with(HistoryOptions {
+        max_entries: 1000,
+        context: HistoryContext::None,
+        skip_actions: vec![],
+        stacks: false,
+        clear: true,
+    });
+    assert!(a.history().is_empty());
+    let z = a.allocate(1000, 0).unwrap();
+    assert!(a.history()[0].frames.is_empty(), "context none: no stacks");
+    a.free(z).unwrap();
+}

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 pub use block::PoolKind;
-pub use history::{Frame, TraceAction, TraceEntry};
+pub use history::{Frame, HistoryContext, HistoryOptions, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
 pub use stats::{MemoryStats, PoolStats, Stat};
@@ -77,6 +77,20 @@ impl Allocation {
     /// Whether this is a copy lent out by a buffer (see [`Allocation`]).
     pub fn is_borrowed(&self) -> bool {
         self.generation & BORROWED != 0
+    }
+}
+
+/// History of a free, with the caller's location (off the fast path).
+#[cold]
+fn record_free(st: &mut State, a: &Allocation, loc: &'static std::panic::Location<'static>) {
+    if let Some(h) = &mut st.history {
+        h.record(
+            TraceAction::FreeRequested,
+            a.ptr,
+            a.requested,
+            a.stream,
+            Some(loc),
+        );
     }
 }
 
@@ -418,6 +432,8 @@ impl CachingAllocator {
     /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live
     /// (freed already), is from another allocator, or is the copy a live
     /// [`crate::DeviceBuffer`] lends out. Freeing a zero-byte (null) allocation does nothing.
+    /// The caller's location is what the history records as where the block was freed.
+    #[track_caller]
     pub fn free(&self, a: Allocation) -> Result<(), Error> {
         let mut st = self.lock();
         // One test for the common case: the owner's handle of a live block (a lent-out copy has
@@ -430,7 +446,9 @@ impl CachingAllocator {
             return self.reject_free(&st, &a);
         }
         st.unmark_allocated(a.block);
-        st.trace(TraceAction::FreeRequested, a.ptr, a.requested, a.stream);
+        if st.history.is_some() {
+            record_free(&mut st, &a, std::panic::Location::caller());
+        }
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
             if st.cfg.pass_through {
