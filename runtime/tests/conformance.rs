@@ -867,3 +867,56 @@ fn p12_history_free_stacks_skip_actions_metadata_and_no_clearing() {
     assert!(a.history()[0].frames.is_empty(), "context none: no stacks");
     a.free(z).unwrap();
 }
+
+// ---- point 13: RMM-style nested statistics scopes ----
+
+/// As rmm's `statistics_resource_adaptor` push_counters/pop_counters: bytes *requested*, frees
+/// of blocks allocated before the scope count too (so values can go negative), a popped scope's
+/// counters are folded into the one below.
+#[test]
+fn p13_nested_statistics_scopes_count_like_rmm() {
+    let (_, a) = allocator(ByteSize::mib(64), MODES[1]);
+    let before = a.allocate(3000, 0).unwrap();
+    assert!(a.statistics_scope().is_none());
+    assert!(a.pop_statistics_scope().is_err(), "nothing pushed");
+    a.push_statistics_scope();
+    let x = a.allocate(1000, 0).unwrap();
+    let s = a.statistics_scope().unwrap();
+    assert_eq!(
+        (s.bytes.value, s.bytes.peak, s.bytes.total),
+        (1000, 1000, 1000)
+    );
+    assert_eq!((s.allocations.value, s.allocations.total), (1, 1));
+    a.free(before).unwrap(); // allocated before the scope
+    let s = a.statistics_scope().unwrap();
+    assert_eq!(
+        (s.bytes.value, s.bytes.peak, s.bytes.total),
+        (-2000, 1000, 1000)
+    );
+    assert_eq!(s.allocations.value, 0);
+    a.push_statistics_scope();
+    let y = a.allocate(500, 0).unwrap();
+    let inner = a.pop_statistics_scope().unwrap();
+    assert_eq!(
+        (inner.bytes.value, inner.bytes.peak, inner.bytes.total),
+        (500, 500, 500)
+    );
+    let outer = a.statistics_scope().unwrap();
+    // folded in: value += inner value, peak = max(peak, value_before + inner peak), total +=
+    assert_eq!(
+        (outer.bytes.value, outer.bytes.peak, outer.bytes.total),
+        (-1500, 1000, 1500)
+    );
+    assert_eq!((outer.allocations.value, outer.allocations.total), (1, 2));
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    let outer = a.pop_statistics_scope().unwrap();
+    assert_eq!(outer.bytes.value, -3000);
+    assert!(a.pop_statistics_scope().is_err());
+    // zero-byte allocations count as RMM counts them (an allocation of 0 bytes)
+    a.push_statistics_scope();
+    let z = a.allocate(0, 0).unwrap();
+    a.free(z).unwrap();
+    let s = a.pop_statistics_scope().unwrap();
+    assert_eq!((s.bytes.total, s.allocations.value), (0, 0));
+}

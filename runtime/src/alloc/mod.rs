@@ -23,7 +23,7 @@ pub use block::PoolKind;
 pub use history::{Frame, HistoryContext, HistoryOptions, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
-pub use stats::{MemoryStats, PoolStats, Stat};
+pub use stats::{MemoryStats, PoolStats, ScopeCounter, ScopeStats, Stat};
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::config::AllocatorConfig;
@@ -575,6 +575,35 @@ impl CachingAllocator {
     pub fn allocated_and_reserved(&self) -> (u64, u64) {
         let st = self.lock();
         (st.stats.allocated_bytes.all.current, st.reserved())
+    }
+
+    /// Opens a nested statistics scope, as rmm's `statistics_resource_adaptor::push_counters`:
+    /// until it is popped, every allocation adds its requested bytes and every free (of any
+    /// allocation, also one made before the scope) subtracts them, so the value can go negative.
+    ///
+    /// Unlike a [`crate::guard::PeakScope`] (block sizes, only allocations made inside the scope
+    /// and their frees, never negative), this counts what rmm counts. Zero-byte allocations
+    /// (null handles) are not counted.
+    pub fn push_statistics_scope(&self) {
+        self.lock().scopes.push(ScopeStats::default());
+    }
+
+    /// Closes the innermost statistics scope and returns its counters; they are folded into the
+    /// scope below, if any (rmm's `pop_counters`). `Err` when no scope is open.
+    pub fn pop_statistics_scope(&self) -> Result<ScopeStats, Error> {
+        let mut st = self.lock();
+        let top = st.scopes.pop().ok_or_else(|| {
+            Error::InvalidArgument("pop_statistics_scope: no statistics scope is open".into())
+        })?;
+        if let Some(below) = st.scopes.last_mut() {
+            below.fold(&top);
+        }
+        Ok(top)
+    }
+
+    /// The counters of the innermost open statistics scope (`None` when none is open).
+    pub fn statistics_scope(&self) -> Option<ScopeStats> {
+        self.lock().scopes.last().copied()
     }
 
     /// Resets every peak to its current value.

@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
 use super::history::{History, TraceAction};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
-use super::stats::MemoryStats;
+use super::stats::{MemoryStats, ScopeStats};
 use crate::backend::{EventId, StreamId};
 use crate::config::AllocatorConfig;
 
@@ -57,6 +57,8 @@ pub(crate) struct State {
     /// The generation of the next allocation: allocations are numbered 1, 2, … and a number is
     /// never reused (2^63 of them would take centuries), so a handle names one allocation only.
     pub next_generation: u64,
+    /// Open statistics scopes (`push_statistics_scope`), innermost last.
+    pub scopes: Vec<ScopeStats>,
 }
 
 /// Most blocks parked per (stream, size).
@@ -86,6 +88,7 @@ impl State {
             parked: 0,
             history: None,
             next_generation: 1,
+            scopes: Vec::new(),
         }
     }
 
@@ -268,6 +271,9 @@ impl State {
         if size >= self.cfg.max_split_size {
             s.oversize_allocations.add(1);
         }
+        if let Some(scope) = self.scopes.last_mut() {
+            scope.allocated(requested);
+        }
     }
 
     /// Uncounts an allocated block as allocated (it stays active until [`State::release_block`]).
@@ -280,6 +286,9 @@ impl State {
         s.requested_bytes.sub(small, req);
         if size >= self.cfg.max_split_size {
             s.oversize_allocations.sub(1);
+        }
+        if let Some(scope) = self.scopes.last_mut() {
+            scope.freed(req);
         }
     }
 

@@ -189,6 +189,65 @@ impl MemoryStats {
     }
 }
 
+/// One counter of a statistics scope, as rmm's `statistics_resource_adaptor::counter`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScopeCounter {
+    /// Added minus removed while the scope was on top. Frees of allocations made before the
+    /// scope count too, so this can be negative.
+    pub value: i64,
+    /// The highest `value` seen.
+    pub peak: i64,
+    /// Sum of everything added.
+    pub total: i64,
+}
+
+impl ScopeCounter {
+    #[inline]
+    fn add(&mut self, n: i64) {
+        self.value += n;
+        self.total += n;
+        self.peak = self.peak.max(self.value);
+    }
+    #[inline]
+    fn sub(&mut self, n: i64) {
+        self.value -= n;
+    }
+    /// rmm's `add_counters_from_tracked_sub_block`: folds a popped inner scope into this one.
+    fn fold(&mut self, inner: &ScopeCounter) {
+        self.peak = self.peak.max(self.value + inner.peak);
+        self.value += inner.value;
+        self.total += inner.total;
+    }
+}
+
+/// The counters of a statistics scope
+/// ([`crate::CachingAllocator::push_statistics_scope`]): bytes *requested* and allocations,
+/// counted as rmm's `statistics_resource_adaptor` counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScopeStats {
+    /// Bytes requested (not rounded).
+    pub bytes: ScopeCounter,
+    /// Allocations.
+    pub allocations: ScopeCounter,
+}
+
+impl ScopeStats {
+    #[inline]
+    pub(crate) fn allocated(&mut self, requested: u64) {
+        self.bytes.add(requested as i64);
+        self.allocations.add(1);
+    }
+    #[inline]
+    pub(crate) fn freed(&mut self, requested: u64) {
+        self.bytes.sub(requested as i64);
+        self.allocations.sub(1);
+    }
+    pub(crate) fn fold(&mut self, inner: &ScopeStats) {
+        self.bytes.fold(&inner.bytes);
+        self.allocations.fold(&inner.allocations);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
