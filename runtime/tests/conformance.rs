@@ -920,3 +920,39 @@ fn p13_nested_statistics_scopes_count_like_rmm() {
     let s = a.pop_statistics_scope().unwrap();
     assert_eq!((s.bytes.total, s.allocations.value), (0, 0));
 }
+
+// ---- point 14: initial reservation ----
+
+/// rmm's `pool_memory_resource(upstream, initial_pool_size, maximum_pool_size)` / JAX's
+/// preallocation: memory taken up front and served to later requests without asking the device;
+/// an initial size above the maximum is refused.
+#[test]
+fn p14_initial_reservation_serves_later_requests() {
+    for mode in MODES {
+        let (sim, a) = allocator(ByteSize::gib(1), mode);
+        a.reserve_initial(512 * MIB).unwrap();
+        let s = a.stats();
+        assert_eq!(s.reserved_bytes.all.current, 512 * MIB, "{mode}");
+        assert_eq!(s.allocated_bytes.all.current, 0);
+        let calls = sim.calls();
+        let xs: Vec<_> = [100 * MIB, 64 * MIB, 200 * MIB]
+            .iter()
+            .map(|&n| a.allocate(n, 0).unwrap())
+            .collect();
+        assert_eq!(sim.calls(), calls, "{mode}: served from the reservation");
+        for x in xs {
+            a.free(x).unwrap();
+        }
+        a.check_invariants().unwrap();
+        // validation: initial above the maximum (the memory limit) or the device
+        let (_, b) = allocator(ByteSize::gib(1), mode);
+        b.set_memory_limit(Some(256 * MIB));
+        let e = b.reserve_initial(512 * MIB).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains("maximum"), "{e}");
+        let e = b.reserve_initial(2 << 30).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert_eq!(b.stats().reserved_bytes.all.current, 0);
+        b.reserve_initial(0).unwrap();
+    }
+}

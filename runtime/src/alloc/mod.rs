@@ -577,6 +577,30 @@ impl CachingAllocator {
         (st.stats.allocated_bytes.all.current, st.reserved())
     }
 
+    /// Takes `bytes` from the device now and keeps them cached for later requests, as rmm's
+    /// `pool_memory_resource` initial pool size or JAX's preallocation: one block of the large
+    /// pool (requests above 1 MiB), which later requests split (`max_split_size` permitting; the
+    /// small pool keeps its own 2 MiB segments). `bytes` must not exceed the maximum (the memory
+    /// limit, [`CachingAllocator::set_memory_limit`] / `per_process_memory_fraction`) nor the
+    /// device's capacity ([`Error::InvalidArgument`]); out-of-memory otherwise. 0 does nothing.
+    pub fn reserve_initial(&self, bytes: u64) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let max = self.lock().limit.unwrap_or(u64::MAX).min(self.total);
+        if bytes > max {
+            return Err(Error::InvalidArgument(format!(
+                "initial reservation of {} exceeds the maximum of {} (the memory limit or the \
+                 device's capacity)",
+                crate::ByteSize(bytes),
+                crate::ByteSize(max)
+            )));
+        }
+        // above the small pool, whatever was asked
+        let a = self.allocate(bytes.max(pool::SMALL_SIZE + 1), 0)?;
+        self.free(a)
+    }
+
     /// Opens a nested statistics scope, as rmm's `statistics_resource_adaptor::push_counters`:
     /// until it is popped, every allocation adds its requested bytes and every free (of any
     /// allocation, also one made before the scope) subtracts them, so the value can go negative.
