@@ -956,3 +956,133 @@ fn p14_initial_reservation_serves_later_requests() {
         b.reserve_initial(0).unwrap();
     }
 }
+
+// ---- point 19: tests that can fail ----
+
+/// With events that stay pending until their stream is synchronised, delayed reuse after
+/// `record_stream` is observable: the block is not handed out again until stream 2's work is
+/// done (the simulated device used to complete every event at once).
+#[test]
+fn p19_recorded_stream_delays_reuse_until_the_stream_is_synchronised() {
+    for mode in MODES {
+        let sim = SimDevice::address_only(ByteSize::mib(64)).with_pending_events();
+        let a = CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::parse(mode).unwrap());
+        let x = a.allocate(4096, 1).unwrap();
+        a.record_stream(&x, 2).unwrap();
+        a.free(x).unwrap();
+        assert_eq!(sim.pending_events(), 1);
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let y = a.allocate(4096, 1).unwrap();
+            assert_ne!(
+                y.ptr, x.ptr,
+                "{mode}: reused while stream 2 may still use it"
+            );
+            held.push(y);
+        }
+        assert_eq!(a.stats().active.all.current, 5, "{mode}: x is still active");
+        sim.synchronize_stream(2);
+        let z = a.allocate(4096, 1).unwrap();
+        assert_eq!(z.ptr, x.ptr, "{mode}: reused once stream 2 is done");
+        // empty_cache waits for pending events
+        a.record_stream(&z, 3).unwrap();
+        a.free(z).unwrap();
+        assert_eq!(sim.pending_events(), 1);
+        a.empty_cache().unwrap();
+        assert_eq!(sim.pending_events(), 0);
+        for y in held {
+            a.free(y).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
+/// A training-step-like workload on a fresh device with an out-of-memory injected at every
+/// backend call where the allocator acts (segment allocation, address reservation, page
+/// mapping): each run recovers (the allocator releases its cache and retries) with the
+/// fault-free result, or fails with a clean OOM; nothing leaks, invariants hold, the device's
+/// usage equals the allocator's reserved bytes.
+#[test]
+fn p19_faults_at_segment_allocation_reservation_and_mapping() {
+    use oomguard_runtime::backend::sim::SimOp;
+    fn step(dev: &Device) -> Result<f32, Error> {
+        let weights = dev.from_slice(&vec![0.5f32; 1 << 14])?;
+        let mut acc = 0.0f32;
+        let mut keep = Vec::new();
+        for layer in 0..6usize {
+            let act = dev.zeros::<f32>((layer + 1) << 18)?; // 1..6 MiB
+            let tmp = dev.from_slice(&vec![layer as f32; 1 << 10])?;
+            acc += tmp.to_vec()?.iter().sum::<f32>() + act.len() as f32;
+            keep.push(act);
+        }
+        let big = dev.zeros::<u8>(30 << 20)?;
+        acc += big.len() as f32 + weights.to_vec()?[0];
+        Ok(acc)
+    }
+    for (mode, ops) in [
+        (MODES[0], vec![SimOp::AllocSegment]),
+        (MODES[1], vec![SimOp::Reserve, SimOp::Map]),
+    ] {
+        let fresh = || {
+            let sim = SimDevice::new(ByteSize::mib(256));
+            let dev = Device::new(sim.clone(), AllocatorConfig::parse(mode).unwrap());
+            (sim, dev)
+        };
+        let (sim, dev) = fresh();
+        let expected = step(&dev).unwrap();
+        for op in ops {
+            let n = sim.faults().op_calls(op);
+            assert!(n >= 2, "{mode}: {op:?} called {n} times");
+            let (mut recovered, mut failed) = (0, 0);
+            // once (the allocator's retry succeeds) and from then on (it cannot)
+            for (k, persistent) in (0..n).flat_map(|k| [(k, false), (k, true)]) {
+                let (sim, dev) = fresh();
+                if persistent {
+                    sim.faults().fail_ops_from(op, k);
+                } else {
+                    sim.faults().fail_nth_op(op, k);
+                }
+                match step(&dev) {
+                    Ok(v) => {
+                        assert_eq!(v, expected, "{mode} {op:?} #{k}");
+                        assert!(dev.stats().num_alloc_retries >= 1, "{mode} {op:?} #{k}");
+                        recovered += 1;
+                    }
+                    Err(e) => {
+                        assert!(e.is_oom(), "{mode} {op:?} #{k}: {e}");
+                        failed += 1;
+                    }
+                }
+                if persistent {
+                    sim.faults().clear();
+                }
+                assert!(
+                    sim.faults().op_calls(op) > k,
+                    "{mode} {op:?} #{k}: fault never fired"
+                );
+                let s = dev.stats();
+                assert_eq!(s.allocated_bytes.all.current, 0, "{mode} {op:?} #{k}: leak");
+                assert_eq!(
+                    s.reserved_bytes.all.current,
+                    sim.used(),
+                    "{mode} {op:?} #{k}"
+                );
+                dev.allocator().check_invariants().unwrap();
+                dev.empty_cache().unwrap();
+                assert_eq!(sim.used(), 0, "{mode} {op:?} #{k}");
+                assert_eq!(
+                    step(&dev).unwrap(),
+                    expected,
+                    "{mode} {op:?} #{k}: next run"
+                );
+            }
+            println!(
+                "{mode} {op:?}: {n} injection points x 2, {recovered} recovered, {failed} failed"
+            );
+            assert!(
+                recovered >= n as usize && failed >= 1,
+                "{mode} {op:?}: both outcomes seen"
+            );
+        }
+    }
+}

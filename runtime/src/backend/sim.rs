@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Backend, BackendError, BackendErrorKind, DevicePtr, MemInfo, StreamId};
+use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
 use crate::ByteSize;
 
 /// Page size of the simulated device's growable segments (as on an H100).
@@ -39,6 +39,22 @@ pub struct FaultPlan {
     requests: AtomicU64,
     fail_at: AtomicU64,
     fail_above: AtomicU64,
+    /// Calls seen and the call index to fail, per [`SimOp`].
+    op_calls: [AtomicU64; 3],
+    op_fail_at: [AtomicU64; 3],
+    op_fail_from: [AtomicU64; 3],
+}
+
+/// A backend operation of the simulated device that a [`FaultPlan`] can make fail, so that a
+/// test can inject out-of-memory where the allocator acts, not only before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimOp {
+    /// `alloc_segment` (fixed segments).
+    AllocSegment = 0,
+    /// `reserve` (address ranges of growable segments).
+    Reserve = 1,
+    /// `map` (pages of growable segments).
+    Map = 2,
 }
 
 const NONE: u64 = u64::MAX;
@@ -49,7 +65,49 @@ impl FaultPlan {
             requests: AtomicU64::new(0),
             fail_at: AtomicU64::new(NONE),
             fail_above: AtomicU64::new(NONE),
+            op_calls: Default::default(),
+            op_fail_at: [
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+            ],
+            op_fail_from: [
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+            ],
         }
+    }
+    /// Makes every call of `op` from index `n` on (0-based, counted from now) fail with
+    /// out-of-memory, until [`FaultPlan::clear`].
+    pub fn fail_ops_from(&self, op: SimOp, n: u64) {
+        let i = op as usize;
+        let base = self.op_calls[i].load(Ordering::SeqCst);
+        self.op_fail_from[i].store(base.saturating_add(n), Ordering::SeqCst);
+    }
+    /// Makes the call of `op` with index `n` (0-based, counted from now) fail with
+    /// out-of-memory, once.
+    pub fn fail_nth_op(&self, op: SimOp, n: u64) {
+        let i = op as usize;
+        let base = self.op_calls[i].load(Ordering::SeqCst);
+        self.op_fail_at[i].store(base.saturating_add(n), Ordering::SeqCst);
+    }
+    /// How many calls of `op` the device has seen (failed ones included).
+    pub fn op_calls(&self, op: SimOp) -> u64 {
+        self.op_calls[op as usize].load(Ordering::SeqCst)
+    }
+    fn check_op(&self, op: SimOp, name: &'static str) -> Result<(), BackendError> {
+        let i = op as usize;
+        let idx = self.op_calls[i].fetch_add(1, Ordering::SeqCst);
+        if idx == self.op_fail_at[i].load(Ordering::SeqCst)
+            || idx >= self.op_fail_from[i].load(Ordering::SeqCst)
+        {
+            return Err(BackendError::oom(
+                name,
+                format!("injected fault: {name} call #{idx} fails"),
+            ));
+        }
+        Ok(())
     }
     /// Makes the allocation request with index `n` (0-based, counted from now) fail with
     /// out-of-memory, once.
@@ -61,10 +119,13 @@ impl FaultPlan {
     pub fn fail_requests_above(&self, bytes: u64) {
         self.fail_above.store(bytes, Ordering::SeqCst);
     }
-    /// Removes all request faults.
+    /// Removes all faults.
     pub fn clear(&self) {
         self.fail_at.store(NONE, Ordering::SeqCst);
         self.fail_above.store(NONE, Ordering::SeqCst);
+        for f in self.op_fail_at.iter().chain(&self.op_fail_from) {
+            f.store(NONE, Ordering::SeqCst);
+        }
     }
     /// How many allocation requests the device has seen.
     pub fn requests_seen(&self) -> u64 {
@@ -128,6 +189,12 @@ struct SimState {
     mapped: BTreeMap<u64, ()>,
     chunks: HashMap<u64, Box<[u8]>>,
     calls: SimCallCounts,
+    /// Events stay pending until their stream is synchronised (see
+    /// [`SimDevice::with_pending_events`]); otherwise they complete at once.
+    pending_events: bool,
+    /// Recorded events: id -> (stream, completed).
+    events: BTreeMap<EventId, (StreamId, bool)>,
+    next_event: EventId,
 }
 
 /// A simulated GPU. Cheap to clone (shared state).
@@ -172,8 +239,31 @@ impl SimDevice {
                 mapped: BTreeMap::new(),
                 chunks: HashMap::new(),
                 calls: SimCallCounts::default(),
+                pending_events: false,
+                events: BTreeMap::new(),
+                next_event: 1,
             })),
         }
+    }
+    /// Events recorded on a stream stay pending until that stream is synchronised
+    /// ([`SimDevice::synchronize_stream`], [`Backend::synchronize`], or the allocator waiting
+    /// for the event), as the work queued on a real stream would keep them; by default they
+    /// complete at once. Lets tests observe delayed reuse after `record_stream`.
+    pub fn with_pending_events(self) -> Self {
+        self.lock().pending_events = true;
+        self
+    }
+    /// Completes the work queued on `stream` so far: its recorded events are done.
+    pub fn synchronize_stream(&self, stream: StreamId) {
+        for (s, done) in self.lock().events.values_mut() {
+            if *s == stream {
+                *done = true;
+            }
+        }
+    }
+    /// Recorded events not yet completed.
+    pub fn pending_events(&self) -> usize {
+        self.lock().events.values().filter(|(_, d)| !d).count()
     }
     /// Sets the ordinal shown in messages.
     pub fn with_ordinal(mut self, ordinal: usize) -> Self {
@@ -323,6 +413,7 @@ impl Backend for SimDevice {
                 format!("size {bytes} is not a positive multiple of {SIM_ALIGNMENT}"),
             ));
         }
+        self.faults.check_op(SimOp::AllocSegment, "alloc_segment")?;
         let mut st = self.lock();
         if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
             return Err(Self::oom(&mut st, "alloc_segment", bytes));
@@ -367,6 +458,7 @@ impl Backend for SimDevice {
                 format!("size {bytes} is not a positive multiple of the granularity"),
             ));
         }
+        self.faults.check_op(SimOp::Reserve, "reserve")?;
         let mut st = self.lock();
         let base = Self::take_va(&mut st, bytes)?;
         st.regions.insert(
@@ -401,6 +493,7 @@ impl Backend for SimDevice {
     }
 
     fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check_op(SimOp::Map, "map")?;
         let mut st = self.lock();
         let invalid = |m: String| BackendError::new(BackendErrorKind::InvalidArgument, "map", m);
         if bytes == 0 || addr % SIM_GRANULARITY != 0 || bytes % SIM_GRANULARITY != 0 {
@@ -525,6 +618,66 @@ impl Backend for SimDevice {
 
     fn check_request(&self, bytes: u64) -> Result<(), BackendError> {
         self.faults.check(bytes)
+    }
+
+    fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
+        let mut st = self.lock();
+        if !st.pending_events {
+            return Ok(0);
+        }
+        let id = st.next_event;
+        st.next_event += 1;
+        st.events.insert(id, (stream, false));
+        Ok(id)
+    }
+
+    fn event_done(&self, event: EventId) -> Result<bool, BackendError> {
+        let mut st = self.lock();
+        if !st.pending_events {
+            return Ok(true);
+        }
+        match st.events.get(&event) {
+            Some(&(_, true)) => {
+                st.events.remove(&event);
+                Ok(true)
+            }
+            Some(_) => Ok(false),
+            None => Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "event_done",
+                format!("no event {event}"),
+            )),
+        }
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<(), BackendError> {
+        let stream = {
+            let st = self.lock();
+            if !st.pending_events {
+                return Ok(());
+            }
+            match st.events.get(&event) {
+                Some(&(s, _)) => s,
+                None => {
+                    return Err(BackendError::new(
+                        BackendErrorKind::InvalidArgument,
+                        "wait_event",
+                        format!("no event {event}"),
+                    ))
+                }
+            }
+        };
+        // waiting lets the stream's queued work finish
+        self.synchronize_stream(stream);
+        self.lock().events.remove(&event);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
+        for (_, done) in self.lock().events.values_mut() {
+            *done = true;
+        }
+        Ok(())
     }
 }
 
