@@ -1086,3 +1086,15 @@ fn p19_faults_at_segment_allocation_reservation_and_mapping() {
         }
     }
 }
+
+/// The capacity check of point 16/17 re-reads the device's capacity: a simulated device that
+/// grew serves a request larger than its start-up capacity.
+#[test]
+fn p17_capacity_check_follows_a_grown_device() {
+    let sim = SimDevice::address_only(ByteSize::mib(64));
+    let a = CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::default());
+    assert!(a.allocate(100 * MIB, 0).unwrap_err().is_oom());
+    sim.set_capacity(ByteSize::mib(128));
+    let x = a.allocate(100 * MIB, 0).unwrap();
+    a.free(x).unwrap();
+}

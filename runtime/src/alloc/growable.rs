@@ -27,7 +27,9 @@ impl State {
             .ok_or(GrowError::TooLarge)?;
         // More than the device has can never be mapped: fail before reserving address space
         // for it (a reservation of the request's size would otherwise stay until empty_cache).
-        if total > 0 && pages > total {
+        // The capacity seen at start-up is re-read before refusing (a simulated device's can
+        // change).
+        if total > 0 && pages > total && backend.mem_info().map_or(true, |m| pages > m.total) {
             return Err(GrowError::Backend(BackendError::oom(
                 "map",
                 format!(
