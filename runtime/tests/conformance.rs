@@ -1098,3 +1098,25 @@ fn p17_capacity_check_follows_a_grown_device() {
     let x = a.allocate(100 * MIB, 0).unwrap();
     a.free(x).unwrap();
 }
+
+/// Statistics scopes of absurd sizes saturate instead of overflowing (debug builds panicked).
+#[test]
+fn p13_statistics_scopes_saturate() {
+    let sim = SimDevice::address_only(ByteSize(u64::MAX));
+    let a = CachingAllocator::new(Arc::new(sim), AllocatorConfig::native());
+    a.push_statistics_scope();
+    let live: Vec<_> = (0..3)
+        .map(|_| a.allocate((1 << 62) + 1, 0).unwrap())
+        .collect();
+    let s = a.statistics_scope().unwrap();
+    assert_eq!(
+        (s.bytes.value, s.bytes.total),
+        (i64::MAX, i64::MAX),
+        "{s:?}"
+    );
+    for x in live {
+        a.free(x).unwrap();
+    }
+    let s = a.pop_statistics_scope().unwrap();
+    assert!(s.bytes.value < 0, "{s:?}");
+}

@@ -201,22 +201,24 @@ pub struct ScopeCounter {
     pub total: i64,
 }
 
+// Saturating arithmetic throughout: counters of absurd sizes stop at the i64 range instead of
+// overflowing (a panic in debug builds).
 impl ScopeCounter {
     #[inline]
     fn add(&mut self, n: i64) {
-        self.value += n;
-        self.total += n;
+        self.value = self.value.saturating_add(n);
+        self.total = self.total.saturating_add(n);
         self.peak = self.peak.max(self.value);
     }
     #[inline]
     fn sub(&mut self, n: i64) {
-        self.value -= n;
+        self.value = self.value.saturating_sub(n);
     }
     /// rmm's `add_counters_from_tracked_sub_block`: folds a popped inner scope into this one.
     fn fold(&mut self, inner: &ScopeCounter) {
-        self.peak = self.peak.max(self.value + inner.peak);
-        self.value += inner.value;
-        self.total += inner.total;
+        self.peak = self.peak.max(self.value.saturating_add(inner.peak));
+        self.value = self.value.saturating_add(inner.value);
+        self.total = self.total.saturating_add(inner.total);
     }
 }
 
@@ -234,12 +236,12 @@ pub struct ScopeStats {
 impl ScopeStats {
     #[inline]
     pub(crate) fn allocated(&mut self, requested: u64) {
-        self.bytes.add(requested as i64);
+        self.bytes.add(i64::try_from(requested).unwrap_or(i64::MAX));
         self.allocations.add(1);
     }
     #[inline]
     pub(crate) fn freed(&mut self, requested: u64) {
-        self.bytes.sub(requested as i64);
+        self.bytes.sub(i64::try_from(requested).unwrap_or(i64::MAX));
         self.allocations.sub(1);
     }
     pub(crate) fn fold(&mut self, inner: &ScopeStats) {
