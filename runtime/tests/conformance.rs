@@ -1120,3 +1120,20 @@ fn p13_statistics_scopes_saturate() {
     let s = a.pop_statistics_scope().unwrap();
     assert!(s.bytes.value < 0, "{s:?}");
 }
+
+/// Cumulative totals of the statistics (`allocated`, `freed`) wrap instead of overflowing after
+/// 2^64 bytes (a panic in debug builds, reachable with absurd sizes on a huge simulated device).
+#[test]
+fn p16_cumulative_statistics_do_not_overflow() {
+    let sim = SimDevice::address_only(ByteSize(u64::MAX));
+    let a = CachingAllocator::new(Arc::new(sim), AllocatorConfig::default());
+    for _ in 0..5 {
+        // served from the cache after the first round: the totals grow by 2^62 each time
+        let x = a.allocate(1 << 62, 0).unwrap();
+        a.free(x).unwrap();
+    }
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.all.current, 0);
+    assert_eq!(s.allocated_bytes.all.peak, 1 << 62);
+    a.check_invariants().unwrap();
+}

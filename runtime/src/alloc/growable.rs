@@ -57,7 +57,12 @@ impl State {
         let (hole, cost) = match choice {
             Some(c) => c,
             None => {
-                let va = pages.max(total.checked_next_multiple_of(g).unwrap_or(u64::MAX / 2));
+                // (a capacity within a page of 2^64: half the address space, whole pages)
+                let va = pages.max(
+                    total
+                        .checked_next_multiple_of(g)
+                        .unwrap_or(u64::MAX / 2 / g * g),
+                );
                 let id = self.reserve_range(backend, pool, stream, va)?;
                 (id, pages)
             }

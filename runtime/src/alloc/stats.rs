@@ -8,9 +8,9 @@ pub struct Stat {
     pub current: u64,
     /// The highest value since creation or [`crate::Device::reset_peak_stats`].
     pub peak: u64,
-    /// Sum of all increases.
+    /// Sum of all increases (wrapping after 2^64, as a counter of a long run may).
     pub allocated: u64,
-    /// Sum of all decreases.
+    /// Sum of all decreases (wrapping after 2^64).
     pub freed: u64,
 }
 
@@ -18,7 +18,8 @@ impl Stat {
     #[inline]
     pub(crate) fn add(&mut self, n: u64) {
         self.current += n;
-        self.allocated += n;
+        // the totals of a long run can pass 2^64: wrap (no debug-build panic, same code in release)
+        self.allocated = self.allocated.wrapping_add(n);
         if self.current > self.peak {
             self.peak = self.current;
         }
@@ -32,7 +33,7 @@ impl Stat {
             n
         );
         self.current -= n;
-        self.freed += n;
+        self.freed = self.freed.wrapping_add(n);
     }
     fn reset_peak(&mut self) {
         self.peak = self.current;

@@ -185,8 +185,9 @@ struct SimState {
     next_va: u64,
     // base -> region: segments (fixed) and reserved ranges (growable)
     regions: BTreeMap<u64, Region>,
-    // mapped pages of growable ranges: page address -> ()
-    mapped: BTreeMap<u64, ()>,
+    // mapped pages of growable ranges, as disjoint runs: start -> end (page-aligned), so that
+    // mapping a huge range costs one entry, not one per page
+    mapped: BTreeMap<u64, u64>,
     chunks: HashMap<u64, Box<[u8]>>,
     calls: SimCallCounts,
     /// Events stay pending until their stream is synchronised (see
@@ -336,14 +337,8 @@ impl SimDevice {
         if end > base + region.size {
             return Err(bad());
         }
-        if region.growable {
-            let mut page = addr / SIM_GRANULARITY * SIM_GRANULARITY;
-            while page < end {
-                if !st.mapped.contains_key(&page) {
-                    return Err(bad());
-                }
-                page += SIM_GRANULARITY;
-            }
+        if region.growable && !covered(&st.mapped, addr, end) {
+            return Err(bad());
         }
         Ok(())
     }
@@ -352,10 +347,14 @@ impl SimDevice {
         if st.chunks.is_empty() {
             return;
         }
-        let mut c = addr / CHUNK;
-        while c * CHUNK < addr + len {
-            st.chunks.remove(&c);
-            c += 1;
+        let (first, last) = (addr / CHUNK, addr.saturating_add(len).div_ceil(CHUNK));
+        if last - first > st.chunks.len() as u64 {
+            // a huge range: visit the chunks that exist rather than every chunk of the range
+            st.chunks.retain(|&c, _| c < first || c >= last);
+        } else {
+            for c in first..last {
+                st.chunks.remove(&c);
+            }
         }
     }
 
@@ -475,11 +474,7 @@ impl Backend for SimDevice {
     fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
         let ok = matches!(st.regions.get(&base), Some(r) if r.growable && r.size == bytes);
-        let still_mapped = st
-            .mapped
-            .range(base..base.saturating_add(bytes))
-            .next()
-            .is_some();
+        let still_mapped = overlaps(&st.mapped, base, base.saturating_add(bytes));
         if !ok || still_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
@@ -514,7 +509,7 @@ impl Backend for SimDevice {
                 "{bytes} bytes at {addr:#x} are not in a reserved range"
             )));
         }
-        if st.mapped.range(addr..end).next().is_some() {
+        if overlaps(&st.mapped, addr, end) {
             return Err(invalid(format!(
                 "a page in {addr:#x}+{bytes} is already mapped"
             )));
@@ -522,11 +517,7 @@ impl Backend for SimDevice {
         if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
             return Err(Self::oom(&mut st, "map", bytes));
         }
-        let mut p = addr;
-        while p < end {
-            st.mapped.insert(p, ());
-            p += SIM_GRANULARITY;
-        }
+        st.mapped.insert(addr, end);
         st.used += bytes;
         st.calls.map += 1;
         Ok(())
@@ -534,12 +525,11 @@ impl Backend for SimDevice {
 
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
-        let pages = bytes / SIM_GRANULARITY;
         let end = addr.checked_add(bytes).unwrap_or(0);
         let all_mapped = addr % SIM_GRANULARITY == 0
             && bytes % SIM_GRANULARITY == 0
             && end > addr
-            && st.mapped.range(addr..end).count() as u64 == pages;
+            && covered(&st.mapped, addr, end);
         if !all_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
@@ -547,10 +537,22 @@ impl Backend for SimDevice {
                 format!("{bytes} bytes at {addr:#x} are not mapped pages"),
             ));
         }
-        let mut p = addr;
-        while p < end {
-            st.mapped.remove(&p);
-            p += SIM_GRANULARITY;
+        // remove the runs overlapping [addr, end), keeping their parts outside it
+        let runs: Vec<(u64, u64)> = st
+            .mapped
+            .range(..end)
+            .rev()
+            .take_while(|(_, &e)| e > addr)
+            .map(|(&s, &e)| (s, e))
+            .collect();
+        for (s, e) in runs {
+            st.mapped.remove(&s);
+            if s < addr {
+                st.mapped.insert(s, addr);
+            }
+            if e > end {
+                st.mapped.insert(end, e);
+            }
         }
         st.used -= bytes;
         st.calls.unmap += 1;
@@ -681,6 +683,27 @@ impl Backend for SimDevice {
     }
 }
 
+/// Whether every byte of `[addr, end)` lies in the mapped runs.
+fn covered(mapped: &BTreeMap<u64, u64>, addr: u64, end: u64) -> bool {
+    let mut pos = addr;
+    while pos < end {
+        match mapped.range(..=pos).next_back() {
+            Some((_, &e)) if e > pos => pos = e,
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// Whether any mapped run overlaps `[addr, end)` (runs are disjoint and sorted: the last one
+/// starting before `end` reaches furthest).
+fn overlaps(mapped: &BTreeMap<u64, u64>, addr: u64, end: u64) -> bool {
+    mapped
+        .range(..end)
+        .next_back()
+        .is_some_and(|(_, &e)| e > addr)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -743,6 +766,43 @@ mod tests {
         sim.release(base, 64 << 20).unwrap();
         assert_eq!(sim.used(), 0);
         assert_eq!(sim.calls().map, 1);
+    }
+
+    #[test]
+    fn mapped_runs_split_and_join() {
+        let g = SIM_GRANULARITY;
+        let sim = SimDevice::new(ByteSize::gib(1));
+        let base = sim.reserve(16 * g).unwrap();
+        sim.map(base, 8 * g).unwrap();
+        sim.unmap(base + 2 * g, 2 * g).unwrap(); // [0,2) and [4,8) stay
+        assert!(sim.copy_to_device(base + g, &[1; 16]).is_ok());
+        assert!(
+            sim.copy_to_device(base + 2 * g, &[1]).is_err(),
+            "unmapped hole"
+        );
+        assert!(
+            sim.copy_to_device(base + 2 * g - 1, &[1, 2]).is_err(),
+            "spans the hole"
+        );
+        assert!(sim.unmap(base + g, 4 * g).is_err(), "not all mapped");
+        assert!(sim.map(base + g, 2 * g).is_err(), "overlaps a mapped page");
+        sim.map(base + 2 * g, 2 * g).unwrap(); // fill the hole: [0,2) [2,4) [4,8)
+        let mut out = [0u8; 4];
+        sim.copy_to_device(base + 2 * g - 2, &[1, 2, 3, 4]).unwrap();
+        sim.copy_to_host(&mut out, base + 2 * g - 2).unwrap();
+        assert_eq!(out, [1, 2, 3, 4], "across adjacent runs");
+        sim.unmap(base + g, 6 * g).unwrap(); // across three runs
+        assert_eq!(sim.used(), 2 * g);
+        assert!(sim.release(base, 16 * g).is_err(), "still mapped");
+        sim.unmap(base, g).unwrap();
+        sim.unmap(base + 7 * g, g).unwrap();
+        sim.release(base, 16 * g).unwrap();
+        assert_eq!(sim.used(), 0);
+        // a huge mapping is one run, not one entry per page
+        let sim = SimDevice::address_only(ByteSize(u64::MAX));
+        let big = sim.reserve(1 << 62).unwrap();
+        sim.map(big, 1 << 62).unwrap();
+        sim.unmap(big, 1 << 62).unwrap();
     }
 
     #[test]
