@@ -450,3 +450,52 @@ fn cross_stream_reuse_waits_for_the_other_stream() -> TestResult {
     drop((y, z));
     Ok(())
 }
+
+/// Issue 16 point 15: the backend's safe copies and memsets reach only memory this device
+/// allocated (not pinned host memory the driver could write through unified addressing, not a
+/// freed segment, not past a segment's end), and in stream-ordered mode only registered streams
+/// reach `cuMemAllocAsync`. On the old code the copy into pinned host memory succeeded.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn copies_and_streams_outside_this_device_are_errors() -> TestResult {
+    for (name, config) in configs() {
+        let dev = cuda(config);
+        let backend = dev.backend().clone();
+        let mut host = dev.pinned::<u8>(4096)?;
+        let host_addr = host.as_mut_ptr() as u64;
+        let e = backend.copy_to_device(host_addr, &[1u8; 16]).unwrap_err();
+        assert_eq!(e.kind, BackendErrorKind::InvalidArgument, "{name}: {e}");
+        assert!(host.iter().all(|&b| b == 0), "{name}: host memory written");
+        assert!(backend.memset_zero(0x1000, 16).is_err(), "{name}");
+        let buf = dev.from_slice(&[5u8; 4096])?;
+        let p = buf.device_ptr();
+        let mut out = [0u8; 16];
+        backend.copy_to_host(&mut out, p)?;
+        assert_eq!(out, [5u8; 16], "{name}: inside the buffer works");
+        let seg_end = dev
+            .snapshot()
+            .iter()
+            .find(|s| s.base <= p && p < s.base + s.size)
+            .map(|s| s.base + s.mapped)
+            .expect("the buffer's segment");
+        assert!(
+            backend.copy_to_host(&mut out, seg_end - 8).is_err(),
+            "{name}: past the end"
+        );
+        drop(buf);
+        dev.empty_cache()?;
+        assert!(
+            backend.copy_to_host(&mut out, p).is_err(),
+            "{name}: freed memory"
+        );
+        println!("{name}: host, unmapped, freed and out-of-range addresses refused");
+    }
+    let dev = cuda(AllocatorConfig::parse("backend:cudaMallocAsync")?);
+    let e = dev.alloc_on::<u8>(1024, 0xdead_beef).unwrap_err();
+    assert!(e.to_string().contains("not registered"), "{e}");
+    let s = dev.cuda_context()?.new_stream()?;
+    let id = dev.register_stream(&s)?;
+    drop(dev.alloc_on::<u8>(1024, id)?);
+    println!("stream-ordered: an unregistered stream is refused, a registered one works");
+    Ok(())
+}

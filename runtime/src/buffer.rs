@@ -34,7 +34,9 @@ impl<T: Pod> DeviceBuffer<T> {
     pub(crate) fn from_parts(device: Device, alloc: Allocation, len: usize) -> Self {
         Self {
             device,
-            alloc,
+            // Kept as the lent-out copy, so that `*buf.allocation()` cannot free the buffer's
+            // memory behind its back; `drop` frees through the owner's handle.
+            alloc: alloc.borrowed(),
             len,
             _elem: PhantomData,
         }
@@ -65,7 +67,9 @@ impl<T: Pod> DeviceBuffer<T> {
         self.alloc.stream
     }
 
-    /// The allocation behind the buffer (its block size, requested bytes).
+    /// The allocation behind the buffer (its block size, requested bytes). A copy of it names
+    /// the allocation (for [`crate::CachingAllocator::record_stream`]) but cannot free it: the
+    /// buffer does that when dropped.
     pub fn allocation(&self) -> &Allocation {
         &self.alloc
     }
@@ -120,7 +124,7 @@ impl<T: Pod> DeviceBuffer<T> {
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // Through the device, so that the memory guards it was charged to are credited.
-        if let Err(e) = self.device.free_raw(self.alloc) {
+        if let Err(e) = self.device.free_raw(self.alloc.owned()) {
             // Cannot happen through the safe API (a buffer frees its own live allocation once).
             tracing::error!(error = %e, "freeing a device buffer failed");
         }

@@ -17,6 +17,24 @@ pub const VALID_KEYS: &[&str] = &[
     "max_split_size_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
+    "per_process_memory_fraction",
+    "max_non_split_rounding_mb",
+];
+
+/// Keys PyTorch's CUDA allocator accepts that have no effect here: accepted (their value
+/// checked) with a one-line warning, so an existing `PYTORCH_CUDA_ALLOC_CONF` value works.
+/// `true`: the value is True/False; `false`: a whole number.
+pub const IGNORED_KEYS: &[(&str, bool)] = &[
+    ("release_lock_on_cudamalloc", true),
+    ("release_lock_on_hipmalloc", true),
+    ("pinned_use_cuda_host_register", true),
+    ("pinned_use_hip_host_register", true),
+    ("pinned_num_register_threads", false),
+    ("pinned_reserve_segment_size_mb", false),
+    ("pinned_use_background_threads", true),
+    ("graph_capture_record_stream_reuse", true),
+    ("pinned_free_catch_all", true),
+    ("throw_on_cudamalloc_oom", true),
 ];
 
 /// Number of power-of-two size intervals (from 1 MiB up) that `roundup_power2_divisions` sets.
@@ -71,6 +89,15 @@ pub struct AllocatorConfig {
     /// device (on CUDA, its stream-ordered memory pool) and every free straight back. A baseline
     /// to measure the cache against; `native` (the default) is the caching allocator.
     pub pass_through: bool,
+    /// Cap on the memory the allocator may hold, as a fraction of the device's capacity
+    /// (PyTorch's `per_process_memory_fraction` key; `set_per_process_memory_fraction` at run
+    /// time is [`crate::Device::set_memory_fraction`]). `None`: no cap; the key's value 0 means
+    /// no cap, as in PyTorch.
+    pub per_process_memory_fraction: Option<f64>,
+    /// An oversize request (at least `max_split_size`) may take a free oversize block up to
+    /// this many bytes larger than itself (PyTorch's `max_non_split_rounding_mb`; default and
+    /// minimum 20 MiB).
+    pub max_non_split_rounding: u64,
 }
 
 impl Default for AllocatorConfig {
@@ -81,6 +108,8 @@ impl Default for AllocatorConfig {
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: None,
             pass_through: false,
+            per_process_memory_fraction: None,
+            max_non_split_rounding: 20 << 20,
         }
     }
 }
@@ -101,14 +130,31 @@ impl AllocatorConfig {
             Err(std::env::VarError::NotPresent) => Ok(Self::default()),
             Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError {
                 key: None,
-                message: format!("{ENV_VAR} is not valid UTF-8"),
+                message: "not valid UTF-8".to_string(),
             }),
         }
+        .map_err(|mut e| {
+            // say where the bad value came from
+            e.message = format!("{} (from {ENV_VAR})", e.message);
+            e
+        })
     }
 
     /// Parses a configuration string, starting from the default. Later keys override earlier ones.
+    /// Keys of PyTorch's that have no effect here ([`IGNORED_KEYS`]) are accepted with a warning
+    /// logged through `tracing` ([`AllocatorConfig::parse_with_warnings`] returns them).
     pub fn parse(s: &str) -> Result<Self, ConfigError> {
+        let (c, warnings) = Self::parse_with_warnings(s)?;
+        for w in warnings {
+            tracing::warn!("{w}");
+        }
+        Ok(c)
+    }
+
+    /// [`AllocatorConfig::parse`], returning the warnings (one line each) instead of logging them.
+    pub fn parse_with_warnings(s: &str) -> Result<(Self, Vec<String>), ConfigError> {
         let mut c = Self::default();
+        let mut warnings = Vec::new();
         for (key, value) in split_pairs(s)? {
             let err = |message: String| ConfigError {
                 key: Some(key.to_string()),
@@ -151,6 +197,41 @@ impl AllocatorConfig {
                     }
                     c.garbage_collection_threshold = Some(t);
                 }
+                "per_process_memory_fraction" => {
+                    let t: f64 = value
+                        .parse()
+                        .map_err(|_| err(format!("{value:?} is not a number")))?;
+                    if !(0.0..=1.0).contains(&t) {
+                        return Err(err(format!("{t} is outside [0, 1]")));
+                    }
+                    // 0: no limit, as PyTorch reads the key
+                    c.per_process_memory_fraction = (t > 0.0).then_some(t);
+                }
+                "max_non_split_rounding_mb" => {
+                    let mb: u64 = value
+                        .parse()
+                        .map_err(|_| err(format!("{value:?} is not a whole number of MiB")))?;
+                    if mb < 20 {
+                        return Err(err(format!("{mb} MiB is below the minimum of 20 MiB")));
+                    }
+                    c.max_non_split_rounding = mb
+                        .checked_mul(1 << 20)
+                        .ok_or_else(|| err(format!("{mb} MiB is too large")))?;
+                }
+                other if IGNORED_KEYS.iter().any(|&(k, _)| k == other) => {
+                    let boolean = IGNORED_KEYS.iter().any(|&(k, b)| k == other && b);
+                    if boolean {
+                        parse_bool(value).map_err(err)?;
+                    } else {
+                        value
+                            .parse::<u64>()
+                            .map_err(|_| err(format!("{value:?} is not a whole number")))?;
+                    }
+                    warnings.push(format!(
+                        "allocator config key `{other}` is PyTorch's and has no effect in oomguard; \
+                         ignored"
+                    ));
+                }
                 other => {
                     return Err(ConfigError {
                         key: Some(other.to_string()),
@@ -159,10 +240,11 @@ impl AllocatorConfig {
                 }
             }
         }
-        Ok(c)
+        Ok((c, warnings))
     }
 
     /// The divisions that apply to a request of `size` bytes.
+    #[inline]
     pub(crate) fn divisions_for(&self, size: u64) -> u64 {
         let log = 63 - size.max(1).leading_zeros() as usize;
         let idx = log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1);
@@ -203,6 +285,16 @@ impl fmt::Display for AllocatorConfig {
         }
         if self.pass_through {
             write!(f, ",backend:cudaMallocAsync")?;
+        }
+        if let Some(t) = self.per_process_memory_fraction {
+            write!(f, ",per_process_memory_fraction:{t}")?;
+        }
+        if self.max_non_split_rounding != 20 << 20 {
+            write!(
+                f,
+                ",max_non_split_rounding_mb:{}",
+                self.max_non_split_rounding >> 20
+            )?;
         }
         Ok(())
     }
@@ -270,39 +362,52 @@ fn parse_pow2(v: &str, what: &str) -> Result<u64, String> {
     Ok(n)
 }
 
-/// `4` (every interval) or `[256:1,512:2,>:8]` (MiB interval starts : divisions), as PyTorch.
+/// `4` (every interval) or `[256:1,512:2,>:8]` (MiB interval starts : divisions), exactly as
+/// PyTorch's `parseRoundUpPower2Divisions`: in a list a division count is 0 (plain rounding for
+/// that interval) or a power of two; an interval start is a power of two, clamped to the last
+/// interval; the first entry also fills the intervals before it; `>` fills every interval after
+/// the last one given (from the second when it comes first); entries may come in any order, a
+/// later one overriding. A bare value must be a power of two. 1 division (plain rounding) is
+/// stored as 0.
 fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
     let mut d = [0u64; ROUNDUP_INTERVALS];
+    let plain = |n: u64| if n == 1 { 0 } else { n };
     let Some(inner) = v.strip_prefix('[') else {
         let n = parse_pow2(v, "divisions")?;
-        d.fill(if n == 1 { 0 } else { n });
+        d.fill(plain(n));
         return Ok(d);
     };
     let inner = inner
         .strip_suffix(']')
         .ok_or_else(|| "list must end with `]`".to_string())?;
-    let mut last: Option<usize> = None;
+    let mut last = 0usize;
+    let mut first = true;
     for item in inner.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let (k, n) = item
             .split_once(':')
             .ok_or_else(|| format!("`{item}` is not interval:divisions"))?;
-        // 1 division is plain rounding, stored as 0 like an interval left unset
-        let n = parse_pow2(n, "divisions")?;
-        let n = if n == 1 { 0 } else { n };
+        let n: u64 = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("{n:?} is not a whole number"))?;
+        if n != 0 && !n.is_power_of_two() {
+            return Err(format!(
+                "divisions {n} is not a power of two or 0 (0 disables rounding up)"
+            ));
+        }
+        let n = plain(n);
         if k.trim() == ">" {
-            d[last.map_or(0, |l| l + 1).min(ROUNDUP_INTERVALS)..].fill(n);
+            d[(last + 1).min(ROUNDUP_INTERVALS)..].fill(n);
             continue;
         }
         let mb = parse_pow2(k, "interval")?;
         let idx = (63 - mb.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
-        if last.is_some_and(|l| idx <= l) {
-            return Err(format!("intervals must increase; {mb} does not"));
-        }
-        if last.is_none() {
+        if first {
             d[..idx].fill(n);
+            first = false;
         }
         d[idx] = n;
-        last = Some(idx);
+        last = idx;
     }
     Ok(d)
 }
@@ -381,10 +486,11 @@ mod tests {
                 "roundup_power2_divisions",
                 "power of two",
             ),
+            // (intervals in any order are accepted, as in PyTorch: issue 16 point 11)
             (
-                "roundup_power2_divisions:[4:1,2:1]",
+                "roundup_power2_divisions:[4:1,2:3]",
                 "roundup_power2_divisions",
-                "increase",
+                "power of two",
             ),
             ("roundup_power2_divisions:[4:1", "", "unclosed"),
             (

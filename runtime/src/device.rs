@@ -75,12 +75,31 @@ impl fmt::Debug for Device {
 }
 
 impl Device {
-    /// A host-backed simulated device of `capacity` with the default allocator configuration.
+    /// A host-backed simulated device of `capacity`, configured from `OOMGUARD_ALLOC_CONF`
+    /// ([`AllocatorConfig::from_env`]; the default when unset), as [`Device::cuda`] is.
+    ///
+    /// This constructor cannot fail: when the variable holds an invalid configuration it logs
+    /// the error (`tracing::error!`) and uses the default. [`Device::try_sim`] returns the error
+    /// instead; [`Device::new`] with an explicit configuration ignores the variable.
     pub fn sim(capacity: ByteSize) -> Self {
-        Self::new(SimDevice::new(capacity), AllocatorConfig::default())
+        let config = AllocatorConfig::from_env().unwrap_or_else(|e| {
+            tracing::error!(error = %e, "ignoring {}; using the default configuration", crate::config::ENV_VAR);
+            AllocatorConfig::default()
+        });
+        Self::new(SimDevice::new(capacity), config)
     }
 
-    /// A device over any backend, with `config`.
+    /// A host-backed simulated device of `capacity`, configured from `OOMGUARD_ALLOC_CONF`;
+    /// [`Error::Config`] (naming the key) when the variable holds an invalid configuration.
+    pub fn try_sim(capacity: ByteSize) -> Result<Self> {
+        Ok(Self::new(
+            SimDevice::new(capacity),
+            AllocatorConfig::from_env()?,
+        ))
+    }
+
+    /// A device over any backend, with `config` (the environment variable is not read: an
+    /// explicit configuration overrides it).
     pub fn new(backend: impl Backend, config: AllocatorConfig) -> Self {
         Self::from_arc(Arc::new(backend), config)
     }
@@ -198,7 +217,8 @@ impl Device {
 
     /// Frees an allocation from [`Device::alloc_raw`] (and credits the memory guards it was
     /// charged to). Free through the device, not through [`Device::allocator`], so that the
-    /// guards see it.
+    /// guards see it. The caller's location is what the history records as where it was freed.
+    #[track_caller]
     pub fn free_raw(&self, a: Allocation) -> Result<()> {
         let inner = &*self.inner;
         if inner.tracker.tracking() {
@@ -250,6 +270,13 @@ impl Device {
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
         self.inner.allocator.reset_peak_stats()
+    }
+
+    /// Resets the accumulated statistics and event counters (PyTorch's
+    /// `reset_accumulated_memory_stats`); see
+    /// [`CachingAllocator::reset_accumulated_memory_stats`].
+    pub fn reset_accumulated_memory_stats(&self) {
+        self.inner.allocator.reset_accumulated_memory_stats()
     }
 
     /// Returns cached unused memory to the device.

@@ -30,13 +30,37 @@ pub struct OomError {
     pub largest_free_block: u64,
     /// What the backend said, when the failure came from the device itself.
     pub cause: Option<String>,
+    /// Whether the allocator used growable (expandable) segments, so that the message does not
+    /// recommend turning them on when they are on.
+    pub expandable_segments: bool,
 }
 
 impl OomError {
-    /// Whether fragmentation is the likely cause: the cache holds more free bytes than were
-    /// requested, but no free block is large enough.
+    /// Whether fragmentation is the likely cause: the device's free memory and the cache's free
+    /// bytes together would hold the request, but neither the device nor any free block of the
+    /// cache alone can.
     pub fn likely_fragmentation(&self) -> bool {
-        self.reserved_unallocated >= self.requested && self.largest_free_block < self.requested
+        self.device_free < self.requested
+            && self.largest_free_block < self.requested
+            && self.device_free.saturating_add(self.reserved_unallocated) >= self.requested
+    }
+}
+
+/// A size as PyTorch's out-of-memory message prints it (`format_size` in
+/// CUDACachingAllocator.cpp): bytes up to 1024, then KiB, MiB, and GiB at most, two decimals, so
+/// an absurd request reads "800000000.00 GiB" as there.
+struct PtSize(u64);
+
+impl fmt::Display for PtSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0;
+        let (div, unit) = match n {
+            0..=1024 => return write!(f, "{n} bytes"),
+            1025..=1_048_576 => (1024.0, "KiB"),
+            1_048_577..=1_073_741_824 => (1_048_576.0, "MiB"),
+            _ => (1_073_741_824.0, "GiB"),
+        };
+        write!(f, "{:.2} {unit}", n as f64 / div)
     }
 }
 
@@ -47,20 +71,33 @@ impl fmt::Display for OomError {
             "out of memory. Tried to allocate {}. Device {} has a total capacity of {} of which {} \
              is free. Of the allocated memory {} is allocated by oomguard and {} is reserved but \
              unallocated (largest free block {}).",
-            ByteSize(self.requested),
+            PtSize(self.requested),
             self.device,
-            ByteSize(self.device_total),
-            ByteSize(self.device_free),
-            ByteSize(self.allocated),
-            ByteSize(self.reserved_unallocated),
-            ByteSize(self.largest_free_block),
+            PtSize(self.device_total),
+            PtSize(self.device_free),
+            PtSize(self.allocated),
+            PtSize(self.reserved_unallocated),
+            PtSize(self.largest_free_block),
         )?;
         if self.likely_fragmentation() {
             write!(
                 f,
-                " Reserved but unallocated memory is large: set \
-                 OOMGUARD_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+                " Free device memory and reserved but unallocated memory together exceed the \
+                 request: memory is fragmented."
             )?;
+            if self.expandable_segments {
+                write!(
+                    f,
+                    " The cached memory sits in partly used pages; freeing long-lived buffers \
+                     allocated between short-lived ones, or empty_cache() before the step, may \
+                     help."
+                )?;
+            } else {
+                write!(
+                    f,
+                    " Set OOMGUARD_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+                )?;
+            }
         }
         if let Some(c) = &self.cause {
             write!(f, " (device: {c})")?;
@@ -144,7 +181,7 @@ mod tests {
     #[test]
     fn message_reads_like_pytorch() {
         let e = OomError {
-            requested: 2 << 30,
+            requested: 3 << 30,
             device: 0,
             device_total: 8 << 30,
             device_free: 1181116006,
@@ -152,22 +189,34 @@ mod tests {
             reserved_unallocated: 1020054733,
             largest_free_block: 100 << 20,
             cause: None,
+            expandable_segments: false,
         };
         let m = e.to_string();
-        assert!(m.contains("Tried to allocate 2.00 GiB. Device 0 has a total capacity of 8.00 GiB of which 1.10 GiB is free."), "{m}");
+        assert!(m.contains("Tried to allocate 3.00 GiB. Device 0 has a total capacity of 8.00 GiB of which 1.10 GiB is free."), "{m}");
         assert!(
             m.contains(
                 "5.90 GiB is allocated by oomguard and 972.80 MiB is reserved but unallocated"
             ),
             "{m}"
         );
+        // 1.10 GiB free + 0.95 GiB cached < 3 GiB: too large, not fragmentation
         assert!(!e.likely_fragmentation());
+        assert!(!m.contains("fragment"), "{m}");
         let frag = OomError {
-            reserved_unallocated: 3 << 30,
-            ..e
+            reserved_unallocated: 2 << 30,
+            ..e.clone()
         };
         assert!(frag.likely_fragmentation());
         assert!(frag.to_string().contains("expandable_segments:True"));
+        // with growable segments on, it does not recommend turning them on
+        let frag_growable = OomError {
+            expandable_segments: true,
+            ..frag.clone()
+        };
+        assert!(frag_growable.to_string().contains("fragmented"));
+        assert!(!frag_growable
+            .to_string()
+            .contains("expandable_segments:True"));
         assert!(Error::from(frag).is_oom());
     }
 }

@@ -28,17 +28,36 @@ impl ByteSize {
     pub const fn b(n: u64) -> Self {
         Self(n)
     }
-    /// `n` KiB (1024 bytes each).
+    /// `n` KiB (1024 bytes each), saturating at `u64::MAX` bytes (which no device has, so an
+    /// allocation of it fails with an error); [`ByteSize::checked_kib`] reports the overflow.
     pub const fn kib(n: u64) -> Self {
-        Self(n * KIB)
+        Self(n.saturating_mul(KIB))
     }
-    /// `n` MiB.
+    /// `n` MiB, saturating at `u64::MAX` bytes (see [`ByteSize::kib`]).
     pub const fn mib(n: u64) -> Self {
-        Self(n * MIB)
+        Self(n.saturating_mul(MIB))
     }
-    /// `n` GiB.
+    /// `n` GiB, saturating at `u64::MAX` bytes (see [`ByteSize::kib`]).
     pub const fn gib(n: u64) -> Self {
-        Self(n * GIB)
+        Self(n.saturating_mul(GIB))
+    }
+    /// `n` KiB, or an error when that many bytes do not fit in 64 bits.
+    pub fn checked_kib(n: u64) -> Result<Self, ByteSizeError> {
+        Self::checked(n, KIB, "KiB")
+    }
+    /// `n` MiB, or an error when that many bytes do not fit in 64 bits.
+    pub fn checked_mib(n: u64) -> Result<Self, ByteSizeError> {
+        Self::checked(n, MIB, "MiB")
+    }
+    /// `n` GiB, or an error when that many bytes do not fit in 64 bits.
+    pub fn checked_gib(n: u64) -> Result<Self, ByteSizeError> {
+        Self::checked(n, GIB, "GiB")
+    }
+    fn checked(n: u64, unit: u64, name: &str) -> Result<Self, ByteSizeError> {
+        n.checked_mul(unit).map(Self).ok_or_else(|| ByteSizeError {
+            input: format!("{n} {name}"),
+            reason: "too large for 64 bits",
+        })
     }
     /// The number of bytes.
     pub const fn bytes(self) -> u64 {
@@ -73,7 +92,13 @@ impl fmt::Display for ByteSize {
         } else {
             return write!(f, "{n} bytes");
         };
-        write!(f, "{:.2} {unit}", n as f64 / div as f64)
+        let v = n as f64 / div as f64;
+        // The largest values would print as 16777216.00 TiB (2^64, one past u64::MAX) and not
+        // parse back: print them rounded down instead.
+        if unit == "TiB" && v >= 16_777_215.995 {
+            return write!(f, "16777215.99 TiB");
+        }
+        write!(f, "{v:.2} {unit}")
     }
 }
 
@@ -123,21 +148,31 @@ impl FromStr for ByteSize {
                 ))
             }
         };
-        if let Ok(n) = num.parse::<u64>() {
-            return n
-                .checked_mul(mult)
-                .map(ByteSize)
-                .ok_or_else(|| err("too large for 64 bits"));
+        // Exact decimal arithmetic (no floating point): `int.frac` × unit, rounded down; more
+        // than 19 fractional digits cannot change the result by a whole byte and are ignored.
+        let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+        if frac.contains('.') || (int.is_empty() && frac.is_empty()) {
+            return Err(err("not a number"));
         }
-        let x: f64 = num.parse().map_err(|_| err("not a number"))?;
-        let bytes = x * mult as f64;
-        // u64::MAX as f64 is 2^64. Sizes just above it are what `Display` prints for the
-        // largest values (two decimals round up): read those back as u64::MAX.
-        let max = u64::MAX as f64;
-        if !bytes.is_finite() || bytes > max * 1.005 {
-            return Err(err("too large for 64 bits"));
-        }
-        Ok(ByteSize(if bytes >= max { u64::MAX } else { bytes as u64 }))
+        let too_large = || err("too large for 64 bits");
+        let int: u128 = if int.is_empty() {
+            0
+        } else {
+            // only digits here: a parse failure is an overflow of u128
+            int.parse().map_err(|_| too_large())?
+        };
+        let frac = &frac[..frac.len().min(19)];
+        let frac_bytes = if frac.is_empty() {
+            0
+        } else {
+            let f: u128 = frac.parse().map_err(|_| err("not a number"))?;
+            f * mult as u128 / 10u128.pow(frac.len() as u32)
+        };
+        let bytes = int
+            .checked_mul(mult as u128)
+            .and_then(|b| b.checked_add(frac_bytes))
+            .ok_or_else(too_large)?;
+        u64::try_from(bytes).map(ByteSize).map_err(|_| too_large())
     }
 }
 
@@ -179,11 +214,14 @@ mod tests {
 
     #[test]
     fn the_largest_sizes_print_and_parse_back() {
-        // found by the fuzz harness: u64::MAX printed as "16777216.00 TiB" did not parse
+        // found by the fuzz harness: u64::MAX printed as "16777216.00 TiB" did not parse; now
+        // sizes above u64::MAX are errors (issue 16), and the largest ones print rounded down
         let s = ByteSize(u64::MAX).to_string();
-        assert_eq!(s, "16777216.00 TiB");
-        assert_eq!(s.parse::<ByteSize>().unwrap(), ByteSize(u64::MAX));
+        assert_eq!(s, "16777215.99 TiB");
+        let back = s.parse::<ByteSize>().unwrap();
+        assert!(u64::MAX - back.0 < 1 << 34, "{}", back.0);
         assert!("16800000 TiB".parse::<ByteSize>().is_err());
+        assert!("16777216.00 TiB".parse::<ByteSize>().is_err());
     }
 
     #[test]

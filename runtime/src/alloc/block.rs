@@ -56,8 +56,9 @@ pub(crate) struct Block {
     pub pool: PoolKind,
     /// Streams other than `stream` that used the block (`record_stream`).
     pub other_streams: Vec<StreamId>,
-    /// Bumped when the slot is reused, so stale handles are detected.
-    pub generation: u32,
+    /// The allocation's number, unique over the allocator's life (set when the block is handed
+    /// out; 0 while free), so that a stale handle never matches a later allocation.
+    pub generation: u64,
 }
 
 impl Block {
@@ -100,6 +101,7 @@ impl<T> Arena<T> {
         self.vacant.push(i);
         t
     }
+    #[inline]
     pub fn get(&self, i: u32) -> Option<&T> {
         self.items.get(i as usize).and_then(Option::as_ref)
     }
@@ -116,12 +118,14 @@ impl<T> Arena<T> {
 
 impl<T> std::ops::Index<u32> for Arena<T> {
     type Output = T;
+    #[inline]
     fn index(&self, i: u32) -> &T {
         self.items[i as usize].as_ref().expect("arena slot is live")
     }
 }
 
 impl<T> std::ops::IndexMut<u32> for Arena<T> {
+    #[inline]
     fn index_mut(&mut self, i: u32) -> &mut T {
         self.items[i as usize].as_mut().expect("arena slot is live")
     }

@@ -7,7 +7,7 @@ use super::block::{Block, BlockId, BlockState, PoolKind};
 use super::history::TraceAction;
 use super::state::{Segment, State};
 use super::GrowError;
-use crate::backend::{Backend, StreamId};
+use crate::backend::{Backend, BackendError, StreamId};
 
 impl State {
     /// Maps pages so that a free block of at least `size` exists on (`pool`, `stream`), placing
@@ -21,27 +21,50 @@ impl State {
         total: u64,
     ) -> Result<BlockId, GrowError> {
         let g = self.granularity;
+        // Whole pages must be able to hold the request (within a page of 2^64 they cannot).
+        let pages = size
+            .checked_next_multiple_of(g)
+            .ok_or(GrowError::TooLarge)?;
+        // More than the device has can never be mapped: fail before reserving address space
+        // for it (a reservation of the request's size would otherwise stay until empty_cache).
+        // The capacity seen at start-up is re-read before refusing (a simulated device's can
+        // change).
+        if total > 0 && pages > total && backend.mem_info().map_or(true, |m| pages > m.total) {
+            return Err(GrowError::Backend(BackendError::oom(
+                "map",
+                format!(
+                    "the request needs {} of pages, more than the device's capacity of {}",
+                    crate::ByteSize(pages),
+                    crate::ByteSize(total)
+                ),
+            )));
+        }
         let mut choice = self.cheapest_hole(pool, stream, size);
         // Recycle before reaching a new high-water mark: move free pages from holes (unmap) to
         // where they are needed (map), so that reserved memory tracks live memory instead of
         // piling up unused pages. Below the mark, mapping alone is cheaper and costs nothing.
-        let need = choice.map_or(size.next_multiple_of(g), |(_, c)| c);
-        let over = (self.reserved() + need).saturating_sub(self.high_water);
+        let need = choice.map_or(pages, |(_, c)| c);
+        let over = self
+            .reserved()
+            .saturating_add(need)
+            .saturating_sub(self.high_water);
         if over > 0 {
             let keep = choice.and_then(|(h, _)| self.blocks[h].prev);
-            if self.release_pages(backend, over, keep) > 0 {
+            if self.release_pages(backend, over, keep, false) > 0 {
                 choice = self.cheapest_hole(pool, stream, size);
             }
         }
         let (hole, cost) = match choice {
             Some(c) => c,
             None => {
-                let va = size
-                    .checked_next_multiple_of(g)
-                    .ok_or(GrowError::TooLarge)?
-                    .max(total.checked_next_multiple_of(g).unwrap_or(u64::MAX / 2));
+                // (a capacity within a page of 2^64: half the address space, whole pages)
+                let va = pages.max(
+                    total
+                        .checked_next_multiple_of(g)
+                        .unwrap_or(u64::MAX / 2 / g * g),
+                );
                 let id = self.reserve_range(backend, pool, stream, va)?;
-                (id, size.next_multiple_of(g))
+                (id, pages)
             }
         };
         self.check_limit(cost)?;
@@ -148,12 +171,15 @@ impl State {
 
     /// Unmaps pages of growable segments that hold no live byte, the largest free runs first,
     /// until at least `budget` bytes are unmapped (`u64::MAX`: all), leaving block `keep` alone;
-    /// returns the bytes unmapped.
+    /// returns the bytes unmapped. The device is synchronised first; that counts in
+    /// `num_sync_all_streams` unless the caller counted its own synchronisation already
+    /// (`sync_counted`), so one `empty_cache` counts one, as in PyTorch.
     pub fn release_pages(
         &mut self,
         backend: &dyn Backend,
         budget: u64,
         keep: Option<BlockId>,
+        sync_counted: bool,
     ) -> u64 {
         let g = self.granularity;
         let whole_pages = |b: &Block| (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
@@ -183,7 +209,9 @@ impl State {
                 tracing::warn!(error = %e, "synchronize before unmapping failed; keeping pages");
                 return 0;
             }
-            self.stats.num_sync_all_streams += 1;
+            if !sync_counted {
+                self.stats.num_sync_all_streams += 1;
+            }
         }
         let mut released = 0;
         for (_, id) in candidates {

@@ -20,10 +20,10 @@ use std::sync::Arc;
 use parking_lot::{Mutex, MutexGuard};
 
 pub use block::PoolKind;
-pub use history::{Frame, TraceAction, TraceEntry};
+pub use history::{Frame, HistoryContext, HistoryOptions, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
-pub use stats::{MemoryStats, PoolStats, Stat};
+pub use stats::{MemoryStats, PoolStats, ScopeCounter, ScopeStats, Stat};
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::config::AllocatorConfig;
@@ -33,6 +33,12 @@ use state::State;
 
 /// A live allocation: what the allocator handed out. Freed with [`CachingAllocator::free`];
 /// [`crate::DeviceBuffer`] does that on drop.
+///
+/// A handle names one allocation of one allocator: it carries the allocator's identity and the
+/// allocation's number (never reused), so [`CachingAllocator::free`] rejects a handle that was
+/// freed already (even after its memory went to a new allocation), one from another allocator,
+/// and the copy a live [`crate::DeviceBuffer`] lends out through
+/// [`crate::DeviceBuffer::allocation`] (the buffer frees its memory itself).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Allocation {
     /// Device address of the first byte.
@@ -44,8 +50,52 @@ pub struct Allocation {
     /// The stream the allocation belongs to.
     pub stream: StreamId,
     block: BlockId,
-    generation: u32,
+    /// The allocation's number ([`BORROWED`] set on copies a buffer lends out).
+    generation: u64,
+    /// The identity of the allocator that made it.
+    owner: u64,
 }
+
+/// Set in [`Allocation::generation`] on the copy a [`crate::DeviceBuffer`] lends out: such a
+/// copy can name the allocation (`record_stream`) but not free it.
+const BORROWED: u64 = 1 << 63;
+
+/// The block index of zero-byte allocations, which have no block.
+const NO_BLOCK: BlockId = BlockId::MAX;
+
+impl Allocation {
+    /// This handle marked as lent out by its owner (it cannot free the allocation).
+    pub(crate) fn borrowed(mut self) -> Self {
+        self.generation |= BORROWED;
+        self
+    }
+    /// The owner's handle back from a lent-out copy.
+    pub(crate) fn owned(mut self) -> Self {
+        self.generation &= !BORROWED;
+        self
+    }
+    /// Whether this is a copy lent out by a buffer (see [`Allocation`]).
+    pub fn is_borrowed(&self) -> bool {
+        self.generation & BORROWED != 0
+    }
+}
+
+/// History of a free, with the caller's location (off the fast path).
+#[cold]
+fn record_free(st: &mut State, a: &Allocation, loc: &'static std::panic::Location<'static>) {
+    if let Some(h) = &mut st.history {
+        h.record(
+            TraceAction::FreeRequested,
+            a.ptr,
+            a.requested,
+            a.stream,
+            Some(loc),
+        );
+    }
+}
+
+/// Allocator identities: every allocator made in this process gets its own.
+static NEXT_ALLOCATOR_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Why growing the cache failed.
 #[derive(Debug)]
@@ -83,6 +133,20 @@ pub struct CachingAllocator {
     backend: Arc<dyn Backend>,
     state: Mutex<State>,
     total: u64,
+    /// This allocator's identity, carried in its handles.
+    id: u64,
+    /// Called on every out-of-memory error, outside the state lock.
+    observers: Mutex<Vec<OomObserver>>,
+}
+
+/// A function called with every out-of-memory error ([`CachingAllocator::attach_oom_observer`]).
+#[derive(Clone)]
+struct OomObserver(Arc<dyn Fn(&OomError) + Send + Sync>);
+
+impl std::fmt::Debug for OomObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OomObserver")
+    }
 }
 
 thread_local! {
@@ -105,10 +169,18 @@ impl CachingAllocator {
             config.expandable_segments && !config.pass_through && backend.supports_growable();
         let total = backend.mem_info().map(|m| m.total).unwrap_or(0);
         let granularity = backend.granularity().max(MIN_BLOCK);
+        let fraction = config.per_process_memory_fraction;
+        let mut state = State::new(config, growable, granularity);
+        if let Some(f) = fraction {
+            state.limit = Some((total as f64 * f) as u64);
+            state.fraction = Some(f);
+        }
         Self {
-            state: Mutex::new(State::new(config, growable, granularity)),
+            state: Mutex::new(state),
             backend,
             total,
+            id: NEXT_ALLOCATOR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            observers: Mutex::new(Vec::new()),
         }
     }
 
@@ -127,6 +199,7 @@ impl CachingAllocator {
         self.lock().growable
     }
 
+    #[inline]
     fn lock(&self) -> MutexGuard<'_, State> {
         // parking_lot: spins briefly before parking, which keeps short critical sections cheap
         // under contention; no poisoning (every mutation completes before anything can panic).
@@ -136,8 +209,44 @@ impl CachingAllocator {
     /// Allocates `bytes` on `stream`: from the cache when a free block fits, otherwise from the
     /// device. On out-of-memory it frees the cache and retries once before returning
     /// [`Error::Oom`].
+    ///
+    /// Zero bytes allocate nothing, as in PyTorch and RMM: the handle's `ptr` is 0 (null) and
+    /// its `size` 0; freeing it does nothing. Out-of-memory errors are passed to the observers
+    /// ([`CachingAllocator::attach_oom_observer`]) first.
     #[track_caller]
+    #[inline]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
+        let r = self.allocate_locked(bytes, stream);
+        if let Err(Error::Oom(e)) = &r {
+            self.notify_oom(e);
+        }
+        r
+    }
+
+    /// Calls the out-of-memory observers (the state lock is not held).
+    #[cold]
+    fn notify_oom(&self, e: &OomError) {
+        let observers = self.observers.lock().clone();
+        for o in observers {
+            (o.0)(e);
+        }
+    }
+
+    /// Registers `f` to be called with every out-of-memory error of this allocator (device,
+    /// request, allocated bytes, the device's free bytes, …), as PyTorch's
+    /// `torch._C._cuda_attach_out_of_memory_observer`: for instance to save a snapshot at the
+    /// moment of the failure. It runs on the allocating thread, without the allocator's lock
+    /// held, so it may call the allocator (`snapshot`, `memory_summary`, `empty_cache`).
+    pub fn attach_oom_observer(&self, f: impl Fn(&OomError) + Send + Sync + 'static) {
+        self.observers.lock().push(OomObserver(Arc::new(f)));
+    }
+
+    #[track_caller]
+    #[inline]
+    fn allocate_locked(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
+        if bytes == 0 {
+            return Ok(self.null_handle(stream));
+        }
         if let Err(e) = self.backend.check_request(bytes) {
             let mut st = self.lock();
             return Err(self.fail(&mut st, bytes, e));
@@ -146,7 +255,11 @@ impl CachingAllocator {
         let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
         let pool = pool::pool_for(size);
         if st.cfg.pass_through {
-            return self.allocate_through(&mut st, pool, stream, size, bytes);
+            let a = self.allocate_through(&mut st, pool, stream, size, bytes)?;
+            if st.history.is_some() {
+                self.record_alloc(&mut st, a.block, stream);
+            }
+            return Ok(a);
         }
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
@@ -168,18 +281,19 @@ impl CachingAllocator {
         if st.history.is_some() {
             self.record_alloc(&mut st, id, stream);
         }
-        Ok(handle(&st, id, bytes, stream))
+        Ok(self.handle(&st, id, bytes, stream))
     }
 
     /// History of an allocation, with the caller's location (off the fast path).
     #[track_caller]
     fn record_alloc(&self, st: &mut State, id: BlockId, stream: StreamId) {
-        let (addr, size) = (st.blocks[id].addr, st.blocks[id].size);
+        // the requested size, as PyTorch records it (the block's size is in the snapshot)
+        let (addr, requested) = (st.blocks[id].addr, st.blocks[id].requested);
         if let Some(h) = &mut st.history {
             h.record(
                 TraceAction::Alloc,
                 addr,
-                size,
+                requested,
                 stream,
                 Some(std::panic::Location::caller()),
             );
@@ -187,6 +301,8 @@ impl CachingAllocator {
     }
 
     /// `backend:cudaMallocAsync`: a segment of exactly the rounded size for every allocation.
+    /// Blocks freed while other streams used them go back to the device once those streams'
+    /// events complete (checked first, waited for on out-of-memory).
     fn allocate_through(
         &self,
         st: &mut State,
@@ -195,7 +311,18 @@ impl CachingAllocator {
         size: u64,
         bytes: u64,
     ) -> Result<Allocation, Error> {
-        let id = match st.grow_exact(&*self.backend, pool, stream, size) {
+        if !st.pending.is_empty() {
+            self.process_events(st, false);
+            st.release_fixed(&*self.backend);
+        }
+        let mut grown = st.grow_exact(&*self.backend, pool, stream, size);
+        if matches!(&grown, Err(GrowError::Backend(e)) if e.is_oom()) && !st.pending.is_empty() {
+            st.stats.num_alloc_retries += 1;
+            self.process_events(st, true);
+            st.release_fixed(&*self.backend);
+            grown = st.grow_exact(&*self.backend, pool, stream, size);
+        }
+        let id = match grown {
             Ok(id) => id,
             Err(GrowError::Backend(e)) => return Err(self.fail(st, bytes, e)),
             Err(GrowError::TooLarge) => return Err(too_large(bytes)),
@@ -206,7 +333,7 @@ impl CachingAllocator {
             }
         };
         st.mark_allocated(id, bytes);
-        Ok(handle(st, id, bytes, stream))
+        Ok(self.handle(st, id, bytes, stream))
     }
 
     /// The device must give more memory: grow; on out-of-memory release the cache and try again.
@@ -220,7 +347,7 @@ impl CachingAllocator {
     ) -> Result<BlockId, Error> {
         if let Some(t) = st.cfg.garbage_collection_threshold {
             if st.reserved() as f64 + size as f64 > t * self.total as f64 {
-                self.release_cache(st);
+                self.release_cache(st, false);
                 if let Some(id) = st.take_free(pool, stream, size) {
                     return Ok(id);
                 }
@@ -240,8 +367,14 @@ impl CachingAllocator {
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);
         }
-        self.release_cache(st);
-        match self.grow(st, pool, stream, size) {
+        self.release_cache(st, true);
+        let second = self.grow(st, pool, stream, size);
+        if second.is_err() {
+            // An address range reserved for this request holds nothing: give it back now
+            // rather than at the next empty_cache.
+            st.release_empty_ranges(&*self.backend);
+        }
+        match second {
             Ok(id) => Ok(id),
             Err(GrowError::Backend(e)) if !e.is_oom() => Err(Error::Backend(e)),
             Err(GrowError::Backend(e)) => Err(self.fail(st, bytes, e)),
@@ -290,29 +423,45 @@ impl CachingAllocator {
             reserved_unallocated: st.reserved().saturating_sub(allocated),
             largest_free_block: st.largest_free(),
             cause: Some(cause.to_string()),
+            expandable_segments: st.growable,
         })
     }
 
     /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
-    fn release_cache(&self, st: &mut State) -> u64 {
-        st.release_fixed(&*self.backend) + st.release_pages(&*self.backend, u64::MAX, None)
+    fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
+        st.release_fixed(&*self.backend)
+            + st.release_pages(&*self.backend, u64::MAX, None, sync_counted)
     }
 
-    /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live:
-    /// freed already, or from another allocator.
+    /// Whether `a` names a live allocation of this allocator (lent-out copies included).
+    fn is_live(&self, st: &State, a: &Allocation) -> bool {
+        let generation = a.generation & !BORROWED;
+        a.owner == self.id
+            && st.blocks.get(a.block).is_some_and(|b| {
+                b.state == BlockState::Allocated && b.generation == generation && b.addr == a.ptr
+            })
+    }
+
+    /// Returns an allocation to the cache. Fails (changing nothing) for a handle that is not live
+    /// (freed already), is from another allocator, or is the copy a live
+    /// [`crate::DeviceBuffer`] lends out. Freeing a zero-byte (null) allocation does nothing.
+    /// The caller's location is what the history records as where the block was freed.
+    #[track_caller]
     pub fn free(&self, a: Allocation) -> Result<(), Error> {
         let mut st = self.lock();
-        let live = st.blocks.get(a.block).is_some_and(|b| {
-            b.state == BlockState::Allocated && b.generation == a.generation && b.addr == a.ptr
-        });
-        if !live {
-            return Err(Error::InvalidArgument(format!(
-                "free of {:#x}: not a live allocation of this allocator (double free?)",
-                a.ptr
-            )));
+        // One test for the common case: the owner's handle of a live block (a lent-out copy has
+        // the BORROWED bit in its generation, a null handle no block, so neither matches).
+        let owned_live = a.owner == self.id
+            && st.blocks.get(a.block).is_some_and(|b| {
+                b.generation == a.generation && b.state == BlockState::Allocated && b.addr == a.ptr
+            });
+        if !owned_live {
+            return self.reject_free(&st, &a);
         }
         st.unmark_allocated(a.block);
-        st.trace(TraceAction::FreeRequested, a.ptr, a.size, a.stream);
+        if st.history.is_some() {
+            record_free(&mut st, &a, std::panic::Location::caller());
+        }
         let others = std::mem::take(&mut st.blocks[a.block].other_streams);
         if others.is_empty() {
             if st.cfg.pass_through {
@@ -339,18 +488,37 @@ impl CachingAllocator {
         Ok(())
     }
 
+    /// Why `free` refused a handle (off the fast path): a null handle frees nothing.
+    #[cold]
+    fn reject_free(&self, st: &State, a: &Allocation) -> Result<(), Error> {
+        if a.block == NO_BLOCK && a.owner == self.id {
+            return Ok(());
+        }
+        if a.is_borrowed() && self.is_live(st, a) {
+            return Err(Error::InvalidArgument(format!(
+                "free of {:#x}: this handle is a copy lent out by a DeviceBuffer, which frees its \
+                 memory when dropped; drop the buffer instead",
+                a.ptr
+            )));
+        }
+        Err(Error::InvalidArgument(format!(
+            "free of {:#x}: not a live allocation of this allocator (double free?)",
+            a.ptr
+        )))
+    }
+
     /// Marks an allocation as used by `stream` as well as its own, as PyTorch's `record_stream`:
     /// when freed, it is not reused until the work queued on `stream` by then has completed.
     pub fn record_stream(&self, a: &Allocation, stream: StreamId) -> Result<(), Error> {
+        if a.block == NO_BLOCK && a.owner == self.id {
+            return Ok(()); // a zero-byte allocation: no memory to protect
+        }
         let mut st = self.lock();
-        match st.blocks.get(a.block) {
-            Some(b) if b.state == BlockState::Allocated && b.generation == a.generation => {}
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "record_stream on {:#x}: not a live allocation",
-                    a.ptr
-                )))
-            }
+        if !self.is_live(&st, a) {
+            return Err(Error::InvalidArgument(format!(
+                "record_stream on {:#x}: not a live allocation of this allocator",
+                a.ptr
+            )));
         }
         let b = &mut st.blocks[a.block];
         if stream != b.stream && !b.other_streams.contains(&stream) {
@@ -359,8 +527,12 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// Frees pending blocks whose events have completed (all of them, waiting, with `wait`).
+    /// Frees pending blocks whose events have completed (all of them, waiting, with `wait`:
+    /// PyTorch's `synchronize_and_free_events`, counted in `num_sync_all_streams` as there).
     fn process_events(&self, st: &mut State, wait: bool) {
+        if wait {
+            st.stats.num_sync_all_streams += 1;
+        }
         let pending = std::mem::take(&mut st.pending);
         for (id, events) in pending {
             let mut left = Vec::new();
@@ -394,7 +566,7 @@ impl CachingAllocator {
         self.process_events(&mut st, true);
         st.flush_parked();
         st.release_fixed(&*self.backend);
-        st.release_pages(&*self.backend, u64::MAX, None);
+        st.release_pages(&*self.backend, u64::MAX, None, true);
         st.release_empty_ranges(&*self.backend);
         Ok(())
     }
@@ -418,16 +590,104 @@ impl CachingAllocator {
         (st.stats.allocated_bytes.all.current, st.reserved())
     }
 
+    /// Takes `bytes` from the device now and keeps them cached for later requests, as rmm's
+    /// `pool_memory_resource` initial pool size or JAX's preallocation: one block of the large
+    /// pool (requests above 1 MiB), which later requests split (`max_split_size` permitting; the
+    /// small pool keeps its own 2 MiB segments). `bytes` must not exceed the maximum (the memory
+    /// limit, [`CachingAllocator::set_memory_limit`] / `per_process_memory_fraction`) nor the
+    /// device's capacity ([`Error::InvalidArgument`]); out-of-memory otherwise. 0 does nothing.
+    pub fn reserve_initial(&self, bytes: u64) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let max = self.lock().limit.unwrap_or(u64::MAX).min(self.total);
+        if bytes > max {
+            return Err(Error::InvalidArgument(format!(
+                "initial reservation of {} exceeds the maximum of {} (the memory limit or the \
+                 device's capacity)",
+                crate::ByteSize(bytes),
+                crate::ByteSize(max)
+            )));
+        }
+        // above the small pool, whatever was asked
+        let a = self.allocate(bytes.max(pool::SMALL_SIZE + 1), 0)?;
+        self.free(a)
+    }
+
+    /// Opens a nested statistics scope, as rmm's `statistics_resource_adaptor::push_counters`:
+    /// until it is popped, every allocation adds its requested bytes and every free (of any
+    /// allocation, also one made before the scope) subtracts them, so the value can go negative.
+    ///
+    /// Unlike a [`crate::guard::PeakScope`] (block sizes, only allocations made inside the scope
+    /// and their frees, never negative), this counts what rmm counts. Zero-byte allocations
+    /// (null handles) are not counted.
+    pub fn push_statistics_scope(&self) {
+        self.lock().scopes.push(ScopeStats::default());
+    }
+
+    /// Closes the innermost statistics scope and returns its counters; they are folded into the
+    /// scope below, if any (rmm's `pop_counters`). `Err` when no scope is open.
+    pub fn pop_statistics_scope(&self) -> Result<ScopeStats, Error> {
+        let mut st = self.lock();
+        let top = st.scopes.pop().ok_or_else(|| {
+            Error::InvalidArgument("pop_statistics_scope: no statistics scope is open".into())
+        })?;
+        if let Some(below) = st.scopes.last_mut() {
+            below.fold(&top);
+        }
+        Ok(top)
+    }
+
+    /// The counters of the innermost open statistics scope (`None` when none is open).
+    pub fn statistics_scope(&self) -> Option<ScopeStats> {
+        self.lock().scopes.last().copied()
+    }
+
     /// Resets every peak to its current value.
     pub fn reset_peak_stats(&self) {
         self.lock().stats.reset_peaks();
+    }
+
+    /// Resets the accumulated totals (`allocated`/`freed` of every statistic) and the event
+    /// counters (`num_*`, mapped/unmapped totals) to zero, as PyTorch's
+    /// `reset_accumulated_memory_stats`; current values and peaks stay.
+    pub fn reset_accumulated_memory_stats(&self) {
+        self.lock().stats.reset_accumulated();
     }
 
     /// Caps the bytes this allocator may hold from the device (`None`: no cap), as PyTorch's
     /// `set_per_process_memory_fraction`. Memory already held stays; growth past the cap fails
     /// with out-of-memory after the cache is released.
     pub fn set_memory_limit(&self, limit: Option<u64>) {
-        self.lock().limit = limit;
+        let mut st = self.lock();
+        st.limit = limit;
+        st.fraction = None;
+    }
+
+    /// Caps the bytes this allocator may hold at `fraction` of the device's capacity (PyTorch's
+    /// `set_per_process_memory_fraction`); `Err` unless `0 < fraction <= 1`.
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "memory fraction must be in (0, 1], got {fraction}"
+            )));
+        }
+        let mut st = self.lock();
+        st.limit = Some((self.total as f64 * fraction) as u64);
+        st.fraction = Some(fraction);
+        Ok(())
+    }
+
+    /// The fraction of the device's capacity this allocator may hold (PyTorch's
+    /// `get_per_process_memory_fraction`): 1.0 without a cap; a cap set in bytes
+    /// ([`CachingAllocator::set_memory_limit`]) as its share of the capacity.
+    pub fn memory_fraction(&self) -> f64 {
+        let st = self.lock();
+        match (st.fraction, st.limit) {
+            (Some(f), _) => f,
+            (None, Some(l)) if self.total > 0 => l as f64 / self.total as f64,
+            _ => 1.0,
+        }
     }
 
     /// The cap set by [`CachingAllocator::set_memory_limit`].
@@ -451,19 +711,33 @@ impl CachingAllocator {
     pub fn device_total(&self) -> u64 {
         self.total
     }
-}
 
-/// The handle of allocated block `id`.
-#[inline]
-fn handle(st: &State, id: BlockId, requested: u64, stream: StreamId) -> Allocation {
-    let b = &st.blocks[id];
-    Allocation {
-        ptr: b.addr,
-        size: b.size,
-        requested,
-        stream,
-        block: id,
-        generation: b.generation,
+    /// The handle of a zero-byte allocation: no block, a null pointer.
+    fn null_handle(&self, stream: StreamId) -> Allocation {
+        Allocation {
+            ptr: 0,
+            size: 0,
+            requested: 0,
+            stream,
+            block: NO_BLOCK,
+            generation: 0,
+            owner: self.id,
+        }
+    }
+
+    /// The handle of allocated block `id`.
+    #[inline]
+    fn handle(&self, st: &State, id: BlockId, requested: u64, stream: StreamId) -> Allocation {
+        let b = &st.blocks[id];
+        Allocation {
+            ptr: b.addr,
+            size: b.size,
+            requested,
+            stream,
+            block: id,
+            generation: b.generation,
+            owner: self.id,
+        }
     }
 }
 

@@ -77,7 +77,8 @@ pub(crate) fn round_size(size: u64, cfg: &AllocatorConfig) -> Option<u64> {
         return Some(MIN_BLOCK);
     }
     let div = cfg.divisions_for(size);
-    if div > 1 && size > MIN_BLOCK * div {
+    // saturating: a configured division count near 2^63 means "never" rather than an overflow
+    if div > 1 && size > MIN_BLOCK.saturating_mul(div) {
         return next_division(size, div).checked_next_multiple_of(MIN_BLOCK);
     }
     size.checked_next_multiple_of(MIN_BLOCK)

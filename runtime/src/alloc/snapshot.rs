@@ -105,9 +105,17 @@ impl CachingAllocator {
 impl State {
     fn check(&self) -> Result<(), String> {
         let mut seen = HashSet::new();
-        let (mut alloc_bytes, mut allocs, mut active_bytes, mut reserved) =
-            (0u64, 0u64, 0u64, 0u64);
+        // Recounts, per pool (0: small, 1: large).
+        let mut c = Recount::default();
         for (sid, s) in self.segs.iter() {
+            let p = s.pool as usize;
+            if s.growable != self.growable {
+                return Err(format!("segment {sid}: not of the allocator's kind"));
+            }
+            c.segment[p] += 1;
+            if !s.growable && s.size >= self.cfg.max_split_size {
+                c.oversize_segments += 1;
+            }
             let mut cur = Some(s.first);
             let mut expect_addr = s.base;
             let mut prev = None;
@@ -146,13 +154,27 @@ impl State {
                         return Err(format!("free neighbours {p} and {id} not merged"));
                     }
                 }
+                if matches!(b.state, BlockState::Free | BlockState::Parked)
+                    && self.inactive_split(b)
+                {
+                    c.inactive_split[p] += 1;
+                    c.inactive_split_bytes[p] += b.size;
+                }
                 match b.state {
                     BlockState::Allocated => {
-                        alloc_bytes += b.size;
-                        allocs += 1;
-                        active_bytes += b.size;
+                        c.allocated_bytes[p] += b.size;
+                        c.allocation[p] += 1;
+                        c.active_bytes[p] += b.size;
+                        c.active[p] += 1;
+                        c.requested_bytes[p] += b.requested;
+                        if b.size >= self.cfg.max_split_size {
+                            c.oversize_allocations += 1;
+                        }
                     }
-                    BlockState::PendingFree => active_bytes += b.size,
+                    BlockState::PendingFree => {
+                        c.active_bytes[p] += b.size;
+                        c.active[p] += 1;
+                    }
                     BlockState::Parked => {
                         let n = self
                             .quick
@@ -192,7 +214,7 @@ impl State {
             } else if s.mapped != s.size {
                 return Err(format!("fixed segment {sid} is not fully mapped"));
             }
-            reserved += s.mapped;
+            c.reserved_bytes[p] += s.mapped;
         }
         if seen.len() != self.blocks.len() {
             return Err(format!(
@@ -221,33 +243,65 @@ impl State {
                 "{indexed} indexed free blocks, {free_blocks} free blocks"
             ));
         }
+        // Every statistic that describes the present is recounted from the blocks, per pool.
         let st = &self.stats;
-        let checks = [
+        let pooled = [
+            ("allocated_bytes", &st.allocated_bytes, c.allocated_bytes),
+            ("allocation", &st.allocation, c.allocation),
+            ("reserved_bytes", &st.reserved_bytes, c.reserved_bytes),
+            ("segment", &st.segment, c.segment),
+            ("active_bytes", &st.active_bytes, c.active_bytes),
+            ("active", &st.active, c.active),
+            ("requested_bytes", &st.requested_bytes, c.requested_bytes),
             (
-                "allocated_bytes",
-                st.allocated_bytes.all.current,
-                alloc_bytes,
+                "inactive_split_bytes",
+                &st.inactive_split_bytes,
+                c.inactive_split_bytes,
             ),
-            ("allocation", st.allocation.all.current, allocs),
-            ("active_bytes", st.active_bytes.all.current, active_bytes),
-            ("reserved_bytes", st.reserved_bytes.all.current, reserved),
-            ("segment", st.segment.all.current, self.segs.len() as u64),
+            ("inactive_split", &st.inactive_split, c.inactive_split),
         ];
-        for (name, kept, counted) in checks {
+        for (name, kept, [small, large]) in pooled {
+            let kept = [kept.small.current, kept.large.current, kept.all.current];
+            if kept != [small, large, small + large] {
+                return Err(format!(
+                    "stat {name} (small, large, all): kept {kept:?}, recounted {:?}",
+                    [small, large, small + large]
+                ));
+            }
+        }
+        let single = [
+            (
+                "oversize_allocations",
+                st.oversize_allocations.current,
+                c.oversize_allocations,
+            ),
+            (
+                "oversize_segments",
+                st.oversize_segments.current,
+                c.oversize_segments,
+            ),
+        ];
+        for (name, kept, counted) in single {
             if kept != counted {
                 return Err(format!("stat {name}: kept {kept}, recounted {counted}"));
             }
         }
-        for p in [
-            &st.allocated_bytes,
-            &st.reserved_bytes,
-            &st.active_bytes,
-            &st.requested_bytes,
-        ] {
-            if p.all.current != p.small.current + p.large.current {
-                return Err("pool stats do not add up to all".to_string());
-            }
-        }
         Ok(())
     }
+}
+
+/// Statistics recounted from the blocks: `[small pool, large pool]`.
+#[derive(Default)]
+struct Recount {
+    allocated_bytes: [u64; 2],
+    allocation: [u64; 2],
+    reserved_bytes: [u64; 2],
+    segment: [u64; 2],
+    active_bytes: [u64; 2],
+    active: [u64; 2],
+    requested_bytes: [u64; 2],
+    inactive_split_bytes: [u64; 2],
+    inactive_split: [u64; 2],
+    oversize_allocations: u64,
+    oversize_segments: u64,
 }

@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
 use super::history::{History, TraceAction};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
-use super::stats::MemoryStats;
+use super::stats::{MemoryStats, ScopeStats};
 use crate::backend::{EventId, StreamId};
 use crate::config::AllocatorConfig;
 
@@ -43,6 +43,8 @@ pub(crate) struct State {
     pub stats: MemoryStats,
     /// Device-wide cap on reserved bytes (`set_memory_fraction`).
     pub limit: Option<u64>,
+    /// The fraction of the device that `limit` was set from, when it was set as one.
+    pub fraction: Option<f64>,
     /// The most bytes ever reserved: growable segments recycle free pages rather than pass it.
     pub high_water: u64,
     /// Quick lists: blocks freed recently, by (stream, size), reused at exactly that size without
@@ -52,6 +54,11 @@ pub(crate) struct State {
     pub parked: usize,
     /// Recorded events, when recording.
     pub history: Option<History>,
+    /// The generation of the next allocation: allocations are numbered 1, 2, … and a number is
+    /// never reused (2^63 of them would take centuries), so a handle names one allocation only.
+    pub next_generation: u64,
+    /// Open statistics scopes (`push_statistics_scope`), innermost last.
+    pub scopes: Vec<ScopeStats>,
 }
 
 /// Most blocks parked per (stream, size).
@@ -75,29 +82,53 @@ impl State {
             pending: Vec::new(),
             stats,
             limit: None,
+            fraction: None,
             high_water: 0,
             quick: FxHashMap::default(),
             parked: 0,
             history: None,
+            next_generation: 1,
+            scopes: Vec::new(),
         }
     }
 
-    /// Whether a free block counts as "inactive split": mapped memory that is free but not a
-    /// whole fixed segment.
-    fn inactive_split(&self, b: &Block) -> bool {
-        b.mapped && (self.segs[b.seg].growable || b.prev.is_some() || b.next.is_some())
+    /// Whether a free (cached or parked) block counts as "inactive split", as PyTorch keeps it:
+    /// part of a split fixed segment, so it cannot be returned to the device as it is. Growable
+    /// segments are excluded (as in PyTorch): their free pages can always be released. Whether a
+    /// block has neighbours does not change while it is free, so the count is kept exactly by
+    /// adding when a block becomes free and subtracting when it stops being free. (All segments
+    /// of an allocator are of one kind: growable exactly when `self.growable`.)
+    #[inline]
+    pub fn inactive_split(&self, b: &Block) -> bool {
+        !self.growable && (b.prev.is_some() || b.next.is_some())
+    }
+
+    /// Counts block `id` into (`add`) or out of the inactive-split statistics, if it is one.
+    #[inline(always)]
+    fn count_inactive_split(&mut self, id: BlockId, add: bool) {
+        if self.growable {
+            return;
+        }
+        let b = &self.blocks[id];
+        if self.inactive_split(b) {
+            let (small, size) = (b.pool.is_small(), b.size);
+            let s = &mut self.stats;
+            if add {
+                s.inactive_split.add(small, 1);
+                s.inactive_split_bytes.add(small, size);
+            } else {
+                s.inactive_split.sub(small, 1);
+                s.inactive_split_bytes.sub(small, size);
+            }
+        }
     }
 
     /// Puts a free block into the index that matches its mapped state.
     pub fn index_insert(&mut self, id: BlockId) {
+        self.count_inactive_split(id, true);
         let b = &self.blocks[id];
         let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
         if b.mapped {
-            if self.inactive_split(b) {
-                let small = b.pool.is_small();
-                self.stats.inactive_split.add(small, 1);
-                self.stats.inactive_split_bytes.add(small, size);
-            }
             self.free[pool].insert(stream, size, addr, id);
         } else {
             let fresh = self.unmapped[pool].insert((stream, addr, id));
@@ -107,14 +138,10 @@ impl State {
 
     /// Takes a free block out of its index.
     pub fn index_remove(&mut self, id: BlockId) {
+        self.count_inactive_split(id, false);
         let b = &self.blocks[id];
         let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
         if b.mapped {
-            if self.inactive_split(b) {
-                let small = b.pool.is_small();
-                self.stats.inactive_split.sub(small, 1);
-                self.stats.inactive_split_bytes.sub(small, size);
-            }
             self.free[pool].remove(stream, size, addr, id);
         } else {
             let was = self.unmapped[pool].remove(&(stream, addr, id));
@@ -127,14 +154,15 @@ impl State {
     pub fn take_parked(&mut self, stream: StreamId, size: u64) -> Option<BlockId> {
         let id = self.quick.get_mut(&(stream, size))?.pop()?;
         self.parked -= 1;
-        let b = &mut self.blocks[id];
-        b.state = BlockState::Free;
+        self.count_inactive_split(id, false);
+        self.blocks[id].state = BlockState::Free;
         Some(id)
     }
 
     /// A freed block (no longer allocated, not pending): parked for quick reuse when its list
-    /// has room, otherwise merged and indexed.
-    #[inline]
+    /// has room, otherwise merged and indexed. Kept out of line: the quick list's hash-map
+    /// entry then inlines here, which measured faster than inlining this into `free`.
+    #[inline(never)]
     pub fn park_or_release(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         // A large block is parked only in growable segments and only when it has no free
@@ -153,15 +181,17 @@ impl State {
         }
         list.push(id);
         self.parked += 1;
+        self.count_inactive_split(id, true);
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
-        let (addr, stream) = (b.addr, b.stream);
+        let (addr, stream, requested) = (b.addr, b.stream, b.requested);
         b.state = BlockState::Parked;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
-        self.trace(TraceAction::FreeCompleted, addr, size, stream);
+        // PyTorch records the requested size in alloc and free events
+        self.trace(TraceAction::FreeCompleted, addr, requested, stream);
     }
 
     fn merges_with(&self, n: Option<BlockId>, mapped: bool) -> bool {
@@ -179,6 +209,7 @@ impl State {
         let mut lists = std::mem::take(&mut self.quick);
         for list in lists.values_mut() {
             for id in list.drain(..) {
+                self.count_inactive_split(id, false);
                 self.blocks[id].state = BlockState::Free;
                 let id = self.coalesce(id);
                 self.index_insert(id);
@@ -197,7 +228,7 @@ impl State {
         let (found, id) = self.free[pool as usize].best_fit(stream, size)?;
         let max_split = self.cfg.max_split_size;
         if (size < max_split && found >= max_split)
-            || (size >= max_split && found >= size.saturating_add(20 << 20))
+            || (size >= max_split && found >= size.saturating_add(self.cfg.max_non_split_rounding))
         {
             return None;
         }
@@ -228,7 +259,8 @@ impl State {
         let b = &mut self.blocks[id];
         b.state = BlockState::Allocated;
         b.requested = requested;
-        b.generation = b.generation.wrapping_add(1);
+        b.generation = self.next_generation;
+        self.next_generation += 1;
         let (small, size) = (b.pool.is_small(), b.size);
         let s = &mut self.stats;
         s.allocated_bytes.add(small, size);
@@ -238,6 +270,9 @@ impl State {
         s.requested_bytes.add(small, requested);
         if size >= self.cfg.max_split_size {
             s.oversize_allocations.add(1);
+        }
+        if let Some(scope) = self.scopes.last_mut() {
+            scope.allocated(requested);
         }
     }
 
@@ -252,19 +287,22 @@ impl State {
         if size >= self.cfg.max_split_size {
             s.oversize_allocations.sub(1);
         }
+        if let Some(scope) = self.scopes.last_mut() {
+            scope.freed(req);
+        }
     }
 
     /// Returns a block (allocated or pending) to the cache: merges it with free neighbours.
     pub fn release_block(&mut self, id: BlockId) {
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
-        let (addr, stream) = (b.addr, b.stream);
+        let (addr, stream, requested) = (b.addr, b.stream, b.requested);
         b.state = BlockState::Free;
         b.requested = 0;
         b.other_streams.clear();
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
-        self.trace(TraceAction::FreeCompleted, addr, size, stream);
+        self.trace(TraceAction::FreeCompleted, addr, requested, stream);
         let id = self.coalesce(id);
         self.index_insert(id);
     }

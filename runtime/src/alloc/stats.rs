@@ -8,9 +8,9 @@ pub struct Stat {
     pub current: u64,
     /// The highest value since creation or [`crate::Device::reset_peak_stats`].
     pub peak: u64,
-    /// Sum of all increases.
+    /// Sum of all increases (wrapping after 2^64, as a counter of a long run may).
     pub allocated: u64,
-    /// Sum of all decreases.
+    /// Sum of all decreases (wrapping after 2^64).
     pub freed: u64,
 }
 
@@ -18,7 +18,8 @@ impl Stat {
     #[inline]
     pub(crate) fn add(&mut self, n: u64) {
         self.current += n;
-        self.allocated += n;
+        // the totals of a long run can pass 2^64: wrap (no debug-build panic, same code in release)
+        self.allocated = self.allocated.wrapping_add(n);
         if self.current > self.peak {
             self.peak = self.current;
         }
@@ -32,10 +33,14 @@ impl Stat {
             n
         );
         self.current -= n;
-        self.freed += n;
+        self.freed = self.freed.wrapping_add(n);
     }
     fn reset_peak(&mut self) {
         self.peak = self.current;
+    }
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
     }
 }
 
@@ -74,6 +79,11 @@ impl PoolStats {
         self.small.reset_peak();
         self.large.reset_peak();
     }
+    fn reset_accumulated(&mut self) {
+        self.all.reset_accumulated();
+        self.small.reset_accumulated();
+        self.large.reset_accumulated();
+    }
 }
 
 /// Everything the allocator counts. Byte figures are in bytes, counts in blocks or segments.
@@ -101,7 +111,9 @@ pub struct MemoryStats {
     pub num_alloc_retries: u64,
     /// Out-of-memory errors returned to callers.
     pub num_ooms: u64,
-    /// Times the allocator waited for all streams (before releasing memory under pressure).
+    /// Times the allocator synchronised with all streams: once per `empty_cache` and per cache
+    /// release on out-of-memory (PyTorch's `synchronize_and_free_events`), and before unmapping
+    /// free pages under pressure.
     pub num_sync_all_streams: u64,
     /// Successful backend calls that obtained memory: `alloc_segment` and `map`.
     pub num_device_alloc: u64,
@@ -145,6 +157,97 @@ impl MemoryStats {
         self.oversize_allocations.reset_peak();
         self.oversize_segments.reset_peak();
         self.pinned_bytes.reset_peak();
+    }
+
+    /// PyTorch's `reset_accumulated_memory_stats`: the totals (`allocated`, `freed`) of every
+    /// statistic and the event counters go to zero; current values and peaks stay.
+    pub(crate) fn reset_accumulated(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.allocation,
+            &mut self.reserved_bytes,
+            &mut self.segment,
+            &mut self.active_bytes,
+            &mut self.active,
+            &mut self.requested_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.inactive_split,
+        ] {
+            s.reset_accumulated();
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.pinned_bytes.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_map = 0;
+        self.num_unmap = 0;
+        self.mapped_bytes_total = 0;
+        self.unmapped_bytes_total = 0;
+    }
+}
+
+/// One counter of a statistics scope, as rmm's `statistics_resource_adaptor::counter`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScopeCounter {
+    /// Added minus removed while the scope was on top. Frees of allocations made before the
+    /// scope count too, so this can be negative.
+    pub value: i64,
+    /// The highest `value` seen.
+    pub peak: i64,
+    /// Sum of everything added.
+    pub total: i64,
+}
+
+// Saturating arithmetic throughout: counters of absurd sizes stop at the i64 range instead of
+// overflowing (a panic in debug builds).
+impl ScopeCounter {
+    #[inline]
+    fn add(&mut self, n: i64) {
+        self.value = self.value.saturating_add(n);
+        self.total = self.total.saturating_add(n);
+        self.peak = self.peak.max(self.value);
+    }
+    #[inline]
+    fn sub(&mut self, n: i64) {
+        self.value = self.value.saturating_sub(n);
+    }
+    /// rmm's `add_counters_from_tracked_sub_block`: folds a popped inner scope into this one.
+    fn fold(&mut self, inner: &ScopeCounter) {
+        self.peak = self.peak.max(self.value.saturating_add(inner.peak));
+        self.value = self.value.saturating_add(inner.value);
+        self.total = self.total.saturating_add(inner.total);
+    }
+}
+
+/// The counters of a statistics scope
+/// ([`crate::CachingAllocator::push_statistics_scope`]): bytes *requested* and allocations,
+/// counted as rmm's `statistics_resource_adaptor` counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScopeStats {
+    /// Bytes requested (not rounded).
+    pub bytes: ScopeCounter,
+    /// Allocations.
+    pub allocations: ScopeCounter,
+}
+
+impl ScopeStats {
+    #[inline]
+    pub(crate) fn allocated(&mut self, requested: u64) {
+        self.bytes.add(i64::try_from(requested).unwrap_or(i64::MAX));
+        self.allocations.add(1);
+    }
+    #[inline]
+    pub(crate) fn freed(&mut self, requested: u64) {
+        self.bytes.sub(i64::try_from(requested).unwrap_or(i64::MAX));
+        self.allocations.sub(1);
+    }
+    pub(crate) fn fold(&mut self, inner: &ScopeStats) {
+        self.bytes.fold(&inner.bytes);
+        self.allocations.fold(&inner.allocations);
     }
 }
 

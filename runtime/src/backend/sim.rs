@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Backend, BackendError, BackendErrorKind, DevicePtr, MemInfo, StreamId};
+use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
 use crate::ByteSize;
 
 /// Page size of the simulated device's growable segments (as on an H100).
@@ -39,6 +39,22 @@ pub struct FaultPlan {
     requests: AtomicU64,
     fail_at: AtomicU64,
     fail_above: AtomicU64,
+    /// Calls seen and the call index to fail, per [`SimOp`].
+    op_calls: [AtomicU64; 3],
+    op_fail_at: [AtomicU64; 3],
+    op_fail_from: [AtomicU64; 3],
+}
+
+/// A backend operation of the simulated device that a [`FaultPlan`] can make fail, so that a
+/// test can inject out-of-memory where the allocator acts, not only before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimOp {
+    /// `alloc_segment` (fixed segments).
+    AllocSegment = 0,
+    /// `reserve` (address ranges of growable segments).
+    Reserve = 1,
+    /// `map` (pages of growable segments).
+    Map = 2,
 }
 
 const NONE: u64 = u64::MAX;
@@ -49,7 +65,49 @@ impl FaultPlan {
             requests: AtomicU64::new(0),
             fail_at: AtomicU64::new(NONE),
             fail_above: AtomicU64::new(NONE),
+            op_calls: Default::default(),
+            op_fail_at: [
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+            ],
+            op_fail_from: [
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+                AtomicU64::new(NONE),
+            ],
         }
+    }
+    /// Makes every call of `op` from index `n` on (0-based, counted from now) fail with
+    /// out-of-memory, until [`FaultPlan::clear`].
+    pub fn fail_ops_from(&self, op: SimOp, n: u64) {
+        let i = op as usize;
+        let base = self.op_calls[i].load(Ordering::SeqCst);
+        self.op_fail_from[i].store(base.saturating_add(n), Ordering::SeqCst);
+    }
+    /// Makes the call of `op` with index `n` (0-based, counted from now) fail with
+    /// out-of-memory, once.
+    pub fn fail_nth_op(&self, op: SimOp, n: u64) {
+        let i = op as usize;
+        let base = self.op_calls[i].load(Ordering::SeqCst);
+        self.op_fail_at[i].store(base.saturating_add(n), Ordering::SeqCst);
+    }
+    /// How many calls of `op` the device has seen (failed ones included).
+    pub fn op_calls(&self, op: SimOp) -> u64 {
+        self.op_calls[op as usize].load(Ordering::SeqCst)
+    }
+    fn check_op(&self, op: SimOp, name: &'static str) -> Result<(), BackendError> {
+        let i = op as usize;
+        let idx = self.op_calls[i].fetch_add(1, Ordering::SeqCst);
+        if idx == self.op_fail_at[i].load(Ordering::SeqCst)
+            || idx >= self.op_fail_from[i].load(Ordering::SeqCst)
+        {
+            return Err(BackendError::oom(
+                name,
+                format!("injected fault: {name} call #{idx} fails"),
+            ));
+        }
+        Ok(())
     }
     /// Makes the allocation request with index `n` (0-based, counted from now) fail with
     /// out-of-memory, once.
@@ -61,10 +119,13 @@ impl FaultPlan {
     pub fn fail_requests_above(&self, bytes: u64) {
         self.fail_above.store(bytes, Ordering::SeqCst);
     }
-    /// Removes all request faults.
+    /// Removes all faults.
     pub fn clear(&self) {
         self.fail_at.store(NONE, Ordering::SeqCst);
         self.fail_above.store(NONE, Ordering::SeqCst);
+        for f in self.op_fail_at.iter().chain(&self.op_fail_from) {
+            f.store(NONE, Ordering::SeqCst);
+        }
     }
     /// How many allocation requests the device has seen.
     pub fn requests_seen(&self) -> u64 {
@@ -124,10 +185,17 @@ struct SimState {
     next_va: u64,
     // base -> region: segments (fixed) and reserved ranges (growable)
     regions: BTreeMap<u64, Region>,
-    // mapped pages of growable ranges: page address -> ()
-    mapped: BTreeMap<u64, ()>,
+    // mapped pages of growable ranges, as disjoint runs: start -> end (page-aligned), so that
+    // mapping a huge range costs one entry, not one per page
+    mapped: BTreeMap<u64, u64>,
     chunks: HashMap<u64, Box<[u8]>>,
     calls: SimCallCounts,
+    /// Events stay pending until their stream is synchronised (see
+    /// [`SimDevice::with_pending_events`]); otherwise they complete at once.
+    pending_events: bool,
+    /// Recorded events: id -> (stream, completed).
+    events: BTreeMap<EventId, (StreamId, bool)>,
+    next_event: EventId,
 }
 
 /// A simulated GPU. Cheap to clone (shared state).
@@ -172,8 +240,31 @@ impl SimDevice {
                 mapped: BTreeMap::new(),
                 chunks: HashMap::new(),
                 calls: SimCallCounts::default(),
+                pending_events: false,
+                events: BTreeMap::new(),
+                next_event: 1,
             })),
         }
+    }
+    /// Events recorded on a stream stay pending until that stream is synchronised
+    /// ([`SimDevice::synchronize_stream`], [`Backend::synchronize`], or the allocator waiting
+    /// for the event), as the work queued on a real stream would keep them; by default they
+    /// complete at once. Lets tests observe delayed reuse after `record_stream`.
+    pub fn with_pending_events(self) -> Self {
+        self.lock().pending_events = true;
+        self
+    }
+    /// Completes the work queued on `stream` so far: its recorded events are done.
+    pub fn synchronize_stream(&self, stream: StreamId) {
+        for (s, done) in self.lock().events.values_mut() {
+            if *s == stream {
+                *done = true;
+            }
+        }
+    }
+    /// Recorded events not yet completed.
+    pub fn pending_events(&self) -> usize {
+        self.lock().events.values().filter(|(_, d)| !d).count()
     }
     /// Sets the ordinal shown in messages.
     pub fn with_ordinal(mut self, ordinal: usize) -> Self {
@@ -246,14 +337,8 @@ impl SimDevice {
         if end > base + region.size {
             return Err(bad());
         }
-        if region.growable {
-            let mut page = addr / SIM_GRANULARITY * SIM_GRANULARITY;
-            while page < end {
-                if !st.mapped.contains_key(&page) {
-                    return Err(bad());
-                }
-                page += SIM_GRANULARITY;
-            }
+        if region.growable && !covered(&st.mapped, addr, end) {
+            return Err(bad());
         }
         Ok(())
     }
@@ -262,10 +347,14 @@ impl SimDevice {
         if st.chunks.is_empty() {
             return;
         }
-        let mut c = addr / CHUNK;
-        while c * CHUNK < addr + len {
-            st.chunks.remove(&c);
-            c += 1;
+        let (first, last) = (addr / CHUNK, addr.saturating_add(len).div_ceil(CHUNK));
+        if last - first > st.chunks.len() as u64 {
+            // a huge range: visit the chunks that exist rather than every chunk of the range
+            st.chunks.retain(|&c, _| c < first || c >= last);
+        } else {
+            for c in first..last {
+                st.chunks.remove(&c);
+            }
         }
     }
 
@@ -323,6 +412,7 @@ impl Backend for SimDevice {
                 format!("size {bytes} is not a positive multiple of {SIM_ALIGNMENT}"),
             ));
         }
+        self.faults.check_op(SimOp::AllocSegment, "alloc_segment")?;
         let mut st = self.lock();
         if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
             return Err(Self::oom(&mut st, "alloc_segment", bytes));
@@ -367,6 +457,7 @@ impl Backend for SimDevice {
                 format!("size {bytes} is not a positive multiple of the granularity"),
             ));
         }
+        self.faults.check_op(SimOp::Reserve, "reserve")?;
         let mut st = self.lock();
         let base = Self::take_va(&mut st, bytes)?;
         st.regions.insert(
@@ -383,11 +474,7 @@ impl Backend for SimDevice {
     fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
         let ok = matches!(st.regions.get(&base), Some(r) if r.growable && r.size == bytes);
-        let still_mapped = st
-            .mapped
-            .range(base..base.saturating_add(bytes))
-            .next()
-            .is_some();
+        let still_mapped = overlaps(&st.mapped, base, base.saturating_add(bytes));
         if !ok || still_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
@@ -401,6 +488,7 @@ impl Backend for SimDevice {
     }
 
     fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check_op(SimOp::Map, "map")?;
         let mut st = self.lock();
         let invalid = |m: String| BackendError::new(BackendErrorKind::InvalidArgument, "map", m);
         if bytes == 0 || addr % SIM_GRANULARITY != 0 || bytes % SIM_GRANULARITY != 0 {
@@ -408,15 +496,20 @@ impl Backend for SimDevice {
                 "{bytes} bytes at {addr:#x} are not whole pages"
             )));
         }
+        let Some(end) = addr.checked_add(bytes) else {
+            return Err(invalid(format!("{bytes} bytes at {addr:#x} overflow")));
+        };
         let inside = st
             .regions
             .range(..=addr)
             .next_back()
-            .is_some_and(|(&b, r)| r.growable && addr + bytes <= b + r.size);
+            .is_some_and(|(&b, r)| r.growable && end <= b + r.size);
         if !inside {
-            return Err(invalid(format!("{addr:#x} is not in a reserved range")));
+            return Err(invalid(format!(
+                "{bytes} bytes at {addr:#x} are not in a reserved range"
+            )));
         }
-        if st.mapped.range(addr..addr + bytes).next().is_some() {
+        if overlaps(&st.mapped, addr, end) {
             return Err(invalid(format!(
                 "a page in {addr:#x}+{bytes} is already mapped"
             )));
@@ -424,11 +517,7 @@ impl Backend for SimDevice {
         if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
             return Err(Self::oom(&mut st, "map", bytes));
         }
-        let mut p = addr;
-        while p < addr + bytes {
-            st.mapped.insert(p, ());
-            p += SIM_GRANULARITY;
-        }
+        st.mapped.insert(addr, end);
         st.used += bytes;
         st.calls.map += 1;
         Ok(())
@@ -436,21 +525,34 @@ impl Backend for SimDevice {
 
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
-        let pages = bytes / SIM_GRANULARITY;
+        let end = addr.checked_add(bytes).unwrap_or(0);
         let all_mapped = addr % SIM_GRANULARITY == 0
             && bytes % SIM_GRANULARITY == 0
-            && st.mapped.range(addr..addr.saturating_add(bytes)).count() as u64 == pages;
-        if bytes == 0 || !all_mapped {
+            && end > addr
+            && covered(&st.mapped, addr, end);
+        if !all_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
                 "unmap",
                 format!("{bytes} bytes at {addr:#x} are not mapped pages"),
             ));
         }
-        let mut p = addr;
-        while p < addr + bytes {
-            st.mapped.remove(&p);
-            p += SIM_GRANULARITY;
+        // remove the runs overlapping [addr, end), keeping their parts outside it
+        let runs: Vec<(u64, u64)> = st
+            .mapped
+            .range(..end)
+            .rev()
+            .take_while(|(_, &e)| e > addr)
+            .map(|(&s, &e)| (s, e))
+            .collect();
+        for (s, e) in runs {
+            st.mapped.remove(&s);
+            if s < addr {
+                st.mapped.insert(s, addr);
+            }
+            if e > end {
+                st.mapped.insert(end, e);
+            }
         }
         st.used -= bytes;
         st.calls.unmap += 1;
@@ -519,6 +621,87 @@ impl Backend for SimDevice {
     fn check_request(&self, bytes: u64) -> Result<(), BackendError> {
         self.faults.check(bytes)
     }
+
+    fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
+        let mut st = self.lock();
+        if !st.pending_events {
+            return Ok(0);
+        }
+        let id = st.next_event;
+        st.next_event += 1;
+        st.events.insert(id, (stream, false));
+        Ok(id)
+    }
+
+    fn event_done(&self, event: EventId) -> Result<bool, BackendError> {
+        let mut st = self.lock();
+        if !st.pending_events {
+            return Ok(true);
+        }
+        match st.events.get(&event) {
+            Some(&(_, true)) => {
+                st.events.remove(&event);
+                Ok(true)
+            }
+            Some(_) => Ok(false),
+            None => Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "event_done",
+                format!("no event {event}"),
+            )),
+        }
+    }
+
+    fn wait_event(&self, event: EventId) -> Result<(), BackendError> {
+        let stream = {
+            let st = self.lock();
+            if !st.pending_events {
+                return Ok(());
+            }
+            match st.events.get(&event) {
+                Some(&(s, _)) => s,
+                None => {
+                    return Err(BackendError::new(
+                        BackendErrorKind::InvalidArgument,
+                        "wait_event",
+                        format!("no event {event}"),
+                    ))
+                }
+            }
+        };
+        // waiting lets the stream's queued work finish
+        self.synchronize_stream(stream);
+        self.lock().events.remove(&event);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
+        for (_, done) in self.lock().events.values_mut() {
+            *done = true;
+        }
+        Ok(())
+    }
+}
+
+/// Whether every byte of `[addr, end)` lies in the mapped runs.
+fn covered(mapped: &BTreeMap<u64, u64>, addr: u64, end: u64) -> bool {
+    let mut pos = addr;
+    while pos < end {
+        match mapped.range(..=pos).next_back() {
+            Some((_, &e)) if e > pos => pos = e,
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// Whether any mapped run overlaps `[addr, end)` (runs are disjoint and sorted: the last one
+/// starting before `end` reaches furthest).
+fn overlaps(mapped: &BTreeMap<u64, u64>, addr: u64, end: u64) -> bool {
+    mapped
+        .range(..end)
+        .next_back()
+        .is_some_and(|(_, &e)| e > addr)
 }
 
 #[cfg(test)]
@@ -583,6 +766,43 @@ mod tests {
         sim.release(base, 64 << 20).unwrap();
         assert_eq!(sim.used(), 0);
         assert_eq!(sim.calls().map, 1);
+    }
+
+    #[test]
+    fn mapped_runs_split_and_join() {
+        let g = SIM_GRANULARITY;
+        let sim = SimDevice::new(ByteSize::gib(1));
+        let base = sim.reserve(16 * g).unwrap();
+        sim.map(base, 8 * g).unwrap();
+        sim.unmap(base + 2 * g, 2 * g).unwrap(); // [0,2) and [4,8) stay
+        assert!(sim.copy_to_device(base + g, &[1; 16]).is_ok());
+        assert!(
+            sim.copy_to_device(base + 2 * g, &[1]).is_err(),
+            "unmapped hole"
+        );
+        assert!(
+            sim.copy_to_device(base + 2 * g - 1, &[1, 2]).is_err(),
+            "spans the hole"
+        );
+        assert!(sim.unmap(base + g, 4 * g).is_err(), "not all mapped");
+        assert!(sim.map(base + g, 2 * g).is_err(), "overlaps a mapped page");
+        sim.map(base + 2 * g, 2 * g).unwrap(); // fill the hole: [0,2) [2,4) [4,8)
+        let mut out = [0u8; 4];
+        sim.copy_to_device(base + 2 * g - 2, &[1, 2, 3, 4]).unwrap();
+        sim.copy_to_host(&mut out, base + 2 * g - 2).unwrap();
+        assert_eq!(out, [1, 2, 3, 4], "across adjacent runs");
+        sim.unmap(base + g, 6 * g).unwrap(); // across three runs
+        assert_eq!(sim.used(), 2 * g);
+        assert!(sim.release(base, 16 * g).is_err(), "still mapped");
+        sim.unmap(base, g).unwrap();
+        sim.unmap(base + 7 * g, g).unwrap();
+        sim.release(base, 16 * g).unwrap();
+        assert_eq!(sim.used(), 0);
+        // a huge mapping is one run, not one entry per page
+        let sim = SimDevice::address_only(ByteSize(u64::MAX));
+        let big = sim.reserve(1 << 62).unwrap();
+        sim.map(big, 1 << 62).unwrap();
+        sim.unmap(big, 1 << 62).unwrap();
     }
 
     #[test]

@@ -49,15 +49,19 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 
 impl Device {
-    /// CUDA device `ordinal` with the default allocator configuration (growable segments).
+    /// CUDA device `ordinal` with the configuration from `OOMGUARD_ALLOC_CONF`
+    /// ([`AllocatorConfig::from_env`]; the default, growable segments, when unset), as PyTorch
+    /// reads `PYTORCH_CUDA_ALLOC_CONF`.
     ///
-    /// Fails, without panicking, when there is no CUDA driver (a [`crate::backend::BackendError`]
-    /// of kind `Unavailable`) or no such device.
+    /// Fails, without panicking, when the variable holds an invalid configuration
+    /// ([`Error::Config`], naming the key), when there is no CUDA driver (a
+    /// [`crate::backend::BackendError`] of kind `Unavailable`) or no such device.
     pub fn cuda(ordinal: usize) -> Result<Device> {
-        Self::cuda_with_config(ordinal, AllocatorConfig::default())
+        Self::cuda_with_config(ordinal, AllocatorConfig::from_env()?)
     }
 
-    /// CUDA device `ordinal` with `config`.
+    /// CUDA device `ordinal` with `config` (the environment variable is not read: an explicit
+    /// configuration overrides it).
     pub fn cuda_with_config(ordinal: usize, config: AllocatorConfig) -> Result<Device> {
         let backend = CudaBackend::new(ordinal)?;
         let backend = if config.pass_through {

@@ -156,7 +156,7 @@ fn trace_value(e: &TraceEntry) -> PyValue {
         "stream" => e.stream,
         "time_us" => e.time_us,
         "compile_context" => "N/A",
-        "user_metadata" => "",
+        "user_metadata" => e.user_metadata.clone(),
         "frames" => PyValue::List(frames),
     }
 }

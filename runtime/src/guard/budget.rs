@@ -6,12 +6,12 @@ use std::panic::Location;
 
 use super::tracker::{ScopeGuard, ScopeKind};
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ByteSize;
 
 /// A memory budget: while it is alive, the bytes (block sizes) allocated on this device by this
 /// thread inside the scope and still live may not exceed the limit. An allocation that would
-/// exceed it fails with [`Error::BudgetExceeded`] (an out-of-memory kind) before the allocator or
+/// exceed it fails with [`crate::Error::BudgetExceeded`] (an out-of-memory kind) before the allocator or
 /// the device is touched.
 ///
 /// - Nested budgets all apply: the tightest wins.
@@ -125,7 +125,7 @@ impl Device {
     /// fails with out-of-memory (after the cache is released and the allocation retried). Memory
     /// already held stays. `1.0` lifts the cap to the full capacity.
     ///
-    /// Fails with [`Error::InvalidArgument`] unless `0 < fraction <= 1`.
+    /// Fails with [`crate::Error::InvalidArgument`] unless `0 < fraction <= 1`.
     ///
     /// ```
     /// use oomguard_runtime::{ByteSize, Device};
@@ -135,14 +135,13 @@ impl Device {
     /// assert!(dev.set_memory_fraction(1.5).is_err());
     /// ```
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "memory fraction must be in (0, 1], got {fraction}"
-            )));
-        }
-        let total = self.allocator().device_total();
-        let limit = (total as f64 * fraction) as u64;
-        self.allocator().set_memory_limit(Some(limit));
-        Ok(())
+        self.allocator().set_memory_fraction(fraction)
+    }
+
+    /// The fraction of the device's capacity the allocator may hold, as PyTorch's
+    /// `torch.cuda.get_per_process_memory_fraction` (1.0 without a cap): from
+    /// [`Device::set_memory_fraction`] or the `per_process_memory_fraction` config key.
+    pub fn memory_fraction(&self) -> f64 {
+        self.allocator().memory_fraction()
     }
 }

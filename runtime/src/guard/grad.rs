@@ -43,11 +43,18 @@
 //! [`set_grad_mode_guard`]. [`GradGuard`] is not `Send`, so holding one across an `.await` in a
 //! spawned task does not compile.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 
 thread_local! {
     static MODE: Cell<GradMode> = const { Cell::new(GradMode::DEFAULT) };
+    /// The live guards of this thread, oldest first: (guard id, the mode it set). The mode in
+    /// force is the newest live guard's, or `BASE` when none is live, so guards dropped out of
+    /// order never leave a mode that no live guard set.
+    static GUARDS: RefCell<Vec<(u64, GradMode)>> = const { RefCell::new(Vec::new()) };
+    /// The mode before the oldest live guard.
+    static BASE: Cell<GradMode> = const { Cell::new(GradMode::DEFAULT) };
+    static NEXT_ID: Cell<u64> = const { Cell::new(0) };
 }
 
 /// The grad state of a thread: whether grad is enabled and whether inference mode is on.
@@ -93,10 +100,15 @@ impl Default for GradMode {
 
 /// Restores the thread's previous [`GradMode`] when dropped (also while unwinding). Not `Send`:
 /// it must be dropped on the thread whose mode it changed.
+///
+/// Guards dropped out of order: the mode in force is always the one set by the newest guard
+/// still alive (or, with none alive, the mode before the first), never one that no live guard
+/// set.
 #[must_use = "the grad mode reverts as soon as the guard is dropped"]
 #[derive(Debug)]
 pub struct GradGuard {
     prev: GradMode,
+    id: u64,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -109,7 +121,24 @@ impl GradGuard {
 
 impl Drop for GradGuard {
     fn drop(&mut self) {
-        let _ = MODE.try_with(|m| m.set(self.prev));
+        let id = self.id;
+        let prev = self.prev;
+        // During thread teardown the thread-locals may be gone: nothing to restore then.
+        let _ = GUARDS.try_with(|g| {
+            let Ok(mut g) = g.try_borrow_mut() else {
+                return;
+            };
+            let mode = match g.iter().rposition(|e| e.0 == id) {
+                Some(i) => {
+                    g.remove(i);
+                    g.last()
+                        .map(|e| e.1)
+                        .unwrap_or_else(|| BASE.try_with(Cell::get).unwrap_or(prev))
+                }
+                None => prev,
+            };
+            let _ = MODE.try_with(|m| m.set(mode));
+        });
     }
 }
 
@@ -117,9 +146,25 @@ fn update(f: impl FnOnce(&mut GradMode)) -> GradGuard {
     let prev = GradMode::current();
     let mut next = prev;
     f(&mut next);
+    let id = NEXT_ID
+        .try_with(|n| {
+            let id = n.get();
+            n.set(id + 1);
+            id
+        })
+        .unwrap_or(u64::MAX);
+    let _ = GUARDS.try_with(|g| {
+        if let Ok(mut g) = g.try_borrow_mut() {
+            if g.is_empty() {
+                let _ = BASE.try_with(|b| b.set(prev));
+            }
+            g.push((id, next));
+        }
+    });
     let _ = MODE.try_with(|m| m.set(next));
     GradGuard {
         prev,
+        id,
         _not_send: PhantomData,
     }
 }

@@ -37,6 +37,8 @@ pub struct LeakedBuffer {
     pub requested: u64,
     /// The buffer's stream.
     pub stream: StreamId,
+    /// The ordinal of the device it lives on.
+    pub device: usize,
     /// The source location that allocated it (the caller of `Device::alloc` and friends).
     pub location: &'static Location<'static>,
     /// The backtrace of the allocation, when backtraces were enabled
@@ -73,6 +75,7 @@ impl LeakReport {
                 size: r.alloc.size,
                 requested: r.alloc.requested,
                 stream: r.alloc.stream,
+                device: r.device,
                 location: r.site,
                 backtrace: r.backtrace,
             })
@@ -148,10 +151,11 @@ impl fmt::Display for LeakReport {
         for l in &self.leaks {
             write!(
                 f,
-                "\n  {} ({} B requested) at {:#x} on stream {}, allocated at {}",
+                "\n  {} ({} B requested) at {:#x} on device {} stream {}, allocated at {}",
                 ByteSize(l.size),
                 l.requested,
                 l.ptr,
+                l.device,
                 l.stream,
                 l.location
             )?;
@@ -213,7 +217,8 @@ impl LeakCheck {
 
     /// The buffers allocated inside the scope that are live now (readable while it is open).
     pub fn report(&self) -> LeakReport {
-        let records = self.guard.device().tracker().live_in(&self.guard.scope);
+        let dev = self.guard.device();
+        let records = dev.tracker().live_in(&self.guard.scope, dev.ordinal());
         LeakReport::from_records(records, self.allowed, self.guard.scope.opened_at)
     }
 

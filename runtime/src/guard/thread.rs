@@ -38,7 +38,7 @@ fn fraction_ppm(fraction: f64) -> Result<u64> {
 fn leak_report(scope: &Arc<Scope>, allowed: u64) -> LeakReport {
     let mut records = Vec::new();
     for dev in Device::all() {
-        records.extend(dev.tracker().live_in(scope));
+        records.extend(dev.tracker().live_in(scope, dev.ordinal()));
     }
     LeakReport::from_records(records, allowed, scope.opened_at)
 }
@@ -77,6 +77,8 @@ pub fn thread_budget(limit: impl Into<ByteSize>) -> ThreadBudget {
 }
 
 /// A [`ThreadBudget`] of `fraction` of each device's capacity; `Err` unless 0 < fraction ≤ 1.
+/// Each device is counted on its own: the bytes live on a device are checked against that
+/// device's share ([`ThreadBudget::used`] is the sum over devices).
 #[track_caller]
 pub fn thread_budget_fraction(fraction: f64) -> Result<ThreadBudget> {
     let ppm = fraction_ppm(fraction)?;
@@ -199,7 +201,7 @@ impl GuardSet {
         self.budget = Some(open(ScopeKind::Budget(limit), Location::caller(), false));
         self
     }
-    /// A budget of `fraction` of each device's capacity.
+    /// A budget of `fraction` of each device's capacity, each device counted on its own.
     #[track_caller]
     pub fn budget_fraction(mut self, fraction: f64) -> Result<Self> {
         let ppm = fraction_ppm(fraction)?;

@@ -56,8 +56,11 @@ pub(crate) struct Scope {
     /// Identity of the device's tracker the scope belongs to.
     tracker: usize,
     pub kind: ScopeKind,
-    /// Bytes (block sizes) charged to the scope and still live.
+    /// Bytes (block sizes) charged to the scope and still live (on all devices together).
     pub live: AtomicU64,
+    /// Fraction budgets only: bytes charged and still live per device (by tracker identity),
+    /// each checked against that device's own capacity.
+    per_device: Mutex<FxHashMap<usize, u64>>,
     /// The highest `live` seen.
     pub peak: AtomicU64,
     /// Allocations charged to the scope.
@@ -94,6 +97,8 @@ struct Tracked {
 /// A recorded live allocation, as a leak check reports it.
 pub(crate) struct LiveRecord {
     pub alloc: Allocation,
+    /// The ordinal of the device it lives on.
+    pub device: usize,
     pub site: &'static Location<'static>,
     pub backtrace: Option<Arc<Backtrace>>,
 }
@@ -197,6 +202,10 @@ impl Tracker {
         stream: StreamId,
     ) -> Result<Allocation> {
         let site = Location::caller();
+        if bytes == 0 {
+            // nothing is allocated (a null handle): nothing to charge or record
+            return allocator.allocate(bytes, stream);
+        }
         let scopes = self.applicable();
         if scopes.is_empty() {
             return allocator.allocate(bytes, stream);
@@ -209,19 +218,20 @@ impl Tracker {
             .checked_next_multiple_of(MIN_BLOCK)
             .unwrap_or(0);
         let total = allocator.device_total();
-        charge(&scopes, estimate, total).map_err(Error::BudgetExceeded)?;
+        let dev = self.id();
+        charge(&scopes, estimate, total, dev).map_err(Error::BudgetExceeded)?;
         let a = match allocator.allocate(bytes, stream) {
             Ok(a) => a,
             Err(e) => {
-                uncharge(&scopes, estimate);
+                uncharge(&scopes, estimate, dev);
                 return Err(e);
             }
         };
         // The block may be larger than the estimate (power-of-two rounding, an unsplit block):
         // charge the rest, and give the block back if that breaks a budget.
         if a.size > estimate {
-            if let Err(mut e) = charge(&scopes, a.size - estimate, total) {
-                uncharge(&scopes, estimate);
+            if let Err(mut e) = charge(&scopes, a.size - estimate, total, dev) {
+                uncharge(&scopes, estimate, dev);
                 if let Err(fe) = allocator.free(a) {
                     tracing::error!(error = %fe, "freeing an over-budget allocation failed");
                 }
@@ -230,7 +240,7 @@ impl Tracker {
                 return Err(Error::BudgetExceeded(e));
             }
         } else if a.size < estimate {
-            uncharge(&scopes, estimate - a.size);
+            uncharge(&scopes, estimate - a.size, dev);
         }
         let mut want_backtrace = None;
         for s in &scopes {
@@ -262,7 +272,7 @@ impl Tracker {
         match t.map.insert(a.ptr, entry) {
             // A stale record: its allocation was freed behind the device's back (through the
             // allocator directly), since the address was handed out again. Credit it now.
-            Some(old) => credit(&old),
+            Some(old) => credit(&old, dev),
             None => {
                 self.tracked.fetch_add(1, Relaxed);
             }
@@ -286,12 +296,13 @@ impl Tracker {
             }
         };
         if let Some(old) = old {
-            credit(&old);
+            credit(&old, self.id());
         }
     }
 
-    /// The recorded live allocations charged to `scope`, in allocation order.
-    pub fn live_in(&self, scope: &Arc<Scope>) -> Vec<LiveRecord> {
+    /// The recorded live allocations charged to `scope`, in allocation order (`device`: this
+    /// tracker's device ordinal, for the report).
+    pub fn live_in(&self, scope: &Arc<Scope>, device: usize) -> Vec<LiveRecord> {
         let t = lock(&self.table);
         let mut v: Vec<(u64, LiveRecord)> = t
             .map
@@ -302,6 +313,7 @@ impl Tracker {
                     e.seq,
                     LiveRecord {
                         alloc: e.alloc,
+                        device,
                         site: e.site,
                         backtrace: e.backtrace.clone(),
                     },
@@ -362,6 +374,7 @@ fn new_scope(tracker: usize, kind: ScopeKind, opened_at: &'static Location<'stat
         allocations: AtomicU64::new(0),
         live_allocations: AtomicU64::new(0),
         force_backtrace: AtomicBool::new(false),
+        per_device: Mutex::new(FxHashMap::default()),
         opened_at,
     })
 }
@@ -376,17 +389,35 @@ fn remove_from_thread(scope: &Arc<Scope>) {
     });
 }
 
-/// Adds `n` bytes to every scope; fails, changing nothing, when a budget would be exceeded.
-fn charge(scopes: &[Arc<Scope>], n: u64, device_total: u64) -> Result<(), BudgetExceeded> {
+/// Adds `n` bytes allocated on device `dev` (a tracker identity) to every scope; fails,
+/// changing nothing, when a budget would be exceeded. A fraction budget counts each device on
+/// its own, against that device's capacity.
+fn charge(
+    scopes: &[Arc<Scope>],
+    n: u64,
+    device_total: u64,
+    dev: usize,
+) -> Result<(), BudgetExceeded> {
     for (i, s) in scopes.iter().enumerate() {
-        let r = match s.limit(device_total) {
-            None => Ok(s.live.fetch_add(n, Relaxed)),
-            Some(limit) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
+        let r = match (s.kind, s.limit(device_total)) {
+            (_, None) => Ok(s.live.fetch_add(n, Relaxed)),
+            (ScopeKind::BudgetFraction(_), Some(limit)) => {
+                let mut map = lock(&s.per_device);
+                let cur = map.entry(dev).or_default();
+                match cur.checked_add(n).filter(|&v| v <= limit) {
+                    Some(v) => {
+                        *cur = v;
+                        Ok(s.live.fetch_add(n, Relaxed))
+                    }
+                    None => Err(*cur),
+                }
+            }
+            (_, Some(limit)) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
                 cur.checked_add(n).filter(|&v| v <= limit)
             }),
         };
         if let Err(in_use) = r {
-            uncharge(&scopes[..i], n);
+            uncharge(&scopes[..i], n, dev);
             return Err(BudgetExceeded {
                 requested: n,
                 in_use,
@@ -397,15 +428,22 @@ fn charge(scopes: &[Arc<Scope>], n: u64, device_total: u64) -> Result<(), Budget
     Ok(())
 }
 
-fn uncharge(scopes: &[Arc<Scope>], n: u64) {
+/// Takes `n` bytes of device `dev` off every scope.
+fn uncharge(scopes: &[Arc<Scope>], n: u64, dev: usize) {
     for s in scopes {
+        if let ScopeKind::BudgetFraction(_) = s.kind {
+            if let Some(cur) = lock(&s.per_device).get_mut(&dev) {
+                *cur = cur.saturating_sub(n);
+            }
+        }
         s.live.fetch_sub(n, Relaxed);
     }
 }
 
-fn credit(t: &Tracked) {
+/// Credits a recorded allocation of device `dev` back to its scopes.
+fn credit(t: &Tracked, dev: usize) {
+    uncharge(&t.scopes, t.alloc.size, dev);
     for s in &t.scopes {
-        s.live.fetch_sub(t.alloc.size, Relaxed);
         s.live_allocations.fetch_sub(1, Relaxed);
     }
 }

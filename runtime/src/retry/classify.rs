@@ -336,6 +336,7 @@ mod tests {
             reserved_unallocated: 0,
             largest_free_block: 0,
             cause: None,
+            expandable_segments: false,
         }
     }
 

@@ -18,7 +18,7 @@ mod pinned;
 mod streams;
 mod vmm;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -86,7 +86,7 @@ pub struct CudaBackend {
     vmm: bool,
     pages: PageTable,
     /// Fixed segments: address -> (bytes, stream they were allocated on).
-    segments: Mutex<HashMap<DevicePtr, (u64, StreamId)>>,
+    segments: Mutex<BTreeMap<DevicePtr, (u64, StreamId)>>,
     /// Segments come from the stream-ordered pool (cuMemAllocAsync / cuMemFreeAsync on their
     /// stream) instead of cuMemAlloc: `backend:cudaMallocAsync`.
     stream_ordered: bool,
@@ -169,7 +169,7 @@ impl CudaBackend {
             granularity,
             vmm,
             pages: PageTable::new(ctx.cu_device(), granularity),
-            segments: Mutex::new(HashMap::new()),
+            segments: Mutex::new(BTreeMap::new()),
             stream_ordered: false,
             streams: StreamRegistry::new(&ctx),
             events: EventTable::default(),
@@ -230,6 +230,39 @@ impl CudaBackend {
     fn sync_all(&self, op: &'static str) -> Result<(), BackendError> {
         result::ctx::synchronize().map_err(|e| driver_error(op, e))
     }
+
+    /// Runs `f` (a copy or memset of `[addr, addr + len)`) only when that range lies inside one
+    /// live fixed segment or inside mapped pages of a growable range of this backend, holding the
+    /// lock that keeps the memory from being freed until `f` returns. Any other address (host
+    /// memory the driver can reach, another allocator's memory, freed memory) is an error: the
+    /// safe copy methods cannot write outside this device's own allocations.
+    fn with_own_range<R>(
+        &self,
+        op: &'static str,
+        addr: DevicePtr,
+        len: u64,
+        f: impl FnOnce() -> Result<R, BackendError>,
+    ) -> Result<R, BackendError> {
+        let bad = || {
+            invalid(
+                op,
+                format!("{len} bytes at {addr:#x} are not memory allocated by this device"),
+            )
+        };
+        let end = addr.checked_add(len).ok_or_else(bad)?;
+        let segs = lock(&self.segments);
+        let in_segment = segs
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&base, &(size, _))| end <= base.saturating_add(size));
+        if in_segment {
+            return f();
+        }
+        drop(segs);
+        self.pages
+            .while_mapped(addr, end, f)
+            .unwrap_or_else(|| Err(bad()))
+    }
 }
 
 impl Backend for CudaBackend {
@@ -259,6 +292,10 @@ impl Backend for CudaBackend {
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| invalid("cuMemAlloc", format!("cannot allocate {bytes} bytes")))?;
+        if self.stream_ordered {
+            // The stream reaches cuMemAllocAsync: only this device's registered streams (or 0).
+            self.streams.get(stream)?;
+        }
         self.bind("cuMemAlloc")?;
         if self.stream_ordered {
             // SAFETY: `stream` is a raw CUstream handle (0: the legacy default stream) that the
@@ -333,12 +370,14 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind("cuMemcpyHtoD")?;
-        self.sync_all("cuMemcpyHtoD")?;
-        // SAFETY: `src` is a live host slice; the driver checks that `dst..dst+len` is device
-        // memory and fails otherwise.
-        unsafe { result::memcpy_htod_sync(dst, src) }
-            .map_err(|e| driver_error("cuMemcpyHtoD", e))?;
-        self.sync_all("cuMemcpyHtoD")
+        self.with_own_range("cuMemcpyHtoD", dst, src.len() as u64, || {
+            self.sync_all("cuMemcpyHtoD")?;
+            // SAFETY: `src` is a live host slice; `dst..dst+len` lies in a segment or mapped
+            // pages of this backend (checked above), which stay allocated while the lock is held.
+            unsafe { result::memcpy_htod_sync(dst, src) }
+                .map_err(|e| driver_error("cuMemcpyHtoD", e))?;
+            self.sync_all("cuMemcpyHtoD")
+        })
     }
 
     fn copy_to_host(&self, dst: &mut [u8], src: DevicePtr) -> Result<(), BackendError> {
@@ -346,10 +385,15 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.bind("cuMemcpyDtoH")?;
-        self.sync_all("cuMemcpyDtoH")?;
-        // SAFETY: `dst` is a live, exclusively borrowed host slice; the driver checks the device
-        // range. The call returns when the bytes are in `dst`.
-        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(|e| driver_error("cuMemcpyDtoH", e))
+        let len = dst.len() as u64;
+        self.with_own_range("cuMemcpyDtoH", src, len, || {
+            self.sync_all("cuMemcpyDtoH")?;
+            // SAFETY: `dst` is a live, exclusively borrowed host slice; `src..src+len` lies in
+            // memory of this backend (checked above) that stays allocated while the lock is
+            // held. The call returns when the bytes are in `dst`.
+            unsafe { result::memcpy_dtoh_sync(dst, src) }
+                .map_err(|e| driver_error("cuMemcpyDtoH", e))
+        })
     }
 
     fn memset_zero(&self, dst: DevicePtr, bytes: u64) -> Result<(), BackendError> {
@@ -358,10 +402,14 @@ impl Backend for CudaBackend {
         }
         let n = usize::try_from(bytes).map_err(|_| invalid("cuMemsetD8", "size too large"))?;
         self.bind("cuMemsetD8")?;
-        self.sync_all("cuMemsetD8")?;
-        // SAFETY: only device memory is written; the driver checks the range.
-        unsafe { result::memset_d8_sync(dst, 0, n) }.map_err(|e| driver_error("cuMemsetD8", e))?;
-        self.sync_all("cuMemsetD8")
+        self.with_own_range("cuMemsetD8", dst, bytes, || {
+            self.sync_all("cuMemsetD8")?;
+            // SAFETY: `dst..dst+n` lies in memory of this backend (checked above) that stays
+            // allocated while the lock is held; only that memory is written.
+            unsafe { result::memset_d8_sync(dst, 0, n) }
+                .map_err(|e| driver_error("cuMemsetD8", e))?;
+            self.sync_all("cuMemsetD8")
+        })
     }
 
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
@@ -402,7 +450,7 @@ impl Drop for CudaBackend {
         }
         self.events.destroy_all();
         self.pages.release_all();
-        for (ptr, _) in lock(&self.segments).drain() {
+        for (ptr, _) in std::mem::take(&mut *lock(&self.segments)) {
             // SAFETY: every segment left came from cuMemAlloc (or cuMemAllocAsync, which
             // cuMemFree also frees) and was not freed yet; the device is idle and no buffer of
             // this backend is alive.

@@ -277,6 +277,17 @@ impl PageTable {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// Runs `f` when every page of `[addr, end)` is mapped (`None` otherwise), holding the page
+    /// table's lock so that none is unmapped until `f` returns.
+    pub(super) fn while_mapped<R>(&self, addr: u64, end: u64, f: impl FnOnce() -> R) -> Option<R> {
+        let g = self.page;
+        let t = lock(&self.tables);
+        let first = addr / g * g;
+        let pages = (end - first).div_ceil(g);
+        let mapped = t.pages.range(first..end).count() as u64;
+        (end > addr && mapped == pages).then(f)
+    }
+
     /// Unmaps every page and frees every range (on drop); errors are only logged.
     pub(super) fn release_all(&self) {
         let mut t = lock(&self.tables);
