@@ -20,10 +20,16 @@ fn no_driver_is_an_error_not_a_panic() {
     }
     let e = DriverPool::current(0).unwrap_err();
     assert!(!e.to_string().is_empty());
-    assert!(DriverPool::builder(0).max_size(1u64 << 30).install().is_err());
+    assert!(DriverPool::builder(0)
+        .max_size(1u64 << 30)
+        .install()
+        .is_err());
 }
 
-fn pool() -> (DriverPool, Arc<oomguard_runtime::cudarc::driver::CudaStream>) {
+fn pool() -> (
+    DriverPool,
+    Arc<oomguard_runtime::cudarc::driver::CudaStream>,
+) {
     let ctx = CudaContext::new(0).expect("a CUDA device");
     let pool = DriverPool::of_context(&ctx).unwrap();
     pool.set_release_threshold(u64::MAX).unwrap();
@@ -49,13 +55,19 @@ fn usage_peak_trim_and_leak_check_follow_cudarc_allocations() {
     drop(b);
     let r = check.finish().unwrap();
     println!("{r}");
-    assert!(r.leaked_bytes >= 256 * MIB as u64 && r.leaked_bytes < 320 * MIB as u64, "{r}");
+    assert!(
+        r.leaked_bytes >= 256 * MIB as u64 && r.leaked_bytes < 320 * MIB as u64,
+        "{r}"
+    );
     assert!(r.exceeds_allowance());
     assert!(peak.peak_bytes().unwrap() >= base.used + 320 * MIB as u64);
     drop(a);
     stream.synchronize().unwrap();
     let cached = pool.usage().unwrap();
-    assert!(cached.reserved >= 256 * MIB as u64, "the pool caches: {cached:?}");
+    assert!(
+        cached.reserved >= 256 * MIB as u64,
+        "the pool caches: {cached:?}"
+    );
     pool.empty_cache().unwrap();
     let trimmed = pool.usage().unwrap();
     println!("after empty_cache: {trimmed:?}");
