@@ -117,14 +117,49 @@ struct RawComm(sys::ncclComm_t);
 // `init_rank` hands it from the thread that made it to the caller before anyone else uses it.
 unsafe impl Send for RawComm {}
 
+/// A communicator handle on its way to the thread that aborts it.
+#[derive(Clone, Copy)]
+struct SendPtr(sys::ncclComm_t);
+
+// SAFETY: see `RawComm`: the handle is moved out of its owner and used by one thread only.
+unsafe impl Send for SendPtr {}
+
+/// How long [`RawComm::abort`] waits for `ncclCommAbort` to return before going on without it.
+const ABORT_WAIT: Duration = Duration::from_secs(10);
+
 impl RawComm {
+    /// Aborts the communicator (`ncclCommAbort`, which stops the kernels still waiting on it) on
+    /// a helper thread, waiting at most [`ABORT_WAIT`] for it: an abort that hangs (a peer's
+    /// death can leave NCCL's own threads stuck) costs a thread, not the caller.
     fn abort(&mut self) {
-        if !self.0.is_null() {
-            // SAFETY: a communicator from ncclCommInitRank/ncclCommInitAll, not yet aborted (the
-            // handle is nulled below), used by no other thread (see `Send`). Aborting stops the
-            // kernels still waiting on it; its result is of no use here.
-            let _ = unsafe { result::comm_abort(self.0) };
-            self.0 = std::ptr::null_mut();
+        if self.0.is_null() {
+            return;
+        }
+        let comm = SendPtr(std::mem::replace(&mut self.0, std::ptr::null_mut()));
+        let (tx, rx) = mpsc::channel::<()>();
+        let spawned = thread::Builder::new()
+            .name("oomguard-nccl-abort".into())
+            .spawn(move || {
+                let comm = comm;
+                // SAFETY: a communicator from ncclCommInitRank/ncclCommInitAll, taken out of its
+                // owner (which now holds null), so it is aborted once (here; the fallback below
+                // runs only when this closure never ran) and used by no other thread.
+                let _ = unsafe { result::comm_abort(comm.0) };
+                let _ = tx.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                if rx.recv_timeout(ABORT_WAIT).is_err() {
+                    tracing::warn!(
+                        "ncclCommAbort did not return within {} s; going on without it",
+                        ABORT_WAIT.as_secs()
+                    );
+                }
+            }
+            Err(_) => {
+                // SAFETY: as above; the thread was not started, so this is the only abort.
+                let _ = unsafe { result::comm_abort(comm.0) };
+            }
         }
     }
 }
@@ -487,7 +522,6 @@ impl NcclConsensus {
             .map_err(|e| format!("cuEventRecord: {e}"))?;
         let links = self.inner.links.as_ref();
         wait::wait_collective(
-            "ncclAllReduce",
             state.limits,
             || {
                 if done
