@@ -6,18 +6,46 @@
 //! that the library loads and has the entry points oomguard calls, so a machine without NCCL gets
 //! an error (a [`BackendError`] of kind `Unavailable`), never a panic.
 //!
+//! Three ways to make the ranks:
+//! - [`NcclConsensus::from_env`]: one process per GPU, started by a launcher (torchrun, srun).
+//!   The launcher's variables are read by [`LaunchEnv`] (see [`launcher`] for every variable,
+//!   oomguard's included); rank 0 makes the NCCL id and hands it to the others over TCP
+//!   ([`rendezvous()`], at `MASTER_ADDR`, port `MASTER_PORT + 1` or
+//!   `OOMGUARD_RENDEZVOUS_PORT`). Nothing assumes the ranks share a host or a filesystem.
+//! - [`NcclConsensus::for_devices`]: one process, one thread per GPU.
+//! - [`NcclConsensus::from_rank`]: you move the id ([`new_id`]) yourself.
+//!
+//! No rank waits forever: a collective is waited for by polling, at most the collective timeout
+//! (`OOMGUARD_NCCL_TIMEOUT`, default 60 s), and, for ranks made by `from_env`, at most 2 s after
+//! another rank is known to have left the group (its process died: the kernel closed its
+//! rendezvous connection; or it dropped its communicator). Then the communicator is aborted
+//! (`ncclCommAbort`) and the call returns an error saying which rank left and how.
+//!
 //! ```no_run
 //! use oomguard_runtime::nccl::NcclConsensus;
 //! use oomguard_runtime::retry::{GradientSync, RetryEngine};
+//! # fn main() -> Result<(), oomguard_runtime::Error> {
+//! // One process per GPU: torchrun --standalone --nproc-per-node 2 ./train
+//! let rank = NcclConsensus::from_env()?; // drives GPU LOCAL_RANK
+//! let dev = rank.device().clone();
+//! let engine = RetryEngine::new().with_consensus(rank.clone());
+//! // engine.run_step(&dev, local_batch, &mut step): the step's commit calls
+//! // rank.sum_gradients(&mut grads) once, then updates the parameters.
+//! # let _ = (engine, dev);
+//! # Ok(()) }
+//! ```
+//!
+//! ```no_run
+//! use oomguard_runtime::nccl::NcclConsensus;
+//! use oomguard_runtime::retry::RetryEngine;
 //! use oomguard_runtime::Device;
 //! # fn main() -> Result<(), oomguard_runtime::Error> {
+//! // One process, one thread per GPU.
 //! let devices = [Device::cuda(0)?, Device::cuda(1)?];
 //! let ranks = NcclConsensus::for_devices(&devices)?; // one per device, in rank order
 //! for (dev, rank) in devices.into_iter().zip(ranks) {
 //!     std::thread::spawn(move || {
 //!         let engine = RetryEngine::new().with_consensus(rank.clone());
-//!         // engine.run_step(&dev, local_batch, &mut step): the step's commit calls
-//!         // rank.sum_gradients(&mut grads) once, then updates the parameters.
 //!         # let _ = (engine, dev);
 //!     });
 //! }
@@ -244,7 +272,7 @@ struct Inner {
     rank: usize,
     world: usize,
     state: Mutex<State>,
-    /// The liveness links of a group met by [`rendezvous`] (none for `for_devices`/`from_rank`).
+    /// The liveness links of a group met by [`rendezvous()`] (none for `for_devices`/`from_rank`).
     /// Dropped after the communicator: declared after `state`.
     links: Option<PeerLinks>,
 }
@@ -334,7 +362,7 @@ impl NcclConsensus {
 
     /// This process's rank of a group started by a launcher (torchrun, srun): reads
     /// [`LaunchEnv::from_env`], drives CUDA device `LOCAL_RANK`, meets the other ranks at rank
-    /// 0's host ([`rendezvous`]) and joins the NCCL group. Every failure is an error naming its
+    /// 0's host ([`rendezvous()`]) and joins the NCCL group. Every failure is an error naming its
     /// cause (a missing or inconsistent variable, a rank that never came, a wrong world size).
     ///
     /// ```no_run
