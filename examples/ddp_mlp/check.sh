@@ -103,7 +103,7 @@ judge_rank0() { # judge_rank0 NAME T_DEATH: waits up to 75 s for rank 0, then ju
   echo "--- rank 0 (exit $rc0), last lines"; tail -6 "$l0"; echo "--- rank 1, last lines"; tail -4 "$l1"
   local why; why=$(grep -m1 'ddp_mlp: ' "$l0")
   if [ "$rc0" != 0 ] && [ "$rc0" != 124 ] && awk -v d="$dt" 'BEGIN { exit !(d < 60) }' \
-    && grep -Eq 'rank 1|NCCL reported|did not complete' <<<"$why"; then
+    && grep -Eq 'rank 1|another rank failed|NCCL reported|did not complete' <<<"$why"; then
     verdict "$name" 0 "rank 0 exited $rc0 ${dt} s after rank 1 died: ${why#ddp_mlp: }"
   else
     verdict "$name" 1 "rank 0 exit $rc0 after ${dt} s; message: ${why:-none}"
@@ -127,7 +127,7 @@ else
 fi
 }
 
-for how in error panic; do
+for how in error panic step-error; do
   echo; echo "== (b2-$how) rank 1 fails at step 3 (--die-how $how)"
   name="(b2-$how) rank 1 fails with a non-OOM $how"
   if ! time_left 100; then verdict "$name" 1 "skipped: out of time"; continue; fi

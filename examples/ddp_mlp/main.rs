@@ -24,7 +24,9 @@
 //!   --nccl-timeout SECS       the collective timeout (default OOMGUARD_NCCL_TIMEOUT or 60)
 //!   --die-at-step N           make one rank fail at the start of step N, to see the others stop:
 //!   --die-rank R              which rank (default 1)
-//!   --die-how kill|abort|error|panic   SIGKILL itself (default), abort(), return an error, panic
+//!   --die-how kill|abort|error|panic|step-error   SIGKILL itself (default), abort(), return
+//!                             an error before the step, panic, or fail inside the step (the
+//!                             retry engine's agreement stops the other ranks)
 //! ```
 //! Needs CUDA devices and libnccl (as `libnccl.so`); otherwise it says so in one line.
 
@@ -44,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use oomguard::nccl::{nccl_available, LaunchEnv, NcclConsensus};
 use oomguard::retry::{
-    AttemptOutcome, BatchPlan, Consensus, GradientSync, RetryEngine, SingleProcess,
+    AttemptOutcome, BatchPlan, Chunk, Consensus, GradientSync, RetryEngine, SingleProcess, Step,
 };
 use oomguard::{ByteSize, Device, Error};
 
@@ -66,6 +68,9 @@ enum DieHow {
     Error,
     /// The training loop panics.
     Panic,
+    /// A micro-batch of the step returns a non-OOM error: the retry engine stops every rank
+    /// through its agreement.
+    StepError,
 }
 
 #[derive(Clone, Debug)]
@@ -144,9 +149,10 @@ fn parse_options() -> Result<Options, String> {
                     "abort" => DieHow::Abort,
                     "error" => DieHow::Error,
                     "panic" => DieHow::Panic,
+                    "step-error" => DieHow::StepError,
                     other => {
                         return Err(format!(
-                            "--die-how: kill, abort, error or panic, not {other:?}"
+                            "--die-how: kill, abort, error, panic or step-error, not {other:?}"
                         ))
                     }
                 }
@@ -156,7 +162,7 @@ fn parse_options() -> Result<Options, String> {
                     "usage: ddp_mlp [--steps N] [--batch GLOBAL] [--dims A,B,..] \
                             [--budget-rank1 SIZE|none] [--seed S] [--lr X] [--threads] \
                             [--nccl-timeout SECS] [--die-at-step N [--die-rank R] \
-                            [--die-how kill|abort|error|panic]]"
+                            [--die-how kill|abort|error|panic|step-error]]"
                         .into(),
                 )
             }
@@ -205,12 +211,13 @@ fn train(
         params: vec![],
     };
     for s in 0..o.steps {
-        if o.die_at_step == Some(s) && rank == o.die_rank && world > 1 {
+        let dies = o.die_at_step == Some(s) && rank == o.die_rank && world > 1;
+        if dies && o.die_how != DieHow::StepError {
             die(o.die_how, &label, s)?;
         }
         let t0 = Instant::now();
         let _budget = budget.map(|b| dev.budget(b));
-        let mut step = DdpStep {
+        let step = DdpStep {
             dev,
             ops: &ops,
             mlp: &mut mlp,
@@ -220,6 +227,10 @@ fn train(
             seed: o.seed,
             lr: o.lr,
             loss: 0.0,
+        };
+        let mut step = FailingStep {
+            inner: step,
+            fail: dies && o.die_how == DieHow::StepError,
         };
         let out = engine
             .run_step(dev, local, &mut step)
@@ -245,6 +256,35 @@ fn train(
     Ok(run)
 }
 
+/// A step whose micro-batches fail with a non-OOM error when `fail` is set
+/// (`--die-how step-error`).
+struct FailingStep<S> {
+    inner: S,
+    fail: bool,
+}
+
+impl<S: Step<Error = Error>> Step for FailingStep<S> {
+    type Error = Error;
+    type Output = S::Output;
+    fn begin(&mut self, plan: &BatchPlan) -> Result<(), Error> {
+        self.inner.begin(plan)
+    }
+    fn micro_batch(&mut self, chunk: &Chunk) -> Result<(), Error> {
+        if self.fail {
+            return Err(Error::InvalidArgument(
+                "failing on purpose inside the step (--die-how step-error)".into(),
+            ));
+        }
+        self.inner.micro_batch(chunk)
+    }
+    fn abort(&mut self) {
+        self.inner.abort()
+    }
+    fn commit(&mut self) -> S::Output {
+        self.inner.commit()
+    }
+}
+
 /// Makes this rank fail at step `s` the way `how` says (returns only for [`DieHow::Error`]).
 fn die(how: DieHow, label: &str, s: usize) -> Result<(), Error> {
     println!("[{label}] dying at the start of step {s} ({how:?})");
@@ -262,6 +302,7 @@ fn die(how: DieHow, label: &str, s: usize) -> Result<(), Error> {
             "{label}: step {s}: failing on purpose (--die-at-step)"
         ))),
         DieHow::Panic => panic!("{label}: step {s}: panicking on purpose (--die-at-step)"),
+        DieHow::StepError => Ok(()),
     }
 }
 
