@@ -445,7 +445,7 @@ fn run_process(o: &Options) -> Result<(), String> {
         return Err(format!("--batch must be a multiple of WORLD_SIZE={world}"));
     }
     nccl_available().map_err(|e| format!("{label}: NCCL is not available: {e}"))?;
-    let dev = Device::cuda(env.local_rank).map_err(|e| format!("{label}: {e}"))?;
+    let dev = Device::cuda(env.device_ordinal).map_err(|e| format!("{label}: {e}"))?;
     let t0 = Instant::now();
     let sync = NcclConsensus::from_launch(&dev, &env).map_err(|e| format!("{label}: {e}"))?;
     if let Some(t) = o.nccl_timeout {

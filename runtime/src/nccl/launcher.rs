@@ -12,10 +12,13 @@
 //! | `OOMGUARD_RENDEZVOUS_TIMEOUT` | seconds a rank waits for the others to join | 120 |
 //! | `OOMGUARD_NCCL_TIMEOUT` | seconds a collective may wait for the other ranks | 60 |
 //!
-//! The rendezvous port is not `MASTER_PORT` itself: torchrun's agent already listens there (its
-//! c10d store, which PyTorch's workers share; `TORCHELASTIC_USE_AGENT_STORE`), so rank 0 binds
-//! `MASTER_PORT + 1`. Set `OOMGUARD_RENDEZVOUS_PORT` (the same value on every rank) when that port
-//! is taken.
+//! The CUDA device is `LOCAL_RANK`, or 0 when `CUDA_VISIBLE_DEVICES` names a single device.
+//!
+//! The rendezvous port is not `MASTER_PORT` itself: torchrun's agent on the first node already
+//! listens there (since PyTorch 2.4 the c10d rendezvous's TCP store is shared with the workers,
+//! which are told `TORCHELASTIC_USE_AGENT_STORE=True`; `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
+//! turns that off), so rank 0 binds `MASTER_PORT + 1`. Set `OOMGUARD_RENDEZVOUS_PORT` (the same
+//! value on every rank) when that port is taken.
 
 use std::time::Duration;
 
@@ -44,8 +47,12 @@ pub struct LaunchEnv {
     pub rank: usize,
     /// Number of ranks (processes) in the group.
     pub world_size: usize,
-    /// This process's index on its host: the CUDA device it drives.
+    /// This process's index on its host.
     pub local_rank: usize,
+    /// The CUDA device this process drives: `local_rank`, or 0 when `CUDA_VISIBLE_DEVICES`
+    /// names exactly one device (a launcher that binds one GPU to each process, e.g. srun
+    /// `--gpus-per-task=1`).
+    pub device_ordinal: usize,
     /// The host of rank 0 (`MASTER_ADDR`).
     pub master_addr: String,
     /// The launcher's port on that host (`MASTER_PORT`).
@@ -154,11 +161,16 @@ impl LaunchEnv {
                 }),
             }
         };
+        let one_visible = var("CUDA_VISIBLE_DEVICES").is_some_and(|v| {
+            let v = v.trim();
+            !v.is_empty() && !v.contains(',')
+        });
         Ok(Self {
             launcher,
             rank,
             world_size,
             local_rank,
+            device_ordinal: if one_visible { 0 } else { local_rank },
             master_addr,
             master_port,
             rendezvous_port,
@@ -217,6 +229,7 @@ mod tests {
         let e = env(TORCHRUN).unwrap();
         assert_eq!(e.launcher, Launcher::Torchrun);
         assert_eq!((e.rank, e.world_size, e.local_rank), (1, 2, 1));
+        assert_eq!(e.device_ordinal, 1);
         assert_eq!(
             (e.master_addr.as_str(), e.master_port),
             ("127.0.0.1", 29500)
@@ -247,9 +260,18 @@ mod tests {
         .unwrap();
         assert_eq!(e.launcher, Launcher::Slurm);
         assert_eq!((e.rank, e.world_size, e.local_rank), (3, 4, 1));
+        assert_eq!(e.device_ordinal, 1);
         assert_eq!(e.master_addr, "node7");
         let m = err(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")]);
         assert!(m.contains("SLURM_LOCALID is not set"), "{m}");
+    }
+
+    #[test]
+    fn one_visible_gpu_is_device_0_whatever_the_local_rank() {
+        let e = env(&with(&[("CUDA_VISIBLE_DEVICES", "3")])).unwrap();
+        assert_eq!((e.local_rank, e.device_ordinal), (1, 0));
+        let e = env(&with(&[("CUDA_VISIBLE_DEVICES", "2,3")])).unwrap();
+        assert_eq!(e.device_ordinal, 1);
     }
 
     #[test]

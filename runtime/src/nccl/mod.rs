@@ -361,8 +361,8 @@ impl NcclConsensus {
     }
 
     /// This process's rank of a group started by a launcher (torchrun, srun): reads
-    /// [`LaunchEnv::from_env`], drives CUDA device `LOCAL_RANK`, meets the other ranks at rank
-    /// 0's host ([`rendezvous()`]) and joins the NCCL group. Every failure is an error naming its
+    /// [`LaunchEnv::from_env`], drives CUDA device `LOCAL_RANK` ([`LaunchEnv::device_ordinal`]),
+    /// meets the other ranks at rank 0's host ([`rendezvous()`]) and joins the NCCL group. Every failure is an error naming its
     /// cause (a missing or inconsistent variable, a rank that never came, a wrong world size).
     ///
     /// ```no_run
@@ -378,7 +378,7 @@ impl NcclConsensus {
     /// ```
     pub fn from_env() -> Result<Self, Error> {
         let env = LaunchEnv::from_env()?;
-        let device = Device::cuda(env.local_rank)?;
+        let device = Device::cuda(env.device_ordinal)?;
         Self::from_launch(&device, &env)
     }
 
