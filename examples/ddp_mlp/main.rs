@@ -194,9 +194,9 @@ fn train(
     world: usize,
     sync: impl GradientSync + Clone + 'static,
     budget: Option<ByteSize>,
-) -> Result<RankRun, Error> {
-    let ops = CudaOps::new(dev)?;
-    let mut mlp = Mlp::new(dev, &o.dims, o.seed)?;
+) -> Result<RankRun, String> {
+    let ops = CudaOps::new(dev).map_err(|e| e.to_string())?;
+    let mut mlp = Mlp::new(dev, &o.dims, o.seed).map_err(|e| e.to_string())?;
     let engine = RetryEngine::new().with_consensus(sync.clone());
     let local = o.batch / world;
     let label = if world == 1 {
@@ -234,8 +234,8 @@ fn train(
         };
         let out = engine
             .run_step(dev, local, &mut step)
-            .map_err(|e| Error::InvalidArgument(format!("{label}: step {s}: {e}")))?;
-        let loss = out.value?;
+            .map_err(|e| format!("{label}: step {s}: {e}"))?;
+        let loss = out.value.map_err(|e| format!("{label}: step {s}: {e}"))?;
         let r = &out.report;
         let count = |k| r.attempts.iter().filter(|a| a.outcome == k).count();
         run.own_ooms += count(AttemptOutcome::Oom);
@@ -252,7 +252,7 @@ fn train(
         );
         run.plans.push(r.final_plan);
     }
-    run.params = mlp.parameters()?;
+    run.params = mlp.parameters().map_err(|e| format!("{label}: {e}"))?;
     Ok(run)
 }
 
@@ -286,7 +286,7 @@ impl<S: Step<Error = Error>> Step for FailingStep<S> {
 }
 
 /// Makes this rank fail at step `s` the way `how` says (returns only for [`DieHow::Error`]).
-fn die(how: DieHow, label: &str, s: usize) -> Result<(), Error> {
+fn die(how: DieHow, label: &str, s: usize) -> Result<(), String> {
     println!("[{label}] dying at the start of step {s} ({how:?})");
     match how {
         DieHow::Kill => {
@@ -298,9 +298,9 @@ fn die(how: DieHow, label: &str, s: usize) -> Result<(), Error> {
             std::process::abort()
         }
         DieHow::Abort => std::process::abort(),
-        DieHow::Error => Err(Error::InvalidArgument(format!(
+        DieHow::Error => Err(format!(
             "{label}: step {s}: failing on purpose (--die-at-step)"
-        ))),
+        )),
         DieHow::Panic => panic!("{label}: step {s}: panicking on purpose (--die-at-step)"),
         DieHow::StepError => Ok(()),
     }
@@ -350,7 +350,7 @@ fn run_threads(o: &Options) -> Result<(), String> {
     );
 
     // The reference: one GPU, the whole global batch, no budget.
-    let reference = train(o, &devices[0], 0, 1, SingleProcess, None).map_err(|e| e.to_string())?;
+    let reference = train(o, &devices[0], 0, 1, SingleProcess, None)?;
 
     let ranks = NcclConsensus::for_devices(&devices).map_err(|e| e.to_string())?;
     if let Some(t) = o.nccl_timeout {
@@ -372,11 +372,7 @@ fn run_threads(o: &Options) -> Result<(), String> {
     let results: Vec<Result<RankRun, String>> = handles
         .into_iter()
         .enumerate()
-        .map(|(rank, h)| {
-            h.join()
-                .map_err(|_| format!("rank {rank} panicked"))?
-                .map_err(|e| e.to_string())
-        })
+        .map(|(rank, h)| h.join().map_err(|_| format!("rank {rank} panicked"))?)
         .collect();
     let mut runs = Vec::new();
     let mut errors = Vec::new();
@@ -529,7 +525,7 @@ fn run_process(o: &Options) -> Result<(), String> {
     }
     if rank == 0 {
         // The reference: this GPU, the whole global batch, no budget (after the group is done).
-        let reference = train(o, &dev, 0, 1, SingleProcess, None).map_err(|e| e.to_string())?;
+        let reference = train(o, &dev, 0, 1, SingleProcess, None)?;
         let rel = relative_difference(&run.params, &reference.params);
         println!(
             "[{label}] data-parallel vs single GPU on the global batch: relative difference \

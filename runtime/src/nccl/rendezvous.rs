@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use crate::backend::{BackendError, BackendErrorKind};
 use crate::Error;
 
 /// Bytes of an NCCL unique id (`ncclUniqueId`).
@@ -69,8 +70,9 @@ pub struct Rendezvous {
     pub links: PeerLinks,
 }
 
+/// A rendezvous failure: `device error: rendezvous: ...` (a [`BackendError`] of kind `Other`).
 fn err(m: String) -> Error {
-    Error::InvalidArgument(format!("rendezvous: {m}"))
+    Error::Backend(BackendError::new(BackendErrorKind::Other, "rendezvous", m))
 }
 
 /// Meets the other ranks: rank 0 makes the id with `make_id` (called on rank 0 only) and sends
