@@ -20,7 +20,7 @@ exec > >(tee "$dest/ddp-check.log") 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 results=()
-deadline=$((SECONDS + 420))
+deadline=$((SECONDS + ${DDP_CHECK_SECONDS:-420}))
 cap() { # cap N: N seconds, or what is left before the deadline if less (at least 1)
   local left=$((deadline - SECONDS - 5)); [ $left -lt 1 ] && left=1
   [ "$1" -lt $left ] && echo "$1" || echo $left
@@ -33,6 +33,14 @@ verdict() { # verdict NAME OK(0/1) DETAIL
   results+=("$word: $1 — $3"); echo "$word: $1 — $3"
 }
 now() { date +%s.%N; }
+stop() { # stop PID...: SIGKILL each `timeout` job of this script still running, and its rank
+  local p running=" $(jobs -p | tr '\n' ' ') "
+  for p in "$@"; do
+    case "$running" in *" $p "*) ;; *) continue;; esac
+    kill -KILL $(pgrep -P "$p" 2>/dev/null || cat /proc/"$p"/task/*/children 2>/dev/null) "$p" 2>/dev/null
+    wait "$p" 2>/dev/null
+  done
+}
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
 echo "== machine"
@@ -94,7 +102,7 @@ judge_rank0() { # judge_rank0 NAME T_DEATH: waits up to 75 s for rank 0, then ju
   local name=$1 t1=$2 i rc0 dt
   for i in $(seq 750); do kill -0 "$p0" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$p0" 2>/dev/null; then
-    kill -KILL "$p0"; wait "$p0" 2>/dev/null
+    stop "$p0"
     echo "--- rank 0"; tail -20 "$l0"; echo "--- rank 1"; tail -20 "$l1"
     verdict "$name" 1 "rank 0 still running 75 s after rank 1 died (killed it)"
     return
@@ -121,7 +129,7 @@ if grep -q 'step 20:' "$l1"; then
   wait "$p1" 2>/dev/null; t1=$(now)
   judge_rank0 "(b1) rank 1 killed (SIGKILL)" "$t1"
 else
-  kill -KILL "$p0" "$p1" 2>/dev/null; wait "$p0" "$p1" 2>/dev/null
+  stop "$p0" "$p1"
   echo "--- rank 0"; tail -20 "$l0"; echo "--- rank 1"; tail -20 "$l1"
   verdict "(b1) rank 1 killed (SIGKILL)" 1 "rank 1 never reached step 20"
 fi
@@ -135,7 +143,7 @@ for how in error panic step-error; do
   if wait_pid "$p1" 60; then
     judge_rank0 "$name" "$(now)"
   else
-    kill -KILL "$p0" "$p1" 2>/dev/null; wait "$p0" "$p1" 2>/dev/null
+    stop "$p0" "$p1"
     echo "--- rank 0"; tail -20 "$l0"; echo "--- rank 1"; tail -20 "$l1"
     verdict "$name" 1 "rank 1 did not end within 60 s"
   fi
@@ -172,12 +180,14 @@ timeout "$(cap 90)" "$bin" --threads "${args[@]}" --steps 50 --die-at-step 3 --d
   --nccl-timeout 10 >"$log" 2>&1
 rc=$?; dt=$(secs "$t" "$(now)")
 cat "$log"
-if [ $rc = 1 ] && grep -q 'did not complete within 10.0 s' "$log" && awk -v d="$dt" 'BEGIN { exit !(d < 60) }'; then
-  verdict "(c2) threads, timeout" 0 "exit 1 after ${dt} s: rank 0's all-reduce timed out and was aborted"
+if [ $rc = 1 ] && grep -Eq 'did not complete within 10.0 s|NCCL reported an error' "$log" \
+  && awk -v d="$dt" 'BEGIN { exit !(d < 60) }'; then
+  verdict "(c2) threads, timeout" 0 "exit 1 after ${dt} s: $(grep -Eo 'ncclAllReduce: (did not complete within 10.0 s|NCCL reported an error[^;]*)' "$log" | head -1)"
 else
   verdict "(c2) threads, timeout" 1 "exit $rc after ${dt} s"
 fi
 
+stop $(jobs -p) # nothing started here outlives the script
 echo; echo "== summary"
 fails=0
 for r in "${results[@]}"; do echo "$r"; case "$r" in FAIL*) fails=$((fails + 1));; esac; done

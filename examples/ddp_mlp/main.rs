@@ -26,7 +26,8 @@
 //!   --die-rank R              which rank (default 1)
 //!   --die-how kill|abort|error|panic|step-error   SIGKILL itself (default), abort(), return
 //!                             an error before the step, panic, or fail inside the step (the
-//!                             retry engine's agreement stops the other ranks)
+//!                             retry engine's agreement stops the other ranks); in the threaded
+//!                             form kill and abort end the whole process: use the others there
 //! ```
 //! Needs CUDA devices and libnccl (as `libnccl.so`); otherwise it says so in one line.
 
