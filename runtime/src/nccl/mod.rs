@@ -616,6 +616,46 @@ impl GradientSync for NcclConsensus {
 mod tests {
     use super::*;
     use crate::ByteSize;
+    use std::time::Instant;
+
+    /// The collective's wait as `NcclConsensus` runs it (liveness links of a real rendezvous on
+    /// 127.0.0.1, a fake collective that never completes): rank 1 leaving ends rank 0's wait
+    /// after the grace, far before the timeout.
+    #[test]
+    fn a_rank_leaving_ends_a_pending_collective_after_the_grace() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cfg = move |rank| RendezvousConfig {
+            host: "127.0.0.1".into(),
+            port,
+            rank,
+            world_size: 2,
+            timeout: Duration::from_secs(10),
+        };
+        let one = thread::spawn(move || rendezvous(&cfg(1), || unreachable!()).unwrap());
+        let zero = rendezvous(&cfg(0), || Ok([7; rendezvous::ID_BYTES])).unwrap();
+        let one = one.join().unwrap();
+        assert_eq!(one.id, [7; rendezvous::ID_BYTES]);
+        let limits = wait::Limits {
+            timeout: Duration::from_secs(60),
+            grace: Duration::from_millis(300),
+        };
+        let t0 = Instant::now();
+        let leaver = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(200));
+            drop(one);
+        });
+        let m =
+            wait::wait_collective(limits, || Ok(false), || zero.links.peer_failure()).unwrap_err();
+        leaver.join().unwrap();
+        let took = t0.elapsed();
+        assert!(m.contains("rank 1 left the group"), "{m}");
+        assert!(took >= Duration::from_millis(500), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
 
     #[test]
     fn without_nccl_or_a_cuda_device_constructors_are_errors_not_panics() {
