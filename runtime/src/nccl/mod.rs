@@ -199,13 +199,15 @@ impl Drop for RawComm {
 }
 
 /// Makes rank `rank` of `world` (`ncclCommInitRank`) on a helper thread, waiting at most
-/// `timeout` for every rank to join; the helper aborts a communicator that comes too late.
+/// `timeout` for every rank to join, and no longer once `links` report a rank gone; the helper
+/// aborts a communicator that comes too late.
 fn init_rank(
     stream: &Arc<CudaStream>,
     rank: usize,
     world: usize,
     id: NcclId,
     timeout: Duration,
+    links: Option<&PeerLinks>,
 ) -> Result<RawComm, Error> {
     let (Ok(nranks), Ok(rank_i)) = (i32::try_from(world), i32::try_from(rank)) else {
         return Err(Error::InvalidArgument(format!(
@@ -235,20 +237,32 @@ fn init_rank(
             let _ = tx.send(made);
         })
         .map_err(|e| driver_err("spawn", e))?;
-    match rx.recv_timeout(timeout) {
-        Ok(made) => made,
-        Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::Backend(BackendError::new(
-            BackendErrorKind::Other,
-            "ncclCommInitRank",
-            format!(
-                "not every rank joined within {:.0} s (a rank failed or hung before joining)",
-                timeout.as_secs_f64()
-            ),
-        ))),
-        Err(mpsc::RecvTimeoutError::Disconnected) => Err(driver_err(
-            "ncclCommInitRank",
-            "the init thread ended without an answer",
-        )),
+    let start = std::time::Instant::now();
+    loop {
+        let waited = start.elapsed();
+        if waited >= timeout {
+            return Err(driver_err(
+                "ncclCommInitRank",
+                format!(
+                    "not every rank joined within {:.0} s (a rank failed or hung before joining)",
+                    timeout.as_secs_f64()
+                ),
+            ));
+        }
+        match rx.recv_timeout((timeout - waited).min(Duration::from_millis(100))) {
+            Ok(made) => return made,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(why) = links.and_then(PeerLinks::peer_failure) {
+                    return Err(driver_err("ncclCommInitRank", format!("aborted: {why}")));
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(driver_err(
+                    "ncclCommInitRank",
+                    "the init thread ended without an answer",
+                ))
+            }
+        }
     }
 }
 
@@ -356,7 +370,7 @@ impl NcclConsensus {
         }
         let timeout = timeout_from_env()?;
         let stream = device.cuda_default_stream()?;
-        let comm = init_rank(&stream, rank, world, id, timeout)?;
+        let comm = init_rank(&stream, rank, world, id, timeout, None)?;
         Self::new(device, rank, world, comm, stream, timeout, None)
     }
 
@@ -406,6 +420,7 @@ impl NcclConsensus {
             env.world_size,
             id,
             env.rendezvous_timeout,
+            Some(&met.links),
         )?;
         Self::new(
             device,
