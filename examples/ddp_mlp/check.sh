@@ -49,7 +49,13 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 if command -v torchrun >/dev/null; then torchrun=(torchrun); else torchrun=(python3 -m torch.distributed.run); fi
 python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
 # cudarc loads NCCL as libnccl.so: when only pip's libnccl.so.2 is there, link it.
-if ! ldconfig -p | grep -q 'libnccl\.so '; then
+have_nccl() {
+  ldconfig -p 2>/dev/null | grep -q 'libnccl\.so ' && return 0
+  local d; local IFS=:
+  for d in ${LD_LIBRARY_PATH:-}; do [ -e "$d/libnccl.so" ] && return 0; done
+  return 1
+}
+if ! have_nccl; then
   so=$(python3 -c '
 import glob, os
 try:
@@ -58,7 +64,7 @@ try:
     print(sorted(hits)[0] if hits else "")
 except Exception:
     print("")' 2>/dev/null)
-  [ -n "$so" ] || so=$(find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -1)
+  [ -n "$so" ] || so=$(timeout 20 find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -1)
   if [ -n "$so" ]; then
     mkdir -p /tmp/ddp-nccl && ln -sf "$so" /tmp/ddp-nccl/libnccl.so
     export LD_LIBRARY_PATH=/tmp/ddp-nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
