@@ -83,7 +83,7 @@ rel=$(grep -o 'relative difference [0-9.e+-]*' "$log" | tail -1)
 if [ $rc = 0 ] && [ "$oks" = 2 ] && grep -q 'bit-identical' "$log" && grep -q 'rank 1 had [1-9]' "$log"; then
   verdict "(a) torchrun" 0 "both ranks agreed on the plans after rank 1's OOMs, parameters bit-identical, vs single GPU: $rel"
 else
-  verdict "(a) torchrun" 1 "exit $rc, $oks of 2 ranks ok (see $log)"
+  verdict "(a) torchrun" 1 "exit $rc, $oks of 2 ranks ok (log above; ddp-runs.tar.gz)"
 fi
 
 # (b): both ranks started by hand with the launcher's variables, so no launcher stops rank 0 for
@@ -162,10 +162,11 @@ timeout "$(cap 90)" "${torchrun[@]}" --standalone --nproc-per-node 2 --no-python
   --budget-rank1 64MiB --die-at-step 3 >"$log" 2>&1
 rc=$?; dt=$(secs "$t" "$(now)")
 tail -25 "$log"
-if [ $rc != 0 ] && [ $rc != 124 ] && awk -v d="$dt" 'BEGIN { exit !(d < 60) }'; then
+if [ $rc != 0 ] && [ $rc != 124 ] && awk -v d="$dt" 'BEGIN { exit !(d < 60) }' \
+  && grep -q 'rank 1\] dying at the start of step 3' "$log"; then
   verdict "(b3) torchrun, rank 1 killed" 0 "torchrun exited $rc after ${dt} s (start included)"
 else
-  verdict "(b3) torchrun, rank 1 killed" 1 "torchrun exit $rc after ${dt} s"
+  verdict "(b3) torchrun, rank 1 killed" 1 "torchrun exit $rc after ${dt} s (rank 1 reached its death: $(grep -c 'dying at the start' "$log"))"
 fi
 
 echo; echo "== (c) the threaded form (one process, one thread per GPU)"
@@ -176,7 +177,7 @@ cat "$log"
 if [ $rc = 0 ] && grep -q '^ok: both ranks ran the same plans' "$log"; then
   verdict "(c) threads" 0 "$(grep -o 'relative difference [0-9.e+-]*' "$log" | tail -1)"
 else
-  verdict "(c) threads" 1 "exit $rc (see $log)"
+  verdict "(c) threads" 1 "exit $rc (log above)"
 fi
 
 echo; echo "== (c2) threaded, rank 1's thread fails at step 3, collective timeout 10 s"
