@@ -469,7 +469,8 @@ impl NcclConsensus {
 
     /// The longest a collective may wait for the other ranks before the communicator is aborted
     /// (applies to every clone). Must exceed the longest time one rank may reach a collective
-    /// after another: about one attempt of a step.
+    /// after another: about one attempt of a step. Waits for a collective of this rank in flight
+    /// on another thread, like [`NcclConsensus::timeout`] and [`NcclConsensus::failure`].
     pub fn set_timeout(&self, timeout: Duration) -> Result<(), Error> {
         if timeout.is_zero() {
             return Err(Error::InvalidArgument("NCCL timeout of zero".into()));
@@ -483,9 +484,9 @@ impl NcclConsensus {
         self.lock().comm.limits.timeout
     }
 
-    /// Why the group is broken, if another rank is known to have left it (groups made by
-    /// [`NcclConsensus::from_env`] / [`NcclConsensus::from_launch`] only), or why this rank's
-    /// communicator was aborted.
+    /// Why this rank's communicator was aborted, or, if it was not, why the group is broken: a
+    /// rank known to have left it (groups made by [`NcclConsensus::from_env`] /
+    /// [`NcclConsensus::from_launch`] only). `None` while all is well.
     pub fn failure(&self) -> Option<String> {
         if let Some(f) = self.lock().comm.failed.clone() {
             return Some(f);
