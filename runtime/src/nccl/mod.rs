@@ -299,6 +299,12 @@ struct Inner {
 /// [`NcclConsensus::set_timeout`]), and, in a group made by [`NcclConsensus::from_env`], not
 /// more than 2 s after another rank is known to have left the group. Then the communicator is
 /// aborted (`ncclCommAbort`) and this call and every later one return an error saying why.
+///
+/// One call is not bounded this way: the enqueue (`ncclAllReduce` itself, before the wait). With
+/// NCCL's lazy connection set-up (`NCCL_RUNTIME_CONNECT=1`, its default) the first collective of
+/// each kind connects to the peers inside that call: a dead peer makes it fail, but a peer that is
+/// alive and never calls the collective could hold it. `NCCL_RUNTIME_CONNECT=0` moves the
+/// connections into the communicator's creation, whose wait is bounded.
 #[derive(Clone)]
 pub struct NcclConsensus {
     inner: Arc<Inner>,
