@@ -12,6 +12,7 @@ pub(crate) const REQUIRED_SYMBOLS: &[&str] = &[
     "ncclCommAbort",
     "ncclAllReduce",
     "ncclGetErrorString",
+    "ncclCommGetAsyncError",
 ];
 
 /// Names of the library as installed by the runtime package only (not among cudarc's names):
