@@ -489,7 +489,12 @@ fn thread_device_key() -> super::memory::DeviceKey {
     }
     let addr = Device::thread_device_addr();
     if addr == 0 {
-        return DeviceKey::any();
+        // No oomguard allocation on this thread: code on another source (candle on a driver
+        // pool). With exactly one such source, its device is the step's; otherwise "any".
+        return match crate::source::registered().as_slice() {
+            [one] => DeviceKey::of(&**one),
+            _ => DeviceKey::any(),
+        };
     }
     let cached = CACHE
         .try_with(|c| {

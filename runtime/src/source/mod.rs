@@ -10,7 +10,8 @@
 //! What works over any source: [`MemorySource::usage`] and peaks, `empty_cache`,
 //! `memory_summary`, a device-wide budget ([`MemorySource::budget`]), the coarse leak check and
 //! peak scope of [`guards`] (by counters, not per allocation), and the retry engine
-//! ([`crate::RetryEngine::begin_source`], and every registered source for the attribute macros).
+//! ([`crate::RetryEngine::run`] and `begin` take any source; the attribute macros reach every
+//! registered one).
 //! [`Device`] additionally has exact per-allocation, per-thread guards ([`crate::guard`]).
 //!
 //! ```
@@ -220,6 +221,11 @@ pub fn register(source: &Arc<dyn MemorySource>) {
     {
         all.push(Arc::downgrade(source));
     }
+}
+
+/// The registered sources other than devices (e.g. the driver pools candle allocates from).
+pub fn registered() -> Vec<Arc<dyn MemorySource>> {
+    sources().iter().filter_map(Weak::upgrade).collect()
 }
 
 /// Every live source: every [`Device`] and every registered source.
