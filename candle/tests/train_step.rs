@@ -19,6 +19,16 @@ fn data() -> (Tensor, Tensor) {
     (x, y)
 }
 
+/// The largest absolute element.
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 fn loss_of(w: &Var, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     (x.matmul(w.as_tensor())? - y)?.sqr()?.mean_all()
 }
@@ -74,21 +84,8 @@ fn accumulated_gradient_equals_the_whole_batch() {
         acc.loss()
     );
     let g = acc.into_grads().get(w.as_tensor()).unwrap().clone();
-    let diff = (g - &g_whole)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let scale = g_whole
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs(&(g - &g_whole).unwrap());
+    let scale = max_abs(&g_whole);
     assert!(diff <= 1e-5 * scale, "max diff {diff} of {scale}");
 }
 
@@ -139,16 +136,8 @@ fn train_step_splits_on_oom_steps_once_and_matches_the_unsplit_run() {
     assert!(r_tight[1..]
         .iter()
         .all(|r| r.retries() == 0 && r.from_memory));
-    let diff = (&w_tight - &w_ample)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap();
-    assert!(
-        diff.to_scalar::<f32>().unwrap() < 1e-5,
-        "{w_tight} vs {w_ample}"
-    );
+    let diff = max_abs(&(&w_tight - &w_ample).unwrap());
+    assert!(diff < 1e-5, "{w_tight} vs {w_ample}");
 }
 
 #[test]

@@ -124,13 +124,13 @@ impl DriverPool {
                 install: Mutex::new(None),
             }),
         };
-        let source: Arc<dyn MemorySource> = Arc::new(pool.clone());
-        super::register(&source);
-        // The registry holds sources weakly; keep this one alive as long as the pool's context.
-        REGISTERED
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(source);
+        // The registry holds sources weakly: keep one handle per device for the process.
+        let mut kept = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+        if !kept.iter().any(|s| s.source_id() == pool.source_id()) {
+            let source: Arc<dyn MemorySource> = Arc::new(pool.clone());
+            super::register(&source);
+            kept.push(source);
+        }
         Ok(pool)
     }
 
@@ -287,6 +287,8 @@ impl MemorySource for DriverPool {
     /// retry engine retries. What it does not cap: memory allocated before (it stays in the
     /// previous pool), allocations through an explicit pool (`cuMemAllocFromPoolAsync`) or
     /// `cuMemAlloc`, and frameworks that cache on their own. Needs CUDA 12.2+ (pool `maxSize`).
+    /// Budgets on one device nest: drop them in the reverse order of their creation (each
+    /// restores the pool that was current when it was made).
     fn budget(&self, limit: u64) -> Result<SourceBudget> {
         let mut cap = lock(&self.inner.install);
         let previous = self.current_handle()?;
