@@ -33,8 +33,8 @@ enum Cmd {
     Replay {
         /// The trace file (`-`: standard input).
         file: PathBuf,
-        /// Allocator configuration (OOMGUARD_ALLOC_CONF syntax).
-        #[arg(long, default_value = "")]
+        /// Allocator configuration (PyTorch syntax); default: `$OOMGUARD_ALLOC_CONF`, else none.
+        #[arg(long, env = "OOMGUARD_ALLOC_CONF", default_value = "")]
         config: String,
         /// Simulated device capacity, e.g. "80GiB".
         #[arg(long, default_value = "80GiB")]
@@ -73,8 +73,8 @@ enum Cmd {
         /// Output file: .svg or .html.
         #[arg(short, long)]
         output: PathBuf,
-        /// Allocator configuration.
-        #[arg(long, default_value = "")]
+        /// Allocator configuration (PyTorch syntax); default: `$OOMGUARD_ALLOC_CONF`, else none.
+        #[arg(long, env = "OOMGUARD_ALLOC_CONF", default_value = "")]
         config: String,
         /// Simulated device capacity.
         #[arg(long, default_value = "80GiB")]
@@ -89,8 +89,8 @@ enum Cmd {
         /// Output file (.html).
         #[arg(short, long)]
         output: PathBuf,
-        /// Allocator configuration.
-        #[arg(long, default_value = "")]
+        /// Allocator configuration (PyTorch syntax); default: `$OOMGUARD_ALLOC_CONF`, else none.
+        #[arg(long, env = "OOMGUARD_ALLOC_CONF", default_value = "")]
         config: String,
         /// Simulated device capacity.
         #[arg(long, default_value = "80GiB")]
@@ -100,8 +100,8 @@ enum Cmd {
     Mincap {
         /// The trace file (`-`: standard input).
         file: PathBuf,
-        /// Allocator configuration.
-        #[arg(long, default_value = "")]
+        /// Allocator configuration (PyTorch syntax); default: `$OOMGUARD_ALLOC_CONF`, else none.
+        #[arg(long, env = "OOMGUARD_ALLOC_CONF", default_value = "")]
         config: String,
         /// Bisection tolerance, a fraction of the capacity.
         #[arg(long, default_value_t = 0.001)]
@@ -204,8 +204,11 @@ fn clap_line(text: &str) -> String {
     }
 }
 
+/// The allocator configuration of `--config`, or of `OOMGUARD_ALLOC_CONF` when the flag is not
+/// given (as PyTorch reads `PYTORCH_CUDA_ALLOC_CONF`).
 fn config(s: &str) -> Result<AllocatorConfig, Fail> {
-    AllocatorConfig::parse(s).map_err(input)
+    AllocatorConfig::parse(s)
+        .map_err(|e| Fail(format!("--config (or OOMGUARD_ALLOC_CONF): {e}"), 2))
 }
 
 fn capacity(s: &str) -> Result<u64, Fail> {

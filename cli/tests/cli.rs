@@ -290,3 +290,38 @@ fn rmm_log_replays_and_help_works() {
         assert!(stdout(&o).contains(sub), "{sub}");
     }
 }
+
+fn oomguard_with_conf(conf: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(args)
+        .env("OOMGUARD_ALLOC_CONF", conf)
+        .output()
+        .expect("run oomguard")
+}
+
+#[test]
+fn the_allocator_config_comes_from_the_environment_unless_given() {
+    let t = trace("vit_b16.trace.csv");
+    let reserved = |o: &Output| {
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(o));
+        json(o)["peak_reserved_bytes"].as_u64().unwrap()
+    };
+    let plain = Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(["replay", &t, "--json"])
+        .env_remove("OOMGUARD_ALLOC_CONF")
+        .output()
+        .unwrap();
+    let fixed = oomguard_with_conf("expandable_segments:False", &["replay", &t, "--json"]);
+    assert_ne!(
+        reserved(&plain),
+        reserved(&fixed),
+        "OOMGUARD_ALLOC_CONF=expandable_segments:False changes the replay"
+    );
+    let flag = oomguard_with_conf(
+        "expandable_segments:False",
+        &["replay", &t, "--json", "--config", "expandable_segments:True"],
+    );
+    assert_eq!(reserved(&flag), reserved(&plain), "an explicit --config wins");
+    let bad = oomguard_with_conf("expandable_segmens:True", &["replay", &t]);
+    assert_error(&bad, 2, "OOMGUARD_ALLOC_CONF");
+}
