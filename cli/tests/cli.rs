@@ -319,9 +319,19 @@ fn the_allocator_config_comes_from_the_environment_unless_given() {
     );
     let flag = oomguard_with_conf(
         "expandable_segments:False",
-        &["replay", &t, "--json", "--config", "expandable_segments:True"],
+        &[
+            "replay",
+            &t,
+            "--json",
+            "--config",
+            "expandable_segments:True",
+        ],
     );
-    assert_eq!(reserved(&flag), reserved(&plain), "an explicit --config wins");
+    assert_eq!(
+        reserved(&flag),
+        reserved(&plain),
+        "an explicit --config wins"
+    );
     let bad = oomguard_with_conf("expandable_segmens:True", &["replay", &t]);
     assert_error(&bad, 2, "OOMGUARD_ALLOC_CONF");
 }
