@@ -14,6 +14,7 @@
 //!   with AdamW (‖a−b‖/‖b‖ over every parameter, f32, TF32 off);
 //! - `overhead`: the same steps as a plain candle loop and through `train_step`, interleaved;
 //! - the driver pool's `memory_summary` at the end.
+//!
 //! Every figure is printed on a line starting with `RESULT`.
 
 mod model;
