@@ -101,7 +101,7 @@ pub struct FinderReport {
     /// Bytes available to the step's peak (what the device could still give, cache emptied).
     pub budget_bytes: u64,
     /// The search ended because it used `max_trials` runs, not because it was within
-    /// [`TOLERANCE`] of the limit: `max_batch` may be further from the maximum.
+    /// 0.95 of the limit: `max_batch` may be further from the maximum.
     pub stopped_by_max_trials: bool,
 }
 
@@ -185,7 +185,7 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 /// batch**. When the jump fails (memory quadratic in the rows, a jump, rows padded to buckets)
 /// it searches between the largest batch that ran and the smallest that did not, probing where
 /// a parabola (or secant) through the measured peaks meets the budget, until the first is
-/// within [`TOLERANCE`] (0.95) of the second; measured: 6–8 runs on quadratic and bucketed
+/// within 0.95 of the second; measured: 6–8 runs on quadratic and bucketed
 /// steps, 7 to 11 on steps whose memory jumps (docs/BENCHMARKS.md). If `max_trials` ends the
 /// search first, [`FinderReport::stopped_by_max_trials`] says so. The step should do what a
 /// real step does (forward, backward, optimizer), keep nothing between calls, and not retry
