@@ -211,6 +211,19 @@ fn config(s: &str) -> Result<AllocatorConfig, Fail> {
         .map_err(|e| Fail(format!("--config (or OOMGUARD_ALLOC_CONF): {e}"), 2))
 }
 
+/// Writes a picture or page of a replay to `output` and says so, with the replay's figures.
+fn write_page(output: &Path, body: &str, r: &ReplayReport) -> Result<(), Fail> {
+    std::fs::write(output, body).map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
+    eprintln!(
+        "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
+        output.display(),
+        ByteSize(r.peak_reserved_bytes),
+        r.ratio,
+        r.failures.len()
+    );
+    Ok(())
+}
+
 fn capacity(s: &str) -> Result<u64, Fail> {
     let c: ByteSize = s.parse().map_err(|e| Fail(format!("--capacity: {e}"), 2))?;
     if c.0 == 0 {
@@ -488,15 +501,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             } else {
                 plot::svg(&title, &r, &tl)
             };
-            std::fs::write(&output, body)
-                .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
-            eprintln!(
-                "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
-                output.display(),
-                ByteSize(r.peak_reserved_bytes),
-                r.ratio,
-                r.failures.len()
-            );
+            write_page(&output, &body, &r)?;
             // As `replay`: the picture is written either way, and the status says whether the
             // trace fits on this capacity.
             Ok(if r.completed { 0 } else { 1 })
@@ -520,15 +525,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 .map(|f| f.to_string_lossy().to_string())
                 .unwrap_or_else(|| "standard input".into());
             let page = oomguard_cli::view::html(&title, &trace, &r, &data);
-            std::fs::write(&output, page)
-                .map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
-            eprintln!(
-                "wrote {} (peak reserved {}, ratio {:.4}, {} failed allocations)",
-                output.display(),
-                ByteSize(r.peak_reserved_bytes),
-                r.ratio,
-                r.failures.len()
-            );
+            write_page(&output, &page, &r)?;
             Ok(if r.completed { 0 } else { 1 })
         }
         Cmd::Mincap {

@@ -148,7 +148,7 @@ impl Device {
     /// assert_eq!(Device::last_used_on_thread().unwrap().ordinal(), dev.ordinal());
     /// ```
     pub fn last_used_on_thread() -> Option<Device> {
-        let addr = THREAD_DEVICE.try_with(|d| d.get()).unwrap_or(0);
+        let addr = Self::thread_device_addr();
         if addr == 0 {
             return None;
         }
@@ -208,7 +208,7 @@ impl Device {
     #[track_caller]
     pub fn alloc_raw(&self, bytes: u64, stream: StreamId) -> Result<Allocation> {
         let inner = &*self.inner;
-        THREAD_DEVICE.with(|d| d.set(Arc::as_ptr(&self.inner) as usize));
+        THREAD_DEVICE.with(|d| d.set(self.identity()));
         if !inner.tracker.scopes_open() {
             return inner.allocator.allocate(bytes, stream);
         }

@@ -140,8 +140,9 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
-    pub(crate) fn reset_peaks(&mut self) {
-        for s in [
+    /// Every per-pool statistic, for the resets below.
+    fn pool_stats_mut(&mut self) -> [&mut PoolStats; 9] {
+        [
             &mut self.allocated_bytes,
             &mut self.allocation,
             &mut self.reserved_bytes,
@@ -151,7 +152,11 @@ impl MemoryStats {
             &mut self.requested_bytes,
             &mut self.inactive_split_bytes,
             &mut self.inactive_split,
-        ] {
+        ]
+    }
+
+    pub(crate) fn reset_peaks(&mut self) {
+        for s in self.pool_stats_mut() {
             s.reset_peak();
         }
         self.oversize_allocations.reset_peak();
@@ -162,17 +167,7 @@ impl MemoryStats {
     /// PyTorch's `reset_accumulated_memory_stats`: the totals (`allocated`, `freed`) of every
     /// statistic and the event counters go to zero; current values and peaks stay.
     pub(crate) fn reset_accumulated(&mut self) {
-        for s in [
-            &mut self.allocated_bytes,
-            &mut self.allocation,
-            &mut self.reserved_bytes,
-            &mut self.segment,
-            &mut self.active_bytes,
-            &mut self.active,
-            &mut self.requested_bytes,
-            &mut self.inactive_split_bytes,
-            &mut self.inactive_split,
-        ] {
+        for s in self.pool_stats_mut() {
             s.reset_accumulated();
         }
         self.oversize_allocations.reset_accumulated();
