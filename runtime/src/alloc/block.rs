@@ -38,6 +38,9 @@ pub(crate) enum BlockState {
     /// Freed and parked in a quick list for reuse at exactly its size: not merged with its
     /// neighbours and not indexed until the quick lists are flushed.
     Parked,
+    /// Lent to a thread's cache (`thread_cache`), which says whether it is allocated or cached:
+    /// not merged with its neighbours and not indexed until it comes back.
+    Lent,
 }
 
 #[derive(Clone, Debug)]
@@ -59,6 +62,8 @@ pub(crate) struct Block {
     /// The allocation's number, unique over the allocator's life (set when the block is handed
     /// out; 0 while free), so that a stale handle never matches a later allocation.
     pub generation: u64,
+    /// While `Lent`: the cache's index and the slot in it.
+    pub lent_to: (u32, u32),
 }
 
 impl Block {

@@ -66,6 +66,7 @@ impl State {
             pool,
             other_streams: Vec::new(),
             generation: 0,
+            lent_to: (0, 0),
         });
         self.segs[seg].first = id;
         let s = &mut self.stats;

@@ -162,6 +162,7 @@ impl State {
             pool,
             other_streams: Vec::new(),
             generation: 0,
+            lent_to: (0, 0),
         });
         self.segs[seg].first = id;
         self.stats.segment.add(pool.is_small(), 1);

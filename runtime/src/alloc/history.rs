@@ -229,6 +229,7 @@ impl CachingAllocator {
         let mut st = self.lock();
         if opts.max_entries == 0 {
             st.history = None;
+            self.update_caching(&mut st);
             return;
         }
         let (mut ring, metadata) = match st.history.take() {
@@ -248,6 +249,7 @@ impl CachingAllocator {
             stacks: opts.stacks,
             metadata,
         });
+        self.update_caching(&mut st);
     }
 
     /// Metadata recorded with every following event (`None`: none), as PyTorch's

@@ -9,15 +9,18 @@ mod block;
 mod fixed;
 mod growable;
 mod history;
+mod lending;
 mod pool;
 mod snapshot;
 mod state;
 mod stats;
 mod summary;
+mod thread_cache;
 
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
 pub use block::PoolKind;
 pub use history::{Frame, HistoryContext, HistoryOptions, TraceAction, TraceEntry};
@@ -30,6 +33,7 @@ use crate::config::AllocatorConfig;
 use crate::error::{Error, OomError};
 use block::{BlockId, BlockState};
 use state::State;
+use thread_cache::ThreadCache;
 
 /// A live allocation: what the allocator handed out. Freed with [`CachingAllocator::free`];
 /// [`crate::DeviceBuffer`] does that on drop.
@@ -54,6 +58,9 @@ pub struct Allocation {
     generation: u64,
     /// The identity of the allocator that made it.
     owner: u64,
+    /// The thread cache that handed it out, plus one (0: the shared state did; `block` is then
+    /// the block's index, otherwise the cache's slot).
+    cache: u32,
 }
 
 /// Set in [`Allocation::generation`] on the copy a [`crate::DeviceBuffer`] lends out: such a
@@ -137,6 +144,17 @@ pub struct CachingAllocator {
     id: u64,
     /// Called on every out-of-memory error, outside the state lock.
     observers: Mutex<Vec<OomObserver>>,
+    /// The configuration (also in the state; this copy rounds requests without the lock).
+    cfg: AllocatorConfig,
+    /// Thread caches serve allocations and frees (multi-thread mode, no history, no statistics
+    /// scope, not pass-through): read without the lock on the fast path.
+    caching: AtomicBool,
+    /// Every thread's cache, by index (`None`: a vacated index).
+    caches: RwLock<Vec<Option<Arc<ThreadCache>>>>,
+    /// Generations for the caches, a range at a time.
+    generations: AtomicU64,
+    /// Caches whose thread exited and whose blocks are still to be collected.
+    orphans: Arc<AtomicUsize>,
 }
 
 /// A function called with every out-of-memory error ([`CachingAllocator::attach_oom_observer`]).
@@ -176,11 +194,16 @@ impl CachingAllocator {
             state.fraction = Some(f);
         }
         Self {
+            cfg: state.cfg.clone(),
             state: Mutex::new(state),
             backend,
             total,
             id: NEXT_ALLOCATOR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             observers: Mutex::new(Vec::new()),
+            caching: AtomicBool::new(false),
+            caches: RwLock::new(Vec::new()),
+            generations: AtomicU64::new(thread_cache::CACHE_GENERATIONS),
+            orphans: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -216,7 +239,20 @@ impl CachingAllocator {
     #[track_caller]
     #[inline]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
-        let r = self.allocate_locked(bytes, stream);
+        if bytes == 0 {
+            return Ok(self.null_handle(stream));
+        }
+        let r = match self.backend.check_request(bytes) {
+            Err(e) => Err(self.fail(&mut self.lock(), bytes, e)),
+            Ok(()) => {
+                if self.caching.load(Relaxed) {
+                    if let Some(a) = self.allocate_cached(bytes, stream) {
+                        return Ok(a);
+                    }
+                }
+                self.allocate_locked(bytes, stream)
+            }
+        };
         if let Err(Error::Oom(e)) = &r {
             self.notify_oom(e);
         }
@@ -241,19 +277,43 @@ impl CachingAllocator {
         self.observers.lock().push(OomObserver(Arc::new(f)));
     }
 
+    /// The multi-thread fast path: a block of exactly the rounded size cached by the calling
+    /// thread (`None`: none).
+    #[inline]
+    fn allocate_cached(&self, bytes: u64, stream: StreamId) -> Option<Allocation> {
+        let size = pool::round_size(bytes, &self.cfg)?;
+        thread_cache::with_thread_cache(self.id, |c| {
+            let mut cs = c.state.lock();
+            let i = cs.take(stream, size, bytes, &self.generations)?;
+            let generation = cs.slots[i as usize].generation;
+            let ptr = cs.slots[i as usize].addr;
+            drop(cs);
+            Some(Allocation {
+                ptr,
+                size,
+                requested: bytes,
+                stream,
+                block: i,
+                generation,
+                owner: self.id,
+                cache: c.index + 1,
+            })
+        })
+        .flatten()
+    }
+
     #[track_caller]
     #[inline]
     fn allocate_locked(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
-        if bytes == 0 {
-            return Ok(self.null_handle(stream));
-        }
-        if let Err(e) = self.backend.check_request(bytes) {
-            let mut st = self.lock();
-            return Err(self.fail(&mut st, bytes, e));
-        }
         let mut st = self.lock();
         let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
         let pool = pool::pool_for(size);
+        if st.owner_thread != thread_cache::thread_token() {
+            self.thread_joined(&mut st);
+        }
+        if st.multi {
+            return self.allocate_shared(st, pool, stream, size, bytes);
+        }
         if st.cfg.pass_through {
             let a = self.allocate_through(&mut st, pool, stream, size, bytes)?;
             if st.history.is_some() {
@@ -347,6 +407,7 @@ impl CachingAllocator {
     ) -> Result<BlockId, Error> {
         if let Some(t) = st.cfg.garbage_collection_threshold {
             if st.reserved() as f64 + size as f64 > t * self.total as f64 {
+                self.drain_all_caches(st);
                 self.release_cache(st, false);
                 if let Some(id) = st.take_free(pool, stream, size) {
                     return Ok(id);
@@ -364,6 +425,11 @@ impl CachingAllocator {
         st.stats.num_alloc_retries += 1;
         THREAD_ALLOC_RETRIES.with(|c| c.set(c.get() + 1));
         self.process_events(st, true);
+        if let Some(id) = st.take_free(pool, stream, size) {
+            return Ok(id);
+        }
+        // memory parked in any thread's cache goes back before anything fails
+        self.drain_all_caches(st);
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);
         }
@@ -411,6 +477,7 @@ impl CachingAllocator {
             return Error::Backend(cause);
         }
         st.stats.num_ooms += 1;
+        self.fold_caches(st);
         let info = self.backend.mem_info().unwrap_or_default();
         st.trace(TraceAction::Oom, info.free, bytes, 0);
         let allocated = st.stats.allocated_bytes.all.current;
@@ -436,6 +503,12 @@ impl CachingAllocator {
     /// Whether `a` names a live allocation of this allocator (lent-out copies included).
     fn is_live(&self, st: &State, a: &Allocation) -> bool {
         let generation = a.generation & !BORROWED;
+        if a.cache != 0 {
+            return a.owner == self.id
+                && self
+                    .cache_at(a.cache)
+                    .is_some_and(|c| c.state.lock().is_live(a.block, generation, a.ptr));
+        }
         a.owner == self.id
             && st.blocks.get(a.block).is_some_and(|b| {
                 b.state == BlockState::Allocated && b.generation == generation && b.addr == a.ptr
@@ -448,6 +521,9 @@ impl CachingAllocator {
     /// The caller's location is what the history records as where the block was freed.
     #[track_caller]
     pub fn free(&self, a: Allocation) -> Result<(), Error> {
+        if a.cache != 0 {
+            return self.free_cached(a);
+        }
         let mut st = self.lock();
         // One test for the common case: the owner's handle of a live block (a lent-out copy has
         // the BORROWED bit in its generation, a null handle no block, so neither matches).
@@ -458,19 +534,32 @@ impl CachingAllocator {
         if !owned_live {
             return self.reject_free(&st, &a);
         }
-        st.unmark_allocated(a.block);
+        self.free_block(&mut st, &a, a.block, std::panic::Location::caller());
+        Ok(())
+    }
+
+    /// Frees allocated block `id` (handle `a`, validated): uncounts it, then parks it, merges it
+    /// or (used on other streams) leaves it pending.
+    fn free_block(
+        &self,
+        st: &mut State,
+        a: &Allocation,
+        id: BlockId,
+        loc: &'static std::panic::Location<'static>,
+    ) {
+        st.unmark_allocated(id);
         if st.history.is_some() {
-            record_free(&mut st, &a, std::panic::Location::caller());
+            record_free(st, a, loc);
         }
-        let others = std::mem::take(&mut st.blocks[a.block].other_streams);
+        let others = std::mem::take(&mut st.blocks[id].other_streams);
         if others.is_empty() {
             if st.cfg.pass_through {
-                st.release_block(a.block);
+                st.release_block(id);
                 st.release_fixed(&*self.backend);
-                return Ok(());
+                return;
             }
-            st.park_or_release(a.block);
-            return Ok(());
+            st.park_or_release(id);
+            return;
         }
         // Used on other streams: reuse only after their work queued so far has finished.
         let mut events = Vec::with_capacity(others.len());
@@ -483,15 +572,14 @@ impl CachingAllocator {
                 }
             }
         }
-        st.blocks[a.block].state = BlockState::PendingFree;
-        st.pending.push((a.block, events));
-        Ok(())
+        st.blocks[id].state = BlockState::PendingFree;
+        st.pending.push((id, events));
     }
 
     /// Why `free` refused a handle (off the fast path): a null handle frees nothing.
     #[cold]
     fn reject_free(&self, st: &State, a: &Allocation) -> Result<(), Error> {
-        if a.block == NO_BLOCK && a.owner == self.id {
+        if a.block == NO_BLOCK && a.cache == 0 && a.owner == self.id {
             return Ok(());
         }
         if a.is_borrowed() && self.is_live(st, a) {
@@ -510,8 +598,11 @@ impl CachingAllocator {
     /// Marks an allocation as used by `stream` as well as its own, as PyTorch's `record_stream`:
     /// when freed, it is not reused until the work queued on `stream` by then has completed.
     pub fn record_stream(&self, a: &Allocation, stream: StreamId) -> Result<(), Error> {
-        if a.block == NO_BLOCK && a.owner == self.id {
+        if a.block == NO_BLOCK && a.cache == 0 && a.owner == self.id {
             return Ok(()); // a zero-byte allocation: no memory to protect
+        }
+        if a.cache != 0 {
+            return self.record_stream_cached(a, stream);
         }
         let mut st = self.lock();
         if !self.is_live(&st, a) {
@@ -564,6 +655,7 @@ impl CachingAllocator {
     pub fn empty_cache(&self) -> Result<(), Error> {
         let mut st = self.lock();
         self.process_events(&mut st, true);
+        self.drain_all_caches(&mut st);
         st.flush_parked();
         st.release_fixed(&*self.backend);
         st.release_pages(&*self.backend, u64::MAX, None, true);
@@ -573,9 +665,11 @@ impl CachingAllocator {
 
     /// A copy of the statistics.
     pub fn stats(&self) -> MemoryStats {
-        let st = self.lock();
+        let mut st = self.lock();
+        self.fold_caches(&mut st);
         let mut s = st.stats;
         s.largest_free_block = st.largest_free();
+        thread_cache::apply_floors(&mut s, &st.floors);
         s
     }
 
@@ -586,7 +680,8 @@ impl CachingAllocator {
 
     /// Allocated and reserved bytes now, without copying every statistic.
     pub fn allocated_and_reserved(&self) -> (u64, u64) {
-        let st = self.lock();
+        let mut st = self.lock();
+        self.fold_caches(&mut st);
         (st.stats.allocated_bytes.all.current, st.reserved())
     }
 
@@ -622,7 +717,9 @@ impl CachingAllocator {
     /// and their frees, never negative), this counts what rmm counts. Zero-byte allocations
     /// (null handles) are not counted.
     pub fn push_statistics_scope(&self) {
-        self.lock().scopes.push(ScopeStats::default());
+        let mut st = self.lock();
+        st.scopes.push(ScopeStats::default());
+        self.update_caching(&mut st);
     }
 
     /// Closes the innermost statistics scope and returns its counters; they are folded into the
@@ -635,6 +732,7 @@ impl CachingAllocator {
         if let Some(below) = st.scopes.last_mut() {
             below.fold(&top);
         }
+        self.update_caching(&mut st);
         Ok(top)
     }
 
@@ -645,14 +743,19 @@ impl CachingAllocator {
 
     /// Resets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        self.lock().stats.reset_peaks();
+        let mut st = self.lock();
+        self.fold_caches(&mut st);
+        st.stats.reset_peaks();
+        st.floors = [0; thread_cache::CACHE_STATS];
     }
 
     /// Resets the accumulated totals (`allocated`/`freed` of every statistic) and the event
     /// counters (`num_*`, mapped/unmapped totals) to zero, as PyTorch's
     /// `reset_accumulated_memory_stats`; current values and peaks stay.
     pub fn reset_accumulated_memory_stats(&self) {
-        self.lock().stats.reset_accumulated();
+        let mut st = self.lock();
+        self.fold_caches(&mut st);
+        st.stats.reset_accumulated();
     }
 
     /// Caps the bytes this allocator may hold from the device (`None`: no cap), as PyTorch's
@@ -722,6 +825,7 @@ impl CachingAllocator {
             block: NO_BLOCK,
             generation: 0,
             owner: self.id,
+            cache: 0,
         }
     }
 
@@ -737,6 +841,7 @@ impl CachingAllocator {
             block: id,
             generation: b.generation,
             owner: self.id,
+            cache: 0,
         }
     }
 }

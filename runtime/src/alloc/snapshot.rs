@@ -4,6 +4,7 @@ use std::collections::HashSet;
 
 use super::block::{BlockState, PoolKind};
 use super::state::State;
+use super::thread_cache::{CacheState, Slot, SlotState};
 use super::CachingAllocator;
 use crate::backend::StreamId;
 
@@ -57,6 +58,13 @@ impl CachingAllocator {
     /// The segments and their blocks, in address order.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
         let st = self.lock();
+        let caches = self.cache_list();
+        let guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
+        let locked: Vec<(u32, &CacheState)> = caches
+            .iter()
+            .zip(&guards)
+            .map(|(c, g)| (c.index, &**g))
+            .collect();
         let mut out: Vec<SegmentInfo> = st
             .segs
             .iter()
@@ -65,11 +73,18 @@ impl CachingAllocator {
                 let mut cur = Some(s.first);
                 while let Some(id) = cur {
                     let b = &st.blocks[id];
+                    let lent = (b.state == BlockState::Lent)
+                        .then(|| lent_slot(&locked, b.lent_to))
+                        .flatten();
                     blocks.push(BlockInfo {
                         addr: b.addr,
                         size: b.size,
-                        requested: b.requested,
+                        requested: lent.map_or(b.requested, |s| s.requested),
                         status: match (b.state, b.mapped) {
+                            (BlockState::Lent, _) => match lent.map(|s| s.state) {
+                                Some(SlotState::Allocated) => BlockStatus::Allocated,
+                                _ => BlockStatus::Free,
+                            },
                             (BlockState::Allocated, _) => BlockStatus::Allocated,
                             (BlockState::PendingFree, _) => BlockStatus::PendingFree,
                             (BlockState::Free | BlockState::Parked, true) => BlockStatus::Free,
@@ -98,12 +113,72 @@ impl CachingAllocator {
     /// the same mapped state, free blocks indexed exactly once, statistics equal a recount.
     #[doc(hidden)]
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.lock().check()
+        let mut st = self.lock();
+        self.fold_caches(&mut st);
+        let caches = self.cache_list();
+        let guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
+        let locked: Vec<(u32, &CacheState)> = caches
+            .iter()
+            .zip(&guards)
+            .map(|(c, g)| (c.index, &**g))
+            .collect();
+        st.check(&locked)
     }
 }
 
+/// The slot a lent block's `lent_to` names, among the locked caches.
+fn lent_slot<'a>(caches: &[(u32, &'a CacheState)], (cache, slot): (u32, u32)) -> Option<&'a Slot> {
+    let (_, cs) = caches.iter().find(|(i, _)| *i == cache)?;
+    cs.slots.get(slot as usize)
+}
+
+/// Checks the caches against the blocks: every slot in use names a block lent to it, every
+/// cached slot is in its list once, the counts match.
+fn check_caches(st: &State, caches: &[(u32, &CacheState)]) -> Result<(), String> {
+    for (index, cs) in caches {
+        let (mut cached, mut live) = (0, 0);
+        for (i, s) in cs.slots.iter().enumerate() {
+            match s.state {
+                SlotState::Vacant => continue,
+                SlotState::Cached => {
+                    cached += 1;
+                    let n = cs
+                        .lists
+                        .get(&(s.stream, s.size))
+                        .map_or(0, |l| l.iter().filter(|&&j| j as usize == i).count());
+                    if n != 1 {
+                        return Err(format!("cache {index}: slot {i} is in its list {n} times"));
+                    }
+                }
+                SlotState::Allocated => live += 1,
+            }
+            let b = st.blocks.get(s.block);
+            if !b.is_some_and(|b| {
+                b.state == BlockState::Lent
+                    && b.lent_to == (*index, i as u32)
+                    && b.addr == s.addr
+                    && b.size == s.size
+            }) {
+                return Err(format!(
+                    "cache {index}: slot {i} names block {} which is not lent to it",
+                    s.block
+                ));
+            }
+        }
+        let listed: usize = cs.lists.values().map(Vec::len).sum();
+        if cached != cs.cached || listed != cached || live != cs.live {
+            return Err(format!(
+                "cache {index}: {cached} cached ({listed} listed, count {}), {live} live (count {})",
+                cs.cached, cs.live
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl State {
-    fn check(&self) -> Result<(), String> {
+    fn check(&self, caches: &[(u32, &CacheState)]) -> Result<(), String> {
+        check_caches(self, caches)?;
         let mut seen = HashSet::new();
         // Recounts, per pool (0: small, 1: large).
         let mut c = Recount::default();
@@ -154,7 +229,12 @@ impl State {
                         return Err(format!("free neighbours {p} and {id} not merged"));
                     }
                 }
-                if matches!(b.state, BlockState::Free | BlockState::Parked)
+                let lent = (b.state == BlockState::Lent)
+                    .then(|| lent_slot(caches, b.lent_to))
+                    .flatten();
+                let lent_state = lent.map(|s| s.state);
+                if (matches!(b.state, BlockState::Free | BlockState::Parked)
+                    || lent_state == Some(SlotState::Cached))
                     && self.inactive_split(b)
                 {
                     c.inactive_split[p] += 1;
@@ -186,6 +266,20 @@ impl State {
                             ));
                         }
                     }
+                    BlockState::Lent => match lent {
+                        Some(s) if s.state == SlotState::Allocated => {
+                            c.allocated_bytes[p] += b.size;
+                            c.allocation[p] += 1;
+                            c.active_bytes[p] += b.size;
+                            c.active[p] += 1;
+                            c.requested_bytes[p] += s.requested;
+                            if b.size >= self.cfg.max_split_size {
+                                c.oversize_allocations += 1;
+                            }
+                        }
+                        Some(s) if s.state == SlotState::Cached && b.mapped => {}
+                        _ => return Err(format!("lent block {id} has no slot in use")),
+                    },
                     BlockState::Free => {
                         let indexed = if b.mapped {
                             self.free[b.pool as usize].contains(b.stream, b.size, b.addr, id)

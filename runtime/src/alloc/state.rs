@@ -9,6 +9,7 @@ use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
 use super::history::{History, TraceAction};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::{MemoryStats, ScopeStats};
+use super::thread_cache::CACHE_STATS;
 use crate::backend::{EventId, StreamId};
 use crate::config::AllocatorConfig;
 
@@ -59,6 +60,13 @@ pub(crate) struct State {
     pub next_generation: u64,
     /// Open statistics scopes (`push_statistics_scope`), innermost last.
     pub scopes: Vec<ScopeStats>,
+    /// The thread that allocated first ([`super::thread_cache::thread_token`]; 0: none yet).
+    pub owner_thread: u64,
+    /// A second thread has allocated: thread caches are in use (see `thread_cache`).
+    pub multi: bool,
+    /// Multi-thread mode: the peaks of the statistics the caches change, as of the last fold
+    /// (each statistic's own `peak` then holds the shared state's high since that fold).
+    pub floors: [u64; CACHE_STATS],
 }
 
 /// Most blocks parked per (stream, size).
@@ -89,6 +97,9 @@ impl State {
             history: None,
             next_generation: 1,
             scopes: Vec::new(),
+            owner_thread: 0,
+            multi: false,
+            floors: [0; CACHE_STATS],
         }
     }
 
@@ -105,7 +116,7 @@ impl State {
 
     /// Counts block `id` into (`add`) or out of the inactive-split statistics, if it is one.
     #[inline(always)]
-    fn count_inactive_split(&mut self, id: BlockId, add: bool) {
+    pub fn count_inactive_split(&mut self, id: BlockId, add: bool) {
         if self.growable {
             return;
         }
@@ -165,6 +176,10 @@ impl State {
     #[inline(never)]
     pub fn park_or_release(&mut self, id: BlockId) {
         let b = &self.blocks[id];
+        if self.multi {
+            // frees reach here only when a thread cache could not take the block
+            return self.release_block(id);
+        }
         // A large block is parked only in growable segments and only when it has no free
         // neighbour it would merge with now: parking it then hides no larger free block from
         // best fit. (In fixed segments parking large blocks raises PyTorch-mode fragmentation.)
@@ -209,15 +224,20 @@ impl State {
         let mut lists = std::mem::take(&mut self.quick);
         for list in lists.values_mut() {
             for id in list.drain(..) {
-                self.count_inactive_split(id, false);
-                self.blocks[id].state = BlockState::Free;
-                let id = self.coalesce(id);
-                self.index_insert(id);
+                self.unpark(id);
             }
         }
         self.parked = 0;
         // keep the map's allocations for the next round
         self.quick = lists;
+    }
+
+    /// A parked block (counted as parked: inactive split where it is one) merged and indexed.
+    pub fn unpark(&mut self, id: BlockId) {
+        self.count_inactive_split(id, false);
+        self.blocks[id].state = BlockState::Free;
+        let id = self.coalesce(id);
+        self.index_insert(id);
     }
 
     /// The cache-hit path: the best-fitting free block for `size` on `stream`, taken out of the
@@ -360,6 +380,7 @@ impl State {
             pool: b.pool,
             other_streams: Vec::new(),
             generation: 0,
+            lent_to: (0, 0),
         };
         let uid = self.blocks.insert(upper);
         if let Some(n) = self.blocks[uid].next {

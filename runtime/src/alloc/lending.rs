@@ -1,0 +1,328 @@
+//! How the allocator lends blocks to thread caches and takes them back (multi-thread mode; the
+//! caches themselves are in `thread_cache`).
+
+use std::panic::Location;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use parking_lot::MutexGuard;
+
+use super::block::{BlockId, BlockState, PoolKind};
+use super::state::State;
+use super::thread_cache::{self, CacheState, Slot, SlotState, ThreadCache};
+use super::{Allocation, CachingAllocator, BORROWED};
+use crate::backend::StreamId;
+use crate::error::Error;
+
+impl CachingAllocator {
+    /// A thread other than the first allocates: switch to thread caches (once).
+    #[cold]
+    pub(super) fn thread_joined(&self, st: &mut State) {
+        let token = thread_cache::thread_token();
+        if st.owner_thread == 0 {
+            st.owner_thread = token;
+            return;
+        }
+        if st.multi || token == 0 {
+            return;
+        }
+        st.multi = true;
+        st.flush_parked();
+        self.update_caching(st);
+    }
+
+    /// Whether the caches serve requests, from the state; cached blocks go back when they stop.
+    pub(super) fn update_caching(&self, st: &mut State) {
+        let on = st.multi && !st.cfg.pass_through && st.history.is_none() && st.scopes.is_empty();
+        self.caching.store(on, Relaxed);
+        if !on {
+            self.drain_all_caches(st);
+        }
+    }
+
+    /// The allocation slow path in multi-thread mode: the shared state finds a block and lends
+    /// it, allocated, to the calling thread's cache.
+    #[track_caller]
+    pub(super) fn allocate_shared(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        bytes: u64,
+    ) -> Result<Allocation, Error> {
+        if !st.pending.is_empty() {
+            self.process_events(&mut st, false);
+        }
+        if self.orphans.load(Relaxed) > 0 {
+            self.collect_orphans(&mut st);
+        }
+        let id = match st.take_free(pool, stream, size) {
+            Some(id) => id,
+            None => {
+                // as the quick lists are flushed in single-thread mode
+                self.drain_own_cache(&mut st);
+                match st.take_free(pool, stream, size) {
+                    Some(id) => id,
+                    None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+                }
+            }
+        };
+        if self.caching.load(Relaxed) {
+            if let Some(a) = self.lend(&mut st, id, bytes) {
+                return Ok(a);
+            }
+        }
+        st.mark_allocated(id, bytes);
+        if st.history.is_some() {
+            self.record_alloc(&mut st, id, stream);
+        }
+        Ok(self.handle(&st, id, bytes, stream))
+    }
+
+    /// Lends taken block `id` to the calling thread's cache, allocated for `bytes` (`None`: the
+    /// thread is exiting and has no cache).
+    fn lend(&self, st: &mut State, id: BlockId, bytes: u64) -> Option<Allocation> {
+        let b = &st.blocks[id];
+        let slot = Slot {
+            block: id,
+            addr: b.addr,
+            size: b.size,
+            stream: b.stream,
+            small: b.pool.is_small(),
+            split: st.inactive_split(b),
+            oversize: b.size >= st.cfg.max_split_size,
+            // large blocks of fixed segments are merged on free (PyTorch-mode fragmentation)
+            parkable: b.pool.is_small() || st.growable,
+            state: SlotState::Vacant,
+            generation: 0,
+            requested: 0,
+            other_streams: Vec::new(),
+        };
+        let (ptr, size, stream) = (slot.addr, slot.size, slot.stream);
+        let (index, i, generation) = self.with_own_cache(|c| {
+            let mut cs = c.state.lock();
+            let i = cs.insert(slot);
+            cs.allocate(i, bytes, &self.generations);
+            (c.index, i, cs.slots[i as usize].generation)
+        })?;
+        let b = &mut st.blocks[id];
+        b.state = BlockState::Lent;
+        b.lent_to = (index, i);
+        Some(Allocation {
+            ptr,
+            size,
+            requested: bytes,
+            stream,
+            block: i,
+            generation,
+            owner: self.id,
+            cache: index + 1,
+        })
+    }
+
+    /// Runs `f` on the calling thread's cache, made when it has none (`None`: the thread is
+    /// exiting).
+    fn with_own_cache<R>(&self, f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
+        let mut f = Some(f);
+        if let Some(Some(r)) = thread_cache::with_thread_cache(self.id, |c| f.take().map(|f| f(c)))
+        {
+            return Some(r);
+        }
+        let cache = {
+            let mut table = self.caches.write();
+            let index = table
+                .iter()
+                .position(Option::is_none)
+                .unwrap_or(table.len());
+            let c = Arc::new(ThreadCache::new(index as u32, self.orphans.clone()));
+            if !thread_cache::set_thread_cache(self.id, c.clone()) {
+                return None;
+            }
+            if index == table.len() {
+                table.push(Some(c.clone()));
+            } else {
+                table[index] = Some(c.clone());
+            }
+            c
+        };
+        f.take().map(|f| f(&cache))
+    }
+
+    /// The cache of a handle (`cache` as handles carry it: index plus one).
+    pub(super) fn cache_at(&self, cache: u32) -> Option<Arc<ThreadCache>> {
+        let i = cache.checked_sub(1)? as usize;
+        self.caches.read().get(i).cloned().flatten()
+    }
+
+    /// Every cache, in table order.
+    pub(super) fn cache_list(&self) -> Vec<Arc<ThreadCache>> {
+        self.caches.read().iter().flatten().cloned().collect()
+    }
+
+    /// Frees an allocation handed out by a cache: parked in that cache when it can be, else
+    /// given back to the shared state.
+    #[track_caller]
+    pub(super) fn free_cached(&self, a: Allocation) -> Result<(), Error> {
+        if a.owner == self.id && !a.is_borrowed() {
+            let park = |c: &ThreadCache| {
+                let mut cs = c.state.lock();
+                // checked under the cache's lock: caching stops before the caches are drained
+                self.caching.load(Relaxed)
+                    && cs.is_live(a.block, a.generation, a.ptr)
+                    && cs.park(a.block)
+            };
+            let own = thread_cache::with_thread_cache(self.id, |c| {
+                (c.index + 1 == a.cache).then(|| park(c))
+            })
+            .flatten();
+            let parked = match own {
+                Some(p) => p,
+                None => self.cache_at(a.cache).is_some_and(|c| park(&c)),
+            };
+            if parked {
+                return Ok(());
+            }
+        }
+        self.free_cached_slow(a, Location::caller())
+    }
+
+    /// A cache's allocation freed through the shared state (validated under both locks).
+    #[cold]
+    fn free_cached_slow(
+        &self,
+        a: Allocation,
+        loc: &'static Location<'static>,
+    ) -> Result<(), Error> {
+        let mut st = self.lock();
+        let cache = if a.owner == self.id {
+            self.cache_at(a.cache)
+        } else {
+            None
+        };
+        let Some(cache) = cache else {
+            return self.reject_free(&st, &a);
+        };
+        let mut cs = cache.state.lock();
+        if a.is_borrowed() || !cs.is_live(a.block, a.generation, a.ptr) {
+            drop(cs);
+            return self.reject_free(&st, &a);
+        }
+        let id = unlend(&mut st, &mut cs, a.block);
+        let gone = cs.owner_gone && cs.collected && cs.live == 0 && cs.cached == 0;
+        drop(cs);
+        if gone {
+            self.remove_cache(&mut st, cache.index);
+        }
+        self.free_block(&mut st, &a, id, loc);
+        Ok(())
+    }
+
+    /// `record_stream` on a cache's allocation.
+    pub(super) fn record_stream_cached(
+        &self,
+        a: &Allocation,
+        stream: StreamId,
+    ) -> Result<(), Error> {
+        let generation = a.generation & !BORROWED;
+        let cache = if a.owner == self.id {
+            self.cache_at(a.cache)
+        } else {
+            None
+        };
+        let recorded = cache.is_some_and(|c| {
+            let mut cs = c.state.lock();
+            if !cs.is_live(a.block, generation, a.ptr) {
+                return false;
+            }
+            let s = &mut cs.slots[a.block as usize];
+            if stream != s.stream && !s.other_streams.contains(&stream) {
+                s.other_streams.push(stream);
+            }
+            true
+        });
+        if recorded {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "record_stream on {:#x}: not a live allocation of this allocator",
+                a.ptr
+            )))
+        }
+    }
+
+    /// Returns the calling thread's cached blocks to the shared state.
+    pub(super) fn drain_own_cache(&self, st: &mut State) {
+        thread_cache::with_thread_cache(self.id, |c| drain(st, &mut c.state.lock()));
+    }
+
+    /// Returns every thread's cached blocks to the shared state (under pressure, on
+    /// `empty_cache`, when caching stops).
+    pub(super) fn drain_all_caches(&self, st: &mut State) {
+        for c in self.cache_list() {
+            drain(st, &mut c.state.lock());
+        }
+    }
+
+    /// Collects the caches of exited threads: their cached blocks go back; a cache with no
+    /// allocation left leaves the table.
+    fn collect_orphans(&self, st: &mut State) {
+        for c in self.cache_list() {
+            let mut cs = c.state.lock();
+            if cs.owner_gone && !cs.collected {
+                drain(st, &mut cs);
+                cs.collected = true;
+                self.orphans.fetch_sub(1, Relaxed);
+                if cs.live == 0 {
+                    drop(cs);
+                    self.remove_cache(st, c.index);
+                }
+            }
+        }
+    }
+
+    /// Takes a cache out of the table, its statistics folded first (none of them is lost).
+    fn remove_cache(&self, st: &mut State, index: u32) {
+        self.fold_caches(st);
+        if let Some(e) = self.caches.write().get_mut(index as usize) {
+            *e = None;
+        }
+    }
+
+    /// Folds every cache's statistics into the shared ones (multi-thread mode).
+    pub(super) fn fold_caches(&self, st: &mut State) {
+        if !st.multi {
+            return;
+        }
+        let caches = self.cache_list();
+        let mut guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
+        let mut refs: Vec<&mut CacheState> = guards.iter_mut().map(|g| &mut **g).collect();
+        thread_cache::fold(&mut st.stats, &mut st.floors, &mut refs);
+    }
+}
+
+/// Takes allocated slot `i` out of its cache: its block continues as an allocation of the
+/// shared state (counts moved over, totals untouched).
+fn unlend(st: &mut State, cs: &mut CacheState, i: u32) -> BlockId {
+    let slot = cs.vacate(i);
+    cs.live -= 1;
+    cs.stats.shift_allocated(&mut st.stats, &slot);
+    let b = &mut st.blocks[slot.block];
+    b.state = BlockState::Allocated;
+    b.requested = slot.requested;
+    b.generation = slot.generation;
+    b.other_streams = slot.other_streams;
+    slot.block
+}
+
+/// Returns a cache's cached blocks to the shared state, merged and indexed.
+fn drain(st: &mut State, cs: &mut CacheState) {
+    if cs.cached == 0 {
+        return;
+    }
+    for i in cs.drain_cached() {
+        let slot = cs.vacate(i);
+        cs.stats.shift_cached(&mut st.stats, &slot);
+        st.unpark(slot.block);
+    }
+}
