@@ -186,7 +186,7 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 /// runs when peak memory is affine in the batch** (3 without `refine`).
 ///
 /// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
-/// largest batch below the smallest one that did not ([`TOLERANCE`]; the maximum lies between
+/// largest batch below the smallest one that did not (the 0.95 tolerance; the maximum lies between
 /// them), so the result is always at least 0.95 of the true maximum (or `max`). It aims where a
 /// model of the measured peaks meets the budget (a parabola through the three largest
 /// successes, else the secant through two; a power law while memory grows more slowly than
