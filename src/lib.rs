@@ -69,8 +69,10 @@ pub use oomguard_runtime::*;
 /// caches emptied, and the body runs again from its start with a smaller plan. It must therefore
 /// change nothing that lasts (parameters, optimizer state, a data iterator): put that in the
 /// commit phase (`commit = ...`). Parameters are passed again to each attempt: `&T` as is,
-/// `&mut T` reborrowed, by-value parameters cloned (they must be `Clone`; pass large data by
-/// reference). `async fn`s are supported; `const fn`s and `self` by value are not.
+/// `&mut T` reborrowed, by-value parameters cloned for every attempt, the first included (they
+/// must be `Clone`; the body may consume them, so no attempt can have the original while a retry
+/// might still need it: pass large data by reference). `async fn`s are supported; `const fn`s
+/// and `self` by value are not.
 ///
 /// # Options
 ///

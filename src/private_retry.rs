@@ -8,7 +8,7 @@ use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
     Accumulate, BatchPlan, EmptyCacheRetry, IsOom, Limits, MemoryError, MemoryKey, PlanMemory,
-    PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, StepMode,
+    PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, SiteMemo, StepMode,
 };
 
 /// Where the function is.
@@ -196,11 +196,15 @@ impl<T, E> FnResult for Result<T, E> {
 }
 
 /// What a `#[oom_retry]` function keeps across calls (a `static` in its body): its engines,
-/// one per mode, with their policies, built on the first call. Used when the function has no
-/// `policy` option (an expression evaluated at each call) and remembers plans.
+/// one per mode, with their policies, built on the first call, and for each whether anything is
+/// remembered for the function. Used when the function has no `policy` option (an expression
+/// evaluated at each call) and remembers plans.
 #[derive(Debug)]
 pub struct SiteCache {
     engines: OnceLock<[RetryEngine; 2]>,
+    /// For each engine: whether nothing was remembered for the function, as of which plan
+    /// memory generation and device (the first attempt then runs without a loop set up).
+    memos: [SiteMemo; 2],
 }
 
 impl SiteCache {
@@ -208,6 +212,7 @@ impl SiteCache {
     pub const fn new() -> Self {
         Self {
             engines: OnceLock::new(),
+            memos: [SiteMemo::new(), SiteMemo::new()],
         }
     }
 }
@@ -237,6 +242,8 @@ pub struct Retry<E> {
     lp: Option<RetryLoop<E>>,
     kind: RetryKind,
     site: &'static str,
+    /// Rows the caller asked for.
+    requested: usize,
     /// `batch =` on a training step: the batch is not shrunk (say so when giving up).
     train_batch: bool,
 }
@@ -254,14 +261,16 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             && matches!(cfg.kind, RetryKind::Batch(_))
             && cfg.policy.is_none();
         let owned;
-        let engine: &RetryEngine = if cfg.policy.is_none() && cfg.remember != Some(false) {
+        let mode_index = usize::from(mode == StepMode::Eval);
+        let cached = cfg.policy.is_none() && cfg.remember != Some(false);
+        let engine: &RetryEngine = if cached {
             let engines = cache.engines.get_or_init(|| {
                 [
                     build_engine(&mut cfg, StepMode::Train),
                     build_engine(&mut cfg, StepMode::Eval),
                 ]
             });
-            &engines[usize::from(mode == StepMode::Eval)]
+            &engines[mode_index]
         } else {
             owned = build_engine(&mut cfg, mode);
             &owned
@@ -272,21 +281,33 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             RetryKind::Plan(p) => Ok(*p),
         };
         let site = cfg.site.key;
-        let key = if cfg.site.instance.is_empty() {
-            site.to_string()
-        } else {
-            format!("{site}<{}>", cfg.site.instance)
-        };
         // A batch of 0 rows: nothing to plan, the body runs once as written (and the thread's
         // last report is not the previous call's).
-        let lp = start.ok().and_then(|s| engine.begin_any(key, s).ok());
+        let lp = match start {
+            // A plain (not generic) function on an engine it keeps: the first attempt starts
+            // without a loop while nothing is remembered for it.
+            Ok(s) if cached && cfg.site.instance.is_empty() => engine
+                .begin_any_memo(site, s, &cache.memos[mode_index])
+                .ok(),
+            Ok(s) => {
+                let key = if cfg.site.instance.is_empty() {
+                    site.to_string()
+                } else {
+                    format!("{site}<{}>", cfg.site.instance)
+                };
+                engine.begin_any(key, s).ok()
+            }
+            Err(_) => None,
+        };
         if lp.is_none() {
             oomguard_runtime::retry::clear_last_report();
         }
+        let requested = start.map_or(0, |s| s.batch());
         Retry {
             lp,
             kind: cfg.kind,
             site,
+            requested,
             train_batch,
         }
     }
@@ -334,20 +355,20 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         let Some(lp) = self.lp.as_mut() else {
             return ControlFlow::Break(out);
         };
-        match lp.next(out) {
+        match lp.next_value(out) {
             ControlFlow::Continue(()) => ControlFlow::Continue(()),
-            ControlFlow::Break(Ok((v, report))) => {
-                let rows = report.final_plan.batch();
-                if rows < report.requested_batch {
+            ControlFlow::Break(Ok(v)) => {
+                let rows = lp.plan().batch();
+                if rows < self.requested {
                     // `batch =` on an evaluation step: the caller asked for shrinking, and sees it.
                     tracing::warn!(
                         target: "oomguard::retry",
                         site = self.site,
                         rows,
-                        requested = report.requested_batch,
+                        requested = self.requested,
                         "out of memory: processed {rows} of {} rows (the batch was shrunk; \
                          `last_report()` has the plan)",
-                        report.requested_batch
+                        self.requested
                     );
                 }
                 ControlFlow::Break(Ok(v))

@@ -6,9 +6,12 @@
 //! - double then bisect (Lightning `scale_batch_size(mode="binsearch")`, one step per trial),
 //!
 //! counting step runs (failed ones included) and the batch found over the true maximum.
+//! Then `find_max_batch` and power + bisect on steps whose memory is monotone but not affine in
+//! the batch (the shapes of tests/retry_finder_shapes.rs).
 //! Run: `cargo bench -p oomguard-runtime --bench batch_finder`.
 
 use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::retry::FinderReport;
 use oomguard_runtime::retry::{find_max_batch, FinderOptions};
 use oomguard_runtime::{AllocatorConfig, ByteSize, Device, DeviceBuffer, Error};
 
@@ -118,6 +121,172 @@ fn power_then_bisect(c: &mut Counter<'_>, init: usize, max_trials: usize) -> usi
     low
 }
 
+type Shape = Box<dyn Fn(&Device, usize) -> Result<(), Error>>;
+
+/// `rows × per_row`, plus a workspace of `small` bytes up to `at` rows and `large` above.
+fn jump(per_row: usize, at: usize, small: usize, large: usize) -> Shape {
+    Box::new(move |dev, rows| {
+        let _a = dev.alloc::<u8>(rows * per_row)?;
+        let _ws = dev.alloc::<u8>(if rows > at { large } else { small })?;
+        Ok(())
+    })
+}
+
+fn shapes() -> Vec<(String, Shape, u64)> {
+    const M: usize = MIB as usize;
+    let mut v: Vec<(String, Shape, u64)> = vec![
+        (
+            "quadratic, 2 GiB".into(),
+            Box::new(|d, r| {
+                let _l = d.alloc::<u8>(r * M)?;
+                let _q = d.alloc::<u8>(r * r * 4096)?;
+                Ok(())
+            }),
+            2048,
+        ),
+        (
+            "quadratic small rows, 4 GiB".into(),
+            Box::new(|d, r| {
+                let _l = d.alloc::<u8>(r * 64 * 1024)?;
+                let _q = d.alloc::<u8>(r * r * 512)?;
+                Ok(())
+            }),
+            4096,
+        ),
+        (
+            "bucketed by 64, 1000 MiB".into(),
+            Box::new(|d, r| {
+                let _a = d.alloc::<u8>(r.div_ceil(64) * 64 * M)?;
+                Ok(())
+            }),
+            1000,
+        ),
+        (
+            "bucketed by 256, 4000 MiB".into(),
+            Box::new(|d, r| {
+                let _a = d.alloc::<u8>(r.div_ceil(256) * 256 * M / 8)?;
+                let _w = d.alloc::<u8>(100 * M)?;
+                Ok(())
+            }),
+            4000,
+        ),
+        (
+            "bucketed by 2^k, 4000 MiB".into(),
+            Box::new(|d, r| {
+                let _a = d.alloc::<u8>(r.next_power_of_two() * M / 4)?;
+                Ok(())
+            }),
+            4000,
+        ),
+        (
+            "concave (sqrt), 4000 MiB".into(),
+            Box::new(|d, r| {
+                let _a = d.alloc::<u8>(((r as f64).sqrt() * 16.0 * M as f64) as usize)?;
+                Ok(())
+            }),
+            4000,
+        ),
+        (
+            "staircase of workspaces, 4000 MiB".into(),
+            Box::new(|d, r| {
+                let _a = d.alloc::<u8>(r * M / 2)?;
+                let _w = d.alloc::<u8>((r / 500 + 1) * 300 * M)?;
+                Ok(())
+            }),
+            4000,
+        ),
+    ];
+    for at in [10, 300] {
+        v.push((
+            format!("jump +25% at {at}, 1 GiB"),
+            jump(M / 4, at, M, 256 * M),
+            1024,
+        ));
+    }
+    for at in [64, 150, 300, 450] {
+        v.push((
+            format!("jump +900 MiB at {at}, 1 GiB"),
+            jump(M, at, M, 900 * M),
+            1024,
+        ));
+    }
+    for at in [10, 64, 400, 1600] {
+        v.push((
+            format!("jump +2000 MiB at {at}, 1 GiB"),
+            jump(M / 4, at, M, 2000 * M),
+            1024,
+        ));
+    }
+    v
+}
+
+/// The largest batch that runs (binary search, not counted).
+fn shape_max(dev: &Device, step: &Shape) -> usize {
+    let ok = |rows: usize| {
+        let r = step(dev, rows).is_ok();
+        dev.empty_cache().expect("empty_cache");
+        r
+    };
+    let (mut lo, mut hi) = (0usize, 1usize);
+    while ok(hi) {
+        lo = hi;
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if ok(mid) {
+            lo = mid
+        } else {
+            hi = mid
+        }
+    }
+    lo
+}
+
+fn shapes_table() {
+    println!(
+        "{:<34} {:>6}  {:>14}  {:>14}",
+        "monotone step", "max", "find_max_batch", "power+bisect"
+    );
+    for (name, step, mib) in shapes() {
+        let dev = Device::new(
+            SimDevice::address_only(ByteSize::mib(mib)),
+            AllocatorConfig::default(),
+        );
+        let truth = shape_max(&dev, &step);
+        let r: FinderReport =
+            find_max_batch(&dev, FinderOptions::default(), |rows| step(&dev, rows))
+                .expect("finder");
+        // Lightning's doubling then bisection, step runs counted.
+        let (mut runs, mut low, mut high, mut size) = (0usize, 0usize, usize::MAX, 2usize);
+        for _ in 0..25 {
+            runs += 1;
+            let ok = step(&dev, size).is_ok();
+            dev.empty_cache().expect("empty_cache");
+            if ok {
+                low = size;
+            } else {
+                high = size;
+            }
+            if high != usize::MAX && high - low <= 1 {
+                break;
+            }
+            size = if high == usize::MAX {
+                size * 2
+            } else {
+                (low + high) / 2
+            };
+        }
+        println!(
+            "{name:<34} {truth:>6}  {:>5} / {:.3}  {:>5} / {:.3}",
+            r.runs(),
+            r.max_batch as f64 / truth as f64,
+            runs,
+            low as f64 / truth as f64
+        );
+    }
+}
+
 fn main() {
     let models = [
         Model {
@@ -198,4 +367,5 @@ fn main() {
         });
         println!();
     }
+    shapes_table();
 }

@@ -1,10 +1,13 @@
 //! Data-parallel consensus with 2 ranks on threads: all ranks run the same plan, commit once,
-//! and stop together.
+//! and stop together; a rank that panics (in the step or outside it), leaves, or does not come
+//! makes the others stop with an error naming it (issue 15, point 11).
 
 use std::thread;
+use std::time::Duration;
 
 use oomguard_runtime::retry::{
-    Accumulate, AttemptOutcome, BatchPlan, LocalGroup, PolicyExt, RetryEngine, RetryError,
+    Accumulate, AttemptOutcome, BatchPlan, Consensus, LocalGroup, PolicyExt, RetryEngine,
+    RetryError,
 };
 use oomguard_runtime::{ByteSize, Device, Error};
 
@@ -148,8 +151,17 @@ fn on_ranks_no_hang<T: Send + 'static>(
     world: usize,
     f: impl Fn(usize, LocalGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<thread::Result<T>> {
+    on_group_no_hang(LocalGroup::new(world), f)
+}
+
+/// [`on_ranks_no_hang`] on the ranks of `group`.
+fn on_group_no_hang<T: Send + 'static>(
+    group: Vec<LocalGroup>,
+    f: impl Fn(usize, LocalGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<thread::Result<T>> {
+    let world = group.len();
     let (tx, rx) = std::sync::mpsc::channel();
-    for (rank, g) in LocalGroup::new(world).into_iter().enumerate() {
+    for (rank, g) in group.into_iter().enumerate() {
         let f = f.clone();
         let tx = tx.clone();
         thread::spawn(move || {
@@ -212,4 +224,116 @@ fn a_rank_that_panics_mid_attempt_stops_the_others() {
         "rank 0 stops with PeerFailed"
     );
     assert!(out[1].is_err(), "rank 1 panicked");
+}
+
+/// One step of 10 rows on a fresh simulated device, agreed with the other ranks.
+fn one_step(engine: &RetryEngine, dev: &Device) -> Result<usize, String> {
+    engine
+        .run(dev, 10, |plan| activations(dev, plan), |r| r)
+        .map(|r| r.value)
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_rank_that_panics_between_steps_stops_the_others() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        let dev = Device::sim(ByteSize::mib(64));
+        let engine = RetryEngine::new().with_consensus(group);
+        let first = one_step(&engine, &dev);
+        if rank == 1 {
+            // user code between steps, outside the retry engine
+            panic!("rank 1 fails between steps");
+        }
+        (first, one_step(&engine, &dev))
+    });
+    let (first, second) = out[0].as_ref().expect("rank 0 returns");
+    assert_eq!(first, &Ok(10));
+    let e = second.as_ref().expect_err("rank 0's second step fails");
+    assert!(e.contains("rank 1 panicked"), "{e}");
+    assert!(out[1].is_err(), "rank 1 panicked");
+}
+
+#[test]
+fn a_thread_that_dies_holding_its_rank_stops_the_others() {
+    let out = on_ranks_no_hang(3, |rank, group| {
+        if rank == 2 {
+            // The thread catches its panic and goes on, but its handle died in it.
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                let _held = group;
+                panic!("rank 2 dies holding its rank");
+            }));
+            return Err(format!("caught: {}", caught.is_err()));
+        }
+        let mut v = [rank as u64];
+        group.all_reduce_max(&mut v).map_err(|e| e.to_string())
+    });
+    for (rank, r) in out.iter().enumerate().take(2) {
+        let e = r.as_ref().unwrap().as_ref().unwrap_err();
+        assert!(e.contains("rank 2 panicked"), "rank {rank}: {e}");
+    }
+    assert_eq!(out[2].as_ref().unwrap(), &Err("caught: true".to_string()));
+}
+
+#[test]
+fn a_rank_that_leaves_stops_the_others() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        if rank == 1 {
+            // returns without taking part: its only handle is dropped
+            drop(group);
+            return Ok(0);
+        }
+        let dev = Device::sim(ByteSize::mib(64));
+        one_step(&RetryEngine::new().with_consensus(group), &dev)
+    });
+    let e = out[0].as_ref().unwrap().as_ref().unwrap_err();
+    assert!(e.contains("rank 1 left the group"), "{e}");
+}
+
+#[test]
+fn a_rank_that_never_comes_times_out_with_its_name() {
+    let group = LocalGroup::with_timeout(2, Duration::from_millis(200));
+    let out = on_group_no_hang(group, |rank, group| {
+        if rank == 1 {
+            // alive but never comes (stuck elsewhere, or its handle leaked)
+            std::mem::forget(group);
+            return (Ok(0), None);
+        }
+        let dev = Device::sim(ByteSize::mib(64));
+        let engine = RetryEngine::new().with_consensus(group.clone());
+        let first = one_step(&engine, &dev);
+        // the group stays poisoned: the next collective fails at once
+        let mut v = [0];
+        let again = group.all_reduce_max(&mut v).map_err(|e| e.to_string());
+        (first, Some((again, group.poisoned())))
+    });
+    let (first, rest) = out[0].as_ref().unwrap();
+    let e = first.as_ref().unwrap_err();
+    assert!(e.contains("rank 1 did not reach"), "{e}");
+    assert!(e.contains("200ms"), "{e}");
+    let (again, poisoned) = rest.as_ref().unwrap();
+    assert!(again.as_ref().unwrap_err().contains("rank 1 did not reach"));
+    assert!(poisoned.is_some());
+}
+
+#[test]
+fn ranks_that_all_come_are_not_stopped_by_the_timeout() {
+    // Rank 1 arrives after rank 0 has waited a while, well within the limit; then both leave
+    // normally after the last round.
+    let group = LocalGroup::with_timeout(2, Duration::from_secs(10));
+    let out = on_group_no_hang(group, |rank, group| {
+        let mut sums = Vec::new();
+        for round in 0..20u64 {
+            if rank == 1 && round % 5 == 0 {
+                thread::sleep(Duration::from_millis(20));
+            }
+            let mut v = [round + rank as u64];
+            group.all_reduce_max(&mut v).map_err(|e| e.to_string())?;
+            sums.push(v[0]);
+        }
+        Ok::<_, String>(sums)
+    });
+    for r in out {
+        let sums = r.unwrap().unwrap();
+        assert_eq!(sums, (1..=20).collect::<Vec<u64>>());
+    }
 }

@@ -126,7 +126,8 @@ fn bisects_when_the_prediction_fails() {
     };
     let r = find_max_batch(&dev, FinderOptions::default(), step).unwrap();
     assert!(r.trials.iter().any(|t| t.peak_bytes.is_none()), "{r}");
-    assert!((297..=300).contains(&r.max_batch), "{r}");
+    // within the finder's 5% of the limit, never above it
+    assert!((285..=300).contains(&r.max_batch), "{r}");
     assert!(step(r.max_batch).is_ok());
 }
 

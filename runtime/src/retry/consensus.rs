@@ -9,10 +9,12 @@
 //!
 //! Implement [`Consensus`] over your collective library (an NCCL or Gloo all-reduce of three
 //! `u64`s). [`SingleProcess`] is the one-rank case; [`LocalGroup`] runs ranks on threads of one
-//! process, for tests.
+//! process, for tests (a rank that panics, leaves or does not come within a timeout makes the
+//! others fail with an error naming it, never wait forever).
 
 use std::fmt;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// A collective failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -46,15 +48,177 @@ impl Consensus for SingleProcess {
     }
 }
 
-#[derive(Debug)]
-struct Shared {
-    barrier: Barrier,
-    slots: Mutex<Vec<Vec<u64>>>,
-    sums: Mutex<Vec<Vec<f32>>>,
+/// What a rank brought to the current round.
+#[derive(Clone, Debug)]
+enum Payload {
+    Max(Vec<u64>),
+    SumF32(Vec<f32>),
 }
 
-/// In-process ranks that all-reduce through shared memory and a barrier: a fake transport to test
-/// multi-rank logic with threads.
+impl Payload {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Max(v) => v.len(),
+            Payload::SumF32(v) => v.len(),
+        }
+    }
+}
+
+/// The round's inputs, reduced by the last rank to arrive.
+fn reduce(inputs: &[Option<Payload>]) -> Result<Payload, ConsensusError> {
+    let inputs: Vec<&Payload> = inputs.iter().flatten().collect();
+    let lens: Vec<usize> = inputs.iter().map(|p| p.len()).collect();
+    if lens.windows(2).any(|w| w[0] != w[1]) {
+        return Err(ConsensusError(format!(
+            "ranks passed different numbers of values: {lens:?}"
+        )));
+    }
+    let n = lens.first().copied().unwrap_or(0);
+    match inputs.first() {
+        Some(Payload::Max(_)) => {
+            let mut out = vec![0u64; n];
+            for p in &inputs {
+                let Payload::Max(v) = p else {
+                    return Err(ConsensusError(
+                        "ranks called different collectives (max and sum) in one round".into(),
+                    ));
+                };
+                for (o, x) in out.iter_mut().zip(v) {
+                    *o = (*o).max(*x);
+                }
+            }
+            Ok(Payload::Max(out))
+        }
+        Some(Payload::SumF32(_)) => {
+            let mut out = vec![0.0f32; n];
+            // in rank order: every rank gets the same bits
+            for p in &inputs {
+                let Payload::SumF32(v) = p else {
+                    return Err(ConsensusError(
+                        "ranks called different collectives (max and sum) in one round".into(),
+                    ));
+                };
+                for (o, x) in out.iter_mut().zip(v) {
+                    *o += *x;
+                }
+            }
+            Ok(Payload::SumF32(out))
+        }
+        None => Ok(Payload::Max(Vec::new())),
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    /// Rounds completed.
+    round: u64,
+    /// This round's input of each rank (`None`: not arrived yet).
+    inputs: Vec<Option<Payload>>,
+    /// The last completed round's result.
+    result: Result<Payload, ConsensusError>,
+    /// Live handles of each rank (0: the rank left the group).
+    handles: Vec<usize>,
+    /// Why the group can no longer agree (a rank panicked, timed out): every call fails.
+    poisoned: Option<String>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    timeout: Duration,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Brings `rank`'s `input` to the current round and waits for every other rank's; the
+    /// reduced result, or why the round cannot complete.
+    fn exchange(&self, rank: usize, input: Payload) -> Result<Payload, ConsensusError> {
+        let mut st = self.lock();
+        if let Some(why) = &st.poisoned {
+            return Err(ConsensusError(why.clone()));
+        }
+        st.inputs[rank] = Some(input);
+        if st.inputs.iter().all(Option::is_some) {
+            st.result = reduce(&st.inputs);
+            st.inputs.iter_mut().for_each(|i| *i = None);
+            st.round += 1;
+            self.changed.notify_all();
+            return st.result.clone();
+        }
+        let round = st.round;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if st.round != round {
+                // completed (and read before any rank can start the next round's reduction:
+                // that one needs this rank too)
+                return st.result.clone();
+            }
+            if let Some(why) = &st.poisoned {
+                return Err(ConsensusError(why.clone()));
+            }
+            let missing: Vec<usize> = (0..st.inputs.len())
+                .filter(|&r| st.inputs[r].is_none())
+                .collect();
+            let left: Vec<usize> = missing
+                .iter()
+                .copied()
+                .filter(|&r| st.handles[r] == 0)
+                .collect();
+            let why = if !left.is_empty() {
+                Some(format!(
+                    "rank {} left the group (every handle dropped) without taking part in \
+                     round {round}: it cannot agree any more",
+                    list(&left)
+                ))
+            } else if Instant::now() >= deadline {
+                Some(format!(
+                    "rank {} did not reach round {round} within {:?} (rank {rank} waited; \
+                     LocalGroup::with_timeout sets the limit)",
+                    list(&missing),
+                    self.timeout
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                st.poisoned = Some(why.clone());
+                self.changed.notify_all();
+                return Err(ConsensusError(why));
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            st = self
+                .changed
+                .wait_timeout(st, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+fn list(ranks: &[usize]) -> String {
+    ranks
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// In-process ranks that all-reduce through shared memory: a fake transport to test multi-rank
+/// logic with threads.
+///
+/// No rank waits forever for one that will not come:
+/// - a handle dropped while its thread panics (a panic in the step, or in user code between
+///   steps) poisons the group: every rank waiting or arriving later gets an error naming the
+///   rank that panicked;
+/// - a rank whose every handle was dropped has left: ranks waiting for it get an error naming
+///   it;
+/// - a rank that holds its handle but does not come (stuck, or leaked) is given up after
+///   [`LocalGroup::DEFAULT_TIMEOUT`] (or the [`LocalGroup::with_timeout`] limit): the ranks
+///   waiting get an error naming it, and the group is poisoned.
 ///
 /// ```
 /// use oomguard_runtime::retry::{Consensus, LocalGroup};
@@ -66,7 +230,7 @@ struct Shared {
 /// })).collect();
 /// for h in handles { assert_eq!(h.join().unwrap(), [1, 10]); }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct LocalGroup {
     rank: usize,
     world: usize,
@@ -74,13 +238,30 @@ pub struct LocalGroup {
 }
 
 impl LocalGroup {
-    /// `world` ranks (at least 1); hand one to each thread.
+    /// How long a rank waits for the others in one collective by default: 60 s.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+    /// `world` ranks (at least 1); hand one to each thread. Waits at most
+    /// [`LocalGroup::DEFAULT_TIMEOUT`] for the others in a collective.
     pub fn new(world: usize) -> Vec<LocalGroup> {
+        Self::with_timeout(world, Self::DEFAULT_TIMEOUT)
+    }
+
+    /// [`LocalGroup::new`] whose ranks wait at most `timeout` for the others in a collective;
+    /// then they return an error naming the ranks that did not come, and the group is poisoned
+    /// (every later collective fails).
+    pub fn with_timeout(world: usize, timeout: Duration) -> Vec<LocalGroup> {
         let world = world.max(1);
         let shared = Arc::new(Shared {
-            barrier: Barrier::new(world),
-            slots: Mutex::new(vec![Vec::new(); world]),
-            sums: Mutex::new(vec![Vec::new(); world]),
+            state: Mutex::new(State {
+                round: 0,
+                inputs: vec![None; world],
+                result: Ok(Payload::Max(Vec::new())),
+                handles: vec![1; world],
+                poisoned: None,
+            }),
+            changed: Condvar::new(),
+            timeout,
         });
         (0..world)
             .map(|rank| LocalGroup {
@@ -90,31 +271,57 @@ impl LocalGroup {
             })
             .collect()
     }
-}
 
-impl LocalGroup {
+    /// Why the group can no longer agree, if it cannot (a rank panicked, left or timed out).
+    pub fn poisoned(&self) -> Option<String> {
+        self.shared.lock().poisoned.clone()
+    }
+
     /// Replaces every element of `values` with its sum over all ranks, added in rank order (so
     /// every rank gets the same bits). Every rank calls it with the same number of values.
     pub fn all_reduce_sum_f32(&self, values: &mut [f32]) -> Result<(), ConsensusError> {
-        let lock = || self.shared.sums.lock().unwrap_or_else(|e| e.into_inner());
-        lock()[self.rank] = values.to_vec();
-        self.shared.barrier.wait();
-        let result = {
-            let sums = lock();
-            if sums.iter().any(|s| s.len() != values.len()) {
-                Err(ConsensusError(format!(
-                    "ranks passed different numbers of values: {:?}",
-                    sums.iter().map(Vec::len).collect::<Vec<_>>()
-                )))
-            } else {
-                for (i, v) in values.iter_mut().enumerate() {
-                    *v = sums.iter().fold(0.0, |acc, s| acc + s[i]);
-                }
+        match self
+            .shared
+            .exchange(self.rank, Payload::SumF32(values.to_vec()))?
+        {
+            Payload::SumF32(sum) => {
+                values.copy_from_slice(&sum);
                 Ok(())
             }
-        };
-        self.shared.barrier.wait();
-        result
+            Payload::Max(_) => Err(ConsensusError(
+                "ranks called different collectives (max and sum) in one round".into(),
+            )),
+        }
+    }
+}
+
+/// Another handle of the same rank (e.g. for the engine and the gradient sync of one thread).
+impl Clone for LocalGroup {
+    fn clone(&self) -> Self {
+        self.shared.lock().handles[self.rank] += 1;
+        Self {
+            rank: self.rank,
+            world: self.world,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// Dropped while the thread panics: the group is poisoned (the rank will not come to the next
+/// collective). The rank's last handle dropped: the rank has left, and ranks waiting for it
+/// stop.
+impl Drop for LocalGroup {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        st.handles[self.rank] = st.handles[self.rank].saturating_sub(1);
+        if std::thread::panicking() && st.poisoned.is_none() {
+            st.poisoned = Some(format!(
+                "rank {} panicked (its LocalGroup handle was dropped while unwinding): the group cannot agree any more",
+                self.rank
+            ));
+        }
+        drop(st);
+        self.shared.changed.notify_all();
     }
 }
 
@@ -126,26 +333,18 @@ impl Consensus for LocalGroup {
         self.world
     }
     fn all_reduce_max(&self, values: &mut [u64]) -> Result<(), ConsensusError> {
-        let lock = || self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
-        lock()[self.rank] = values.to_vec();
-        self.shared.barrier.wait();
-        let result = {
-            let slots = lock();
-            if slots.iter().any(|s| s.len() != values.len()) {
-                Err(ConsensusError(format!(
-                    "ranks passed different numbers of values: {:?}",
-                    slots.iter().map(Vec::len).collect::<Vec<_>>()
-                )))
-            } else {
-                for (i, v) in values.iter_mut().enumerate() {
-                    *v = slots.iter().map(|s| s[i]).max().unwrap_or(*v);
-                }
+        match self
+            .shared
+            .exchange(self.rank, Payload::Max(values.to_vec()))?
+        {
+            Payload::Max(max) => {
+                values.copy_from_slice(&max);
                 Ok(())
             }
-        };
-        // Nobody writes the next round's values before everyone has read this round's.
-        self.shared.barrier.wait();
-        result
+            Payload::SumF32(_) => Err(ConsensusError(
+                "ranks called different collectives (max and sum) in one round".into(),
+            )),
+        }
     }
 }
 

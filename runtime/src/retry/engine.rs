@@ -7,6 +7,8 @@ use std::fmt;
 use std::ops::ControlFlow;
 use std::panic::Location;
 use std::path::Path;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -124,6 +126,12 @@ type ModeHook = Arc<dyn Fn() -> StepMode + Send + Sync>;
 /// ```
 #[derive(Clone)]
 pub struct RetryEngine {
+    /// One reference count to clone (a step's loop holds a clone).
+    inner: Arc<EngineParts>,
+}
+
+#[derive(Clone)]
+struct EngineParts {
     policy: Arc<dyn RetryPolicy>,
     memory: Arc<Mutex<PlanMemory>>,
     consensus: Arc<dyn Consensus>,
@@ -135,10 +143,10 @@ pub struct RetryEngine {
 impl fmt::Debug for RetryEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryEngine")
-            .field("policy", &self.policy)
-            .field("consensus", &self.consensus)
-            .field("regrow_after", &self.regrow_after)
-            .field("thrash", &self.thrash)
+            .field("policy", &self.inner.policy)
+            .field("consensus", &self.inner.consensus)
+            .field("regrow_after", &self.inner.regrow_after)
+            .field("thrash", &self.inner.thrash)
             .finish_non_exhaustive()
     }
 }
@@ -161,67 +169,69 @@ impl RetryEngine {
     /// [`DEFAULT_REGROW_AFTER`] clean steps, thrash window [`DEFAULT_THRASH_WINDOW`].
     pub fn new() -> Self {
         Self {
-            policy: Arc::new(training_policy()),
-            memory: Arc::new(Mutex::new(PlanMemory::in_memory())),
-            consensus: Arc::new(SingleProcess),
-            mode: Arc::new(StepMode::current),
-            regrow_after: Some(DEFAULT_REGROW_AFTER),
-            thrash: Some(ThrashDetector::new(DEFAULT_THRASH_WINDOW)),
+            inner: Arc::new(EngineParts {
+                policy: Arc::new(training_policy()),
+                memory: Arc::new(Mutex::new(PlanMemory::in_memory())),
+                consensus: Arc::new(SingleProcess),
+                mode: Arc::new(StepMode::current),
+                regrow_after: Some(DEFAULT_REGROW_AFTER),
+                thrash: Some(ThrashDetector::new(DEFAULT_THRASH_WINDOW)),
+            }),
         }
     }
 
     /// Uses `policy` to choose plans after an OOM.
     pub fn with_policy(mut self, policy: impl RetryPolicy + 'static) -> Self {
-        self.policy = Arc::new(policy);
+        Arc::make_mut(&mut self.inner).policy = Arc::new(policy);
         self
     }
 
     /// Remembers plans in `path` (JSON), starting from what it holds.
     pub fn with_memory_file(mut self, path: impl AsRef<Path>) -> Result<Self, MemoryError> {
-        self.memory = Arc::new(Mutex::new(PlanMemory::open(path)?));
+        Arc::make_mut(&mut self.inner).memory = Arc::new(Mutex::new(PlanMemory::open(path)?));
         Ok(self)
     }
 
     /// Uses `memory` (shared, e.g. between engines of several threads of one rank).
     pub fn with_memory(mut self, memory: Arc<Mutex<PlanMemory>>) -> Self {
-        self.memory = memory;
+        Arc::make_mut(&mut self.inner).memory = memory;
         self
     }
 
     /// Agrees on plans with other ranks through `consensus`.
     pub fn with_consensus(mut self, consensus: impl Consensus + 'static) -> Self {
-        self.consensus = Arc::new(consensus);
+        Arc::make_mut(&mut self.inner).consensus = Arc::new(consensus);
         self
     }
 
     /// Asks `hook` whether a step trains or evaluates when it starts (e.g. from the thread's
     /// grad mode): plans are remembered separately for each mode.
     pub fn with_mode_hook(mut self, hook: impl Fn() -> StepMode + Send + Sync + 'static) -> Self {
-        self.mode = Arc::new(hook);
+        Arc::make_mut(&mut self.inner).mode = Arc::new(hook);
         self
     }
 
     /// After `steps` clean steps at a site, try one size up (`None`: never).
     pub fn regrow_after(mut self, steps: Option<u32>) -> Self {
-        self.regrow_after = steps;
+        Arc::make_mut(&mut self.inner).regrow_after = steps;
         self
     }
 
     /// Move down after `steps` consecutive thrashing steps (`None`: never).
     pub fn thrash_window(mut self, steps: Option<u32>) -> Self {
-        self.thrash = steps.map(ThrashDetector::new);
+        Arc::make_mut(&mut self.inner).thrash = steps.map(ThrashDetector::new);
         self
     }
 
     /// The remembered plans.
     pub fn memory(&self) -> MutexGuard<'_, PlanMemory> {
-        self.memory.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.memory.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The limits remembered for the call site `site` (as in [`RetryReport::site`]) on `device`
     /// in the current mode.
     pub fn remembered(&self, site: &str, device: &(impl MemorySource + Clone)) -> Limits {
-        let key = MemoryKey::at(site.to_string(), device, (self.mode)());
+        let key = MemoryKey::at(site.to_string(), device, (self.inner.mode)());
         self.memory().limits(&key)
     }
 
@@ -315,7 +325,7 @@ impl RetryEngine {
         device: &(impl MemorySource + Clone),
         batch: usize,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
-        let key = MemoryKey::at(site.into(), device, (self.mode)());
+        let key = MemoryKey::at(site.into(), device, (self.inner.mode)());
         self.begin_on(key, Target::One(Arc::new(device.clone())), batch, None)
     }
 
@@ -335,9 +345,69 @@ impl RetryEngine {
         let key = MemoryKey {
             site: site.into(),
             device: thread_device_key(),
-            mode: (self.mode)(),
+            mode: (self.inner.mode)(),
         };
         self.begin_on(key, Target::All, start.batch(), Some(start.micro_batch()))
+    }
+
+    /// [`RetryEngine::begin_any`] for a call site named by a `'static` string, with `memo`
+    /// remembering between calls what the site's key looked like: while nothing is remembered
+    /// for the site on this thread's device in this mode (no limits, no thrash streak, no plan
+    /// file error) and the plan memory has not changed since that was checked
+    /// ([`PlanMemory::generation`]), the first attempt starts without setting up the loop or
+    /// building the memory key, and a first attempt that succeeds without allocator retries
+    /// ends the step there (its report is made only when asked for; [`last_report`](super::last_report)
+    /// has it). Anything else (an out-of-memory, an error, allocator retries) sets the loop up
+    /// as [`RetryEngine::begin_any`] would have, and it goes on from that attempt. Use one memo
+    /// per call site, engine and mode. Falls back to [`RetryEngine::begin_any`] for more than
+    /// one rank and for a thread that allocated nothing on an oomguard device yet.
+    pub fn begin_any_memo<E: IsOom + fmt::Display>(
+        &self,
+        site: &'static str,
+        start: BatchPlan,
+        memo: &SiteMemo,
+    ) -> Result<RetryLoop<E>, RetryError<E>> {
+        let Some(epoch) = (self.inner.consensus.world_size() == 1)
+            .then(thread_device_epoch)
+            .flatten()
+        else {
+            return self.begin_any(site, start);
+        };
+        let mode = (self.inner.mode)();
+        {
+            let mem = self.memory();
+            if !memo.holds(mem.generation(), epoch, mode) {
+                let key = MemoryKey {
+                    site: site.to_string(),
+                    device: thread_device_key(),
+                    mode,
+                };
+                if !mem.is_pristine(&key) {
+                    memo.forget();
+                    drop(mem);
+                    return self.begin_on(
+                        key,
+                        Target::All,
+                        start.batch(),
+                        Some(start.micro_batch()),
+                    );
+                }
+                memo.set(mem.generation(), epoch, mode);
+            }
+        }
+        super::report::clear_last_report();
+        Ok(RetryLoop {
+            state: LoopState::Lazy(LazyLoop {
+                engine: self.clone(),
+                site,
+                mode,
+                plan: start,
+                started: Instant::now(),
+                retries_before: crate::alloc::thread_alloc_retries(),
+                elapsed: None,
+                report: std::sync::OnceLock::new(),
+            }),
+        })
     }
 
     fn begin_on<E: IsOom + fmt::Display>(
@@ -377,7 +447,7 @@ impl RetryEngine {
                 limits.batch = None;
             }
             let mut regrow = None;
-            if let Some(k) = self.regrow_after {
+            if let Some(k) = self.inner.regrow_after {
                 let wait = u64::from(k) << e.failed_regrows.min(16);
                 if u64::from(e.clean_steps) >= wait {
                     e.clean_steps = 0;
@@ -426,7 +496,7 @@ impl RetryEngine {
             commit_error: None,
             memory_error,
         };
-        Ok(RetryLoop {
+        Ok(RetryLoop::full(FullLoop {
             device_addr: Device::thread_device_addr(),
             engine: self.clone(),
             retries_before: target.alloc_retries(),
@@ -443,12 +513,12 @@ impl RetryEngine {
             started,
             attempt_started: started,
             done: false,
-        })
+        }))
     }
 
     fn agree(&self, values: &mut [u64; 3]) -> Result<(), ConsensusError> {
-        if self.consensus.world_size() > 1 {
-            self.consensus.all_reduce_max(values)?;
+        if self.inner.consensus.world_size() > 1 {
+            self.inner.consensus.all_reduce_max(values)?;
         }
         Ok(())
     }
@@ -478,15 +548,97 @@ impl RetryEngine {
     }
 }
 
+/// What [`RetryEngine::begin_any_memo`] remembers about one call site between calls: the plan
+/// memory's generation and the thread's device at which nothing was remembered for the site.
+/// Read and written only under the plan memory's lock.
+#[derive(Debug, Default)]
+pub struct SiteMemo {
+    generation: AtomicU64,
+    device_epoch: AtomicU64,
+    mode: AtomicU8,
+}
+
+impl SiteMemo {
+    /// A memo that holds nothing.
+    pub const fn new() -> Self {
+        Self {
+            generation: AtomicU64::new(0),
+            device_epoch: AtomicU64::new(0),
+            mode: AtomicU8::new(0),
+        }
+    }
+
+    fn mode_code(mode: StepMode) -> u8 {
+        match mode {
+            StepMode::Train => 1,
+            StepMode::Eval => 2,
+        }
+    }
+
+    fn holds(&self, generation: u64, epoch: u64, mode: StepMode) -> bool {
+        self.generation.load(Relaxed) == generation
+            && self.device_epoch.load(Relaxed) == epoch
+            && self.mode.load(Relaxed) == Self::mode_code(mode)
+    }
+
+    fn set(&self, generation: u64, epoch: u64, mode: StepMode) {
+        self.generation.store(generation, Relaxed);
+        self.device_epoch.store(epoch, Relaxed);
+        self.mode.store(Self::mode_code(mode), Relaxed);
+    }
+
+    fn forget(&self) {
+        self.generation.store(0, Relaxed);
+    }
+}
+
+/// Identities of the devices threads allocated on, as cached by [`thread_device_key`]: a
+/// number no other (thread, device) pair had.
+static DEVICE_EPOCHS: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's device: its weak handle, key and epoch.
+    static DEVICE_CACHE: std::cell::RefCell<Option<(crate::device::WeakDevice, super::memory::DeviceKey, u64)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The epoch of the device this thread allocated on last (`None`: none yet), cached with its
+/// key: equal epochs mean equal device keys.
+fn thread_device_epoch() -> Option<u64> {
+    let addr = Device::thread_device_addr();
+    if addr == 0 {
+        return None;
+    }
+    let cached = DEVICE_CACHE
+        .try_with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|(w, _, _)| w.addr() == addr && w.alive())
+                .map(|(_, _, e)| *e)
+        })
+        .ok()
+        .flatten();
+    if cached.is_some() {
+        return cached;
+    }
+    // fills the cache
+    let _ = thread_device_key();
+    DEVICE_CACHE
+        .try_with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|(w, _, _)| w.addr() == addr && w.alive())
+                .map(|(_, _, e)| *e)
+        })
+        .ok()
+        .flatten()
+}
+
 /// The device key of a step that holds no device: the device this thread allocated on last.
 /// Cached per thread (the device's name is a string the backend builds); the cache holds a
 /// weak handle, so the address cannot belong to another device while it is cached.
 fn thread_device_key() -> super::memory::DeviceKey {
     use super::memory::DeviceKey;
-    thread_local! {
-        static CACHE: std::cell::RefCell<Option<(crate::device::WeakDevice, DeviceKey)>> =
-            const { std::cell::RefCell::new(None) };
-    }
     let addr = Device::thread_device_addr();
     if addr == 0 {
         // No oomguard allocation on this thread: code on another source (candle on a driver
@@ -496,12 +648,12 @@ fn thread_device_key() -> super::memory::DeviceKey {
             _ => DeviceKey::any(),
         };
     }
-    let cached = CACHE
+    let cached = DEVICE_CACHE
         .try_with(|c| {
             c.borrow()
                 .as_ref()
-                .filter(|(w, _)| w.addr() == addr && w.alive())
-                .map(|(_, k)| k.clone())
+                .filter(|(w, _, _)| w.addr() == addr && w.alive())
+                .map(|(_, k, _)| k.clone())
         })
         .ok()
         .flatten();
@@ -511,7 +663,9 @@ fn thread_device_key() -> super::memory::DeviceKey {
     match Device::last_used_on_thread() {
         Some(d) => {
             let k = DeviceKey::of(&d);
-            let _ = CACHE.try_with(|c| *c.borrow_mut() = Some((d.downgrade(), k.clone())));
+            let epoch = DEVICE_EPOCHS.fetch_add(1, Relaxed);
+            let _ = DEVICE_CACHE
+                .try_with(|c| *c.borrow_mut() = Some((d.downgrade(), k.clone(), epoch)));
             k
         }
         None => DeviceKey::any(),
@@ -567,10 +721,8 @@ const OOM: u64 = 1;
 const GIVE_UP: u64 = 2;
 const FATAL: u64 = 3;
 
-/// One step in progress, driven by hand: run an attempt with [`RetryLoop::plan`], hand its
-/// result to [`RetryLoop::next`], and repeat while it says `Continue`. Made by
-/// [`RetryEngine::begin`]. Commit only after `next` returns `Break(Ok(..))`.
-pub struct RetryLoop<E> {
+/// The state of a loop set up in full (every step but a first attempt that ran without one).
+struct FullLoop<E> {
     /// For a step that holds no device: the thread's device when its key was taken.
     device_addr: usize,
     engine: RetryEngine,
@@ -593,9 +745,9 @@ pub struct RetryLoop<E> {
 /// A loop dropped before its step ended (a panic in the attempt, or a caller that stopped
 /// driving it): the other ranks wait for this rank's next agreement, so it takes part as failed
 /// and they stop with [`RetryError::PeerFailed`] instead of waiting forever.
-impl<E> Drop for RetryLoop<E> {
+impl<E> Drop for FullLoop<E> {
     fn drop(&mut self) {
-        if !self.done && self.engine.consensus.world_size() > 1 {
+        if !self.done && self.engine.inner.consensus.world_size() > 1 {
             self.done = true;
             let mut v = [FATAL, 0, 0];
             if let Err(e) = self.engine.agree(&mut v) {
@@ -605,7 +757,7 @@ impl<E> Drop for RetryLoop<E> {
     }
 }
 
-impl<E> fmt::Debug for RetryLoop<E> {
+impl<E> fmt::Debug for FullLoop<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLoop")
             .field("site", &self.key.site)
@@ -615,7 +767,7 @@ impl<E> fmt::Debug for RetryLoop<E> {
     }
 }
 
-impl<E: IsOom + fmt::Display> RetryLoop<E> {
+impl<E: IsOom + fmt::Display> FullLoop<E> {
     /// A policy's plan, if the engine may run it: the rows of the step at most, and no larger
     /// than the plan that failed (a policy that grows plans would never end). Anything else is
     /// logged and treated as giving up: the policy is not trusted to be right.
@@ -627,7 +779,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             tracing::error!(
                 target: "oomguard::retry",
                 site = %self.report.site,
-                policy = ?self.engine.policy,
+                policy = ?self.engine.inner.policy,
                 failed = %failed,
                 proposed = %next,
                 rows = self.batch,
@@ -639,29 +791,8 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
         Some(next)
     }
 
-    /// The plan the next attempt must run.
-    pub fn plan(&self) -> BatchPlan {
-        self.plan
-    }
-
-    /// Rows the next attempt must process (`plan().batch()`).
-    pub fn batch(&self) -> usize {
-        self.plan.batch()
-    }
-
-    /// The report so far.
-    pub fn report(&self) -> &RetryReport {
-        &self.report
-    }
-
-    /// Takes an attempt's result. `Break(Ok((value, report)))`: commit `value` now.
-    /// `Continue`: the attempt did not count (its OOM, or another rank's); the cache was emptied
-    /// and [`RetryLoop::plan`] is the plan to run next. `Break(Err(..))`: stop, commit nothing.
-    /// Calling it again after a `Break` returns an error.
-    pub fn next<G>(
-        &mut self,
-        result: Result<G, E>,
-    ) -> ControlFlow<Result<(G, RetryReport), RetryError<E>>> {
+    /// [`RetryLoop::next_value`] of a loop set up in full.
+    fn next<G>(&mut self, result: Result<G, E>) -> ControlFlow<Result<G, RetryError<E>>> {
         if self.done {
             return ControlFlow::Break(Err(RetryError::InvalidArgument(
                 "RetryLoop::next called after the step finished".into(),
@@ -696,6 +827,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                     };
                     let ctx = RetryContext::new(plan, self.batch, self.oom_count, pressure);
                     self.engine
+                        .inner
                         .policy
                         .next_plan(&ctx)
                         .and_then(|p| self.checked(p, plan))
@@ -747,7 +879,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
             );
             self.report.elapsed = now.saturating_duration_since(self.started);
             super::report::set_last_report(&self.report);
-            return ControlFlow::Break(Ok((value, self.report.clone())));
+            return ControlFlow::Break(Ok(value));
         }
 
         // The attempt does not count on any rank.
@@ -838,6 +970,183 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
     }
 }
 
+/// One step in progress, driven by hand: run an attempt with [`RetryLoop::plan`], hand its
+/// result to [`RetryLoop::next`], and repeat while it says `Continue`. Made by
+/// [`RetryEngine::begin`]. Commit only after `next` returns `Break(Ok(..))`.
+///
+/// A loop made by [`RetryEngine::begin_any_memo`] may start without being set up: its first
+/// attempt runs with the caller's plan, and the loop is set up only if that attempt fails (or
+/// the allocator thrashed during it); what it does and reports is the same.
+pub struct RetryLoop<E> {
+    state: LoopState<E>,
+}
+
+enum LoopState<E> {
+    /// The first attempt of a step with nothing remembered, not set up yet.
+    Lazy(LazyLoop),
+    Full(Box<FullLoop<E>>),
+}
+
+/// A first attempt started without a loop (see [`RetryEngine::begin_any_memo`]).
+struct LazyLoop {
+    engine: RetryEngine,
+    site: &'static str,
+    mode: StepMode,
+    plan: BatchPlan,
+    started: Instant,
+    retries_before: u64,
+    /// The step ended: how long it took.
+    elapsed: Option<std::time::Duration>,
+    /// [`RetryLoop::report`], made when asked for.
+    report: std::sync::OnceLock<Box<RetryReport>>,
+}
+
+impl LazyLoop {
+    fn make_report(&self) -> RetryReport {
+        RetryReport {
+            site: self.site.to_string(),
+            mode: self.mode,
+            requested_batch: self.plan.batch(),
+            initial_plan: self.plan,
+            from_memory: false,
+            final_plan: self.plan,
+            attempts: Vec::new(),
+            regrow: None,
+            thrash_moved_to: None,
+            elapsed: self.elapsed.unwrap_or_default(),
+            commit_error: None,
+            memory_error: None,
+        }
+    }
+
+    /// The loop as `RetryEngine::begin_on` would have set it up (nothing was remembered, so
+    /// the plan is the caller's), its first attempt under way.
+    fn upgrade<E>(&self) -> FullLoop<E> {
+        let key = MemoryKey {
+            site: self.site.to_string(),
+            // the device now: what the attempt learned belongs to the device it allocated on
+            device: thread_device_key(),
+            mode: self.mode,
+        };
+        let memory_error = self.engine.memory().error().map(str::to_string);
+        let mut report = self.make_report();
+        report.elapsed = Default::default();
+        report.memory_error = memory_error;
+        FullLoop {
+            device_addr: Device::thread_device_addr(),
+            engine: self.engine.clone(),
+            target: Target::All,
+            key,
+            batch: self.plan.batch(),
+            good: self.plan,
+            plan: self.plan,
+            regrow: None,
+            regrow_plan: None,
+            report,
+            failures: Vec::new(),
+            oom_count: 0,
+            started: self.started,
+            attempt_started: self.started,
+            retries_before: self.retries_before,
+            done: false,
+        }
+    }
+}
+
+impl<E> fmt::Debug for RetryLoop<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.state {
+            LoopState::Full(l) => l.fmt(f),
+            LoopState::Lazy(l) => f
+                .debug_struct("RetryLoop")
+                .field("site", &l.site)
+                .field("plan", &l.plan)
+                .field("retries", &0)
+                .finish_non_exhaustive(),
+        }
+    }
+}
+
+impl<E> RetryLoop<E> {
+    fn full(l: FullLoop<E>) -> Self {
+        Self {
+            state: LoopState::Full(Box::new(l)),
+        }
+    }
+
+    /// The plan the next attempt must run (after the step ended: the plan of its last attempt).
+    pub fn plan(&self) -> BatchPlan {
+        match &self.state {
+            LoopState::Full(l) => l.plan,
+            LoopState::Lazy(l) => l.plan,
+        }
+    }
+
+    /// Rows the next attempt must process (`plan().batch()`).
+    pub fn batch(&self) -> usize {
+        self.plan().batch()
+    }
+
+    /// The report so far.
+    pub fn report(&self) -> &RetryReport {
+        match &self.state {
+            LoopState::Full(l) => &l.report,
+            LoopState::Lazy(l) => l.report.get_or_init(|| Box::new(l.make_report())),
+        }
+    }
+}
+
+impl<E: IsOom + fmt::Display> RetryLoop<E> {
+    /// Takes an attempt's result. `Break(Ok((value, report)))`: commit `value` now.
+    /// `Continue`: the attempt did not count (its OOM, or another rank's); the cache was emptied
+    /// and [`RetryLoop::plan`] is the plan to run next. `Break(Err(..))`: stop, commit nothing.
+    /// Calling it again after a `Break` returns an error.
+    pub fn next<G>(
+        &mut self,
+        result: Result<G, E>,
+    ) -> ControlFlow<Result<(G, RetryReport), RetryError<E>>> {
+        match self.next_value(result) {
+            ControlFlow::Continue(()) => ControlFlow::Continue(()),
+            ControlFlow::Break(Ok(v)) => ControlFlow::Break(Ok((v, self.report().clone()))),
+            ControlFlow::Break(Err(e)) => ControlFlow::Break(Err(e)),
+        }
+    }
+
+    /// [`RetryLoop::next`] without a copy of the report on success (it stays in
+    /// [`RetryLoop::report`] and in [`last_report`](super::last_report)).
+    pub fn next_value<G>(&mut self, result: Result<G, E>) -> ControlFlow<Result<G, RetryError<E>>> {
+        let mut result = result;
+        if let LoopState::Lazy(l) = &mut self.state {
+            if l.elapsed.is_some() {
+                return ControlFlow::Break(Err(RetryError::InvalidArgument(
+                    "RetryLoop::next called after the step finished".into(),
+                )));
+            }
+            // Thrash detection: the allocator retried during the attempt.
+            let thrashed = crate::alloc::thread_alloc_retries() > l.retries_before;
+            result = match result {
+                Ok(v) if !thrashed => {
+                    // The usual step: nothing remembered, nothing to learn.
+                    let elapsed = l.started.elapsed();
+                    l.elapsed = Some(elapsed);
+                    l.report.take();
+                    super::report::set_last_clean(l.site, l.mode, l.plan, elapsed);
+                    return ControlFlow::Break(Ok(v));
+                }
+                other => other,
+            };
+            // An out-of-memory or an error (or the allocator thrashed): set the loop up as it
+            // would have been, and go on from this attempt.
+            let full = l.upgrade();
+            self.state = LoopState::Full(Box::new(full));
+        }
+        let LoopState::Full(l) = &mut self.state else {
+            unreachable!("set up above")
+        };
+        l.next(result)
+    }
+}
+
 impl RetryEngine {
     /// Updates the remembered plan after a successful attempt: learned limits, regrow, thrash.
     #[allow(clippy::too_many_arguments)]
@@ -866,10 +1175,10 @@ impl RetryEngine {
         } else {
             e.clean_steps = 0;
         }
-        if let Some(t) = self.thrash {
+        if let Some(t) = self.inner.thrash {
             if t.observe(&mut e.thrash_streak, retries_before, retries_after) {
                 let ctx = RetryContext::new(*plan, batch, 1, Pressure::Thrash);
-                if let Some(smaller) = self.policy.next_plan(&ctx) {
+                if let Some(smaller) = self.inner.policy.next_plan(&ctx) {
                     tracing::warn!(
                         target: "oomguard::retry",
                         site = %key.site,

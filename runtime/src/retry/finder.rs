@@ -1,11 +1,12 @@
 //! A predictive batch-size finder: two small measured runs, a linear fit of peak memory, one jump
-//! to the predicted maximum; bisection only if the prediction fails.
+//! to the predicted maximum; a model-aimed, bisection-bounded search only if the prediction
+//! fails.
 //!
 //! Lightning doubles then bisects (13 step runs for GPT-2 small on an H100), Accelerate
 //! multiplies by 0.9 from a guess (23 runs, 0.88 of the maximum), toma halves (5 runs, 0.58).
 //! Memory of a training step is close to `fixed + per_row × rows`; measuring it at two sizes
-//! predicts the largest batch that fits: 4 runs when memory is affine in the batch, more when it
-//! is not (see [`find_max_batch`]).
+//! predicts the largest batch that fits: at most 4 runs when memory is affine in the batch, more
+//! when it is not (see [`find_max_batch`]).
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -23,8 +24,8 @@ pub struct FinderOptions {
     /// Fraction of the memory left for the rows that is kept free as a safety margin on the
     /// jump (fragmentation, rounding), in `[0, 1)`.
     pub margin: f64,
-    /// After a successful jump, refit on the widest two points and try the refined prediction
-    /// (one more run, with half the margin).
+    /// After a jump that ran with the peak the fit predicted, refit on the widest two points and
+    /// try the refined prediction (one more run, with half the margin).
     pub refine: bool,
     /// Most step runs in all.
     pub max_trials: u32,
@@ -181,15 +182,27 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 ///
 /// Runs the step at `start` and `8 × start` rows while measuring peak memory, fits
 /// `peak = fixed + per_row × rows`, jumps to the predicted maximum under the available memory
-/// minus the margin, and optionally refines once: **4 runs when peak memory is affine in the
-/// batch**. When the jump fails (memory quadratic in the rows, a jump, rows padded to buckets)
-/// it searches between the largest batch that ran and the smallest that did not, probing where
-/// a parabola (or secant) through the measured peaks meets the budget, until the first is
-/// within 0.95 of the second; measured: 6–8 runs on quadratic and bucketed
-/// steps, 7 to 11 on steps whose memory jumps (docs/BENCHMARKS.md). If `max_trials` ends the
-/// search first, [`FinderReport::stopped_by_max_trials`] says so. The step should do what a
-/// real step does (forward, backward, optimizer), keep nothing between calls, and not retry
-/// out-of-memory itself (a step that did is refused: [`FinderError::RetriesInside`]).
+/// minus the margin, and, when the jump's peak is the predicted one, refines once: **at most 4
+/// runs when peak memory is affine in the batch** (3 without `refine`).
+///
+/// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
+/// largest batch below the smallest one that did not (the 0.95 tolerance; the maximum lies between
+/// them), so the result is always at least 0.95 of the true maximum (or `max`). It aims where a
+/// model of the measured peaks meets the budget (a parabola through the three largest
+/// successes, else the secant through two; a power law while memory grows more slowly than
+/// the rows), follows a model whose last prediction came true, keeps every other probe where a
+/// bisection of the bracket could still end the search in the runs left (8 in all, or the
+/// fewest bisection needs), and bisects once a model aims at a size that already failed. Runs
+/// measured on simulated steps (docs/BENCHMARKS.md): 5–8 on quadratic, bucketed and concave
+/// steps and on memory jumps that the peaks point to; where memory jumps at a row that nothing
+/// measured points to (the limit is the jump itself), no search can do better than bisecting
+/// between `8 × start` and the failed jump, and this one takes at most that: 9–10 runs for a
+/// prediction 100–500× the jump, 11 for 2,000×. If `max_trials` ends the search first,
+/// [`FinderReport::stopped_by_max_trials`] says so (and a warning is logged).
+///
+/// The step should do what a real step does (forward, backward, optimizer), keep nothing
+/// between calls, and not retry out-of-memory itself (a step that did is refused:
+/// [`FinderError::RetriesInside`]). Defaults: [`FinderOptions::default`].
 ///
 /// ```
 /// use oomguard_runtime::retry::{find_max_batch, FinderOptions};
@@ -264,125 +277,19 @@ where
     };
     let budget_left = |trials: &Vec<Trial>| (trials.len() as u32) < opts.max_trials;
 
-    // lo: largest size that ran (with its peak); hi: smallest size that failed.
-    let mut lo: Option<(usize, u64)> = None;
-    let mut hi: Option<usize> = None;
-    let mut fit = None;
+    let search = Search::new(budget, opts);
+    let mut state = SearchState::default();
     let mut stopped_by_trials = false;
-
-    let s1 = opts.start;
-    match run(s1, &mut trials)? {
-        Some(p) => lo = Some((s1, p)),
-        None => hi = Some(s1),
+    while let Some(probe) = search.next_probe(&state, &trials) {
+        if !budget_left(&trials) {
+            stopped_by_trials = true;
+            break;
+        }
+        let peak = run(probe.rows, &mut trials)?;
+        state.observe(&search, probe, peak, &trials);
     }
-    if let Some((r1, p1)) = lo {
-        let s2 = s1.saturating_mul(8).min(opts.max);
-        if s2 > s1 {
-            match run(s2, &mut trials)? {
-                Some(p2) => {
-                    lo = Some((s2, p2));
-                    fit = LinearFit::through(r1, p1, s2, p2);
-                }
-                None => hi = Some(s2),
-            }
-        }
-    }
-    // Jump.
-    if let (Some(f), None, Some((r_lo, _))) = (fit, hi, lo) {
-        let jump = f.max_rows(budget, opts.margin).min(opts.max);
-        if jump > r_lo && budget_left(&trials) {
-            match run(jump, &mut trials)? {
-                Some(p3) => {
-                    lo = Some((jump, p3));
-                    if opts.refine && budget_left(&trials) {
-                        if let Some(f2) =
-                            LinearFit::through(s1, trials[0].peak_bytes.unwrap_or(0), jump, p3)
-                        {
-                            fit = Some(f2);
-                            let refined = f2.max_rows(budget, opts.margin / 2.0).min(opts.max);
-                            if refined > jump {
-                                match run(refined, &mut trials)? {
-                                    Some(p4) => lo = Some((refined, p4)),
-                                    None => hi = Some(refined),
-                                }
-                            }
-                        }
-                    }
-                    if hi.is_none() {
-                        // The prediction worked: done.
-                        return Ok(FinderReport {
-                            max_batch: lo.map_or(0, |l| l.0),
-                            trials,
-                            fit,
-                            budget_bytes: budget,
-                            stopped_by_max_trials: false,
-                        });
-                    }
-                }
-                None => hi = Some(jump),
-            }
-        }
-    }
-    // No usable fit (memory does not grow with rows): double until failure.
-    if fit.is_none() && hi.is_none() {
-        while let Some((r, _)) = lo {
-            if r >= opts.max || !budget_left(&trials) {
-                break;
-            }
-            // Memory did not grow from the last probes (rows padded to buckets, a fixed
-            // workspace): assume at worst proportional memory, `peak / rows` a row, which never
-            // overshoots an affine step with a nonnegative fixed part.
-            let p = lo.map_or(0, |x| x.1).max(1);
-            let proportional =
-                (r as f64 * budget as f64 * (1.0 - opts.margin) / p as f64).floor() as usize;
-            // at least past the tolerance, so that a failure there ends the search
-            let just_above = ((r as f64) / TOLERANCE).floor() as usize + 1;
-            let next = proportional.max(just_above).min(opts.max);
-            match run(next, &mut trials)? {
-                Some(p) => lo = Some((next, p)),
-                None => {
-                    hi = Some(next);
-                    break;
-                }
-            }
-        }
-    }
-    // The prediction failed: memory is not affine in the rows (quadratic, a jump, buckets).
-    // Search the bracket [largest success, smallest failure) until the success is within
-    // `TOLERANCE` of the failure (the maximum lies between them), probing where the secant
-    // through the two largest successes meets the budget when that is inside the bracket, else
-    // in its middle (geometric while it is wide).
-    if let Some(mut h) = hi {
-        let mut l = lo.map_or(0, |x| x.0);
-        let mut confirm = false;
-        while h - l > 1 && (l as f64) < TOLERANCE * h as f64 && budget_left(&trials) {
-            let successes: Vec<(usize, u64)> = {
-                let mut v: Vec<_> = trials
-                    .iter()
-                    .filter_map(|t| t.peak_bytes.map(|p| (t.rows, p)))
-                    .collect();
-                v.sort_unstable();
-                v
-            };
-            let mid = bracket_probe(l, h, &successes, budget, opts.margin, confirm);
-            let was_confirm = mid == ((l as f64) / TOLERANCE).floor() as usize + 1;
-            match run(mid, &mut trials)? {
-                Some(p) => {
-                    l = mid;
-                    lo = Some((mid, p));
-                    // after a success, try once just above it (unless that was the try)
-                    confirm = !was_confirm;
-                }
-                None => {
-                    h = mid;
-                    confirm = false;
-                }
-            }
-        }
-        stopped_by_trials = h - l > 1 && (l as f64) < TOLERANCE * h as f64;
-        if l == 0 {
-            return Err(FinderError::NothingFits(trials));
-        }
+    if state.l == 0 {
+        return Err(FinderError::NothingFits(trials));
     }
     if stopped_by_trials {
         tracing::warn!(
@@ -392,12 +299,394 @@ where
         );
     }
     Ok(FinderReport {
-        max_batch: lo.map_or(0, |l| l.0),
+        max_batch: state.l,
         trials,
-        fit,
+        fit: state.fit,
         budget_bytes: budget,
         stopped_by_max_trials: stopped_by_trials,
     })
+}
+
+/// Step runs the search aims to stay within after the linear prediction failed: it follows its
+/// models (parabola, secant) only as far as bisection could still settle the bracket in what
+/// is left of these, and bisects once they are spent.
+const TARGET_RUNS: usize = 8;
+
+/// What a probe is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ProbeKind {
+    /// The first run, at `start`.
+    Start,
+    /// The second, at `8 × start`: the other point of the linear fit.
+    Second,
+    /// The jump to the maximum the linear fit predicts.
+    Jump,
+    /// The refinement after a jump whose peak the fit predicted.
+    Refine,
+    /// Anything else (searching a bracket, or climbing without one).
+    Search,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    rows: usize,
+    kind: ProbeKind,
+    /// The peak the model predicted for it.
+    predicted: Option<f64>,
+}
+
+/// The fixed inputs of the search.
+struct Search {
+    budget: u64,
+    opts: FinderOptions,
+}
+
+/// What the runs so far say.
+#[derive(Debug, Default)]
+struct SearchState {
+    /// The largest batch that ran (0: none yet).
+    l: usize,
+    /// Its peak.
+    l_peak: u64,
+    /// The smallest batch that did not run.
+    h: Option<usize>,
+    /// The linear fit of the jump (refitted through the jump when it ran as predicted).
+    fit: Option<LinearFit>,
+    /// The jump ran and its peak is what the fit predicted: memory looks affine.
+    affine: bool,
+    /// The affine prediction was confirmed by a refinement (or needs none): done.
+    trusted: bool,
+    /// A jump or refine was tried.
+    jumped: bool,
+    /// The last run's peak was what the model predicted (within 2% of the budget).
+    model_held: bool,
+}
+
+/// The bracket `(l, h)` (l ran, h did not) pins the maximum, which lies in `l..h`: `l` is at
+/// least [`TOLERANCE`] of `h - 1`.
+fn settled(l: usize, h: usize) -> bool {
+    h <= l.saturating_add(1) || l as f64 >= TOLERANCE * (h - 1) as f64
+}
+
+/// The largest `h` for which `(l, h)` is settled: a failure there ends the search.
+fn settle_above(l: usize) -> usize {
+    let mut h = ((l as f64 / TOLERANCE).floor() as usize).saturating_add(1);
+    while h > l.saturating_add(1) && !settled(l, h) {
+        h -= 1;
+    }
+    while h < usize::MAX && settled(l, h + 1) {
+        h += 1;
+    }
+    h.max(l.saturating_add(1))
+}
+
+/// The smallest `l` for which `(l, h)` is settled: a success there ends the search.
+fn settle_below(h: usize) -> usize {
+    let mut l = (TOLERANCE * h.saturating_sub(1) as f64).ceil() as usize;
+    while l > 0 && settled(l - 1, h) {
+        l -= 1;
+    }
+    while !settled(l, h) {
+        l += 1;
+    }
+    l.min(h.saturating_sub(1))
+}
+
+/// `settle_above` applied `2^k` times from `l`, stopping at `stop`: with `k` runs, a bisection
+/// settles any bracket `(l, h)` with `h` up to this.
+fn reach_above(l: usize, k: u32, stop: usize) -> usize {
+    let mut x = l;
+    for _ in 0..(1u64 << k.min(20)) {
+        if x >= stop {
+            break;
+        }
+        x = settle_above(x);
+    }
+    x
+}
+
+/// `settle_below` applied `2^k` times from `h`, stopping at `stop`.
+fn reach_below(h: usize, k: u32, stop: usize) -> usize {
+    let mut x = h;
+    for _ in 0..(1u64 << k.min(20)) {
+        if x <= stop {
+            break;
+        }
+        x = settle_below(x);
+    }
+    x
+}
+
+/// The runs a bisection needs, whatever the memory does, to settle `(l, h)`: the fewest `k`
+/// with `reach_above(l, k) >= h`.
+fn bisection_runs(l: usize, h: usize) -> u32 {
+    let mut steps = 0u64;
+    let mut x = l;
+    while x < h && steps < 1 << 20 {
+        x = settle_above(x);
+        steps += 1;
+    }
+    // ceil(log2(steps))
+    if steps <= 1 {
+        0
+    } else {
+        64 - (steps - 1).leading_zeros()
+    }
+}
+
+/// The probe that halves what bisection has left to do in `(l, h)`: as many settling steps
+/// ([`settle_above`]) below it as above it.
+fn bisection_point(l: usize, h: usize) -> usize {
+    let mut steps = 0u64;
+    let mut x = l;
+    while x < h && steps < 1 << 20 {
+        x = settle_above(x);
+        steps += 1;
+    }
+    reach_steps(l, steps / 2, h).clamp(l.saturating_add(1), h.saturating_sub(1).max(l + 1))
+}
+
+/// `settle_above` applied `n` times from `l`, stopping at `stop`.
+fn reach_steps(l: usize, n: u64, stop: usize) -> usize {
+    let mut x = l;
+    for _ in 0..n {
+        if x >= stop {
+            break;
+        }
+        x = settle_above(x);
+    }
+    x
+}
+
+impl Search {
+    fn new(budget: u64, opts: FinderOptions) -> Self {
+        Self { budget, opts }
+    }
+
+    /// The most rows a model of the successes allows under `target` peak bytes: the parabola
+    /// through the three largest (memory growing faster than the rows), else the secant through
+    /// the two largest.
+    fn model(&self, successes: &[(usize, u64)], target: f64) -> Option<usize> {
+        if let [.., a, b, c] = successes {
+            if let Some(g) = quadratic_rows(*a, *b, *c, target) {
+                return Some(g);
+            }
+        }
+        if let [.., (r1, p1), (r2, p2)] = successes {
+            let f = LinearFit::through(*r1, *p1, *r2, *p2)?;
+            let rows = (target - f.fixed_bytes) / f.per_row_bytes;
+            return Some(if rows >= usize::MAX as f64 {
+                usize::MAX
+            } else {
+                rows.floor().max(0.0) as usize
+            });
+        }
+        None
+    }
+
+    /// The peak the model of [`Search::model`] predicts at `rows`.
+    fn model_peak(&self, successes: &[(usize, u64)], rows: usize) -> Option<f64> {
+        if let [.., a, b, c] = successes {
+            if let Some(y) = quadratic_peak(*a, *b, *c, rows) {
+                return Some(y);
+            }
+        }
+        if let [.., (r1, p1), (r2, p2)] = successes {
+            return LinearFit::through(*r1, *p1, *r2, *p2).map(|f| f.peak(rows));
+        }
+        None
+    }
+
+    /// The next run, or `None` when the search is over.
+    fn next_probe(&self, s: &SearchState, trials: &[Trial]) -> Option<Probe> {
+        let opts = &self.opts;
+        if trials.is_empty() {
+            return Some(Probe {
+                rows: opts.start,
+                kind: ProbeKind::Start,
+                predicted: None,
+            });
+        }
+        if s.trusted || s.l >= opts.max || s.h.is_some_and(|h| settled(s.l, h)) {
+            return None;
+        }
+        let mut successes: Vec<(usize, u64)> = trials
+            .iter()
+            .filter_map(|t| t.peak_bytes.map(|p| (t.rows, p)))
+            .collect();
+        successes.sort_unstable();
+        successes.dedup_by_key(|x| x.0);
+        // Probes 1 and 2: the two points of the linear fit.
+        if trials.len() == 1 && s.l == opts.start {
+            return Some(Probe {
+                rows: opts.start.saturating_mul(8).min(opts.max),
+                kind: ProbeKind::Second,
+                predicted: None,
+            });
+        }
+        let budget = self.budget as f64;
+        // The jump, then the refinement: the linear fit's predictions.
+        if s.h.is_none() && !s.jumped {
+            if let Some(f) = s.fit {
+                let jump = f.max_rows(self.budget, opts.margin).min(opts.max);
+                if jump > s.l {
+                    return Some(Probe {
+                        rows: jump,
+                        kind: ProbeKind::Jump,
+                        predicted: Some(f.peak(jump)),
+                    });
+                }
+            }
+        }
+        if s.affine && s.h.is_none() {
+            if let Some(f) = s.fit {
+                let refined = f.max_rows(self.budget, opts.margin / 2.0).min(opts.max);
+                if refined > s.l {
+                    return Some(Probe {
+                        rows: refined,
+                        kind: ProbeKind::Refine,
+                        predicted: Some(f.peak(refined)),
+                    });
+                }
+            }
+        }
+        // Search: where the model of the successes meets the budget, kept where bisection can
+        // still settle the bracket in what is left of `TARGET_RUNS` (or, past that, in the
+        // fewest runs bisection needs).
+        let l = s.l;
+        let above = settle_above(l);
+        // Memory that did not grow faster than the rows so far: at worst proportional,
+        // `peak / rows` a row, which never overshoots an affine step with a nonnegative fixed
+        // part (nor one that grows more slowly).
+        let proportional = {
+            let p = s.l_peak.max(1) as f64;
+            let prop = (l.max(1) as f64 * budget * (1.0 - opts.margin) / p).floor();
+            if prop >= usize::MAX as f64 {
+                usize::MAX
+            } else {
+                prop as usize
+            }
+        };
+        let aim = match self.model(&successes, budget) {
+            // The model puts the maximum within the tolerance of `l`: a failure just above
+            // ends the search.
+            Some(m) if m < above => above,
+            Some(m) => {
+                let aimed = self
+                    .model(&successes, budget * (1.0 - opts.margin / 2.0))
+                    .unwrap_or(m)
+                    .max(above);
+                // Nothing failed yet: no lower than proportional, nor, once the linear jump
+                // ran with less memory than predicted (memory growing more slowly than the
+                // rows: the secant undershoots and would creep up), than the power law through
+                // the two largest successes.
+                if s.h.is_none() {
+                    let power = s
+                        .jumped
+                        .then(|| power_law_rows(&successes, budget * (1.0 - opts.margin / 2.0)))
+                        .flatten();
+                    aimed.max(proportional).max(power.unwrap_or(0))
+                } else {
+                    aimed
+                }
+            }
+            // Memory did not grow between the probes (rows padded to buckets, a fixed
+            // workspace).
+            None => proportional.max(above),
+        };
+        let rows = match s.h {
+            None => aim.clamp(l.saturating_add(1), opts.max),
+            // The model is refuted (it aims at or above a size that failed: memory jumped), or
+            // there is none: bisect.
+            Some(h) if aim >= h => bisection_point(l, h),
+            // The model predicted the last run's peak: follow it when a failure there ends
+            // the search (it puts the maximum within the tolerance of `l`), or when, if it is
+            // right, the search still ends within `TARGET_RUNS` (this run, then one just above).
+            Some(h) if s.model_held && (aim <= above || trials.len() + 2 <= TARGET_RUNS) => {
+                aim.clamp(l + 1, h - 1)
+            }
+            Some(h) => {
+                let left = TARGET_RUNS.saturating_sub(trials.len()) as u32;
+                let k = left.max(bisection_runs(l, h)).max(1) - 1;
+                let lo = reach_below(h, k, l).max(l + 1);
+                let hi = reach_above(l, k, h).min(h - 1);
+                if lo <= hi {
+                    aim.clamp(lo, hi)
+                } else {
+                    bisection_point(l, h)
+                }
+            }
+        };
+        Some(Probe {
+            rows,
+            kind: ProbeKind::Search,
+            predicted: self.model_peak(&successes, rows),
+        })
+    }
+}
+
+impl SearchState {
+    /// Takes the outcome of `probe` (`peak`: `None` when it ran out of memory).
+    fn observe(&mut self, search: &Search, probe: Probe, peak: Option<u64>, trials: &[Trial]) {
+        let budget = search.budget as f64;
+        self.model_held = match (peak, probe.predicted) {
+            (Some(p), Some(y)) => (p as f64 - y).abs() <= 0.02 * budget,
+            // it predicted a failure
+            (None, Some(y)) => y > budget,
+            _ => false,
+        };
+        let Some(p) = peak else {
+            self.h = Some(self.h.map_or(probe.rows, |h| h.min(probe.rows)));
+            if matches!(probe.kind, ProbeKind::Jump | ProbeKind::Refine) {
+                self.jumped = true;
+                self.affine = false;
+            }
+            return;
+        };
+        if probe.rows > self.l {
+            self.l = probe.rows;
+            self.l_peak = p;
+        }
+        match probe.kind {
+            ProbeKind::Start | ProbeKind::Search => {}
+            ProbeKind::Second => {
+                let first = trials
+                    .first()
+                    .and_then(|t| t.peak_bytes.map(|p1| (t.rows, p1)));
+                if let Some((r1, p1)) = first {
+                    self.fit = LinearFit::through(r1, p1, probe.rows, p);
+                }
+            }
+            ProbeKind::Jump => {
+                self.jumped = true;
+                // The fit predicted this peak (within 3%, or 1% of the budget): memory looks
+                // affine, and a refit through the widest points refines the jump.
+                let predicted = self.fit.map_or(f64::NAN, |f| f.peak(probe.rows));
+                let tol = (0.03 * predicted).max(0.01 * search.budget as f64);
+                self.affine = (p as f64 - predicted).abs() <= tol;
+                let first = trials
+                    .first()
+                    .and_then(|t| t.peak_bytes.map(|p1| (t.rows, p1)));
+                if self.affine {
+                    if let Some((r1, p1)) = first {
+                        if let Some(f2) = LinearFit::through(r1, p1, probe.rows, p) {
+                            self.fit = Some(f2);
+                        }
+                    }
+                    let wants_refine = search.opts.refine
+                        && self.fit.is_some_and(|f| {
+                            f.max_rows(search.budget, search.opts.margin / 2.0)
+                                .min(search.opts.max)
+                                > probe.rows
+                        });
+                    self.trusted = !wants_refine;
+                }
+            }
+            ProbeKind::Refine => {
+                self.trusted = true;
+            }
+        }
+    }
 }
 
 /// The largest rows at which the parabola through three `(rows, peak)` points stays under
@@ -409,7 +698,8 @@ fn quadratic_rows(a: (usize, u64), b: (usize, u64), c: (usize, u64), target: f64
     let d1 = (y2 - y1) / (x2 - x1);
     let d2 = (y3 - y2) / (x3 - x2);
     let k = (d2 - d1) / (x3 - x1); // the r² coefficient
-    if k.is_nan() || k <= 0.0 || !k.is_finite() {
+                                   // Not convex, or so little that the points are a line (rounding): the secant then.
+    if k.is_nan() || !k.is_finite() || k * (x3 - x1) * (x3 - x1) <= 1e-3 * (y3 - y1).abs() {
         return None;
     }
     // y = y3 + m (x - x3) + k (x - x3)(x - x2)  →  k x² + (m - k (x2 + x3)) x + ... = target
@@ -425,62 +715,42 @@ fn quadratic_rows(a: (usize, u64), b: (usize, u64), c: (usize, u64), target: f64
     (root.is_finite() && root >= 1.0).then(|| root.floor() as usize)
 }
 
-/// The search stops once the largest success is at least this fraction of the smallest failure.
-pub const TOLERANCE: f64 = 0.95;
-
-/// The next probe inside the bracket `(l, h)` (`l` ran, `h` did not). `confirm`: the last probe
-/// ran and a probe just above it could end the search (`l` within [`TOLERANCE`] of it).
-fn bracket_probe(
-    l: usize,
-    h: usize,
-    successes: &[(usize, u64)],
-    budget: u64,
-    margin: f64,
-    confirm: bool,
-) -> usize {
-    let inside = |x: usize| x.clamp(l + 1, h - 1);
-    // The smallest failure that would end the search.
-    let just_above = ((l as f64) / TOLERANCE).floor() as usize + 1;
-    // Close to the end: one probe at the tolerance settles it if it runs.
-    if l as f64 >= 0.9 * h as f64 {
-        return inside((TOLERANCE * h as f64).ceil() as usize);
-    }
-    // The model of the largest successes: a parabola through three (memory growing faster
-    // than the rows), else the secant through two; aimed at the budget.
-    let model = |target: f64| -> Option<usize> {
-        if let [.., a, b, c] = successes {
-            if let Some(g) = quadratic_rows(*a, *b, *c, target) {
-                return Some(g);
-            }
-        }
-        if let [.., (r1, p1), (r2, p2)] = successes {
-            let f = LinearFit::through(*r1, *p1, *r2, *p2)?;
-            return Some(
-                ((target - f.fixed_bytes) / f.per_row_bytes)
-                    .floor()
-                    .max(0.0) as usize,
-            );
-        }
-        None
+/// The rows at which `peak = c × rows^α` through the two largest successes reaches `target`.
+fn power_law_rows(successes: &[(usize, u64)], target: f64) -> Option<usize> {
+    let [.., (r1, p1), (r2, p2)] = successes else {
+        return None;
     };
-    if let Some(m) = model(budget as f64) {
-        if m < just_above && just_above < h {
-            // The model puts the maximum within the tolerance of `l`: a failure just above
-            // ends the search.
-            return just_above;
+    let (x1, y1, x2, y2) = (*r1 as f64, *p1 as f64, *r2 as f64, *p2 as f64);
+    if y1 <= 0.0 || y2 <= y1 || x2 <= x1 {
+        return None;
+    }
+    let alpha = (y2 / y1).ln() / (x2 / x1).ln();
+    let rows = x2 * (target / y2).powf(1.0 / alpha);
+    (rows.is_finite() && rows >= 1.0).then(|| {
+        if rows >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            rows.floor() as usize
         }
-        let aimed = model(budget as f64 * (1.0 - margin)).unwrap_or(m);
-        if aimed > l && aimed < h {
-            return inside(aimed);
-        }
-    }
-    if confirm && just_above < h && h / l.max(1) < 4 {
-        // The model is out of the bracket (memory jumps): try just above the last success once.
-        return just_above;
-    }
-    if l > 0 && h / l >= 4 {
-        inside(((l as f64) * (h as f64)).sqrt() as usize)
-    } else {
-        inside(l + (h - l) / 2)
-    }
+    })
 }
+
+/// The parabola through three `(rows, peak)` points at `rows`, when it is convex (as
+/// [`quadratic_rows`] uses it).
+fn quadratic_peak(a: (usize, u64), b: (usize, u64), c: (usize, u64), rows: usize) -> Option<f64> {
+    let (x1, y1, x2, y2, x3, y3) = (
+        a.0 as f64, a.1 as f64, b.0 as f64, b.1 as f64, c.0 as f64, c.1 as f64,
+    );
+    let d1 = (y2 - y1) / (x2 - x1);
+    let d2 = (y3 - y2) / (x3 - x2);
+    let k = (d2 - d1) / (x3 - x1);
+    if k.is_nan() || !k.is_finite() || k * (x3 - x1) * (x3 - x1) <= 1e-3 * (y3 - y1).abs() {
+        return None;
+    }
+    let x = rows as f64;
+    Some(y3 + d2 * (x - x3) + k * (x - x3) * (x - x2))
+}
+
+/// The search stops once the largest batch that ran is at least this fraction of the largest
+/// batch below the smallest one that did not (the maximum lies between the two).
+pub const TOLERANCE: f64 = 0.95;

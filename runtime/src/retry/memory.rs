@@ -240,7 +240,7 @@ struct FileEntry {
 /// assert!(mem.is_empty());
 /// # let _ = std::fs::remove_file(&path);
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PlanMemory {
     entries: HashMap<MemoryKey, Entry>,
     path: Option<PathBuf>,
@@ -248,6 +248,27 @@ pub struct PlanMemory {
     cleared: bool,
     /// The last error reading or writing the file, reported with every step.
     error: Option<String>,
+    /// See [`PlanMemory::generation`].
+    generation: u64,
+}
+
+/// Generations of every plan memory: no two memories, nor two states of one, share one.
+static GENERATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_generation() -> u64 {
+    GENERATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Default for PlanMemory {
+    fn default() -> Self {
+        Self {
+            entries: HashMap::default(),
+            path: None,
+            cleared: false,
+            error: None,
+            generation: next_generation(),
+        }
+    }
 }
 
 /// How long a save waits for another writer's lock on the plan file before it fails (it never
@@ -281,6 +302,7 @@ impl PlanMemory {
             path: Some(path),
             cleared: false,
             error: None,
+            generation: next_generation(),
         })
     }
 
@@ -327,6 +349,7 @@ impl PlanMemory {
 
     /// Forgets everything (and persists that: the file is emptied, other writers' plans too).
     pub fn clear(&mut self) -> Result<(), MemoryError> {
+        self.generation = next_generation();
         self.entries.clear();
         self.cleared = true;
         self.save()
@@ -347,7 +370,26 @@ impl PlanMemory {
         self.entries.iter().map(|(k, e)| (k, e.limits))
     }
 
+    /// A number that changes whenever anything in this memory may have changed (an entry
+    /// looked up for writing, limits set, cleared, saved), to a value that no other memory had:
+    /// a caller that saw nothing remembered for a key at one generation knows it is still so
+    /// while the generation is the same.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Nothing remembered for `key` changes how its next step starts or ends (no limits, no
+    /// thrash streak in progress) and the file has no error to report.
+    pub(crate) fn is_pristine(&self, key: &MemoryKey) -> bool {
+        self.error.is_none()
+            && self
+                .entries
+                .get(key)
+                .is_none_or(|e| e.limits == Limits::NONE && e.thrash_streak == 0)
+    }
+
     pub(crate) fn entry(&mut self, key: &MemoryKey) -> &mut Entry {
+        self.generation = next_generation();
         // Look up first: cloning the key (strings) on every hit was most of a step's overhead.
         if !self.entries.contains_key(key) {
             return self.entries.entry(key.clone()).or_default();
@@ -360,6 +402,7 @@ impl PlanMemory {
     /// Writes the file (no-op without one), merged with what other writers saved: their keys
     /// are kept, ours win. A failure is returned and kept in [`PlanMemory::error`].
     pub fn save(&mut self) -> Result<(), MemoryError> {
+        self.generation = next_generation();
         let Some(path) = self.path.clone() else {
             return Ok(());
         };

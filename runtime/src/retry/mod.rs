@@ -55,7 +55,8 @@ mod thrash;
 pub use classify::{chain_is_oom, IsOom};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{
-    RetryEngine, RetryLoop, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW, MAX_ATTEMPTS,
+    RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
+    MAX_ATTEMPTS,
 };
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
 pub use gradients::GradientSync;

@@ -86,8 +86,16 @@ pub struct CommitFailure {
     pub oom: bool,
 }
 
+/// This thread's last report; `valid` false once cleared (the report's buffers are kept, so
+/// that the next one reuses them instead of allocating).
+struct LastSlot {
+    valid: bool,
+    report: Option<RetryReport>,
+}
+
 thread_local! {
-    static LAST: std::cell::RefCell<Option<RetryReport>> = const { std::cell::RefCell::new(None) };
+    static LAST: std::cell::RefCell<LastSlot> =
+        const { std::cell::RefCell::new(LastSlot { valid: false, report: None }) };
 }
 
 /// The report of the last step on this thread (through any [`RetryEngine`] use, `#[oom_retry]`
@@ -98,14 +106,21 @@ thread_local! {
 ///
 /// [`RetryEngine`]: super::RetryEngine
 pub fn last_report() -> Option<RetryReport> {
-    LAST.with(|l| l.borrow().clone())
+    LAST.with(|l| {
+        let l = l.borrow();
+        l.report.as_ref().filter(|_| l.valid).cloned()
+    })
 }
 
 /// Records that the commit phase of the step last reported on this thread at `site` failed
 /// (the macros' glue calls it; a hand-written commit may too).
 pub fn record_commit_error(site: &str, error: String, oom: bool) {
     let _ = LAST.try_with(|l| {
-        if let Some(r) = l.borrow_mut().as_mut().filter(|r| r.site == site) {
+        let mut l = l.borrow_mut();
+        if !l.valid {
+            return;
+        }
+        if let Some(r) = l.report.as_mut().filter(|r| r.site == site) {
             r.commit_error = Some(CommitFailure { error, oom });
         }
     });
@@ -114,11 +129,61 @@ pub fn record_commit_error(site: &str, error: String, oom: bool) {
 /// Forgets this thread's last report (every step does when it starts; `#[oom_retry]` also
 /// when a call has nothing to plan, such as a batch of 0 rows).
 pub fn clear_last_report() {
-    let _ = LAST.try_with(|l| *l.borrow_mut() = None);
+    let _ = LAST.try_with(|l| l.borrow_mut().valid = false);
 }
 
 pub(crate) fn set_last_report(r: &RetryReport) {
-    let _ = LAST.try_with(|l| *l.borrow_mut() = Some(r.clone()));
+    let _ = LAST.try_with(|l| {
+        let mut l = l.borrow_mut();
+        match &mut l.report {
+            Some(old) => old.clone_from(r),
+            none => *none = Some(r.clone()),
+        }
+        l.valid = true;
+    });
+}
+
+/// The report of a step whose first attempt, with `plan` and nothing remembered, succeeded,
+/// written over the last one in place (no allocation once the site fits).
+pub(crate) fn set_last_clean(
+    site: &str,
+    mode: StepMode,
+    plan: BatchPlan,
+    elapsed: std::time::Duration,
+) {
+    let _ = LAST.try_with(|l| {
+        let mut l = l.borrow_mut();
+        let r = l.report.get_or_insert_with(|| RetryReport {
+            site: String::new(),
+            mode,
+            requested_batch: 0,
+            initial_plan: plan,
+            from_memory: false,
+            final_plan: plan,
+            attempts: Vec::new(),
+            regrow: None,
+            thrash_moved_to: None,
+            elapsed,
+            commit_error: None,
+            memory_error: None,
+        });
+        if r.site != site {
+            r.site.clear();
+            r.site.push_str(site);
+        }
+        r.mode = mode;
+        r.requested_batch = plan.batch();
+        r.initial_plan = plan;
+        r.from_memory = false;
+        r.final_plan = plan;
+        r.attempts.clear();
+        r.regrow = None;
+        r.thrash_moved_to = None;
+        r.elapsed = elapsed;
+        r.commit_error = None;
+        r.memory_error = None;
+        l.valid = true;
+    });
 }
 
 impl RetryReport {
