@@ -388,6 +388,71 @@ fn eight_threads_allocate_at_once() -> TestResult {
     Ok(())
 }
 
+/// Thread caches on the card: eight threads on their own streams allocate, fill, hand every
+/// other buffer to the next thread, which checks its contents and frees it. No two live buffers
+/// share memory (the contents survive), nothing is lost, statistics equal a recount.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn eight_threads_free_each_others_buffers() -> TestResult {
+    for (name, config) in configs() {
+        let dev = cuda(config);
+        let ctx = dev.cuda_context()?;
+        let backend = dev.cuda_backend().expect("a CUDA device");
+        let streams: Vec<_> = (0..8).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+        let ids: Vec<_> = streams
+            .iter()
+            .map(|s| backend.register_stream(s))
+            .collect::<Result<_, _>>()?;
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..8)
+            .map(|_| std::sync::mpsc::channel::<(oomguard::DeviceBuffer<u32>, u32)>())
+            .unzip();
+        let start = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for (t, rx) in rxs.into_iter().enumerate() {
+                let (dev, id) = (dev.clone(), ids[t]);
+                let to_next = txs[(t + 1) % 8].clone();
+                s.spawn(move || {
+                    for i in 0..300u32 {
+                        let n = [64usize, 1000, 1 << 16, 300_000][(i as usize + t) % 4];
+                        let tag = t as u32 * 1_000_000 + i;
+                        let mut b = dev.alloc_on::<u32>(n, id).expect("allocation");
+                        b.copy_from_slice(&vec![tag; n]).expect("copy in");
+                        if i % 2 == 0 {
+                            // the next thread may have finished: the buffer is then freed here
+                            let _ = to_next.send((b, tag));
+                        } else {
+                            drop(b);
+                        }
+                        for (b, tag) in rx.try_iter() {
+                            let v = b.to_vec().expect("copy back");
+                            assert!(
+                                v.iter().all(|&x| x == tag),
+                                "{name}: buffer {tag} corrupted"
+                            );
+                        }
+                    }
+                    // what is still in flight is freed with `rx`, on this thread
+                });
+            }
+        });
+        drop(txs);
+        dev.allocator().check_invariants()?;
+        let stats = dev.stats();
+        println!(
+            "{name}: 8 threads x 300 allocations, half freed on another thread, in {:?}: \
+             reserved {}, allocations {}",
+            start.elapsed(),
+            ByteSize(stats.reserved_bytes.all.current),
+            stats.allocation.all.allocated
+        );
+        assert_eq!(stats.allocation.all.allocated, 8 * 300);
+        assert_eq!(stats.allocation.all.current, 0);
+        dev.empty_cache()?;
+        dev.allocator().check_invariants()?;
+    }
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cross_stream_reuse_waits_for_the_other_stream() -> TestResult {

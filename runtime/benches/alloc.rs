@@ -1,16 +1,22 @@
 //! Allocation latency: alloc+free pairs on a cache hit (512 B, 1 MiB, 64 MiB), the mixed workload
-//! of ../shared/REFERENCE.md, and 8 threads at once; beside the backend's own segment alloc+free
-//! measured in the same run. Prints a table of ns per pair and ratios.
+//! of ../shared/REFERENCE.md, and the same from 1, 2, 4, 8 and 16 threads at once (each thread
+//! on its own stream, and all on one stream); beside the backend's own segment alloc+free
+//! measured in the same run. Prints tables of ns per pair and ratios.
 //!
 //! With a CUDA driver present (the `cuda` feature, on by default) it also measures oomguard on GPU
 //! 0 beside the driver's cuMemAlloc/cuMemFree and cuMemAllocAsync/cuMemFreeAsync (default memory
-//! pool, release threshold raised to the maximum as in ../shared/REFERENCE.md), in the same run.
+//! pool, release threshold raised to the maximum as in ../shared/REFERENCE.md), in the same run;
+//! the thread table then has cuMemAllocAsync/cuMemFreeAsync from the same number of threads,
+//! each on its own stream, as its baseline.
 //!
-//! `cargo bench -p oomguard-runtime --bench alloc`
+//! `cargo bench -p oomguard-runtime --bench alloc` (`-- --single`: the single-thread tables only,
+//! for alternating runs of two builds)
 
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 use std::time::Instant;
+
+use oomguard_runtime::backend::StreamId;
 
 use oomguard_runtime::backend::sim::SimDevice;
 use oomguard_runtime::backend::Backend;
@@ -64,21 +70,144 @@ fn mixed(a: &CachingAllocator) -> f64 {
     t
 }
 
-fn threaded(a: &Arc<CachingAllocator>, threads: usize) -> f64 {
-    let iters = 100_000u64;
-    let t = Instant::now();
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                for i in 0..iters {
-                    let x = a.allocate(SIZES[(i % 8) as usize], 0).unwrap();
-                    a.free(black_box(x)).unwrap();
+/// What each thread of the scaling table does.
+#[derive(Clone, Copy, Debug)]
+enum Work {
+    /// Alloc+free pairs of one size (cache hits after the first).
+    Pair(u64),
+    /// The mixed loop: 64 live blocks of 8 sizes, one freed and another allocated per pair.
+    Mixed,
+}
+
+const WORKS: [(&str, Work); 4] = [
+    ("512 B", Work::Pair(512)),
+    ("1 MiB", Work::Pair(1 << 20)),
+    ("64 MiB", Work::Pair(64 << 20)),
+    ("mixed", Work::Mixed),
+];
+
+const THREADS: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// Runs `body(thread, stream)` on `threads` threads started together; wall nanoseconds from
+/// the start until all are done, divided by `iters` (per pair per thread), best of 3 runs.
+/// `setup` runs on each thread before the start (warm-up, live blocks) and hands its state to
+/// `body`.
+fn wall_per_pair<S>(
+    threads: usize,
+    iters: u64,
+    setup: impl Fn(usize) -> S + Sync,
+    body: impl Fn(&mut S, u64) + Sync,
+    teardown: impl Fn(S) + Sync,
+) -> f64 {
+    (0..3)
+        .map(|_| {
+            let start = Barrier::new(threads + 1);
+            let end = Barrier::new(threads + 1);
+            std::thread::scope(|s| {
+                for t in 0..threads {
+                    let (start, end, setup, body, teardown) =
+                        (&start, &end, &setup, &body, &teardown);
+                    s.spawn(move || {
+                        let mut state = setup(t);
+                        start.wait();
+                        for i in 0..iters {
+                            body(&mut state, i);
+                        }
+                        end.wait();
+                        teardown(state);
+                    });
                 }
-            });
+                start.wait();
+                let t0 = Instant::now();
+                end.wait();
+                t0.elapsed().as_nanos() as f64 / iters as f64
+            })
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// oomguard from `threads` threads: thread `t` on stream `streams[t]` (`streams` of length 1:
+/// all on that stream).
+fn scaling(
+    a: &CachingAllocator,
+    threads: usize,
+    streams: &[StreamId],
+    work: Work,
+    iters: u64,
+) -> f64 {
+    let stream = |t: usize| streams[t % streams.len()];
+    match work {
+        Work::Pair(size) => wall_per_pair(
+            threads,
+            iters,
+            |t| {
+                let x = a.allocate(size, stream(t)).unwrap();
+                a.free(x).unwrap();
+                stream(t)
+            },
+            |&mut st, _| {
+                let x = a.allocate(black_box(size), st).unwrap();
+                a.free(black_box(x)).unwrap();
+            },
+            |_| {},
+        ),
+        Work::Mixed => wall_per_pair(
+            threads,
+            iters,
+            |t| {
+                let live: Vec<_> = (0..64)
+                    .map(|k| a.allocate(SIZES[k % 8], stream(t)).unwrap())
+                    .collect();
+                (live, stream(t))
+            },
+            |(live, st), i| {
+                let k = ((i * 37) % 64) as usize;
+                a.free(live[k]).unwrap();
+                live[k] = a.allocate(SIZES[(i as usize + k) % 8], *st).unwrap();
+            },
+            |(live, _)| {
+                for x in live {
+                    a.free(x).unwrap();
+                }
+            },
+        ),
+    }
+}
+
+/// The scaling table of a fresh allocator per cell: ns per pair per thread, each thread on its
+/// own stream (`own`) and all on one stream, with the ratio to one thread. Returns the cells
+/// (work, threads, own, one) for the GPU table's baseline ratios.
+fn scaling_table(
+    make: &dyn Fn() -> CachingAllocator,
+    own_streams: &[StreamId],
+    iters: u64,
+) -> Vec<(usize, usize, f64, f64)> {
+    println!(
+        "{:<8} {:>8} {:>12} {:>10} {:>12} {:>10}",
+        "workload", "threads", "own stream", "vs 1", "one stream", "vs 1"
+    );
+    let mut cells = Vec::new();
+    for (w, (name, work)) in WORKS.iter().enumerate() {
+        let (mut own1, mut one1) = (0.0, 0.0);
+        for &n in &THREADS {
+            let a = make();
+            let own = scaling(&a, n, &own_streams[..n], *work, iters);
+            drop(a);
+            let a = make();
+            let one = scaling(&a, n, &own_streams[..1], *work, iters);
+            drop(a);
+            if n == 1 {
+                (own1, one1) = (own, one);
+            }
+            println!(
+                "{name:<8} {n:>8} {own:>12.1} {:>9.2}x {one:>12.1} {:>9.2}x",
+                own / own1,
+                one / one1
+            );
+            cells.push((w, n, own, one));
         }
-    });
-    // wall time per pair per thread
-    t.elapsed().as_nanos() as f64 / iters as f64
+    }
+    cells
 }
 
 #[cfg(feature = "cuda")]
@@ -148,7 +277,7 @@ mod cuda {
         }
     }
 
-    pub fn run() {
+    pub fn run(single_only: bool) {
         if !oomguard_runtime::cuda::driver_available() {
             println!("\n(no CUDA driver: GPU rows skipped)");
             return;
@@ -195,22 +324,103 @@ mod cuda {
             asy / n,
             asy / e
         );
-        let na = std::sync::Arc::new(CachingAllocator::new(
-            native.backend().clone(),
-            AllocatorConfig::native(),
-        ));
-        let ea = std::sync::Arc::new(CachingAllocator::new(
-            expand.backend().clone(),
-            AllocatorConfig::default(),
-        ));
-        let (n8, e8) = (threaded(&na, 8), threaded(&ea, 8));
-        println!(
-            "{:<10} {:>12} {:>14} {n8:>12.1} {e8:>12.1}",
-            "8 threads", "-", "-"
-        );
-        drop((na, ea));
         native.empty_cache().unwrap();
         expand.empty_cache().unwrap();
+        if single_only {
+            return;
+        }
+
+        // one stream per thread, registered with the backend (oomguard) and used raw (baseline)
+        let backend = expand.cuda_backend().unwrap();
+        let streams: Vec<_> = (0..16).map(|_| ctx.new_stream().unwrap()).collect();
+        let ids: Vec<StreamId> = streams
+            .iter()
+            .map(|s| backend.register_stream(s).unwrap())
+            .collect();
+        let raw: Vec<usize> = streams.iter().map(|s| s.cu_stream() as usize).collect();
+        println!(
+            "\nThreads on {} (default configuration; ns per pair per thread, wall time; {} host cores)",
+            expand.name(),
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        );
+        let make = || CachingAllocator::new(expand.backend().clone(), AllocatorConfig::default());
+        let cells = scaling_table(&make, &ids, 100_000);
+        println!(
+            "\n{:<8} {:>8} {:>16} {:>12} {:>14}",
+            "workload", "threads", "cuMemAllocAsync", "own stream", "async/own"
+        );
+        for (w, n, own, _) in cells {
+            let base = async_scaling(&ctx, n, &raw, WORKS[w].1);
+            println!(
+                "{:<8} {n:>8} {base:>16.1} {own:>12.1} {:>13.1}x",
+                WORKS[w].0,
+                base / own
+            );
+        }
+        for s in &streams {
+            s.synchronize().unwrap();
+        }
+    }
+
+    /// cuMemAllocAsync/cuMemFreeAsync from `threads` threads, thread `t` on raw stream
+    /// `streams[t]`: ns per pair per thread (wall).
+    fn async_scaling(
+        ctx: &std::sync::Arc<oomguard_runtime::cudarc::driver::CudaContext>,
+        threads: usize,
+        streams: &[usize],
+        work: Work,
+    ) -> f64 {
+        let iters = 20_000;
+        let stream = |t: usize| streams[t] as sys::CUstream;
+        match work {
+            Work::Pair(size) => wall_per_pair(
+                threads,
+                iters,
+                |t| {
+                    ctx.bind_to_thread().unwrap();
+                    t
+                },
+                |&mut t, _| {
+                    // SAFETY: the context is bound on this thread (setup); the pointer is freed
+                    // right after on the same live stream, never used.
+                    unsafe {
+                        let p = result::malloc_async(stream(t), size as usize).unwrap();
+                        result::free_async(p, stream(t)).unwrap();
+                    }
+                },
+                |_| {},
+            ),
+            Work::Mixed => wall_per_pair(
+                threads,
+                iters,
+                |t| {
+                    ctx.bind_to_thread().unwrap();
+                    // SAFETY: as above; every pointer is freed once, on its own stream.
+                    let live: Vec<_> = (0..64)
+                        .map(|k| unsafe {
+                            result::malloc_async(stream(t), SIZES[k % 8] as usize).unwrap()
+                        })
+                        .collect();
+                    (live, t)
+                },
+                |(live, t), i| {
+                    let k = ((i * 37) % 64) as usize;
+                    // SAFETY: as above.
+                    unsafe {
+                        result::free_async(live[k], stream(*t)).unwrap();
+                        live[k] =
+                            result::malloc_async(stream(*t), SIZES[(i as usize + k) % 8] as usize)
+                                .unwrap();
+                    }
+                },
+                |(live, t)| {
+                    for p in live {
+                        // SAFETY: as above.
+                        unsafe { result::free_async(p, stream(t)).unwrap() };
+                    }
+                },
+            ),
+        }
     }
 }
 
@@ -242,24 +452,23 @@ fn main() {
         "{:<14} {:>12} {n:>14.1} {e:>14.1} {:>10}",
         "mixed", "-", "-"
     );
-    let native = Arc::new(native);
-    let expand = Arc::new(expand);
-    let n1 = threaded(&native, 1);
-    let e1 = threaded(&expand, 1);
-    let n8 = threaded(&native, 8);
-    let e8 = threaded(&expand, 8);
+    drop((native, expand));
+    let single_only = std::env::args().any(|a| a == "--single");
+    if !single_only {
+        threads_sim(&sim);
+    }
+    #[cfg(feature = "cuda")]
+    cuda::run(single_only);
+}
+
+/// The thread table on the simulated device.
+fn threads_sim(sim: &SimDevice) {
     println!(
-        "{:<14} {:>12} {n1:>14.1} {e1:>14.1} {:>10}",
-        "1 thread", "-", "-"
-    );
-    println!(
-        "{:<14} {:>12} {n8:>14.1} {e8:>14.1} {:>10}",
-        "8 threads", "-", "-"
-    );
-    println!(
-        "(8 threads: wall time per pair per thread; machine has {} cores)",
+        "\nThreads, simulated device (default configuration; ns per pair per thread, wall time; \
+         {} cores)",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    #[cfg(feature = "cuda")]
-    cuda::run();
+    let streams: Vec<StreamId> = (1..=16).collect();
+    let make = || CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::default());
+    scaling_table(&make, &streams, 50_000);
 }

@@ -57,16 +57,12 @@ impl CachingAllocator {
         if self.orphans.load(Relaxed) > 0 {
             self.collect_orphans(&mut st);
         }
+        // Unlike the quick lists of single-thread mode, the caches are not flushed on a miss:
+        // that would empty them on every change of size and send the thread back here. They
+        // go back before anything fails (`allocate_slow`).
         let id = match st.take_free(pool, stream, size) {
             Some(id) => id,
-            None => {
-                // as the quick lists are flushed in single-thread mode
-                self.drain_own_cache(&mut st);
-                match st.take_free(pool, stream, size) {
-                    Some(id) => id,
-                    None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
-                }
-            }
+            None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
         };
         if self.caching.load(Relaxed) {
             if let Some(a) = self.lend(&mut st, id, bytes) {
@@ -249,11 +245,6 @@ impl CachingAllocator {
                 a.ptr
             )))
         }
-    }
-
-    /// Returns the calling thread's cached blocks to the shared state.
-    pub(super) fn drain_own_cache(&self, st: &mut State) {
-        thread_cache::with_thread_cache(self.id, |c| drain(st, &mut c.state.lock()));
     }
 
     /// Returns every thread's cached blocks to the shared state (under pressure, on

@@ -23,9 +23,12 @@
 //!   allocations) that a cache changes are kept as signed deltas in the cache
 //!   ([`DeltaStats`]) and folded into the allocator's statistics whenever they are read, so that
 //!   at any quiescent point they equal a recount; totals (`allocated`/`freed`) stay exact;
-//! - cached blocks go back to the shared state before any out-of-memory error, on
-//!   `empty_cache`, when history or statistics scopes start, and when their thread exits
-//!   (collected at the allocator's next slow operation).
+//! - cached blocks go back to the shared state before any out-of-memory error (and before the
+//!   garbage-collection threshold releases memory), on `empty_cache`, when history or
+//!   statistics scopes start, and when their thread exits (collected at the allocator's next
+//!   slow allocation). A cache miss does not flush the thread's cache (single-thread mode
+//!   flushes its quick lists): a thread's cache may so hold up to [`CACHE_CAP`] blocks per
+//!   stream and size that the shared state cannot split or merge until memory runs short.
 //!
 //! Peaks: with thread caches, the peak of a statistic is an upper bound. Between two reads of
 //! the statistics, each cache keeps the highest value its own delta reached and the shared
@@ -106,8 +109,10 @@ pub(crate) struct CacheState {
     gen_end: u64,
 }
 
-/// One thread's cache for one allocator.
+/// One thread's cache for one allocator (aligned to two cache lines: the lock of one thread's
+/// cache never shares a line with another's).
 #[derive(Debug)]
+#[repr(align(128))]
 pub(crate) struct ThreadCache {
     /// Its position in the allocator's table (handles carry it, plus one).
     pub index: u32,
