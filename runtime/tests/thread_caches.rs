@@ -316,3 +316,34 @@ fn bad_frees_of_cache_handles_are_errors() {
     a.check_invariants().unwrap();
     assert_eq!(sim.used(), 0);
 }
+
+/// `reserve_initial` in multi-thread mode: the reserved block is in the shared pool, where
+/// another thread's request splits it (no new memory from the device).
+#[test]
+fn an_initial_reservation_serves_every_thread() {
+    let sim = SimDevice::new(ByteSize::gib(1));
+    let a = Arc::new(CachingAllocator::new(
+        Arc::new(sim.clone()),
+        AllocatorConfig::default(),
+    ));
+    let x = a.allocate(512, 0).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| a.free(x).unwrap()); // a second thread: multi-thread mode from now on
+    });
+    let y = std::thread::scope(|s| s.spawn(|| a.allocate(4096, 0).unwrap()).join().unwrap());
+    a.free(y).unwrap();
+    a.reserve_initial(256 << 20).unwrap();
+    let reserved = a.stats().reserved_bytes.all.current;
+    let z = std::thread::scope(|s| {
+        s.spawn(|| a.allocate(100 << 20, 0).unwrap())
+            .join()
+            .unwrap()
+    });
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        reserved,
+        "the 100 MiB request was carved from the reservation"
+    );
+    a.free(z).unwrap();
+    a.check_invariants().unwrap();
+}

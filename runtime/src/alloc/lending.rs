@@ -247,6 +247,12 @@ impl CachingAllocator {
         }
     }
 
+    /// Returns the calling thread's cached blocks to the shared state.
+    pub(super) fn drain_own_cache(&self) {
+        let mut st = self.lock();
+        thread_cache::with_thread_cache(self.id, |c| drain(&mut st, &mut c.state.lock()));
+    }
+
     /// Returns every thread's cached blocks to the shared state (under pressure, on
     /// `empty_cache`, when caching stops).
     pub(super) fn drain_all_caches(&self, st: &mut State) {

@@ -719,7 +719,11 @@ impl CachingAllocator {
         }
         // above the small pool, whatever was asked
         let a = self.allocate(bytes.max(pool::SMALL_SIZE + 1), 0)?;
-        self.free(a)
+        self.free(a)?;
+        // with thread caches the freed block is parked in this thread's cache: hand it to the
+        // shared pool, where every thread's requests can split it
+        self.drain_own_cache();
+        Ok(())
     }
 
     /// Opens a nested statistics scope, as rmm's `statistics_resource_adaptor::push_counters`:
