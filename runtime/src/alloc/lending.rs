@@ -95,26 +95,16 @@ impl CachingAllocator {
             requested: 0,
             other_streams: Vec::new(),
         };
-        let (ptr, size, stream) = (slot.addr, slot.size, slot.stream);
-        let (index, i, generation) = self.with_own_cache(|c| {
+        let a = self.with_own_cache(|c| {
             let mut cs = c.state.lock();
             let i = cs.insert(slot);
             cs.allocate(i, bytes, &self.generations);
-            (c.index, i, cs.slots[i as usize].generation)
+            self.cached_handle(c.index, i, &cs.slots[i as usize])
         })?;
         let b = &mut st.blocks[id];
         b.state = BlockState::Lent;
-        b.lent_to = (index, i);
-        Some(Allocation {
-            ptr,
-            size,
-            requested: bytes,
-            stream,
-            block: i,
-            generation,
-            owner: self.id,
-            cache: index + 1,
-        })
+        b.lent_to = (a.cache - 1, a.block);
+        Some(a)
     }
 
     /// Runs `f` on the calling thread's cache, made when it has none (`None`: the thread is
@@ -286,15 +276,28 @@ impl CachingAllocator {
         }
     }
 
+    /// Runs `f` with every cache locked, each with its index (the caller holds the allocator's
+    /// lock: the lock order).
+    pub(super) fn with_caches_locked<R>(
+        &self,
+        f: impl FnOnce(&mut [(u32, &mut CacheState)]) -> R,
+    ) -> R {
+        let caches = self.cache_list();
+        let mut guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
+        let mut locked: Vec<(u32, &mut CacheState)> = caches
+            .iter()
+            .zip(guards.iter_mut())
+            .map(|(c, g)| (c.index, &mut **g))
+            .collect();
+        f(&mut locked)
+    }
+
     /// Folds every cache's statistics into the shared ones (multi-thread mode).
     pub(super) fn fold_caches(&self, st: &mut State) {
         if !st.multi {
             return;
         }
-        let caches = self.cache_list();
-        let mut guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
-        let mut refs: Vec<&mut CacheState> = guards.iter_mut().map(|g| &mut **g).collect();
-        thread_cache::fold(&mut st.stats, &mut st.floors, &mut refs);
+        self.with_caches_locked(|caches| thread_cache::fold(&mut st.stats, &mut st.floors, caches));
     }
 }
 

@@ -294,19 +294,7 @@ impl CachingAllocator {
         thread_cache::with_thread_cache(self.id, |c| {
             let mut cs = c.state.lock();
             let i = cs.take(stream, size, bytes, &self.generations)?;
-            let generation = cs.slots[i as usize].generation;
-            let ptr = cs.slots[i as usize].addr;
-            drop(cs);
-            Some(Allocation {
-                ptr,
-                size,
-                requested: bytes,
-                stream,
-                block: i,
-                generation,
-                owner: self.id,
-                cache: c.index + 1,
-            })
+            Some(self.cached_handle(c.index, i, &cs.slots[i as usize]))
         })
         .flatten()
     }
@@ -843,6 +831,21 @@ impl CachingAllocator {
             generation: 0,
             owner: self.id,
             cache: 0,
+        }
+    }
+
+    /// The handle of allocated slot `i` of cache `cache` (its index).
+    #[inline]
+    fn cached_handle(&self, cache: u32, i: u32, s: &thread_cache::Slot) -> Allocation {
+        Allocation {
+            ptr: s.addr,
+            size: s.size,
+            requested: s.requested,
+            stream: s.stream,
+            block: i,
+            generation: s.generation,
+            owner: self.id,
+            cache: cache + 1,
         }
     }
 

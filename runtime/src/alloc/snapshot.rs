@@ -58,54 +58,7 @@ impl CachingAllocator {
     /// The segments and their blocks, in address order.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
         let st = self.lock();
-        let caches = self.cache_list();
-        let guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
-        let locked: Vec<(u32, &CacheState)> = caches
-            .iter()
-            .zip(&guards)
-            .map(|(c, g)| (c.index, &**g))
-            .collect();
-        let mut out: Vec<SegmentInfo> = st
-            .segs
-            .iter()
-            .map(|(_, s)| {
-                let mut blocks = Vec::new();
-                let mut cur = Some(s.first);
-                while let Some(id) = cur {
-                    let b = &st.blocks[id];
-                    let lent = (b.state == BlockState::Lent)
-                        .then(|| lent_slot(&locked, b.lent_to))
-                        .flatten();
-                    blocks.push(BlockInfo {
-                        addr: b.addr,
-                        size: b.size,
-                        requested: lent.map_or(b.requested, |s| s.requested),
-                        status: match (b.state, b.mapped) {
-                            (BlockState::Lent, _) => match lent.map(|s| s.state) {
-                                Some(SlotState::Allocated) => BlockStatus::Allocated,
-                                _ => BlockStatus::Free,
-                            },
-                            (BlockState::Allocated, _) => BlockStatus::Allocated,
-                            (BlockState::PendingFree, _) => BlockStatus::PendingFree,
-                            (BlockState::Free | BlockState::Parked, true) => BlockStatus::Free,
-                            (BlockState::Free | BlockState::Parked, false) => BlockStatus::Unmapped,
-                        },
-                    });
-                    cur = b.next;
-                }
-                SegmentInfo {
-                    base: s.base,
-                    size: s.size,
-                    mapped: s.mapped,
-                    stream: s.stream,
-                    pool: s.pool,
-                    growable: s.growable,
-                    blocks,
-                }
-            })
-            .collect();
-        out.sort_by_key(|s| s.base);
-        out
+        self.with_caches_locked(|locked| snapshot(&st, locked))
     }
 
     /// Checks every internal invariant; `Err` describes the first violation. For tests and
@@ -115,26 +68,67 @@ impl CachingAllocator {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut st = self.lock();
         self.fold_caches(&mut st);
-        let caches = self.cache_list();
-        let guards: Vec<_> = caches.iter().map(|c| c.state.lock()).collect();
-        let locked: Vec<(u32, &CacheState)> = caches
-            .iter()
-            .zip(&guards)
-            .map(|(c, g)| (c.index, &**g))
-            .collect();
-        st.check(&locked)
+        self.with_caches_locked(|locked| st.check(locked))
     }
 }
 
+/// The segments and their blocks (the allocator and every cache locked).
+fn snapshot(st: &State, locked: &[(u32, &mut CacheState)]) -> Vec<SegmentInfo> {
+    let mut out: Vec<SegmentInfo> = st
+        .segs
+        .iter()
+        .map(|(_, s)| {
+            let mut blocks = Vec::new();
+            let mut cur = Some(s.first);
+            while let Some(id) = cur {
+                let b = &st.blocks[id];
+                let lent = (b.state == BlockState::Lent)
+                    .then(|| lent_slot(locked, b.lent_to))
+                    .flatten();
+                blocks.push(BlockInfo {
+                    addr: b.addr,
+                    size: b.size,
+                    requested: lent.map_or(b.requested, |s| s.requested),
+                    status: match (b.state, b.mapped) {
+                        (BlockState::Lent, _) => match lent.map(|s| s.state) {
+                            Some(SlotState::Allocated) => BlockStatus::Allocated,
+                            _ => BlockStatus::Free,
+                        },
+                        (BlockState::Allocated, _) => BlockStatus::Allocated,
+                        (BlockState::PendingFree, _) => BlockStatus::PendingFree,
+                        (BlockState::Free | BlockState::Parked, true) => BlockStatus::Free,
+                        (BlockState::Free | BlockState::Parked, false) => BlockStatus::Unmapped,
+                    },
+                });
+                cur = b.next;
+            }
+            SegmentInfo {
+                base: s.base,
+                size: s.size,
+                mapped: s.mapped,
+                stream: s.stream,
+                pool: s.pool,
+                growable: s.growable,
+                blocks,
+            }
+        })
+        .collect();
+    out.sort_by_key(|s| s.base);
+    out
+}
+
 /// The slot a lent block's `lent_to` names, among the locked caches.
-fn lent_slot<'a>(caches: &[(u32, &'a CacheState)], (cache, slot): (u32, u32)) -> Option<&'a Slot> {
+fn lent_slot<'a>(
+    caches: &'a [(u32, &mut CacheState)],
+    (cache, slot): (u32, u32),
+) -> Option<&'a Slot> {
     let (_, cs) = caches.iter().find(|(i, _)| *i == cache)?;
     cs.slots.get(slot as usize)
 }
 
 /// Checks the caches against the blocks: every slot in use names a block lent to it, every
 /// cached slot is in its list once, the counts match.
-fn check_caches(st: &State, caches: &[(u32, &CacheState)]) -> Result<(), String> {
+fn check_caches(st: &State, caches: &[(u32, &mut CacheState)]) -> Result<(), String> {
     for (index, cs) in caches {
         let (mut cached, mut live) = (0, 0);
         for (i, s) in cs.slots.iter().enumerate() {
@@ -177,7 +171,7 @@ fn check_caches(st: &State, caches: &[(u32, &CacheState)]) -> Result<(), String>
 }
 
 impl State {
-    fn check(&self, caches: &[(u32, &CacheState)]) -> Result<(), String> {
+    fn check(&self, caches: &[(u32, &mut CacheState)]) -> Result<(), String> {
         check_caches(self, caches)?;
         let mut seen = HashSet::new();
         // Recounts, per pool (0: small, 1: large).

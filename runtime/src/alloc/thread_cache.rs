@@ -502,12 +502,12 @@ pub(crate) fn cache_stats_mut(s: &mut MemoryStats) -> [&mut Stat; CACHE_STATS] {
 pub(crate) fn fold(
     shared: &mut MemoryStats,
     floors: &mut [u64; CACHE_STATS],
-    caches: &mut [&mut CacheState],
+    caches: &mut [(u32, &mut CacheState)],
 ) {
     let to = cache_stats_mut(shared);
     for k in 0..CACHE_STATS {
         let (mut cur, mut max, mut allocated, mut freed) = (0i64, 0i64, 0u64, 0u64);
-        for c in caches.iter_mut() {
+        for (_, c) in caches.iter_mut() {
             let d = std::mem::take(&mut c.stats.0[k]);
             cur += d.cur;
             max += d.max;

@@ -609,29 +609,22 @@ fn thread_device_epoch() -> Option<u64> {
     if addr == 0 {
         return None;
     }
-    let cached = DEVICE_CACHE
-        .try_with(|c| {
-            c.borrow()
-                .as_ref()
-                .filter(|(w, _, _)| w.addr() == addr && w.alive())
-                .map(|(_, _, e)| *e)
-        })
-        .ok()
-        .flatten();
-    if cached.is_some() {
-        return cached;
-    }
-    // fills the cache
-    let _ = thread_device_key();
-    DEVICE_CACHE
-        .try_with(|c| {
-            c.borrow()
-                .as_ref()
-                .filter(|(w, _, _)| w.addr() == addr && w.alive())
-                .map(|(_, _, e)| *e)
-        })
-        .ok()
-        .flatten()
+    let cached = || {
+        DEVICE_CACHE
+            .try_with(|c| {
+                c.borrow()
+                    .as_ref()
+                    .filter(|(w, _, _)| w.addr() == addr && w.alive())
+                    .map(|(_, _, e)| *e)
+            })
+            .ok()
+            .flatten()
+    };
+    cached().or_else(|| {
+        // fills the cache
+        let _ = thread_device_key();
+        cached()
+    })
 }
 
 /// The device key of a step that holds no device: the device this thread allocated on last.
