@@ -62,13 +62,26 @@ pub fn budget(limit: BudgetLimit) -> Option<ThreadBudget> {
 }
 
 /// `#[leak_check]`: a leak check over this thread's allocations on every device, opened where
-/// the attribute is (the caller's location) and naming the function.
+/// the attribute is (the caller's location) and naming the function. With `#[memory_budget]` on
+/// the same function, `budget` makes the check's scope the budget too (one scope: they cover
+/// the same allocations).
 #[track_caller]
-pub fn leak_check(action: LeakAction, allow: u64, function: &'static str) -> ThreadLeakCheck {
-    guard::thread_leak_check()
-        .on_leak(action)
-        .allow(ByteSize(allow))
-        .named(function)
+pub fn leak_check(
+    action: LeakAction,
+    allow: u64,
+    function: &'static str,
+    budget: Option<BudgetLimit>,
+) -> ThreadLeakCheck {
+    let check = match budget {
+        None => guard::thread_leak_check(),
+        Some(BudgetLimit::Bytes(n)) => guard::thread_leak_check_with_budget(ByteSize(n)),
+        Some(BudgetLimit::Fraction(f)) => match guard::thread_leak_check_with_budget_fraction(f) {
+            Ok(c) => c,
+            // The macro checked the range; a value outside it would mean no budget.
+            Err(_) => guard::thread_leak_check(),
+        },
+    };
+    check.on_leak(action).allow(ByteSize(allow)).named(function)
 }
 
 /// `#[leak_check(action = error)]`: a leak becomes the function's `Err` (its own error wins).

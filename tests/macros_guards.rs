@@ -6,7 +6,9 @@ use std::panic::catch_unwind;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
-use oomguard::{is_grad_enabled, leak_check, memory_budget, no_grad, ByteSize, Device, Error};
+use oomguard::{
+    is_grad_enabled, leak_check, memory_budget, no_grad, oom_retry, ByteSize, Device, Error,
+};
 
 #[no_grad]
 fn grad_inside() -> bool {
@@ -174,5 +176,63 @@ fn async_guards_apply_per_poll_only() {
         .unwrap_err()
         .is_oom());
     assert!(is_grad_enabled());
+    assert_eq!(dev.stats().allocated_bytes.all.current, 0);
+}
+
+#[oom_retry]
+#[memory_budget("1 MiB")]
+#[leak_check(action = error, allow = "1 KiB")]
+fn budgeted_and_checked(
+    dev: &Device,
+    keep: &mut Vec<oomguard::DeviceBuffer<u8>>,
+    scratch: usize,
+    kept: usize,
+) -> Result<(), Error> {
+    let s = dev.alloc::<u8>(scratch)?;
+    keep.push(dev.alloc::<u8>(kept)?);
+    drop(s);
+    Ok(())
+}
+
+#[leak_check]
+#[memory_budget(fraction = 0.25)]
+#[oom_retry]
+fn fraction_and_checked(dev: &Device, bytes: usize) -> Result<usize, Error> {
+    let a = dev.alloc::<u8>(bytes)?;
+    Ok(a.len())
+}
+
+/// `#[memory_budget]` and `#[leak_check]` under `#[oom_retry]` share one scope (the attempt's):
+/// both must still act, each on exactly the function's allocations.
+#[test]
+fn budget_and_leak_check_on_one_function_both_act() {
+    let dev = Device::sim(ByteSize::gib(1));
+    let mut keep = Vec::new();
+    // Allocations before the call count for neither.
+    let before = dev.alloc::<u8>(8 << 20).unwrap();
+    assert!(budgeted_and_checked(&dev, &mut keep, 512 << 10, 512).is_ok());
+    // The budget counts what is live inside: 512 KiB scratch + 600 KiB kept > 1 MiB.
+    let e = budgeted_and_checked(&dev, &mut keep, 512 << 10, 600 << 10).unwrap_err();
+    let Error::RetriesExhausted { error, report } = &e else {
+        panic!("{e}")
+    };
+    assert!(
+        matches!(**error, Error::BudgetExceeded(ref b) if b.limit == 1 << 20),
+        "{e}"
+    );
+    assert_eq!(report.attempts.len(), 1, "a budget is not retried: {e}");
+    // Within the budget, a kept buffer over the allowance is a leak naming the function.
+    let e = budgeted_and_checked(&dev, &mut keep, 4096, 4096).unwrap_err();
+    let Error::Leak(report) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(report.function, Some("budgeted_and_checked"));
+    assert_eq!(report.leaks.len(), 1);
+    assert_eq!(report.total_bytes, 4096);
+    // The refused call kept nothing.
+    assert_eq!(keep.len(), 2);
+    assert!(fraction_and_checked(&dev, 256 << 20).is_ok());
+    assert!(fraction_and_checked(&dev, (256 << 20) + 1).is_err());
+    drop((keep, before));
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
 }

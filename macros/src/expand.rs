@@ -212,16 +212,21 @@ fn guarded_block(
     let grad = g
         .no_grad
         .then(|| quote!(let #__oomguard_grad = #p::no_grad();));
-    let budget = g.budget.as_ref().map(|b| {
-        let limit = budget_limit(b, &p);
-        quote!(let #__oomguard_budget = #p::budget(#limit);)
-    });
+    let limit = g.budget.as_ref().map(|b| budget_limit(b, &p));
+    // With a leak check, the budget is the leak check's scope too (one scope, not two).
+    let leak_budget = match (&g.leak, &limit) {
+        (Some(_), Some(l)) => quote!(::core::option::Option::Some(#l)),
+        _ => quote!(::core::option::Option::None),
+    };
+    let budget = limit
+        .filter(|_| g.leak.is_none())
+        .map(|l| quote!(let #__oomguard_budget = #p::budget(#l);));
     match &g.leak {
         Some(l) if l.action == LeakAction::Error => {
             let allow = l.allow;
             let arrow = ret.as_ref().map(|r| quote!(-> #r));
             quote!({
-                let #__oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow, #function);
+                let #__oomguard_leak = #p::leak_check(#p::LeakAction::Report, #allow, #function, #leak_budget);
                 #[allow(clippy::redundant_closure_call)]
                 let #__oomguard_out = {
                     #budget
@@ -235,7 +240,7 @@ fn guarded_block(
             let (allow, action) = (l.allow, leak_action(l.action, &p));
             let stmts = statements(body);
             quote!({
-                let #__oomguard_leak = #p::leak_check(#action, #allow, #function);
+                let #__oomguard_leak = #p::leak_check(#action, #allow, #function, #leak_budget);
                 #budget
                 #grad
                 #stmts

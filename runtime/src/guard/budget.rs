@@ -4,7 +4,7 @@
 
 use std::panic::Location;
 
-use super::tracker::{ScopeGuard, ScopeKind};
+use super::tracker::{Limit, ScopeGuard, ScopeKind};
 use crate::device::Device;
 use crate::error::Result;
 use crate::ByteSize;
@@ -99,7 +99,11 @@ impl Device {
     pub fn budget(&self, limit: impl Into<ByteSize>) -> MemoryBudget {
         let limit = limit.into().bytes();
         MemoryBudget {
-            guard: ScopeGuard::open(self, ScopeKind::Budget(limit), Location::caller()),
+            guard: ScopeGuard::open(
+                self,
+                ScopeKind::budget(Limit::Bytes(limit)),
+                Location::caller(),
+            ),
             limit,
         }
     }

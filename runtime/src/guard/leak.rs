@@ -226,6 +226,9 @@ impl LeakCheck {
     /// happens on drop afterwards.
     pub fn finish(mut self) -> Result<(), LeakReport> {
         self.finished = true;
+        if !self.guard.scope.live_exceeds(self.allowed) {
+            return Ok(());
+        }
         self.report().into_result()
     }
 }
@@ -242,7 +245,10 @@ impl fmt::Debug for LeakCheck {
 
 impl Drop for LeakCheck {
     fn drop(&mut self) {
-        if self.finished || self.action == LeakAction::Report {
+        if self.finished
+            || self.action == LeakAction::Report
+            || !self.guard.scope.live_exceeds(self.allowed)
+        {
             return;
         }
         self.report().act(self.action);
@@ -254,7 +260,7 @@ impl Device {
     #[track_caller]
     pub fn leak_check(&self) -> LeakCheck {
         LeakCheck {
-            guard: ScopeGuard::open(self, ScopeKind::Leak, Location::caller()),
+            guard: ScopeGuard::open(self, ScopeKind::LEAK, Location::caller()),
             action: LeakAction::Panic,
             allowed: 0,
             finished: false,

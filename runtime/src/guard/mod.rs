@@ -49,8 +49,8 @@ pub use grad::{
 pub use leak::{LeakAction, LeakCheck, LeakReport, LeakedBuffer};
 pub use peak::PeakScope;
 pub use thread::{
-    thread_budget, thread_budget_fraction, thread_leak_check, GuardSet, Scoped, ThreadBudget,
-    ThreadLeakCheck,
+    thread_budget, thread_budget_fraction, thread_leak_check, thread_leak_check_with_budget,
+    thread_leak_check_with_budget_fraction, GuardSet, Scoped, ThreadBudget, ThreadLeakCheck,
 };
 
 #[cfg(test)]

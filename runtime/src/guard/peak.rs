@@ -85,7 +85,7 @@ impl Device {
     #[track_caller]
     pub fn peak_scope(&self) -> PeakScope {
         PeakScope {
-            guard: ScopeGuard::open(self, ScopeKind::Peak, Location::caller()),
+            guard: ScopeGuard::open(self, ScopeKind::PEAK, Location::caller()),
         }
     }
 }

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 
 use super::grad::{set_grad_mode_guard, GradMode};
 use super::leak::{LeakAction, LeakReport};
-use super::tracker::{self, Scope, ScopeKind};
+use super::tracker::{self, Limit, Scope, ScopeKind};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ByteSize;
@@ -68,7 +68,7 @@ pub struct ThreadBudget {
 pub fn thread_budget(limit: impl Into<ByteSize>) -> ThreadBudget {
     ThreadBudget {
         scope: open(
-            ScopeKind::Budget(limit.into().bytes()),
+            ScopeKind::budget(Limit::Bytes(limit.into().bytes())),
             Location::caller(),
             true,
         ),
@@ -83,7 +83,11 @@ pub fn thread_budget(limit: impl Into<ByteSize>) -> ThreadBudget {
 pub fn thread_budget_fraction(fraction: f64) -> Result<ThreadBudget> {
     let ppm = fraction_ppm(fraction)?;
     Ok(ThreadBudget {
-        scope: open(ScopeKind::BudgetFraction(ppm), Location::caller(), true),
+        scope: open(
+            ScopeKind::budget(Limit::Fraction(ppm)),
+            Location::caller(),
+            true,
+        ),
         _not_send: PhantomData,
     })
 }
@@ -127,8 +131,46 @@ pub struct ThreadLeakCheck {
 /// A [`ThreadLeakCheck`] that panics on leaks (see [`ThreadLeakCheck::on_leak`]).
 #[track_caller]
 pub fn thread_leak_check() -> ThreadLeakCheck {
+    leak_check_of(ScopeKind::LEAK, Location::caller())
+}
+
+/// A [`ThreadLeakCheck`] that is also a memory budget of `limit` bytes over the same
+/// allocations: it behaves as a [`thread_budget`] opened right after it and dropped right before
+/// it, at the cost of one scope instead of two (each allocation inside is charged and recorded
+/// once). What `#[memory_budget]` and `#[leak_check]` on one function open.
+///
+/// ```
+/// use oomguard_runtime::{guard::{thread_leak_check_with_budget, LeakAction}, ByteSize, Device};
+/// let dev = Device::sim(ByteSize::gib(1));
+/// let check = thread_leak_check_with_budget(ByteSize::mib(1)).on_leak(LeakAction::Report);
+/// let kept = dev.alloc::<u8>(1 << 19).unwrap();
+/// assert!(dev.alloc::<u8>(1 << 20).unwrap_err().is_oom());
+/// assert_eq!(check.finish().unwrap_err().total_bytes, 1 << 19);
+/// # drop(kept);
+/// ```
+#[track_caller]
+pub fn thread_leak_check_with_budget(limit: impl Into<ByteSize>) -> ThreadLeakCheck {
+    let kind = ScopeKind {
+        leak: true,
+        ..ScopeKind::budget(Limit::Bytes(limit.into().bytes()))
+    };
+    leak_check_of(kind, Location::caller())
+}
+
+/// As [`thread_leak_check_with_budget`], with a budget of `fraction` of each device's capacity
+/// (see [`thread_budget_fraction`]); `Err` unless 0 < fraction ≤ 1.
+#[track_caller]
+pub fn thread_leak_check_with_budget_fraction(fraction: f64) -> Result<ThreadLeakCheck> {
+    let kind = ScopeKind {
+        leak: true,
+        ..ScopeKind::budget(Limit::Fraction(fraction_ppm(fraction)?))
+    };
+    Ok(leak_check_of(kind, Location::caller()))
+}
+
+fn leak_check_of(kind: ScopeKind, at: &'static Location<'static>) -> ThreadLeakCheck {
     ThreadLeakCheck {
-        scope: open(ScopeKind::Leak, Location::caller(), true),
+        scope: open(kind, at, true),
         action: LeakAction::Panic,
         allowed: 0,
         function: None,
@@ -163,6 +205,9 @@ impl ThreadLeakCheck {
     /// Ends the scope: `Err` with the report when the leaks exceed the allowance.
     pub fn finish(mut self) -> Result<(), LeakReport> {
         self.finished = true;
+        if !self.scope.live_exceeds(self.allowed) {
+            return Ok(());
+        }
         self.report().into_result()
     }
 }
@@ -170,7 +215,7 @@ impl ThreadLeakCheck {
 impl Drop for ThreadLeakCheck {
     fn drop(&mut self) {
         tracker::close_any_device(&self.scope);
-        if !self.finished {
+        if !self.finished && self.scope.live_exceeds(self.allowed) {
             self.report().act(self.action);
         }
     }
@@ -198,7 +243,11 @@ impl GuardSet {
     /// A budget of `limit` bytes over the body's allocations on every device.
     #[track_caller]
     pub fn budget(mut self, limit: u64) -> Self {
-        self.budget = Some(open(ScopeKind::Budget(limit), Location::caller(), false));
+        self.budget = Some(open(
+            ScopeKind::budget(Limit::Bytes(limit)),
+            Location::caller(),
+            false,
+        ));
         self
     }
     /// A budget of `fraction` of each device's capacity, each device counted on its own.
@@ -206,7 +255,7 @@ impl GuardSet {
     pub fn budget_fraction(mut self, fraction: f64) -> Result<Self> {
         let ppm = fraction_ppm(fraction)?;
         self.budget = Some(open(
-            ScopeKind::BudgetFraction(ppm),
+            ScopeKind::budget(Limit::Fraction(ppm)),
             Location::caller(),
             false,
         ));
@@ -216,7 +265,7 @@ impl GuardSet {
     #[track_caller]
     pub fn leak_check(mut self, action: LeakAction, allowed: u64) -> Self {
         self.leak = Some((
-            open(ScopeKind::Leak, Location::caller(), false),
+            open(ScopeKind::LEAK, Location::caller(), false),
             action,
             allowed,
         ));
@@ -246,6 +295,7 @@ impl GuardSet {
         }
         self.budget = None;
         match self.leak.take() {
+            Some((scope, _, allowed)) if !scope.live_exceeds(allowed) => Ok(()),
             Some((scope, action, allowed)) => {
                 let r = LeakReport {
                     function: self.function,

@@ -13,6 +13,7 @@
 //! scope has closed (the counters of a closed scope are then simply never read again).
 
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 use std::backtrace::{Backtrace, BacktraceStatus};
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -37,17 +38,44 @@ pub(crate) const ANY_DEVICE: usize = 0;
 /// tracked path (which then finds the scopes of its own thread, if any).
 static ANY_DEVICE_OPEN: AtomicUsize = AtomicUsize::new(0);
 
-/// What a scope is for.
+/// What a scope does with the allocations charged to it: a budget, a leak check, both (the
+/// attribute macros open one scope for `#[memory_budget]` and `#[leak_check]` on one function:
+/// they cover the same allocations), or neither (a peak scope only counts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ScopeKind {
-    /// A memory budget of this many bytes.
-    Budget(u64),
-    /// A memory budget of this many millionths of each device's capacity.
-    BudgetFraction(u64),
-    /// A leak check (records allocation sites and, maybe, backtraces).
-    Leak,
+pub(crate) struct ScopeKind {
+    /// A memory budget: the most bytes live at once.
+    pub limit: Option<Limit>,
+    /// A leak check: records allocation sites and, maybe, backtraces.
+    pub leak: bool,
+}
+
+/// The limit of a budget scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Limit {
+    /// This many bytes.
+    Bytes(u64),
+    /// This many millionths of each device's capacity.
+    Fraction(u64),
+}
+
+impl ScopeKind {
+    /// A leak check.
+    pub const LEAK: Self = Self {
+        limit: None,
+        leak: true,
+    };
     /// A peak-memory scope.
-    Peak,
+    pub const PEAK: Self = Self {
+        limit: None,
+        leak: false,
+    };
+    /// A budget of `limit`.
+    pub const fn budget(limit: Limit) -> Self {
+        Self {
+            limit: Some(limit),
+            leak: false,
+        }
+    }
 }
 
 /// The counters of one open (or closed) scope.
@@ -74,22 +102,32 @@ pub(crate) struct Scope {
 }
 
 impl Scope {
+    /// Whether the blocks charged to the scope and still live exceed `allowed` bytes: the test
+    /// a leak report would make, read from the scope's counter instead of scanning the side
+    /// table (`live` is exactly the block sizes of its live recorded allocations, on all
+    /// devices). A scope's end builds its report only when this holds.
+    pub fn live_exceeds(&self, allowed: u64) -> bool {
+        self.live.load(Relaxed) > allowed
+    }
+
     fn limit(&self, device_total: u64) -> Option<u64> {
-        match self.kind {
-            ScopeKind::Budget(l) => Some(l),
-            ScopeKind::BudgetFraction(ppm) => {
-                Some((device_total as u128 * ppm as u128 / 1_000_000) as u64)
-            }
-            _ => None,
+        match self.kind.limit? {
+            Limit::Bytes(l) => Some(l),
+            Limit::Fraction(ppm) => Some((device_total as u128 * ppm as u128 / 1_000_000) as u64),
         }
     }
 }
+
+/// The scopes one allocation is charged to. Inline up to two (the attribute macros open one
+/// scope per function; nesting deeper spills to the heap): no heap allocation per tracked
+/// allocation, and a small record to move into the table.
+type Charged = SmallVec<[Arc<Scope>; 2]>;
 
 /// A live allocation made while scopes were open, and what it was charged to.
 struct Tracked {
     alloc: Allocation,
     seq: u64,
-    scopes: Vec<Arc<Scope>>,
+    scopes: Charged,
     site: &'static Location<'static>,
     backtrace: Option<Arc<Backtrace>>,
 }
@@ -116,7 +154,7 @@ pub(crate) struct Tracker {
     open: AtomicUsize,
     /// Device-wide scopes open.
     wide_open: AtomicUsize,
-    /// Entries in `table`.
+    /// Entries in `table` (written under its lock).
     tracked: AtomicUsize,
     wide: Mutex<Vec<Arc<Scope>>>,
     table: Mutex<Table>,
@@ -172,9 +210,9 @@ impl Tracker {
     }
 
     /// The open scopes an allocation on this thread is charged to.
-    fn applicable(&self) -> Vec<Arc<Scope>> {
+    fn applicable(&self) -> Charged {
         let id = self.id();
-        let mut v = Vec::new();
+        let mut v = Charged::new();
         let _ = SCOPES.try_with(|s| {
             if let Ok(s) = s.try_borrow() {
                 v.extend(
@@ -244,10 +282,14 @@ impl Tracker {
         }
         let mut want_backtrace = None;
         for s in &scopes {
-            s.peak.fetch_max(s.live.load(Relaxed), Relaxed);
+            // Loads first: a read-modify-write only when the peak moves.
+            let live = s.live.load(Relaxed);
+            if live > s.peak.load(Relaxed) {
+                s.peak.fetch_max(live, Relaxed);
+            }
             s.allocations.fetch_add(1, Relaxed);
             s.live_allocations.fetch_add(1, Relaxed);
-            if s.kind == ScopeKind::Leak {
+            if s.kind.leak {
                 let forced = s.force_backtrace.load(Relaxed);
                 want_backtrace = Some(want_backtrace.unwrap_or(false) | forced);
             }
@@ -269,13 +311,14 @@ impl Tracker {
             site,
             backtrace,
         };
-        match t.map.insert(a.ptr, entry) {
-            // A stale record: its allocation was freed behind the device's back (through the
-            // allocator directly), since the address was handed out again. Credit it now.
-            Some(old) => credit(&old, dev),
-            None => {
-                self.tracked.fetch_add(1, Relaxed);
-            }
+        let stale = t.map.insert(a.ptr, entry);
+        // Written under the table's lock only: a store, not a read-modify-write.
+        self.tracked.store(t.map.len(), Relaxed);
+        drop(t);
+        // A stale record: its allocation was freed behind the device's back (through the
+        // allocator directly), since the address was handed out again. Credit it now.
+        if let Some(old) = stale {
+            credit(&old, dev);
         }
         Ok(a)
     }
@@ -289,8 +332,9 @@ impl Tracker {
                 // Only the very allocation (same block generation): a double free of a stale
                 // handle must not uncount the live allocation now at that address.
                 Some(e) if e.alloc == *a => {
-                    self.tracked.fetch_sub(1, Relaxed);
-                    t.map.remove(&a.ptr)
+                    let old = t.map.remove(&a.ptr);
+                    self.tracked.store(t.map.len(), Relaxed);
+                    old
                 }
                 _ => None,
             }
@@ -399,9 +443,9 @@ fn charge(
     dev: usize,
 ) -> Result<(), BudgetExceeded> {
     for (i, s) in scopes.iter().enumerate() {
-        let r = match (s.kind, s.limit(device_total)) {
+        let r = match (s.kind.limit, s.limit(device_total)) {
             (_, None) => Ok(s.live.fetch_add(n, Relaxed)),
-            (ScopeKind::BudgetFraction(_), Some(limit)) => {
+            (Some(Limit::Fraction(_)), Some(limit)) => {
                 let mut map = lock(&s.per_device);
                 let cur = map.entry(dev).or_default();
                 match cur.checked_add(n).filter(|&v| v <= limit) {
@@ -431,7 +475,7 @@ fn charge(
 /// Takes `n` bytes of device `dev` off every scope.
 fn uncharge(scopes: &[Arc<Scope>], n: u64, dev: usize) {
     for s in scopes {
-        if let ScopeKind::BudgetFraction(_) = s.kind {
+        if let Some(Limit::Fraction(_)) = s.kind.limit {
             if let Some(cur) = lock(&s.per_device).get_mut(&dev) {
                 *cur = cur.saturating_sub(n);
             }
