@@ -5,7 +5,8 @@
 use std::ops::ControlFlow;
 
 use oomguard_runtime::retry::{
-    last_report, Accumulate, DeviceKey, Limits, MemoryKey, RetryEngine, SiteMemo, StepMode,
+    last_report, Accumulate, DeviceKey, Limits, MemoryKey, PlanMemory, RetryEngine, SiteMemo,
+    StepMode,
 };
 use oomguard_runtime::{BatchPlan, ByteSize, Device, Error};
 
@@ -141,4 +142,29 @@ fn a_plan_remembered_for_another_device_is_not_used_and_its_own_is() {
     assert_eq!(call(&engine, &memo, &small, start), (8, vec![2]));
     drop(large.alloc::<u8>(1).unwrap());
     assert_eq!(call(&engine, &memo, &large, start), (8, vec![8]));
+}
+
+/// A memory replaced wholesale is seen at the next call, also one whose limits were set before
+/// the memo last looked (a check of "no memory changed since" without the memory's lock would
+/// miss it: the assignment changes no generation).
+#[test]
+fn a_memory_replaced_wholesale_applies_at_the_next_call() {
+    let dev = Device::sim(ByteSize::mib(64));
+    drop(dev.alloc::<u8>(1).unwrap());
+    let engine = RetryEngine::new();
+    let memo = SiteMemo::new();
+    let start = BatchPlan::new(8, 1).unwrap();
+    let limits = Limits {
+        micro_batch: Some(4),
+        batch: None,
+    };
+    // built (and its limits set) before the memo is confirmed below
+    let mut prepared = PlanMemory::default();
+    prepared.set_limits(&key(&dev), limits).unwrap();
+    assert_eq!(call(&engine, &memo, &dev, start), (8, vec![8]));
+    assert_eq!(call(&engine, &memo, &dev, start), (8, vec![8]));
+    *engine.memory() = prepared;
+    assert_eq!(call(&engine, &memo, &dev, start), (8, vec![4]));
+    *engine.memory() = PlanMemory::default();
+    assert_eq!(call(&engine, &memo, &dev, start), (8, vec![8]));
 }
