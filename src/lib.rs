@@ -223,12 +223,15 @@ pub use oomguard_macros::memory_budget;
 /// |---|---|
 /// | `action = panic` | (default) panic with the report (while already panicking: logged, and printed to stderr without a `tracing` subscriber) |
 /// | `action = warn` | log the report as a warning (printed to stderr when no `tracing` subscriber is installed) |
-/// | `action = error` | the leak becomes the function's `Err` ([`Error::Leak`]; the function returns a `Result` whose error is `From<Error>`); its own error wins |
+/// | `action = error` | the leak becomes the function's `Err` ([`Error::Leak`]; the function returns a `Result` whose error is `From<Error>`); its own error wins (except an out-of-memory error of an `#[oom_retry]` attempt, see below) |
 /// | `allow = "4 KiB"` | tolerate leaks up to this many bytes |
 /// | `crate = "path"` | the path of this crate when it is renamed |
 ///
 /// Under `#[oom_retry]` the check covers each attempt; with a commit phase, a failed check
-/// fails the step **before** the commit (no update is applied). The value the body hands to the
+/// fails the step **before** the commit (no update is applied). With `action = error`, a leak
+/// in an attempt that ran out of memory wins over the out-of-memory error: the step fails with
+/// [`Error::Leak`] instead of being retried (the attempt kept memory alive, so it changed what
+/// lasts, and the retry would have hidden the leak). The value the body hands to the
 /// commit counts as the attempt's: keep gradient accumulators in state allocated before the
 /// first step, or allow for them.
 ///

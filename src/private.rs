@@ -6,6 +6,7 @@ use std::future::Future;
 pub use oomguard_runtime as runtime;
 pub use oomguard_runtime::guard::LeakAction;
 use oomguard_runtime::guard::{self, GuardSet, LeakReport, Scoped, ThreadBudget, ThreadLeakCheck};
+use oomguard_runtime::retry::IsOom;
 use oomguard_runtime::{ByteSize, Error};
 
 /// `#[no_grad]`: grad mode off until dropped.
@@ -97,6 +98,27 @@ pub fn leak_result_of<T, E: From<Error>>(
     match (leak, out) {
         (Err(report), Ok(_)) => Err(E::from(Error::Leak(report))),
         (_, out) => out,
+    }
+}
+
+/// [`leak_result`] for the attempt of an `#[oom_retry]` function: a leak also wins over the
+/// attempt's out-of-memory error. Retried, that error would vanish and the leak with it (an
+/// attempt that keeps memory alive changed what lasts: a rerun would keep more).
+pub fn leak_result_retried<T, E: From<Error> + IsOom>(
+    check: ThreadLeakCheck,
+    out: Result<T, E>,
+) -> Result<T, E> {
+    leak_result_of_retried(check.finish(), out)
+}
+
+/// As [`leak_result_retried`], for the outcome of an async body.
+pub fn leak_result_of_retried<T, E: From<Error> + IsOom>(
+    leak: Result<(), LeakReport>,
+    out: Result<T, E>,
+) -> Result<T, E> {
+    match (leak, out) {
+        (Err(report), Err(e)) if e.is_oom() => Err(E::from(Error::Leak(report))),
+        (leak, out) => leak_result_of(leak, out),
     }
 }
 

@@ -158,6 +158,12 @@ fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
         _ => (1, min),
     };
     match (cfg.policy.take(), &cfg.kind) {
+        // A training step is never shrunk, by a policy of the user's either.
+        (Some(p), _) if mode == StepMode::Train => Box::new(
+            KeepsRows(p)
+                .with_floor(min_micro, min_batch)
+                .max_retries(max),
+        ),
         (Some(p), _) => Box::new(p.with_floor(min_micro, min_batch).max_retries(max)),
         // The same call again only helps once the cache is empty: once, unless told otherwise.
         (None, RetryKind::Plain) => Box::new(EmptyCacheRetry::times(
@@ -178,6 +184,36 @@ fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
                 .then(Accumulate::halving().min_micro_batch(min))
                 .max_retries(max),
         ),
+    }
+}
+
+/// A `policy = ...` of a training step: plans that drop rows are refused (the step gives up and
+/// says why), as the built-in policies never propose them for training.
+#[derive(Debug)]
+struct KeepsRows(Box<dyn RetryPolicy>);
+
+impl RetryPolicy for KeepsRows {
+    fn next_plan(&self, ctx: &oomguard_runtime::retry::RetryContext) -> Option<BatchPlan> {
+        let next = self.0.next_plan(ctx)?;
+        if next.batch() < ctx.requested_batch {
+            warn_visibly(&format!(
+                "the retry policy {:?} proposed {next} for a training step of {} rows: a \
+                 training step never runs fewer rows (it would train on less data); giving up. \
+                 Use an `Accumulate` policy (or `plan =`), or `#[no_grad]` for evaluation",
+                self.0, ctx.requested_batch
+            ));
+            return None;
+        }
+        Some(next)
+    }
+}
+
+/// An error-level message users must see: through `tracing`, and on standard error when no
+/// `tracing` subscriber is installed (as leak reports do).
+fn warn_visibly(msg: &str) {
+    tracing::error!(target: "oomguard::retry", "{msg}");
+    if !tracing::dispatcher::has_been_set() {
+        eprintln!("oomguard error: {msg}");
     }
 }
 
@@ -375,13 +411,12 @@ impl<E: IsOom + fmt::Display> Retry<E> {
             }
             ControlFlow::Break(Err(e)) => {
                 if self.train_batch && e.is_oom() {
-                    tracing::error!(
-                        target: "oomguard::retry",
-                        site = self.site,
-                        "out of memory in a training step: `batch =` does not shrink a step \
-                         with gradients on (it would train on fewer rows); use `plan =` to \
-                         accumulate micro-batches, or `#[no_grad]` for evaluation"
-                    );
+                    warn_visibly(&format!(
+                        "{}: out of memory in a training step: `batch =` does not shrink a \
+                         step with gradients on (it would train on fewer rows); use `plan =` \
+                         to accumulate micro-batches, or `#[no_grad]` for evaluation",
+                        self.site
+                    ));
                 }
                 // One process, so the step ended with this rank's own error (a non-OOM error or
                 // the last OOM): give it back as the function's error.

@@ -83,20 +83,30 @@ fn a_bare_retry_is_bounded_and_its_error_carries_the_report() {
         panic!("the error carries the report: {e:?}")
     };
     assert!(matches!(**error, Error::Oom(_)));
-    assert_eq!(report.retries(), 2);
+    // two attempts: the call and one retry; the report says it gave up
+    assert_eq!((report.attempts.len(), report.retries()), (2, 1));
+    assert!(report.gave_up());
+    assert!(
+        e.to_string()
+            .contains("gave up (out of memory) after 2 attempts (1 retry)"),
+        "{e}"
+    );
     assert!(
         e.to_string().contains("Tried to allocate 128.00 MiB"),
         "{e}"
     );
     assert!(e.to_string().contains("attempt 2"), "{e}");
     // last_report: set on failure too, and not stale.
-    assert_eq!(last_report().unwrap().retries(), 2);
+    assert!(last_report().unwrap().gave_up());
     plain(&dev, MIB, &attempts).unwrap();
-    assert_eq!(last_report().unwrap().retries(), 0);
+    let ok = last_report().unwrap();
+    assert_eq!(ok.retries(), 0);
+    assert!(!ok.gave_up());
     plain(&dev, 128 * MIB, &attempts).unwrap_err();
+    let failed = last_report().unwrap();
     assert_eq!(
-        last_report().unwrap().retries(),
-        2,
+        (failed.attempts.len(), failed.retries(), failed.gave_up()),
+        (2, 1, true),
         "the failed step's report"
     );
 }
@@ -139,7 +149,12 @@ fn a_policy_that_proposes_more_rows_is_refused_not_run() {
     let dev = Device::sim(ByteSize::mib(64));
     let e = growing_policy(&dev, &BatchPlan::whole(100).unwrap()).unwrap_err();
     assert!(e.is_oom(), "{e}");
-    assert_eq!(last_report().unwrap().retries(), 1, "gave up at once");
+    let r = last_report().unwrap();
+    assert_eq!(
+        (r.attempts.len(), r.retries(), r.gave_up()),
+        (1, 0, true),
+        "gave up at once: {r}"
+    );
 }
 
 // --- reach: other error types ---
@@ -210,4 +225,81 @@ fn a_backend_oom_is_an_oom_and_plan_errors_convert() {
     let e = plan(0).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let _: PlanError = BatchPlan::whole(0).unwrap_err();
+}
+
+// --- a policy of the user's does not shrink a training step either ---
+
+#[oom_retry(plan = plan, remember = false, policy = oomguard::retry::Shrink::halving())]
+fn shrink_policy_train(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[oom_retry(plan = plan, remember = false, policy = oomguard::retry::Shrink::halving())]
+#[no_grad]
+fn shrink_policy_eval(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn a_shrinking_policy_is_refused_for_a_training_step() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let plan = BatchPlan::whole(100).unwrap();
+    let e = shrink_policy_train(&dev, &plan).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    let r = last_report().unwrap();
+    assert!(r.gave_up(), "{r}");
+    assert!(
+        r.attempts.iter().all(|a| a.plan.batch() == 100),
+        "no attempt ran fewer rows: {r}"
+    );
+    // an evaluation step may shrink, visibly
+    assert_eq!(shrink_policy_eval(&dev, &plan).unwrap(), 50);
+    assert_eq!(last_report().unwrap().final_plan.batch(), 50);
+}
+
+// --- a leak in an attempt that ran out of memory is not retried away ---
+
+/// Keeps 1 MiB alive on its first attempt, then runs out of memory: the attempt changed what
+/// lasts.
+#[oom_retry(plan = plan, remember = false)]
+#[oomguard::leak_check(action = error)]
+fn leaks_then_ooms(
+    dev: &Device,
+    plan: &BatchPlan,
+    keep: &mut Vec<oomguard::DeviceBuffer<u8>>,
+) -> Result<usize, Error> {
+    if keep.is_empty() {
+        keep.push(dev.alloc::<u8>(MIB)?);
+    }
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn a_leak_before_an_oom_fails_the_step_instead_of_vanishing_in_the_retry() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let mut keep = Vec::new();
+    let e = leaks_then_ooms(&dev, &BatchPlan::whole(100).unwrap(), &mut keep).unwrap_err();
+    let Error::Leak(report) = &e else {
+        panic!("the leak is the step's error: {e}")
+    };
+    assert_eq!(report.function, Some("leaks_then_ooms"));
+    assert_eq!(report.total_bytes, MIB as u64);
+    assert_eq!(keep.len(), 1, "no retry ran after the leaking attempt");
+    // without a leak the same OOM is retried as before
+    assert_eq!(
+        leaks_then_ooms(&dev, &BatchPlan::whole(100).unwrap(), &mut keep).unwrap(),
+        100
+    );
 }

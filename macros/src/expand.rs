@@ -19,6 +19,9 @@ pub struct Guards {
     pub no_grad: bool,
     pub budget: Option<BudgetLimit>,
     pub leak: Option<LeakOptions>,
+    /// The guards of an `#[oom_retry]` attempt: a leak also wins over the attempt's
+    /// out-of-memory error (a retry would lose it).
+    pub in_retry: bool,
 }
 
 /// Names of the guard attributes, which move inside `#[oom_retry]` so that they apply to each
@@ -208,6 +211,11 @@ fn guarded_block(
     let __oomguard_leak = generated("__oomguard_leak");
     let __oomguard_out = generated("__oomguard_out");
     let p = quote!(#krate::__private);
+    let leak_result = if g.in_retry {
+        quote!(leak_result_retried)
+    } else {
+        quote!(leak_result)
+    };
     let function = &g.function;
     let grad = g
         .no_grad
@@ -233,7 +241,7 @@ fn guarded_block(
                     #grad
                     (|| #arrow #body)()
                 };
-                #p::leak_result(#__oomguard_leak, #__oomguard_out)
+                #p::#leak_result(#__oomguard_leak, #__oomguard_out)
             })
         }
         Some(l) => {
@@ -280,6 +288,11 @@ fn guarded_future(
     let __oomguard_leak = generated("__oomguard_leak");
     let __oomguard_out = generated("__oomguard_out");
     let p = quote!(#krate::__private);
+    let leak_result_of = if g.in_retry {
+        quote!(leak_result_of_retried)
+    } else {
+        quote!(leak_result_of)
+    };
     let budget = match &g.budget {
         Some(b) => {
             let l = budget_limit(b, &p);
@@ -309,7 +322,7 @@ fn guarded_future(
     if is_error {
         quote!({
             let (#__oomguard_leak, #__oomguard_out) = #call.await;
-            #p::leak_result_of(#__oomguard_leak, #__oomguard_out)
+            #p::#leak_result_of(#__oomguard_leak, #__oomguard_out)
         })
     } else {
         quote!(#call.await.1)
@@ -360,6 +373,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     // Guard attributes move inside: they apply to each attempt.
     let mut guards = Guards {
         function: f.sig.ident.to_string(),
+        in_retry: true,
         ..Guards::default()
     };
     let mut kept = Vec::new();

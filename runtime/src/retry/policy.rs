@@ -142,7 +142,8 @@ impl RetryPolicy for EmptyCacheRetry {
 
 /// Gradient accumulation: keeps the batch, divides the micro-batch by `factor` (2: halves it),
 /// so the step's result is the same up to float rounding. Gives up at micro-batches of 1 row
-/// (or the floor set with [`Accumulate::min_micro_batch`]).
+/// (or the floor set with [`Accumulate::min_micro_batch`]: no chunk of a plan it proposes has
+/// fewer rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accumulate {
     factor: usize,
@@ -169,7 +170,8 @@ impl Accumulate {
             min_micro: 1,
         })
     }
-    /// Never goes below micro-batches of `rows` rows (at least 1).
+    /// Never proposes a plan with a chunk of fewer than `rows` rows (at least 1): with 200
+    /// rows and a floor of 30, the last plan is 6 chunks of 33–34 rows, not 7 of 28–29.
     pub fn min_micro_batch(mut self, rows: usize) -> Self {
         self.min_micro = rows.max(1);
         self
@@ -178,12 +180,16 @@ impl Accumulate {
 
 impl RetryPolicy for Accumulate {
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        let batch = ctx.plan.batch();
         let micro = ctx.plan.micro_batch();
         let next = micro.div_ceil(self.factor).max(self.min_micro);
-        if next >= micro {
+        // Rows are spread evenly over the chunks, so `batch.div_ceil(next)` chunks can hold
+        // fewer than `next` rows each: never so many chunks that one falls under the floor.
+        let chunks = batch.div_ceil(next).min((batch / self.min_micro).max(1));
+        if chunks <= ctx.plan.num_chunks() {
             return None;
         }
-        BatchPlan::with_micro_batch(ctx.plan.batch(), next).ok()
+        BatchPlan::new(batch, chunks).ok()
     }
 }
 
@@ -249,7 +255,8 @@ impl<P: RetryPolicy> RetryPolicy for Floor<P> {
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
         self.inner
             .next_plan(ctx)
-            .filter(|p| p.micro_batch() >= self.min_micro && p.batch() >= self.min_batch)
+            // the smallest chunk (rows are spread evenly) against the micro-batch floor
+            .filter(|p| p.batch() / p.num_chunks() >= self.min_micro && p.batch() >= self.min_batch)
     }
 }
 
@@ -371,6 +378,17 @@ mod tests {
         let micro: Vec<usize> = seq.iter().map(|p| p.micro_batch()).collect();
         assert_eq!(micro, [50, 25, 13, 10]);
         assert!(seq.iter().all(|p| p.batch() == 100));
+        // the floor holds for every chunk, not just the largest: 200 rows over 7 chunks
+        // would be 28-29 rows, under a floor of 30
+        let p = Accumulate::halving().min_micro_batch(30);
+        let seq = run(&p, BatchPlan::whole(200).unwrap());
+        let chunks: Vec<usize> = seq.iter().map(|p| p.num_chunks()).collect();
+        assert_eq!(chunks, [2, 4, 6]);
+        assert!(seq.iter().all(|p| p.batch() / p.num_chunks() >= 30));
+        // a batch under the floor is never split
+        assert!(run(&p, BatchPlan::whole(20).unwrap()).is_empty());
+        let f = Accumulate::halving().with_floor(30, 1);
+        assert_eq!(run(&f, BatchPlan::whole(200).unwrap()).len(), 2);
         assert!(Accumulate::by(1).is_err());
         let p3 = Accumulate::by(3).unwrap();
         assert_eq!(run(&p3, BatchPlan::whole(9).unwrap()).len(), 2);

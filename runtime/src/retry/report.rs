@@ -187,24 +187,41 @@ pub(crate) fn set_last_clean(
 }
 
 impl RetryReport {
-    /// Number of retries (failed attempts).
+    /// Number of retries: failed attempts that were followed by another attempt (the same as
+    /// `attempts.len()` when the step succeeded; one fewer when it gave up).
     pub fn retries(&self) -> usize {
-        self.attempts.len()
+        self.attempts.iter().filter(|a| a.next.is_some()).count()
+    }
+
+    /// Whether the engine gave up: the last attempt ran out of memory and no plan was left.
+    pub fn gave_up(&self) -> bool {
+        self.attempts.last().is_some_and(|a| a.next.is_none())
     }
 }
 
 impl fmt::Display for RetryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} ({:?}): {} after {} retr{} in {:.3?}",
-            self.site,
-            self.mode,
-            self.final_plan,
-            self.retries(),
-            if self.retries() == 1 { "y" } else { "ies" },
-            self.elapsed
-        )?;
+        let retries = self.retries();
+        let plural = if retries == 1 { "y" } else { "ies" };
+        if self.gave_up() {
+            write!(
+                f,
+                "{} ({:?}): gave up (out of memory) after {} attempt{} ({retries} retr{plural}); \
+                 last tried {} in {:.3?}",
+                self.site,
+                self.mode,
+                self.attempts.len(),
+                if self.attempts.len() == 1 { "" } else { "s" },
+                self.final_plan,
+                self.elapsed
+            )?;
+        } else {
+            write!(
+                f,
+                "{} ({:?}): {} after {retries} retr{plural} in {:.3?}",
+                self.site, self.mode, self.final_plan, self.elapsed
+            )?;
+        }
         for (i, a) in self.attempts.iter().enumerate() {
             write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;
             if let Some(e) = &a.error {
