@@ -23,7 +23,9 @@
 //! commit). It is never rerun: an error inside it, an out-of-memory included, is the function's
 //! error, and [`retry::last_report`] records it as the commit's
 //! ([`retry::RetryReport::commit_error`]). The closure may use the function's parameters
-//! (`self` included) and returns the function's return type; the body returns
+//! (`self` included); the `batch = n` and `plan = p` parameters hold what the successful
+//! attempt ran (a shrunk evaluation batch, the micro-batch plan), not what the caller passed, so
+//! a commit that advances a cursor by `n` skips no rows. It returns the function's return type; the body returns
 //! `Result<V, E>` with `V` the closure's parameter type and `E` the function's error type.
 //!
 //! ```

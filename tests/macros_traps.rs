@@ -303,3 +303,35 @@ fn a_leak_before_an_oom_fails_the_step_instead_of_vanishing_in_the_retry() {
         100
     );
 }
+
+// --- the commit sees the batch and plan that ran ---
+
+/// An evaluation over `rows` rows that advances a cursor in its commit.
+#[oom_retry(batch = rows, remember = false, commit = |n| { *cursor += rows; Ok(n) })]
+#[no_grad]
+fn eval_and_advance(dev: &Device, rows: usize, cursor: &mut usize) -> Result<usize, Error> {
+    Ok(dev.alloc::<u8>(rows * MIB)?.len() / MIB)
+}
+
+/// A training step whose commit reports the plan it was given.
+#[oom_retry(plan = plan, remember = false, commit = |n| Ok((n, plan.num_chunks())))]
+fn train_and_report(dev: &Device, plan: &BatchPlan) -> Result<(usize, usize), Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
+#[test]
+fn the_commit_sees_the_batch_and_plan_that_ran() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let mut cursor = 0;
+    assert_eq!(eval_and_advance(&dev, 100, &mut cursor).unwrap(), 50);
+    assert_eq!(
+        cursor, 50,
+        "the cursor moves by the rows processed, not the rows asked"
+    );
+    let (rows, chunks) = train_and_report(&dev, &BatchPlan::whole(100).unwrap()).unwrap();
+    assert_eq!((rows, chunks), (100, 2));
+}

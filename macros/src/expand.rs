@@ -428,6 +428,9 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     // What the retry controls: a batch size, a batch plan, or nothing (empty-cache retries only).
     let mut kind = quote!(#p::RetryKind::Plain);
     let mut rebind = Vec::new();
+    // The commit sees the `batch`/`plan` of the attempt that succeeded, not the caller's: with
+    // a shrunk batch it must not advance past rows that were never processed.
+    let mut commit_rebind = Vec::new();
     let allow_unused = opts
         .commit
         .as_ref()
@@ -448,7 +451,8 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 errors.at(ty, format!("`batch = {ident}` needs an unsigned integer parameter (usize, u64, u32, u16 or u8), not this type"));
             }
             kind = quote!(#p::RetryKind::Batch(#p::BatchInt::to_u64(#ident)));
-            rebind.push(quote!(let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch());));
+            rebind.push(quote!(#allow_unused let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch());));
+            commit_rebind.push(quote!(#[allow(unused_variables)] let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch());));
             continue;
         }
         if opts.plan.as_ref() == Some(ident) {
@@ -475,10 +479,16 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 &format!("__oomguard_plan{i}"),
                 proc_macro2::Span::mixed_site(),
             );
-            if by_ref {
-                rebind.push(quote!(let #tmp = #__oomguard_retry.plan(); let #pat = &#tmp;));
-            } else {
-                rebind.push(quote!(let #pat = #__oomguard_retry.plan();));
+            let allow_in_commit = quote!(#[allow(unused_variables)]);
+            for (list, allow) in [
+                (&mut rebind, &allow_unused),
+                (&mut commit_rebind, &Some(allow_in_commit)),
+            ] {
+                list.push(if by_ref {
+                    quote!(let #tmp = #__oomguard_retry.plan(); #allow let #pat = &#tmp;)
+                } else {
+                    quote!(#allow let #pat = #__oomguard_retry.plan();)
+                });
             }
             continue;
         }
@@ -632,6 +642,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                         ::core::ops::ControlFlow::Continue(()) => {}
                     }
                 };
+                #(#commit_rebind)*
                 #call
                 #__oomguard_retry.committed(&#__oomguard_committed);
                 #__oomguard_committed
