@@ -65,8 +65,10 @@ pub use oomguard_runtime::*;
 /// Retries the function after an out-of-memory with a smaller footprint.
 ///
 /// The function must return a `Result` (written out, or an alias such as `io::Result<T>` or
-/// `anyhow::Result<T>`) whose error type implements [`retry::IsOom`] (oomguard's [`Error`],
-/// `io::Error`, `Box<dyn Error>`, `anyhow::Error` with the `anyhow` feature, or your own type).
+/// `anyhow::Result<T>`) whose error type implements [`retry::IsOom`] and `Display`: oomguard's
+/// [`Error`], `io::Error` (`?` converts oomguard's errors into it), `Box<dyn Error>`,
+/// `anyhow::Error` with the `anyhow` feature, or your own type (`Display` too: the retry report
+/// quotes each attempt's error).
 /// Its body is the step's **attempt**: after an out-of-memory the attempt's locals are dropped,
 /// caches emptied, and the body runs again from its start with a smaller plan. It must therefore
 /// change nothing that lasts (parameters, optimizer state, a data iterator): put that in the
@@ -93,7 +95,8 @@ pub use oomguard_runtime::*;
 ///
 /// The final error of a step that gave up carries the retry report where its type can
 /// ([`Error::RetriesExhausted`], anyhow's context, an `io::Error` wrapper); the report of every
-/// call, failed or not, is in [`retry::last_report`] (cleared when a call starts).
+/// call that returned, failed or not, is in [`retry::last_report`] (cleared when a call
+/// starts, so after a call whose attempt panicked it is `None`).
 ///
 /// Plans are remembered per function definition (`file:line name`, and per generic instance),
 /// per device (the device the thread allocated on: name, ordinal, capacity), and per mode
@@ -170,7 +173,10 @@ pub use oomguard_runtime::*;
 pub use oomguard_macros::oom_retry;
 
 /// Runs the function inside a memory budget: its allocations on this thread, on every device,
-/// may hold at most the budget at any time; an allocation beyond it fails with
+/// may hold at most the budget at any time, counted in the allocator's block sizes (requests
+/// are rounded up to 512 bytes at least, as the allocator does: a budget of "1 MB" =
+/// 1,000,000 bytes refuses an allocation of exactly 1,000,000 bytes, whose block is 1,000,448);
+/// an allocation beyond it fails with
 /// [`Error::BudgetExceeded`] (an out-of-memory for [`retry::IsOom`]: under `#[oom_retry]` the
 /// step goes straight to a smaller plan, since emptying the cache cannot help a budget).
 ///

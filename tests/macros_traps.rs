@@ -195,9 +195,8 @@ type StepResult<T> = Result<T, std::io::Error>;
 fn with_io(dev: &Device, plan: &BatchPlan) -> StepResult<usize> {
     let mut n = 0;
     for c in plan.chunks() {
-        let b = dev
-            .alloc::<u8>(c.len() * MIB)
-            .map_err(std::io::Error::other)?;
+        // `?` converts: oomguard's error into an `io::Error` of kind OutOfMemory
+        let b = dev.alloc::<u8>(c.len() * MIB)?;
         n += b.len() / MIB;
     }
     Ok(n)

@@ -199,6 +199,14 @@ impl BudgetOptions {
                     Some(n) => set_limit(&mut o, BudgetLimit::Bytes(n), &s, errors),
                     None => {}
                 },
+                Arg::Literal(Lit::Int(i)) => errors.at(
+                    &i,
+                    format!(
+                        "the budget literal is a size string such as \"2 GiB\"; a number of \
+                         bytes is `bytes = {}`",
+                        i.base10_digits()
+                    ),
+                ),
                 Arg::Literal(l) => {
                     errors.at(l, "the budget literal is a size string such as \"2 GiB\"")
                 }

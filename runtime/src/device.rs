@@ -79,11 +79,23 @@ impl Device {
     /// ([`AllocatorConfig::from_env`]; the default when unset), as [`Device::cuda`] is.
     ///
     /// This constructor cannot fail: when the variable holds an invalid configuration it logs
-    /// the error (`tracing::error!`) and uses the default. [`Device::try_sim`] returns the error
+    /// the error (`tracing::error!`; once on standard error when no `tracing` subscriber is
+    /// installed) and uses the default. [`Device::try_sim`] returns the error
     /// instead; [`Device::new`] with an explicit configuration ignores the variable.
     pub fn sim(capacity: ByteSize) -> Self {
         let config = AllocatorConfig::from_env().unwrap_or_else(|e| {
             tracing::error!(error = %e, "ignoring {}; using the default configuration", crate::config::ENV_VAR);
+            // Never silent: without a `tracing` subscriber, said once on standard error.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            if !tracing::dispatcher::has_been_set() {
+                SAID.call_once(|| {
+                    eprintln!(
+                        "oomguard error: ignoring {}: {e}; using the default configuration \
+                         (Device::try_sim returns this error)",
+                        crate::config::ENV_VAR
+                    );
+                });
+            }
             AllocatorConfig::default()
         });
         Self::new(SimDevice::new(capacity), config)

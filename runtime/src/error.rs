@@ -171,6 +171,30 @@ impl Error {
     }
 }
 
+/// So that `?` works on oomguard calls in functions returning `io::Result` (under
+/// `#[oom_retry]` too): an out-of-memory error (a budget included) becomes
+/// [`std::io::ErrorKind::OutOfMemory`], anything else [`std::io::ErrorKind::Other`], with the
+/// oomguard error as the source (so the retry engine still classifies it by type).
+///
+/// ```
+/// use oomguard_runtime::{ByteSize, Device};
+/// fn step(dev: &Device) -> std::io::Result<usize> {
+///     Ok(dev.alloc::<u8>(1 << 30)?.len())
+/// }
+/// let e = step(&Device::sim(ByteSize::mib(64))).unwrap_err();
+/// assert_eq!(e.kind(), std::io::ErrorKind::OutOfMemory);
+/// ```
+impl From<Error> for std::io::Error {
+    fn from(e: Error) -> Self {
+        let kind = if e.is_oom() {
+            std::io::ErrorKind::OutOfMemory
+        } else {
+            std::io::ErrorKind::Other
+        };
+        std::io::Error::new(kind, e)
+    }
+}
+
 /// `Result` with oomguard's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

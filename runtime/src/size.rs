@@ -92,7 +92,18 @@ impl fmt::Display for ByteSize {
         } else {
             return write!(f, "{n} bytes");
         };
-        let v = n as f64 / div as f64;
+        let mut v = n as f64 / div as f64;
+        let mut unit = unit;
+        // Just under the next unit, two decimals would print 1024.00 of this one: say 1.00 of
+        // the next instead.
+        if v >= 1023.995 && unit != "TiB" {
+            v /= 1024.0;
+            unit = match unit {
+                "KiB" => "MiB",
+                "MiB" => "GiB",
+                _ => "TiB",
+            };
+        }
         // The largest values would print as 16777216.00 TiB (2^64, one past u64::MAX) and not
         // parse back: print them rounded down instead.
         if unit == "TiB" && v >= 16_777_215.995 {
@@ -229,6 +240,10 @@ mod tests {
         assert_eq!(ByteSize::gib(2).to_string(), "2.00 GiB");
         assert_eq!(ByteSize(512).to_string(), "512 bytes");
         assert_eq!(ByteSize(1536).to_string(), "1.50 KiB");
+        // just under the next unit: not "1024.00 KiB"
+        assert_eq!(ByteSize(MIB - 1).to_string(), "1.00 MiB");
+        assert_eq!(ByteSize(GIB - 1).to_string(), "1.00 GiB");
+        assert_eq!(ByteSize(MIB - 6 * KIB).to_string(), "1018.00 KiB");
     }
 
     proptest::proptest! {

@@ -13,7 +13,8 @@ use crate::error::{BudgetExceeded, Error, OomError};
 
 /// Whether an error means the device ran out of memory (so a smaller footprint may succeed).
 ///
-/// Implement it for your own error enums, delegating to the variants that wrap device errors:
+/// Implement it for your own error enums, delegating to the variants that wrap device errors
+/// (`#[oom_retry]` also needs `Display` on the error: its report quotes each attempt's error):
 ///
 /// ```
 /// use oomguard_runtime::retry::IsOom;

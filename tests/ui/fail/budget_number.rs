@@ -1,0 +1,6 @@
+use oomguard::memory_budget;
+
+#[memory_budget(1024)]
+fn step() {}
+
+fn main() {}
