@@ -35,7 +35,11 @@ fn a_policy_that_never_gives_up_is_stopped() {
         .unwrap_err();
     assert!(matches!(e, RetryError::GaveUp { .. }), "{e}");
     assert_eq!(attempts, MAX_ATTEMPTS + 1);
-    assert_eq!(e.report().unwrap().retries(), (MAX_ATTEMPTS + 1) as usize);
+    let r = e.report().unwrap();
+    // every attempt failed; all but the last were retried
+    assert_eq!(r.attempts.len(), (MAX_ATTEMPTS + 1) as usize);
+    assert_eq!(r.retries(), MAX_ATTEMPTS as usize);
+    assert!(r.gave_up());
 }
 
 #[test]
