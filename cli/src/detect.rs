@@ -1,5 +1,6 @@
 //! Telling trace formats apart, from content first and extension second.
 
+use std::io::Read;
 use std::path::Path;
 
 use crate::error::ReadError;
@@ -57,17 +58,49 @@ pub fn parse(data: &[u8], path: Option<&Path>) -> Result<Trace, ReadError> {
     Ok(t)
 }
 
-/// Reads and parses the trace file at `path`; `-` reads standard input.
+/// The largest trace read (16 GiB): a bound on the memory an endless input (`/dev/zero`, a
+/// pipe that never closes) can take; PyTorch snapshots of real runs are far smaller.
+pub const MAX_TRACE_BYTES: u64 = 16 << 30;
+
+/// What is read before the format is known: an input that is none of the formats is refused
+/// after this much, not read to its end.
+const HEAD_BYTES: u64 = 64 << 10;
+
+/// Reads and parses the trace file at `path`; `-` reads standard input. The format is told from
+/// the first 64 KiB; the rest is read only for a known format, up to [`MAX_TRACE_BYTES`].
 pub fn read_trace(path: &Path) -> Result<Trace, ReadError> {
+    if path == Path::new("-") {
+        return read_from(std::io::stdin().lock(), path, None);
+    }
+    let file = std::fs::File::open(path).map_err(|source| ReadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    read_from(file, path, Some(path))
+}
+
+fn read_from(mut r: impl Read, path: &Path, hint: Option<&Path>) -> Result<Trace, ReadError> {
     let io = |source| ReadError::Io {
         path: path.to_path_buf(),
         source,
     };
-    if path == Path::new("-") {
-        let mut data = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut data).map_err(io)?;
-        return parse(&data, None);
+    let mut data = Vec::new();
+    (&mut r)
+        .take(HEAD_BYTES)
+        .read_to_end(&mut data)
+        .map_err(io)?;
+    if !data.is_empty() && detect(&data, hint).is_none() {
+        return parse(&data, hint);
     }
-    let data = std::fs::read(path).map_err(io)?;
-    parse(&data, Some(path))
+    let limit = MAX_TRACE_BYTES;
+    r.take(limit + 1 - data.len() as u64)
+        .read_to_end(&mut data)
+        .map_err(io)?;
+    if data.len() as u64 > limit {
+        return Err(ReadError::TooLarge {
+            path: path.to_path_buf(),
+            limit,
+        });
+    }
+    parse(&data, hint)
 }

@@ -48,6 +48,14 @@ pub enum ReadError {
     /// The trace has no events.
     #[error("the trace has no allocation events")]
     NoEvents,
+    /// The input is larger than the largest trace read ([`crate::detect::MAX_TRACE_BYTES`]).
+    #[error("{path}: larger than {limit} bytes, the largest trace this command reads")]
+    TooLarge {
+        /// The file (`-`: standard input).
+        path: PathBuf,
+        /// The limit, in bytes.
+        limit: u64,
+    },
 }
 
 impl ReadError {

@@ -122,7 +122,8 @@ enum Cmd {
         /// Seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// Training steps or inference requests (default: the standard workload's).
+        /// Training steps or inference requests (default: the standard workload's; at most
+        /// 100000).
         #[arg(long)]
         steps: Option<u32>,
         /// A tiny workload (for tests).
@@ -140,6 +141,9 @@ struct Fail(String, u8);
 fn input<E: std::fmt::Display>(e: E) -> Fail {
     Fail(e.to_string(), 2)
 }
+
+/// The most steps `gen` makes (about 75 events each for training: ~7.5 million events).
+const MAX_GEN_STEPS: u32 = 100_000;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -580,6 +584,15 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 GenSpec::standard(kind, seed)
             };
             if let Some(s) = steps {
+                // The trace is built in memory before it is written: bounded.
+                if s > MAX_GEN_STEPS {
+                    return Err(Fail(
+                        format!(
+                            "--steps {s}: at most {MAX_GEN_STEPS} (the trace is built in memory)"
+                        ),
+                        2,
+                    ));
+                }
                 spec.steps = s;
             }
             let t = generate(&spec);

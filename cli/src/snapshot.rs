@@ -119,6 +119,9 @@ fn entry<'a>(heap: &'a Heap, e: &Value, at: &str) -> Result<Entry<'a>, ReadError
 #[derive(Default)]
 struct Sites {
     by_list: HashMap<ObjId, Option<u32>>,
+    /// Each frame dict's line, read once: a hostile file can point many frames lists at one
+    /// frame dict of N pairs (each read of it scans N pairs).
+    by_frame: HashMap<ObjId, String>,
     by_text: HashMap<String, u32>,
     text: Vec<String>,
 }
@@ -134,19 +137,31 @@ impl Sites {
         let list = heap.list(&Value::List(frames)).unwrap_or(&[]);
         let mut text = String::new();
         for f in list.iter().take(Self::MAX_FRAMES) {
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            let id = match f {
+                Value::Dict(id) => Some(*id),
+                _ => None,
+            };
+            if let Some(line) = id.and_then(|id| self.by_frame.get(&id)) {
+                text.push_str(line);
+                continue;
+            }
             let name = heap.get(f, "name").and_then(Value::as_str).unwrap_or("");
             let file = heap
                 .get(f, "filename")
                 .and_then(Value::as_str)
                 .unwrap_or("?");
             let line = heap.get(f, "line").and_then(Value::as_int).unwrap_or(0);
-            if !text.is_empty() {
-                text.push('\n');
-            }
-            if name.is_empty() {
-                text.push_str(&format!("{file}:{line}"));
+            let line = if name.is_empty() {
+                format!("{file}:{line}")
             } else {
-                text.push_str(&format!("{name} ({file}:{line})"));
+                format!("{name} ({file}:{line})")
+            };
+            text.push_str(&line);
+            if let Some(id) = id {
+                self.by_frame.insert(id, line);
             }
         }
         if list.len() > Self::MAX_FRAMES {

@@ -342,3 +342,93 @@ fn plot_exits_1_after_a_replay_with_failures() {
     assert!(out.exists());
     assert!(r.stderr.contains("failed allocations"), "{}", r.stderr);
 }
+
+#[test]
+fn a_stream_of_u64_max_replays() {
+    // `stream + 1` overflowed in the growable segments' search (a panic in debug builds).
+    let csv = "op,id,bytes,stream\na,0,10,18446744073709551615\nf,0,10,18446744073709551615\n";
+    for config in ["expandable_segments:True", "expandable_segments:False"] {
+        let r = oomguard_stdin(
+            &["replay", "-", "--json", "--config", config],
+            Some(csv.as_bytes().to_vec()),
+        );
+        assert_eq!(r.code, Some(0), "{config}: {}", r.stderr);
+        let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+        assert_eq!(v["peak_live_bytes"].as_u64(), Some(10), "{config}");
+    }
+    // a snapshot's stream -1 is read as u64::MAX too
+    let mut entries = b"}\x94(\x8c\x06action\x8c\x05alloc\x8c\x04addrK\x00\x8c\x04sizeM\x00\x02\x8c\x06streamJ\xff\xff\xff\xffu".to_vec();
+    entries.extend_from_slice(b"}(\x8c\x06action\x8c\x0efree_completed\x8c\x04addrK\x00\x8c\x04sizeM\x00\x02\x8c\x06streamJ\xff\xff\xff\xffu");
+    let dir = common::scratch("stream_max");
+    let f = write(&dir, "stream.pickle", &snapshot_with(&entries));
+    let r = oomguard(&["replay", &f]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+}
+
+#[test]
+fn frames_lists_aliasing_one_huge_frame_decode_in_linear_time() {
+    // One frame dict of 300,000 pairs, memoized; 2,000 alloc entries whose frames lists each
+    // name it 8 times (1.2 MB): every list read the dict's pairs 24 times (minutes) before.
+    let mut p = b"\x80\x04}\x94\x8c\x0ddevice_traces\x94]\x94]\x94".to_vec(); // memo 0..=3
+                                                                              // memo 4: the frame dict {1: 1, 1: 1, ...}
+    p.extend_from_slice(b"}(K\x01");
+    p.extend(std::iter::repeat_n(b'2', 2 * 300_000 - 1));
+    p.extend_from_slice(b"u\x940");
+    p.push(b'(');
+    for i in 0..2_000u32 {
+        p.extend_from_slice(b"}(\x8c\x06action\x8c\x05alloc\x8c\x04addrJ");
+        p.extend_from_slice(&(i * 512).to_le_bytes());
+        p.extend_from_slice(b"\x8c\x04sizeM\x00\x02\x8c\x06frames(");
+        p.extend(std::iter::repeat_n(*b"h\x04", 8).flatten());
+        p.extend_from_slice(b"lu");
+    }
+    p.extend_from_slice(b"eas.");
+    let dir = common::scratch("frames_alias");
+    let f = write(&dir, "frames.pickle", &p);
+    let r = oomguard(&["replay", &f, "--json"]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert_eq!(v["events"].as_u64(), Some(2_000));
+}
+
+#[test]
+fn endless_input_of_no_known_format_is_refused_from_its_head() {
+    // Read to its end before (memory without bound): now refused after 64 KiB.
+    if Path::new("/dev/zero").exists() {
+        assert_error(
+            &oomguard(&["replay", "/dev/zero"]),
+            2,
+            "unknown trace format",
+        );
+    }
+    let lines = "a,1,1,1\n".repeat(4 << 20); // 32 MiB, no header
+    assert_error(
+        &oomguard_stdin(&["replay", "-"], Some(lines.into_bytes())),
+        2,
+        "unknown trace format (first line \"a,1,1,1\")",
+    );
+}
+
+#[test]
+fn gen_steps_are_bounded() {
+    // Built in memory before writing: 2^32 steps aborted on a failed allocation before.
+    assert_error(
+        &oomguard(&["gen", "training", "--steps", "4294967295"]),
+        2,
+        "--steps 4294967295: at most 100000",
+    );
+}
+
+#[test]
+fn twenty_thousand_streams_replay_in_linear_time() {
+    // One segment per stream, each with a free tail holding no whole page: every new high-water
+    // mark scanned every free block for pages to release (25 s for 20,000 streams before).
+    let mut csv = String::from("op,id,bytes,stream\n");
+    for i in 0..20_000 {
+        csv.push_str(&format!("a,{i},4096,{i}\n"));
+    }
+    let r = oomguard_stdin(&["replay", "-", "--json"], Some(csv.into_bytes()));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert_eq!(v["events"].as_u64(), Some(20_000));
+}

@@ -5,6 +5,7 @@
 
 use super::block::{Block, BlockId, BlockState, PoolKind};
 use super::history::TraceAction;
+use super::pool::FreeIndex;
 use super::state::{Segment, State};
 use super::GrowError;
 use crate::backend::{Backend, BackendError, StreamId};
@@ -102,8 +103,9 @@ impl State {
     fn cheapest_hole(&self, pool: PoolKind, stream: StreamId, size: u64) -> Option<(BlockId, u64)> {
         let g = self.granularity;
         let mut best: Option<(u64, u64, BlockId)> = None;
-        for &(_, addr, id) in self.unmapped[pool as usize].range((stream, 0, 0)..(stream + 1, 0, 0))
-        {
+        // Inclusive upper bound: `stream + 1` would overflow for stream u64::MAX.
+        let stream_blocks = (stream, 0, 0)..=(stream, u64::MAX, BlockId::MAX);
+        for &(_, addr, id) in self.unmapped[pool as usize].range(stream_blocks) {
             let u = &self.blocks[id];
             let free_mapped = |n: Option<BlockId>| {
                 n.map(|n| &self.blocks[n])
@@ -182,6 +184,9 @@ impl State {
         keep: Option<BlockId>,
         sync_counted: bool,
     ) -> u64 {
+        if !self.free.iter().any(FreeIndex::any_whole_page) {
+            return 0;
+        }
         let g = self.granularity;
         let whole_pages = |b: &Block| (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
         let mut candidates: Vec<(u64, BlockId)> = self

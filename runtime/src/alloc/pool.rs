@@ -24,18 +24,49 @@ pub const ROUND_LARGE: u64 = 2 << 20;
 #[derive(Debug, Default)]
 pub(crate) struct FreeIndex {
     set: BTreeSet<(StreamId, u64, u64, BlockId)>,
+    /// The page size of growable segments (0: count every block below).
+    page: u64,
+    /// Free blocks that hold at least one whole page: while none does, releasing pages has
+    /// nothing to look for (without it, every new high-water mark scanned every free block:
+    /// quadratic with one segment per stream).
+    with_pages: usize,
 }
 
 impl FreeIndex {
+    /// An index counting the free blocks that hold a whole page of `page` bytes.
+    pub fn with_page(page: u64) -> Self {
+        Self {
+            page,
+            ..Self::default()
+        }
+    }
+    #[inline]
+    fn holds_a_page(&self, size: u64, addr: u64) -> bool {
+        self.page == 0
+            || addr
+                .checked_next_multiple_of(self.page)
+                .and_then(|start| start.checked_add(self.page))
+                .is_some_and(|end| end <= addr.saturating_add(size))
+    }
     #[inline]
     pub fn insert(&mut self, stream: StreamId, size: u64, addr: u64, id: BlockId) {
         let fresh = self.set.insert((stream, size, addr, id));
         debug_assert!(fresh, "block {id} was already free-listed");
+        if fresh && self.holds_a_page(size, addr) {
+            self.with_pages += 1;
+        }
     }
     #[inline]
     pub fn remove(&mut self, stream: StreamId, size: u64, addr: u64, id: BlockId) {
         let was = self.set.remove(&(stream, size, addr, id));
         debug_assert!(was, "block {id} was not free-listed");
+        if was && self.holds_a_page(size, addr) {
+            self.with_pages -= 1;
+        }
+    }
+    /// Whether some free block holds a whole page (see [`FreeIndex::with_page`]).
+    pub fn any_whole_page(&self) -> bool {
+        self.with_pages > 0
     }
     /// The smallest free block on `stream` of at least `size` bytes (lowest address on ties).
     #[inline]

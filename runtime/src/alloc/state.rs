@@ -85,7 +85,10 @@ impl State {
             granularity,
             blocks: Arena::default(),
             segs: Arena::default(),
-            free: [FreeIndex::default(), FreeIndex::default()],
+            free: [
+                FreeIndex::with_page(granularity),
+                FreeIndex::with_page(granularity),
+            ],
             unmapped: [BTreeSet::new(), BTreeSet::new()],
             pending: Vec::new(),
             stats,
