@@ -84,6 +84,11 @@ impl State {
     /// Returns every fixed segment whose memory is all free to the backend; returns the bytes
     /// released.
     pub fn release_fixed(&mut self, backend: &dyn Backend) -> u64 {
+        // Nothing freed or split since the last scan found nothing: nothing to find.
+        let versions = self.free_versions();
+        if self.fixed_clean_at == Some(versions) {
+            return 0;
+        }
         let whole: Vec<BlockId> = self
             .free
             .iter()
@@ -93,6 +98,9 @@ impl State {
                 b.prev.is_none() && b.next.is_none() && !self.segs[b.seg].growable
             })
             .collect();
+        if whole.is_empty() {
+            self.fixed_clean_at = Some(versions);
+        }
         let mut released = 0;
         for id in whole {
             let (seg, addr, size, small, stream) = {

@@ -30,6 +30,8 @@ pub(crate) struct FreeIndex {
     /// nothing to look for (without it, every new high-water mark scanned every free block:
     /// quadratic with one segment per stream).
     with_pages: usize,
+    /// Changes on every insert and remove: scans over the index are remembered against it.
+    version: u64,
 }
 
 impl FreeIndex {
@@ -52,6 +54,7 @@ impl FreeIndex {
     pub fn insert(&mut self, stream: StreamId, size: u64, addr: u64, id: BlockId) {
         let fresh = self.set.insert((stream, size, addr, id));
         debug_assert!(fresh, "block {id} was already free-listed");
+        self.version = self.version.wrapping_add(1);
         if fresh && self.holds_a_page(size, addr) {
             self.with_pages += 1;
         }
@@ -60,9 +63,14 @@ impl FreeIndex {
     pub fn remove(&mut self, stream: StreamId, size: u64, addr: u64, id: BlockId) {
         let was = self.set.remove(&(stream, size, addr, id));
         debug_assert!(was, "block {id} was not free-listed");
+        self.version = self.version.wrapping_add(1);
         if was && self.holds_a_page(size, addr) {
             self.with_pages -= 1;
         }
+    }
+    /// A number that changes whenever a block is inserted or removed.
+    pub fn version(&self) -> u64 {
+        self.version
     }
     /// Whether some free block holds a whole page (see [`FreeIndex::with_page`]).
     pub fn any_whole_page(&self) -> bool {

@@ -37,6 +37,12 @@ pub(crate) struct State {
     pub segs: Arena<Segment>,
     /// Mapped free blocks, per pool.
     pub free: [FreeIndex; 2],
+    /// `largest_free` as of the free lists' versions: out-of-memory errors and statistics read
+    /// it, and after the first failure nothing changes between failing allocations (scanning
+    /// every free block each time was quadratic in a run of failures).
+    largest_memo: std::cell::Cell<Option<([u64; 2], u64)>>,
+    /// The free lists' versions at which `release_fixed` last found no whole free segment.
+    pub fixed_clean_at: Option<[u64; 2]>,
     /// Unmapped free blocks of growable segments, per pool: (stream, address, id).
     pub unmapped: [BTreeSet<(StreamId, u64, BlockId)>; 2],
     /// Blocks freed by their owner that wait for other streams' events.
@@ -89,6 +95,8 @@ impl State {
                 FreeIndex::with_page(granularity),
                 FreeIndex::with_page(granularity),
             ],
+            largest_memo: std::cell::Cell::new(None),
+            fixed_clean_at: None,
             unmapped: [BTreeSet::new(), BTreeSet::new()],
             pending: Vec::new(),
             stats,
@@ -410,6 +418,19 @@ impl State {
 
     /// The largest mapped free block.
     pub fn largest_free(&self) -> u64 {
-        self.free[0].largest().max(self.free[1].largest())
+        let versions = self.free_versions();
+        if let Some((at, largest)) = self.largest_memo.get() {
+            if at == versions {
+                return largest;
+            }
+        }
+        let largest = self.free[0].largest().max(self.free[1].largest());
+        self.largest_memo.set(Some((versions, largest)));
+        largest
+    }
+
+    /// The free lists' versions (see [`FreeIndex::version`]).
+    pub fn free_versions(&self) -> [u64; 2] {
+        [self.free[0].version(), self.free[1].version()]
     }
 }
