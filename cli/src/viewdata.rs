@@ -112,6 +112,11 @@ impl ViewData {
     /// Most segment-layout entries (segments summed over layouts) kept; past it the map at later
     /// events shows the last layout kept, and the page says so.
     pub const MAX_LAYOUT_SEGMENTS: usize = 2_000_000;
+    /// Most blocks read over all layouts (each layout reads every block of the allocator): past
+    /// it, layouts stop as past [`ViewData::MAX_LAYOUT_SEGMENTS`]. Without it a trace that maps
+    /// pages at every event of one growable segment took quadratic time (38,000 events: 38 s);
+    /// the real traces of the repository's anchors read at most 150,000.
+    pub const MAX_LAYOUT_BLOCKS: usize = 20_000_000;
 
     /// Replays `trace` with `opts` (timeline and stopping options are ignored) and records what
     /// the viewer shows.
@@ -137,6 +142,7 @@ impl ViewData {
         let mut window = (0u32, 0u64, 0u64);
         let mut calls = u64::MAX;
         let mut layout_segments = 0usize;
+        let mut layout_blocks = 0usize;
         for (i, e) in trace.events.iter().take(n).enumerate() {
             match e.op {
                 Op::Alloc => match alloc.allocate(e.bytes, e.stream) {
@@ -174,9 +180,16 @@ impl ViewData {
             let total = c.alloc_segment + c.free_segment + c.map + c.unmap + c.reserve + c.release;
             if total != calls && !v.layouts_truncated {
                 calls = total;
-                let segments = layout(&alloc.snapshot());
+                let snapshot = alloc.snapshot();
+                layout_blocks += snapshot
+                    .iter()
+                    .map(|s| s.blocks.len().max(1))
+                    .sum::<usize>();
+                let segments = layout(&snapshot);
                 layout_segments += segments.len().max(1);
-                if layout_segments > Self::MAX_LAYOUT_SEGMENTS {
+                if layout_segments > Self::MAX_LAYOUT_SEGMENTS
+                    || layout_blocks > Self::MAX_LAYOUT_BLOCKS
+                {
                     v.layouts_truncated = true;
                 } else {
                     v.layouts.push(Layout {

@@ -455,3 +455,30 @@ fn a_run_of_failing_allocations_does_not_rescan_every_free_block() {
     let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
     assert_eq!(v["num_ooms"].as_u64(), Some(3_808));
 }
+
+#[test]
+fn view_of_one_growable_segment_mapping_at_every_event_is_bounded() {
+    // 38,000 allocations of 2 MiB on one stream with expandable segments: every event maps a
+    // page, and each layout read every block of the segment (38 s before, debug build).
+    let mut csv = String::from("op,id,bytes,stream\n");
+    for i in 0..38_000 {
+        csv.push_str(&format!("a,{i},2097152,0\n"));
+    }
+    let dir = common::scratch("view_growable");
+    let input = write(&dir, "grow.csv", csv.as_bytes());
+    let page = dir.join("grow.html");
+    let r = oomguard(&[
+        "view",
+        &input,
+        "-o",
+        &page.display().to_string(),
+        "--config",
+        "expandable_segments:True",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        html.contains("\"layouts_truncated\":true"),
+        "the page says the layouts stopped"
+    );
+}
