@@ -34,7 +34,10 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     if header.replace(' ', "") != HEADER {
         return Err(ReadError::line(
             1,
-            format!("expected the header `{HEADER}`, found {header:?}"),
+            format!(
+                "expected the header `{HEADER}`, found {}",
+                crate::lines::quoted(&header)
+            ),
         ));
     }
     let mut events = Vec::new();
@@ -59,7 +62,10 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
             other => {
                 return Err(ReadError::line(
                     n,
-                    format!("unknown op {other:?} (expected `a` or `f`)"),
+                    format!(
+                        "unknown op {} (expected `a` or `f`)",
+                        crate::lines::quoted(other)
+                    ),
                 ))
             }
         };

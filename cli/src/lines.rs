@@ -28,6 +28,17 @@ pub(crate) fn first_line(data: &[u8]) -> String {
     String::from_utf8_lossy(&data[..end]).trim().to_string()
 }
 
+/// A field as an error message quotes it: at most 60 characters, the length said beyond (a
+/// hostile field of megabytes must not become a megabyte-long message line).
+pub(crate) fn quoted(field: &str) -> String {
+    const MAX: usize = 60;
+    if field.chars().count() <= MAX {
+        return format!("{field:?}");
+    }
+    let head: String = field.chars().take(MAX).collect();
+    format!("{head:?}… ({} bytes)", field.len())
+}
+
 /// Parses a decimal unsigned integer field, naming `what` on error.
 pub(crate) fn parse_u64(line: usize, what: &str, s: &str) -> Result<u64, ReadError> {
     let t = s.trim();
@@ -37,6 +48,6 @@ pub(crate) fn parse_u64(line: usize, what: &str, s: &str) -> Result<u64, ReadErr
             std::num::IntErrorKind::Empty => "missing",
             _ => "not a non-negative integer",
         };
-        ReadError::line(line, format!("{what} {t:?}: {why}"))
+        ReadError::line(line, format!("{what} {}: {why}", quoted(t)))
     })
 }

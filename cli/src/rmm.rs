@@ -25,7 +25,10 @@ fn parse_hex_or_dec(line: usize, what: &str, s: &str) -> Result<u64, ReadError> 
         Some(h) => u64::from_str_radix(h, 16).map_err(|_| {
             ReadError::line(
                 line,
-                format!("{what} {t:?}: not a 64-bit hexadecimal number"),
+                format!(
+                    "{what} {}: not a 64-bit hexadecimal number",
+                    crate::lines::quoted(t)
+                ),
             )
         }),
         None => parse_u64(line, what, t),
@@ -50,7 +53,10 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     if !header.replace(' ', "").eq_ignore_ascii_case(HEADER) {
         return Err(ReadError::line(
             1,
-            format!("expected the header `{HEADER}`, found {header:?}"),
+            format!(
+                "expected the header `{HEADER}`, found {}",
+                crate::lines::quoted(&header)
+            ),
         ));
     }
     let mut events = Vec::new();
@@ -96,14 +102,13 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
             }
             "allocate failure" => failed_allocs += 1,
             "free failure" => failed_frees += 1,
-            other => {
-                return Err(ReadError::line(
-                    n,
-                    format!(
-                        "unknown action {other:?} (expected allocate, free, allocate failure or free failure)"
-                    ),
-                ))
-            }
+            other => return Err(ReadError::line(
+                n,
+                format!(
+                    "unknown action {} (expected allocate, free, allocate failure or free failure)",
+                    crate::lines::quoted(other)
+                ),
+            )),
         }
     }
     if events.is_empty() {

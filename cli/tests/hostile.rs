@@ -482,3 +482,19 @@ fn view_of_one_growable_segment_mapping_at_every_event_is_bounded() {
         "the page says the layouts stopped"
     );
 }
+
+#[test]
+fn a_huge_field_is_quoted_short() {
+    // A 5 MB field became a 5 MB error line before.
+    let csv = format!("op,id,bytes,stream\na,0,{},0\n", "9".repeat(5_000_000));
+    let r = oomguard_stdin(&["replay", "-"], Some(csv.into_bytes()));
+    assert_error(&r, 2, "(5000000 bytes): too large for 64 bits");
+    assert!(r.stderr.len() < 300, "{} bytes", r.stderr.len());
+    let rmm = format!(
+        "Thread,Time,Action,Pointer,Size,Stream\n1,0.1,{},0x10,16,0x0\n",
+        "x".repeat(100_000)
+    );
+    let r = oomguard_stdin(&["replay", "-"], Some(rmm.into_bytes()));
+    assert_error(&r, 2, "(100000 bytes)");
+    assert!(r.stderr.len() < 300, "{} bytes", r.stderr.len());
+}
