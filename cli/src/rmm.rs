@@ -102,13 +102,15 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
             }
             "allocate failure" => failed_allocs += 1,
             "free failure" => failed_frees += 1,
-            other => return Err(ReadError::line(
-                n,
-                format!(
+            other => {
+                return Err(ReadError::line(
+                    n,
+                    format!(
                     "unknown action {} (expected allocate, free, allocate failure or free failure)",
                     crate::lines::quoted(other)
                 ),
-            )),
+                ))
+            }
         }
     }
     if events.is_empty() {
