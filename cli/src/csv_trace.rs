@@ -31,7 +31,8 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
         return Err(ReadError::Empty);
     }
     let header = crate::lines::first_line(data);
-    if header.replace(' ', "") != HEADER {
+    // Case-insensitive, as detection is.
+    if !header.replace(' ', "").eq_ignore_ascii_case(HEADER) {
         return Err(ReadError::line(
             1,
             format!(

@@ -20,7 +20,7 @@ pub fn detect(data: &[u8], path: Option<&Path>) -> Option<TraceFormat> {
         return Some(TraceFormat::PytorchSnapshot);
     }
     let first = crate::lines::first_line(data).replace(' ', "");
-    if first == crate::csv_trace::HEADER {
+    if first.eq_ignore_ascii_case(crate::csv_trace::HEADER) {
         return Some(TraceFormat::Csv);
     }
     if first.eq_ignore_ascii_case(crate::rmm::HEADER) {

@@ -25,7 +25,11 @@ pub(crate) fn first_line(data: &[u8]) -> String {
         .position(|&b| b == b'\n')
         .unwrap_or(data.len())
         .min(200);
-    String::from_utf8_lossy(&data[..end]).trim().to_string()
+    // A UTF-8 byte-order mark (spreadsheet exports write one) is not part of the header.
+    String::from_utf8_lossy(&data[..end])
+        .trim_start_matches('\u{feff}')
+        .trim()
+        .to_string()
 }
 
 /// A field as an error message quotes it: at most 60 characters, the length said beyond (a

@@ -498,3 +498,18 @@ fn a_huge_field_is_quoted_short() {
     assert_error(&r, 2, "(100000 bytes)");
     assert!(r.stderr.len() < 300, "{} bytes", r.stderr.len());
 }
+
+#[test]
+fn a_byte_order_mark_and_an_uppercase_csv_header_are_read() {
+    // Spreadsheet exports: refused as "unknown trace format" before.
+    for csv in [
+        "\u{feff}op,id,bytes,stream\na,0,512,0\nf,0,512,0\n",
+        "OP,ID,BYTES,STREAM\na,0,512,0\nf,0,512,0\n",
+        "\u{feff}Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x0,512,0x0\n1,0.2,free,0x0,512,0x0\n",
+    ] {
+        let r = oomguard_stdin(&["replay", "-", "--json"], Some(csv.as_bytes().to_vec()));
+        assert_eq!(r.code, Some(0), "{csv:?}: {}", r.stderr);
+        let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+        assert_eq!(v["peak_live_bytes"].as_u64(), Some(512), "{csv:?}");
+    }
+}
