@@ -25,8 +25,9 @@
 //! ([`retry::RetryReport::commit_error`]). The closure may use the function's parameters
 //! (`self` included); the `batch = n` and `plan = p` parameters hold what the successful
 //! attempt ran (a shrunk evaluation batch, the micro-batch plan), not what the caller passed, so
-//! a commit that advances a cursor by `n` skips no rows. It returns the function's return type; the body returns
-//! `Result<V, E>` with `V` the closure's parameter type and `E` the function's error type.
+//! a commit that advances a cursor by `n` skips no rows. It returns the function's return type;
+//! the body returns `Result<V, E>` with `V` the closure's parameter type and `E` the function's
+//! error type.
 //!
 //! ```
 //! use oomguard::{oom_retry, retry::BatchPlan, ByteSize, Device, Error};

@@ -9,6 +9,15 @@ use oomguard::{memory_budget, no_grad, oom_retry, ByteSize, Device, Error};
 
 const MIB: usize = 1 << 20;
 
+/// A step's body: 1 MiB per row, one allocation per micro-batch; the rows processed.
+fn rows_of(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
+    let mut n = 0;
+    for c in plan.chunks() {
+        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+    }
+    Ok(n)
+}
+
 /// A "training" step over `rows` rows of 1 MiB: grad mode is on.
 #[oom_retry(batch = rows, remember = false)]
 fn train_rows(dev: &Device, rows: usize, attempts: &Cell<u32>) -> Result<usize, Error> {
@@ -114,11 +123,7 @@ fn a_bare_retry_is_bounded_and_its_error_carries_the_report() {
 #[oom_retry(plan = plan, remember = false)]
 #[memory_budget("8 MiB")]
 fn within_budget(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
-    let mut n = 0;
-    for c in plan.chunks() {
-        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
-    }
-    Ok(n)
+    rows_of(dev, plan)
 }
 
 #[test]
@@ -137,11 +142,7 @@ fn a_budget_overrun_goes_straight_to_a_smaller_plan() {
 
 #[oom_retry(plan = plan, remember = false, policy = FnPolicy(|ctx: &oomguard::retry::RetryContext| BatchPlan::whole(ctx.requested_batch * 2).ok()))]
 fn growing_policy(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
-    let mut n = 0;
-    for c in plan.chunks() {
-        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
-    }
-    Ok(n)
+    rows_of(dev, plan)
 }
 
 #[test]
@@ -230,21 +231,13 @@ fn a_backend_oom_is_an_oom_and_plan_errors_convert() {
 
 #[oom_retry(plan = plan, remember = false, policy = oomguard::retry::Shrink::halving())]
 fn shrink_policy_train(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
-    let mut n = 0;
-    for c in plan.chunks() {
-        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
-    }
-    Ok(n)
+    rows_of(dev, plan)
 }
 
 #[oom_retry(plan = plan, remember = false, policy = oomguard::retry::Shrink::halving())]
 #[no_grad]
 fn shrink_policy_eval(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
-    let mut n = 0;
-    for c in plan.chunks() {
-        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
-    }
-    Ok(n)
+    rows_of(dev, plan)
 }
 
 #[test]
@@ -315,11 +308,7 @@ fn eval_and_advance(dev: &Device, rows: usize, cursor: &mut usize) -> Result<usi
 /// A training step whose commit reports the plan it was given.
 #[oom_retry(plan = plan, remember = false, commit = |n| Ok((n, plan.num_chunks())))]
 fn train_and_report(dev: &Device, plan: &BatchPlan) -> Result<(usize, usize), Error> {
-    let mut n = 0;
-    for c in plan.chunks() {
-        n += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
-    }
-    Ok(n)
+    rows_of(dev, plan)
 }
 
 #[test]

@@ -101,6 +101,16 @@ fn real(name: &str) -> PathBuf {
     common::traces_dir().join(name)
 }
 
+/// A CSV trace of `n` allocations of `bytes` each, never freed, allocation `i` on stream
+/// `stream(i)`.
+fn allocations_csv(n: u64, bytes: u64, stream: impl Fn(u64) -> u64) -> String {
+    let mut csv = String::from("op,id,bytes,stream\n");
+    for i in 0..n {
+        csv.push_str(&format!("a,{i},{bytes},{}\n", stream(i)));
+    }
+    csv
+}
+
 /// `{'device_traces': [[...entries...]]}` in protocol 4: `entries` is the raw opcodes of the
 /// list's items (memo slots 0, 1, 2 are taken by the dict, the outer and the inner list).
 fn snapshot_with(entries: &[u8]) -> Vec<u8> {
@@ -423,10 +433,7 @@ fn gen_steps_are_bounded() {
 fn twenty_thousand_streams_replay_in_linear_time() {
     // One segment per stream, each with a free tail holding no whole page: every new high-water
     // mark scanned every free block for pages to release (25 s for 20,000 streams before).
-    let mut csv = String::from("op,id,bytes,stream\n");
-    for i in 0..20_000 {
-        csv.push_str(&format!("a,{i},4096,{i}\n"));
-    }
+    let csv = allocations_csv(20_000, 4096, |i| i);
     let r = oomguard_stdin(&["replay", "-", "--json"], Some(csv.into_bytes()));
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
@@ -438,10 +445,7 @@ fn a_run_of_failing_allocations_does_not_rescan_every_free_block() {
     // 12,000 streams on 16 GiB: 8,192 segments fit, then 3,808 allocations fail; each failure
     // scanned every free block for whole segments to free and for the largest free block
     // (21 s before, debug build; 1.2 s now).
-    let mut csv = String::from("op,id,bytes,stream\n");
-    for i in 0..12_000 {
-        csv.push_str(&format!("a,{i},4096,{i}\n"));
-    }
+    let csv = allocations_csv(12_000, 4096, |i| i);
     let r = oomguard_stdin(
         &["replay", "-", "--json", "--capacity", "16GiB"],
         Some(csv.into_bytes()),
@@ -460,10 +464,7 @@ fn a_run_of_failing_allocations_does_not_rescan_every_free_block() {
 fn view_of_one_growable_segment_mapping_at_every_event_is_bounded() {
     // 38,000 allocations of 2 MiB on one stream with expandable segments: every event maps a
     // page, and each layout read every block of the segment (38 s before, debug build).
-    let mut csv = String::from("op,id,bytes,stream\n");
-    for i in 0..38_000 {
-        csv.push_str(&format!("a,{i},2097152,0\n"));
-    }
+    let csv = allocations_csv(38_000, 2 << 20, |_| 0);
     let dir = common::scratch("view_growable");
     let input = write(&dir, "grow.csv", csv.as_bytes());
     let page = dir.join("grow.html");

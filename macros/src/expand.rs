@@ -435,6 +435,8 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
         .commit
         .as_ref()
         .map(|_| quote!(#[allow(unused_variables)]));
+    // The commit may leave the rebound `batch`/`plan` unused.
+    let allow_in_commit = Some(quote!(#[allow(unused_variables)]));
     for (i, prm) in params.iter().enumerate() {
         if matches!(&*prm.pat, Pat::Wild(_)) {
             // `_`: never used, nothing to pass again
@@ -451,8 +453,9 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 errors.at(ty, format!("`batch = {ident}` needs an unsigned integer parameter (usize, u64, u32, u16 or u8), not this type"));
             }
             kind = quote!(#p::RetryKind::Batch(#p::BatchInt::to_u64(#ident)));
-            rebind.push(quote!(#allow_unused let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch());));
-            commit_rebind.push(quote!(#[allow(unused_variables)] let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch());));
+            let bind = |allow: &Option<TokenStream>| quote!(#allow let #pat: #ty = #p::BatchInt::from_u64(#__oomguard_retry.batch()););
+            rebind.push(bind(&allow_unused));
+            commit_rebind.push(bind(&allow_in_commit));
             continue;
         }
         if opts.plan.as_ref() == Some(ident) {
@@ -479,10 +482,9 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 &format!("__oomguard_plan{i}"),
                 proc_macro2::Span::mixed_site(),
             );
-            let allow_in_commit = quote!(#[allow(unused_variables)]);
             for (list, allow) in [
                 (&mut rebind, &allow_unused),
-                (&mut commit_rebind, &Some(allow_in_commit)),
+                (&mut commit_rebind, &allow_in_commit),
             ] {
                 list.push(if by_ref {
                     quote!(let #tmp = #__oomguard_retry.plan(); #allow let #pat = &#tmp;)

@@ -150,10 +150,7 @@ pub fn thread_leak_check() -> ThreadLeakCheck {
 /// ```
 #[track_caller]
 pub fn thread_leak_check_with_budget(limit: impl Into<ByteSize>) -> ThreadLeakCheck {
-    let kind = ScopeKind {
-        leak: true,
-        ..ScopeKind::budget(Limit::Bytes(limit.into().bytes()))
-    };
+    let kind = ScopeKind::leak_and_budget(Limit::Bytes(limit.into().bytes()));
     leak_check_of(kind, Location::caller())
 }
 
@@ -161,10 +158,7 @@ pub fn thread_leak_check_with_budget(limit: impl Into<ByteSize>) -> ThreadLeakCh
 /// (see [`thread_budget_fraction`]); `Err` unless 0 < fraction ≤ 1.
 #[track_caller]
 pub fn thread_leak_check_with_budget_fraction(fraction: f64) -> Result<ThreadLeakCheck> {
-    let kind = ScopeKind {
-        leak: true,
-        ..ScopeKind::budget(Limit::Fraction(fraction_ppm(fraction)?))
-    };
+    let kind = ScopeKind::leak_and_budget(Limit::Fraction(fraction_ppm(fraction)?));
     Ok(leak_check_of(kind, Location::caller()))
 }
 

@@ -76,6 +76,13 @@ impl ScopeKind {
             leak: false,
         }
     }
+    /// A leak check that is also a budget of `limit`.
+    pub const fn leak_and_budget(limit: Limit) -> Self {
+        Self {
+            limit: Some(limit),
+            leak: true,
+        }
+    }
 }
 
 /// The counters of one open (or closed) scope.
