@@ -110,6 +110,8 @@ fn persisted_step_site() -> String {
 
 #[test]
 fn a_batch_cap_from_a_plan_file_does_not_truncate_a_training_step() {
+    // `target/` of the package directory: absent when CARGO_TARGET_DIR points elsewhere.
+    std::fs::create_dir_all("target").unwrap();
     let dev = Device::sim(ByteSize::mib(64));
     let _ = std::fs::remove_file(PLAN_FILE);
     let _weights = dev.alloc::<u8>(MIB).unwrap();
@@ -150,6 +152,7 @@ fn corrupt_file_step(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
 
 #[test]
 fn a_corrupt_plan_file_is_in_every_report() {
+    std::fs::create_dir_all("target").unwrap();
     std::fs::write("target/oomguard-test-corrupt-plans.json", "{not json").unwrap();
     let dev = Device::sim(ByteSize::mib(64));
     let plan = BatchPlan::whole(100).unwrap();
