@@ -62,6 +62,8 @@ use oomguard::source::MemorySource;
 
 pub use oomguard;
 
+pub mod alloc_hook;
+
 /// The [`MemorySource`] a candle device allocates from: for `Device::Cuda`, the driver's memory
 /// pool of that device ([`oomguard::source::DriverPool`], registered so that the attribute
 /// macros' retries empty it). A CPU or Metal device has none: an error says so.

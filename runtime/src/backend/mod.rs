@@ -16,7 +16,24 @@ use std::fmt;
 pub type DevicePtr = u64;
 
 /// A stream handle as the backend knows it. `0` is the device's default stream.
+///
+/// Two tags let an interposer (oomguard-candle's allocator hook) name streams it does not own:
+/// [`PER_THREAD_STREAM_TAG`] and [`RAW_STREAM_TAG`]. The allocator treats every id as opaque.
 pub type StreamId = u64;
+
+/// A [`StreamId`] with this bit set names the per-thread default stream (CUDA's
+/// `CU_STREAM_PER_THREAD`) *of the thread that uses the id*; the low bits tell threads apart, so
+/// that the allocator keeps each thread's blocks in their own pool (a block freed in one thread's
+/// stream order is never handed to another thread's stream). A backend records an event for such
+/// an id on the calling thread's per-thread stream, so only the owning thread (or a thread
+/// freeing a block on its own stream) may use it.
+pub const PER_THREAD_STREAM_TAG: StreamId = 1 << 63;
+
+/// A [`StreamId`] with this bit set (and [`PER_THREAD_STREAM_TAG`] clear) is a raw `CUstream`
+/// handle in the low bits that the backend has not registered; whoever uses the id keeps the
+/// stream alive while it does (an interposer sees only handles, at the moment the stream's owner
+/// allocates or frees on it).
+pub const RAW_STREAM_TAG: StreamId = 1 << 62;
 
 /// What went wrong in a backend call: out-of-memory, or anything else.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -25,7 +25,8 @@ impl EventTable {
         let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver_error("cuEventCreate", e))?;
         // SAFETY: `ev` is a fresh event and `stream` a live stream of the current context (the
-        // registry keeps registered streams alive; 0 is the legacy default stream).
+        // registry keeps registered streams alive; 0 and 0x2 are the default streams; a raw
+        // tagged handle is kept alive by its user while it uses the id: `RAW_STREAM_TAG`).
         if let Err(e) = unsafe { result::event::record(ev, stream) } {
             // SAFETY: `ev` was created above and is used nowhere else.
             let _ = unsafe { result::event::destroy(ev) };

@@ -12,6 +12,7 @@
 //! the library with `libloading` (`loader.rs`) and runs cudarc's set-up under `catch_unwind`.
 #![allow(unsafe_code)] // FFI: every unsafe block calls the CUDA driver and says why it is sound
 
+pub mod direct;
 mod events;
 pub(crate) mod loader;
 mod pinned;
@@ -24,11 +25,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
-use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
+use super::{
+    Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId,
+    PER_THREAD_STREAM_TAG, RAW_STREAM_TAG,
+};
 use events::EventTable;
 use streams::StreamRegistry;
 pub(crate) use vmm::device_location;
 use vmm::PageTable;
+
+/// CUDA's handle of the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`).
+const CU_STREAM_PER_THREAD: usize = 0x2;
 
 /// Page size used when the device cannot map pages (no virtual memory management).
 const FALLBACK_GRANULARITY: u64 = 2 << 20;
@@ -227,6 +234,19 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The raw handle a [`StreamId`] names: 0 (legacy default stream), a registered stream, the
+    /// calling thread's per-thread default stream ([`PER_THREAD_STREAM_TAG`]) or a raw handle its
+    /// user keeps alive ([`RAW_STREAM_TAG`]).
+    fn raw_stream(&self, id: StreamId) -> Result<sys::CUstream, BackendError> {
+        if id & PER_THREAD_STREAM_TAG != 0 {
+            return Ok(CU_STREAM_PER_THREAD as sys::CUstream);
+        }
+        if id & RAW_STREAM_TAG != 0 {
+            return Ok((id & !RAW_STREAM_TAG) as usize as sys::CUstream);
+        }
+        Ok(self.streams.get(id)?.cu_stream())
+    }
+
     fn sync_all(&self, op: &'static str) -> Result<(), BackendError> {
         result::ctx::synchronize().map_err(|e| driver_error(op, e))
     }
@@ -292,22 +312,27 @@ impl Backend for CudaBackend {
             .ok()
             .filter(|&n| n > 0)
             .ok_or_else(|| invalid("cuMemAlloc", format!("cannot allocate {bytes} bytes")))?;
-        if self.stream_ordered {
-            // The stream reaches cuMemAllocAsync: only this device's registered streams (or 0).
-            self.streams.get(stream)?;
-        }
+        // The stream reaches cuMemAllocAsync: registered streams, 0 or a tagged id.
+        let raw = if self.stream_ordered {
+            Some(self.raw_stream(stream)?)
+        } else {
+            None
+        };
         self.bind("cuMemAlloc")?;
-        if self.stream_ordered {
-            // SAFETY: `stream` is a raw CUstream handle (0: the legacy default stream) that the
-            // caller allocates on; cuMemAllocAsync writes one pointer, freed by `free_segment`.
-            let ptr = unsafe { result::malloc_async(stream as usize as sys::CUstream, n) }
+        let mut ptr: sys::CUdeviceptr = 0;
+        if let Some(raw) = raw {
+            // SAFETY: `raw` is a live stream of this context (see `raw_stream`); cuMemAllocAsync
+            // writes one pointer into `ptr`, freed by `free_segment`. Called through the library
+            // handle, so an interposer of the symbol does not see oomguard's own segments.
+            direct::check(unsafe { direct::mem_alloc_async(&mut ptr, n, raw) })
                 .map_err(|e| driver_error("cuMemAllocAsync", e))?;
             lock(&self.segments).insert(ptr, (bytes, stream));
             return Ok(ptr);
         }
-        // SAFETY: cuMemAlloc writes one device pointer; the memory is freed only by
+        // SAFETY: cuMemAlloc writes one device pointer into `ptr`; the memory is freed only by
         // `free_segment` (or on drop), after which the allocator no longer hands it out.
-        let ptr = unsafe { result::malloc_sync(n) }.map_err(|e| driver_error("cuMemAlloc", e))?;
+        direct::check(unsafe { direct::mem_alloc(&mut ptr, n) })
+            .map_err(|e| driver_error("cuMemAlloc", e))?;
         lock(&self.segments).insert(ptr, (bytes, stream));
         Ok(ptr)
     }
@@ -323,9 +348,10 @@ impl Backend for CudaBackend {
         debug_assert_eq!(size, bytes);
         self.bind("cuMemFree")?;
         if self.stream_ordered {
+            let raw = self.raw_stream(stream)?;
             // SAFETY: `ptr` came from cuMemAllocAsync on `stream` and is freed once, in stream
             // order after the work queued on that stream.
-            unsafe { result::free_async(ptr, stream as usize as sys::CUstream) }
+            direct::check(unsafe { direct::mem_free_async(ptr, raw) })
                 .map_err(|e| driver_error("cuMemFreeAsync", e))?;
             segs.remove(&ptr);
             return Ok(());
@@ -334,7 +360,8 @@ impl Backend for CudaBackend {
         self.sync_all("cuMemFree")?;
         // SAFETY: `ptr` came from cuMemAlloc in `alloc_segment` and is freed once (it is removed
         // from `segments` below); all work that could use it has completed.
-        unsafe { result::free_sync(ptr) }.map_err(|e| driver_error("cuMemFree", e))?;
+        direct::check(unsafe { direct::mem_free(ptr) })
+            .map_err(|e| driver_error("cuMemFree", e))?;
         segs.remove(&ptr);
         Ok(())
     }
@@ -413,9 +440,9 @@ impl Backend for CudaBackend {
     }
 
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
-        let s = self.streams.get(stream)?;
+        let raw = self.raw_stream(stream)?;
         self.bind("cuEventRecord")?;
-        self.events.record(s.cu_stream())
+        self.events.record(raw)
     }
 
     fn event_done(&self, event: EventId) -> Result<bool, BackendError> {
@@ -454,7 +481,7 @@ impl Drop for CudaBackend {
             // SAFETY: every segment left came from cuMemAlloc (or cuMemAllocAsync, which
             // cuMemFree also frees) and was not freed yet; the device is idle and no buffer of
             // this backend is alive.
-            if let Err(e) = unsafe { result::free_sync(ptr) } {
+            if let Err(e) = direct::check(unsafe { direct::mem_free(ptr) }) {
                 tracing::warn!(error = %driver_error("cuMemFree", e), "freeing a segment on drop failed");
             }
         }

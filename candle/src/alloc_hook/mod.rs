@@ -1,0 +1,249 @@
+//! oomguard's caching allocator under candle's CUDA tensors, with no change to candle or cudarc
+//! (feature `allocator-hook`, off by default).
+//!
+//! candle allocates every CUDA tensor through cudarc, which calls the driver's
+//! `cuMemAllocAsync` / `cuMemFreeAsync` (or `cuMemAlloc_v2` / `cuMemFree_v2` on a device without
+//! memory pools). candle-core turns on cudarc's `dynamic-linking`, in which those calls are bound
+//! by the linker; with this feature, this crate defines the four symbols, so the linker binds
+//! cudarc's calls to oomguard instead of to `libcuda.so`.
+//!
+//! - **Nothing changes until [`install`]**: every hooked call goes straight to the driver
+//!   (through its library handle) until a device is installed, and afterwards for every context
+//!   that is not installed.
+//! - [`install`] (or [`install_with_config`]) opens an oomguard [`oomguard::Device`] on the
+//!   candle device's GPU (configuration from `OOMGUARD_ALLOC_CONF` in PyTorch's syntax, as
+//!   `Device::cuda`; memory limit with `per_process_memory_fraction` or
+//!   `Device::allocator().set_memory_limit`), makes it the memory source of that candle device,
+//!   and proves it: it makes and drops a candle tensor and checks that oomguard served both calls.
+//!   When it cannot (a build in which cudarc resolves the driver with `dlsym`: cudarc's
+//!   `dynamic-loading` mode, as in a build without candle-core's `cuda` feature; another
+//!   definition of the symbols winning the link), it returns [`InstallError::NotIntercepted`] and
+//!   leaves nothing installed.
+//! - After install, candle's tensors are blocks of oomguard's allocator: budgets, leak checks,
+//!   peak scopes, statistics, `memory_summary`, history and snapshots, `empty_cache`, the retry
+//!   engine and `find_max_batch` see them through the returned `Device`.
+//!
+//! What the hook does with each call, on an installed context:
+//! - `cuMemAllocAsync(n, stream)`: served by the allocator on `stream`. The legacy default
+//!   stream (0 and `CU_STREAM_LEGACY`) is one stream; the per-thread default stream (handle
+//!   `0x2`, candle's default, the same value on every thread) is a separate stream for each
+//!   thread, so a block freed in one thread's stream order is never handed to another thread's
+//!   work before that work's stream has passed the free; other handles are their own stream.
+//! - `cuMemFreeAsync(p, stream)`: a pointer oomguard made goes back to its cache; when `stream`
+//!   is not the stream it was allocated on (a tensor dropped on another thread), the block is
+//!   reused only after the work queued on `stream` by then has finished (an event, PyTorch's
+//!   `record_stream`). Pointers oomguard did not make (allocated before install, by a context
+//!   that is not installed, during graph capture) go to the driver.
+//! - `cuMemAlloc_v2` / `cuMemFree_v2`: as above on the legacy default stream.
+//! - Passed to the driver unchanged: zero-byte requests (the driver's own answer), requests on a
+//!   stream capturing a CUDA graph (the graph's memory nodes, never blocks of the cache, so a
+//!   replay never meets a reused block), and calls on a context with no installed device.
+//! - Pointers are aligned to 512 bytes (the driver guarantees 256).
+//! - Out of memory (and a budget of oomguard's that is exceeded) is answered
+//!   `CUDA_ERROR_OUT_OF_MEMORY`, so candle's error and its classification ([`oomguard::IsOom`],
+//!   [`crate::train_step`]) are unchanged; [`take_last_error`] gives the oomguard error behind
+//!   the calling thread's last failed allocation (budget or device, with its figures).
+//!
+//! What stays outside (memory on the GPU the hook does not see): cuBLAS's workspace and
+//! handles, the CUDA context itself, loaded kernels, candle-kernels' host code that calls the
+//! runtime's `cudaMallocAsync` (the runtime resolves the driver through `cuGetProcAddress`, not
+//! the linker), and anything allocated before install. See the crate README's candle section for
+//! figures measured on an H100.
+//!
+//! Leak reports name the allocating site as the hook itself (candle's call stack is not known
+//! to the allocator); `Device::allocator().record_history_with` with full backtraces records
+//! candle's stack for every allocation.
+
+// The logic is built (and tested on the simulated device) without the feature too.
+#[cfg_attr(not(feature = "allocator-hook"), allow(dead_code))]
+mod interposer;
+#[cfg(test)]
+mod tests;
+#[cfg(feature = "allocator-hook")]
+mod symbols;
+
+use std::fmt;
+
+pub use interposer::Counts as HookCounts;
+
+/// Why [`install`] did not install oomguard's allocator (nothing is installed after an error).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum InstallError {
+    /// The candle device is not a CUDA device.
+    NotCuda(String),
+    /// This program's calls to the driver do not reach the hook, so oomguard cannot serve them.
+    NotIntercepted {
+        /// What was seen, and what to do.
+        reason: String,
+    },
+    /// A device is installed for this GPU already (the one serving it is given).
+    AlreadyInstalled(oomguard::Device),
+    /// Opening oomguard's device on the GPU failed (driver, configuration).
+    Device(oomguard::Error),
+    /// candle failed while install proved the hook (allocating its probe tensor).
+    Candle(candle_core::Error),
+}
+
+impl fmt::Display for InstallError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InstallError::NotCuda(d) => write!(
+                f,
+                "oomguard's allocator can only be installed for a CUDA device, not {d}"
+            ),
+            InstallError::NotIntercepted { reason } => write!(
+                f,
+                "oomguard's allocator hook is not reached by this program's CUDA calls: {reason}"
+            ),
+            InstallError::AlreadyInstalled(d) => write!(
+                f,
+                "oomguard's allocator is installed for {} already (use the Device it returned, \
+                 or oomguard_candle::alloc_hook::installed_device)",
+                d.name()
+            ),
+            InstallError::Device(e) => write!(f, "opening oomguard's device failed: {e}"),
+            InstallError::Candle(e) => write!(f, "candle failed while proving the hook: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for InstallError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            InstallError::Device(e) => Some(e),
+            InstallError::Candle(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Installs oomguard's allocator for `device`'s GPU, configured from `OOMGUARD_ALLOC_CONF` as
+/// [`oomguard::Device::cuda`] is, and returns the oomguard `Device` that then serves every
+/// allocation candle (or anything on cudarc) makes on that GPU's context. See the
+/// [module docs](self) for what it proves and what it cannot see.
+#[cfg(feature = "allocator-hook")]
+pub fn install(device: &candle_core::Device) -> Result<oomguard::Device, InstallError> {
+    install_inner(device, None)
+}
+
+/// [`install`] with an explicit allocator configuration (the environment is not read).
+#[cfg(feature = "allocator-hook")]
+pub fn install_with_config(
+    device: &candle_core::Device,
+    config: oomguard::AllocatorConfig,
+) -> Result<oomguard::Device, InstallError> {
+    install_inner(device, Some(config))
+}
+
+/// The oomguard `Device` serving `device`'s GPU, when [`install`] installed one.
+#[cfg(feature = "allocator-hook")]
+pub fn installed_device(device: &candle_core::Device) -> Option<oomguard::Device> {
+    let ctx = context_of(device).ok()?;
+    symbols::HOOK
+        .get()?
+        .served(ctx)
+        .map(|s| s.device.clone())
+}
+
+/// What the hook did so far (all zero before [`install`]).
+#[cfg(feature = "allocator-hook")]
+pub fn counts() -> HookCounts {
+    symbols::HOOK
+        .get()
+        .map(interposer::Interposer::counts)
+        .unwrap_or_default()
+}
+
+/// The oomguard error behind the calling thread's last hooked allocation that failed (it was
+/// answered `CUDA_ERROR_OUT_OF_MEMORY` or another driver status), taken: a second call returns
+/// `None`. Tells a budget of oomguard's from the device running out, with the figures.
+pub fn take_last_error() -> Option<oomguard::Error> {
+    interposer::take_last_error()
+}
+
+#[cfg(feature = "allocator-hook")]
+fn context_of(device: &candle_core::Device) -> Result<u64, InstallError> {
+    match device {
+        candle_core::Device::Cuda(d) => Ok(d.cuda_stream().context().cu_ctx() as usize as u64),
+        other => Err(InstallError::NotCuda(format!("{other:?}"))),
+    }
+}
+
+#[cfg(feature = "allocator-hook")]
+fn install_inner(
+    device: &candle_core::Device,
+    config: Option<oomguard::AllocatorConfig>,
+) -> Result<oomguard::Device, InstallError> {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let ctx = context_of(device)?;
+    let candle_core::Device::Cuda(cuda) = device else {
+        unreachable!("context_of accepts CUDA devices only");
+    };
+    // Keep the definitions linked (see `symbols::definitions`).
+    std::hint::black_box(symbols::definitions());
+    oomguard::backend::cuda::direct::available().map_err(|e| InstallError::NotIntercepted {
+        reason: format!("the driver's entry points cannot be reached: {e}"),
+    })?;
+    let hook = symbols::HOOK.get_or_init(|| interposer::Interposer::new(symbols::RealDriver));
+    if let Some(s) = hook.served(ctx) {
+        return Err(InstallError::AlreadyInstalled(s.device.clone()));
+    }
+    let ordinal = cuda.cuda_stream().context().ordinal();
+    let dev = match config {
+        Some(c) => oomguard::Device::cuda_with_config(ordinal, c),
+        None => oomguard::Device::cuda(ordinal),
+    }
+    .map_err(InstallError::Device)?;
+    let own_ctx = dev
+        .cuda_context()
+        .map_err(InstallError::Device)?
+        .cu_ctx() as usize as u64;
+    if own_ctx != ctx {
+        return Err(InstallError::NotIntercepted {
+            reason: format!(
+                "candle's device uses a CUDA context ({ctx:#x}) that is not the primary context of \
+                 GPU {ordinal} ({own_ctx:#x}); only devices on the primary context (candle's \
+                 Device::new_cuda) can be served"
+            ),
+        });
+    }
+    let served = hook
+        .serve(ctx, dev.clone())
+        .map_err(|s| InstallError::AlreadyInstalled(s.device.clone()))?;
+    // The proof: a tensor made and dropped through candle must reach oomguard.
+    let (allocs, frees) = (served.allocs.load(Relaxed), served.frees.load(Relaxed));
+    let probe = candle_core::Tensor::zeros(1024, candle_core::DType::F32, device)
+        .and_then(|t| device.synchronize().map(|()| t));
+    let probe = match probe {
+        Ok(t) => t,
+        Err(e) => {
+            hook.unserve_if_idle(ctx);
+            return Err(InstallError::Candle(e));
+        }
+    };
+    let allocated = served.allocs.load(Relaxed) > allocs;
+    drop(probe);
+    let freed = served.frees.load(Relaxed) > frees;
+    if allocated && freed {
+        return Ok(dev);
+    }
+    let left = if hook.unserve_if_idle(ctx) {
+        "nothing was installed"
+    } else {
+        "oomguard keeps serving the context for the memory it gave out"
+    };
+    Err(InstallError::NotIntercepted {
+        reason: format!(
+            "a candle tensor was {} and {} through oomguard ({left}). This happens when cudarc \
+             resolves the driver with dlsym (its `dynamic-loading` feature: a build without \
+             candle-core's `cuda` feature, or with cudarc's `fallback-dynamic-loading` winning), \
+             or when another crate defines cuMemAllocAsync/cuMemFreeAsync as well. Build with \
+             candle-core's `cuda` feature (which turns on cudarc's `dynamic-linking`) and \
+             oomguard-candle's `allocator-hook`, and link no other definition of these symbols",
+            if allocated { "allocated" } else { "not allocated" },
+            if freed { "freed" } else { "not freed" },
+        ),
+    })
+}
