@@ -2,9 +2,15 @@
 //! AdamW) trained with candle on seeded synthetic tokens, under oomguard, on a CUDA device.
 //!
 //! ```text
-//! candle_gpt [all|find|oom|equiv|overhead] [--big ROWS] [--steps N] [--device ORDINAL]
-//!            [--release-threshold BYTES]
+//! candle_gpt [all|find|oom|equiv|overhead|frag] [--big ROWS] [--steps N] [--device ORDINAL]
+//!            [--release-threshold BYTES] [--allocator pool|oomguard] [--batch ROWS]
 //! ```
+//! - `--allocator`: where candle's tensors live: the driver's pool (candle's own, the default)
+//!   or oomguard's caching allocator (`oomguard_candle::alloc_hook::install`, feature
+//!   `allocator-hook`), installed before the model is made;
+//! - `frag`: `--steps` (default 20) plain steps at `--batch` rows: peak reserved / peak used of
+//!   the allocator, OOMs, median step time, and the device memory the allocator does not see
+//!   (`cuMemGetInfo` used minus the allocator's reserved);
 //! - `find`: oomguard's `find_max_batch` on the driver pool (its step runs and found batch), the
 //!   true maximum by bisection over real steps, then 100 steps at the found batch;
 //! - `oom`: a batch larger than the card holds (`--big`, default twice the true maximum found,
@@ -40,9 +46,28 @@ struct Run {
     init: Vec<Tensor>,
 }
 
+/// Where candle's tensors live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Allocator {
+    /// The driver's stream-ordered pool (candle as it is).
+    Pool,
+    /// oomguard's caching allocator under candle (the allocator hook).
+    Oomguard,
+}
+
 impl Run {
-    fn new(ordinal: usize) -> Res<Self> {
+    /// The run and the memory source its tensors come from.
+    fn new(ordinal: usize, allocator: Allocator) -> Res<(Self, Arc<dyn MemorySource>)> {
         let dev = Device::new_cuda(ordinal)?;
+        let source: Arc<dyn MemorySource> = match allocator {
+            Allocator::Pool => memory_source(&dev)?,
+            #[cfg(feature = "allocator-hook")]
+            Allocator::Oomguard => Arc::new(oomguard_candle::alloc_hook::install(&dev)?),
+            #[cfg(not(feature = "allocator-hook"))]
+            Allocator::Oomguard => {
+                return Err("--allocator oomguard needs the `allocator-hook` feature".into())
+            }
+        };
         dev.set_seed(42)?;
         let cfg = Config::gpt2_small();
         let varmap = VarMap::new();
@@ -55,13 +80,14 @@ impl Run {
             .collect::<Result<_, _>>()?;
         let n: usize = vars.iter().map(|v| v.elem_count()).sum();
         println!("model: {} parameters, {} tensors", n, vars.len());
-        Ok(Self {
+        let run = Self {
             dev,
             cfg,
             model,
             vars,
             init,
-        })
+        };
+        Ok((run, source))
     }
 
     fn reset(&self) -> Res<()> {
@@ -208,14 +234,15 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
         }
         Ok((ooms, t0.elapsed().as_secs_f64() / steps as f64))
     };
-    let plain_steps = steps.min(10);
+    let plain_steps = steps;
     let (ooms, per) = train(plain_steps, false)?;
     println!(
         "RESULT find: {plain_steps} plain steps at the found batch {found}: {ooms} OOM ({per:.2} s/step)"
     );
-    let (ooms, per) = train(steps, true)?;
+    let trimmed = steps.min(20);
+    let (ooms, per) = train(trimmed, true)?;
     println!(
-        "RESULT find: {steps} steps at the found batch {found}, pool trimmed before each: {ooms} OOM ({per:.2} s/step)"
+        "RESULT find: {trimmed} steps at the found batch {found}, cache emptied before each: {ooms} OOM ({per:.2} s/step)"
     );
     Ok(lo)
 }
@@ -370,6 +397,54 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
     Ok(())
 }
 
+/// Device memory in use (`cuMemGetInfo`: total - free).
+fn device_used() -> Res<u64> {
+    let (free, total) = oomguard::cudarc::driver::result::mem_get_info()?;
+    Ok((total - free) as u64)
+}
+
+fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: usize) -> Res<()> {
+    candle_core::cuda::set_gemm_reduced_precision_f32(true);
+    run.reset()?;
+    let mut opt = run.adamw()?;
+    source.empty_cache()?;
+    source.reset_peak()?;
+    let (mut ooms, mut times, mut unseen_max) = (0, Vec::new(), 0i64);
+    for s in 0..steps {
+        let t = run.tokens(5000 + s as u64, batch)?;
+        let t0 = Instant::now();
+        match run.plain_step(&mut opt, &t) {
+            Ok(_) => times.push(t0.elapsed().as_secs_f64()),
+            Err(e) if is_oom(&e) => ooms += 1,
+            Err(e) => return Err(e.into()),
+        }
+        let unseen = device_used()? as i64 - source.usage()?.reserved as i64;
+        unseen_max = unseen_max.max(unseen);
+    }
+    let u = source.usage()?;
+    times.sort_by(f64::total_cmp);
+    let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    println!(
+        "RESULT frag: {}, batch {batch}, {steps} steps: peak reserved {} / peak used {} = {:.4}; \
+         {ooms} OOM; median {:.1} ms/step",
+        source.info().kind,
+        u.reserved_peak,
+        u.used_peak,
+        u.reserved_peak as f64 / u.used_peak.max(1) as f64,
+        median * 1e3
+    );
+    let used = device_used()?;
+    println!(
+        "RESULT unseen: device used {used} B, {} reserved {} B: {} B outside it at the end \
+         (most after a step: {unseen_max} B); the allocator saw {:.4} of device memory",
+        source.info().kind,
+        u.reserved,
+        used as i64 - u.reserved as i64,
+        u.reserved as f64 / used as f64
+    );
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let phase = args
@@ -390,11 +465,20 @@ fn main() -> Res<()> {
     };
     let ordinal = flag("--device")?.unwrap_or(0);
     let steps = flag("--steps")?.unwrap_or(100);
-    if !["all", "find", "oom", "equiv", "overhead"].contains(&phase.as_str()) {
-        return Err(format!("unknown phase {phase}: all, find, oom, equiv or overhead").into());
+    if !["all", "find", "oom", "equiv", "overhead", "frag"].contains(&phase.as_str()) {
+        return Err(
+            format!("unknown phase {phase}: all, find, oom, equiv, overhead or frag").into(),
+        );
     }
-    let run = Run::new(ordinal)?;
-    let source = memory_source(&run.dev)?;
+    let allocator = match args.iter().position(|a| a == "--allocator") {
+        None => Allocator::Pool,
+        Some(i) => match args.get(i + 1).map(String::as_str) {
+            Some("pool") => Allocator::Pool,
+            Some("oomguard") => Allocator::Oomguard,
+            other => return Err(format!("--allocator: pool or oomguard, not {other:?}").into()),
+        },
+    };
+    let (run, source) = Run::new(ordinal, allocator)?;
     // The pool as candle leaves it: the driver's default release threshold (0) hands unused
     // memory back at every synchronisation, so every step starts from an empty pool. With a
     // high threshold the pool keeps the previous step's blocks, and a step near the card's
@@ -416,6 +500,10 @@ fn main() -> Res<()> {
     }
     if phase == "all" || phase == "overhead" {
         phase_overhead(&run, &source, ordinal)?;
+    }
+    if phase == "frag" {
+        let batch = flag("--batch")?.ok_or("frag needs --batch ROWS")?;
+        phase_frag(&run, &source, batch, flag("--steps")?.unwrap_or(20))?;
     }
     println!("{}", source.memory_summary());
     Ok(())

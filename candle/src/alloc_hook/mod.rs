@@ -57,10 +57,10 @@
 // The logic is built (and tested on the simulated device) without the feature too.
 #[cfg_attr(not(feature = "allocator-hook"), allow(dead_code))]
 mod interposer;
-#[cfg(test)]
-mod tests;
 #[cfg(feature = "allocator-hook")]
 mod symbols;
+#[cfg(test)]
+mod tests;
 
 use std::fmt;
 
@@ -140,10 +140,7 @@ pub fn install_with_config(
 #[cfg(feature = "allocator-hook")]
 pub fn installed_device(device: &candle_core::Device) -> Option<oomguard::Device> {
     let ctx = context_of(device).ok()?;
-    symbols::HOOK
-        .get()?
-        .served(ctx)
-        .map(|s| s.device.clone())
+    symbols::HOOK.get()?.served(ctx).map(|s| s.device.clone())
 }
 
 /// What the hook did so far (all zero before [`install`]).
@@ -168,6 +165,47 @@ fn context_of(device: &candle_core::Device) -> Result<u64, InstallError> {
         candle_core::Device::Cuda(d) => Ok(d.cuda_stream().context().cu_ctx() as usize as u64),
         other => Err(InstallError::NotCuda(format!("{other:?}"))),
     }
+}
+
+/// The cuBLAS workspace given to candle's cuBLAS handle at install: 32 MiB, cuBLAS's recommended
+/// size on Hopper (`cublasSetWorkspace`; 4 MiB on older GPUs).
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
+
+/// Gives candle's cuBLAS handle a workspace from oomguard's allocator, so that cuBLAS does not
+/// take its own from the driver for the handle's calls. The block stays allocated for the rest
+/// of the process (the handle may use it until it is destroyed, which oomguard cannot see).
+#[cfg(feature = "allocator-hook")]
+#[allow(unsafe_code)]
+fn set_cublas_workspace(
+    cuda: &candle_core::CudaDevice,
+    dev: &oomguard::Device,
+) -> Result<(), InstallError> {
+    use oomguard::cudarc::cublas::sys;
+    let ws = dev
+        .alloc_raw(CUBLAS_WORKSPACE_BYTES, 0)
+        .map_err(InstallError::Device)?;
+    let blas = cuda.cublas_handle();
+    // SAFETY: the handle is candle's live cuBLAS handle (kept alive by `blas` here and by the
+    // candle device afterwards); the workspace is a block of CUBLAS_WORKSPACE_BYTES on its GPU
+    // that is never freed (the handle can use it for as long as it lives) and is 512-byte
+    // aligned (cuBLAS needs 256).
+    let status = unsafe {
+        sys::cublasSetWorkspace_v2(
+            *blas.handle(),
+            ws.ptr as usize as *mut std::ffi::c_void,
+            CUBLAS_WORKSPACE_BYTES as usize,
+        )
+    };
+    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        let _ = dev.free_raw(ws);
+        return Err(InstallError::Device(oomguard::Error::InvalidArgument(
+            format!(
+                "cublasSetWorkspace_v2 on candle's cuBLAS handle failed ({status:?}); nothing was \
+             installed"
+            ),
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(feature = "allocator-hook")]
@@ -196,10 +234,7 @@ fn install_inner(
         None => oomguard::Device::cuda(ordinal),
     }
     .map_err(InstallError::Device)?;
-    let own_ctx = dev
-        .cuda_context()
-        .map_err(InstallError::Device)?
-        .cu_ctx() as usize as u64;
+    let own_ctx = dev.cuda_context().map_err(InstallError::Device)?.cu_ctx() as usize as u64;
     if own_ctx != ctx {
         return Err(InstallError::NotIntercepted {
             reason: format!(
@@ -227,6 +262,10 @@ fn install_inner(
     drop(probe);
     let freed = served.frees.load(Relaxed) > frees;
     if allocated && freed {
+        if let Err(e) = set_cublas_workspace(cuda, &dev) {
+            hook.unserve_if_idle(ctx);
+            return Err(e);
+        }
         return Ok(dev);
     }
     let left = if hook.unserve_if_idle(ctx) {
@@ -242,7 +281,11 @@ fn install_inner(
              or when another crate defines cuMemAllocAsync/cuMemFreeAsync as well. Build with \
              candle-core's `cuda` feature (which turns on cudarc's `dynamic-linking`) and \
              oomguard-candle's `allocator-hook`, and link no other definition of these symbols",
-            if allocated { "allocated" } else { "not allocated" },
+            if allocated {
+                "allocated"
+            } else {
+                "not allocated"
+            },
             if freed { "freed" } else { "not freed" },
         ),
     })

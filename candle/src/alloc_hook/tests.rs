@@ -41,11 +41,15 @@ impl FakeDriver {
 
 impl Driver for FakeDriver {
     fn alloc_async(&self, bytes: usize, stream: u64) -> Result<u64, u32> {
-        self.calls.lock().push(format!("alloc_async {bytes} {stream:#x}"));
+        self.calls
+            .lock()
+            .push(format!("alloc_async {bytes} {stream:#x}"));
         Ok(if bytes == 0 { 0 } else { self.give() })
     }
     fn free_async(&self, ptr: u64, stream: u64) -> u32 {
-        self.calls.lock().push(format!("free_async {ptr:#x} {stream:#x}"));
+        self.calls
+            .lock()
+            .push(format!("free_async {ptr:#x} {stream:#x}"));
         status::SUCCESS
     }
     fn alloc(&self, bytes: usize) -> Result<u64, u32> {
@@ -111,9 +115,15 @@ fn served_allocations_are_blocks_of_the_allocator() {
     assert_eq!(hook.free_async(p, PTDS), status::SUCCESS);
     assert_eq!(hook.free(q), status::SUCCESS);
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
-    assert!(dev.stats().reserved_bytes.all.current > 0, "kept in the cache");
+    assert!(
+        dev.stats().reserved_bytes.all.current > 0,
+        "kept in the cache"
+    );
     let c = hook.counts();
-    assert_eq!((c.served_allocs, c.served_frees, c.passed_to_driver), (2, 2, 0));
+    assert_eq!(
+        (c.served_allocs, c.served_frees, c.passed_to_driver),
+        (2, 2, 0)
+    );
     dev.allocator().check_invariants().unwrap();
 }
 
@@ -167,7 +177,10 @@ fn graph_capture_is_left_to_the_driver() {
     let capturing = 0x5555_0000;
     hook.driver.capturing.lock().push(capturing);
     let p = hook.alloc_async(1 << 20, capturing).unwrap();
-    assert!(p >= DRIVER_BASE, "a graph's memory node, not a cached block");
+    assert!(
+        p >= DRIVER_BASE,
+        "a graph's memory node, not a cached block"
+    );
     assert_eq!(hook.free_async(p, capturing), status::SUCCESS);
     assert_eq!(hook.driver.calls().len(), 2);
     assert_eq!(dev.stats().allocation.all.current, 0);
@@ -180,11 +193,17 @@ fn graph_capture_is_left_to_the_driver() {
 fn out_of_memory_is_the_drivers_status_with_the_oomguard_error_kept() {
     let (hook, _dev, _sim) = hook_with(ByteSize::mib(64));
     let _ = super::take_last_error();
-    assert_eq!(hook.alloc_async(128 << 20, PTDS), Err(status::OUT_OF_MEMORY));
+    assert_eq!(
+        hook.alloc_async(128 << 20, PTDS),
+        Err(status::OUT_OF_MEMORY)
+    );
     let e = super::take_last_error().expect("the error behind the status");
     assert!(e.is_oom() && !e.is_budget_exceeded(), "{e}");
     assert!(super::take_last_error().is_none(), "taken once");
-    assert!(hook.driver.calls().is_empty(), "never forwarded after oomguard said no");
+    assert!(
+        hook.driver.calls().is_empty(),
+        "never forwarded after oomguard said no"
+    );
 }
 
 #[test]
@@ -200,7 +219,10 @@ fn a_budget_on_the_device_caps_candle_memory_too() {
     let leak = dev.leak_check();
     let q = hook.alloc_async(1 << 20, PTDS).unwrap();
     let report = leak.finish();
-    assert!(report.is_err(), "the leak check sees the hook's live allocation");
+    assert!(
+        report.is_err(),
+        "the leak check sees the hook's live allocation"
+    );
     assert_eq!(hook.free_async(q, PTDS), status::SUCCESS);
 }
 
@@ -228,7 +250,11 @@ fn each_thread_s_per_thread_stream_is_its_own_pool() {
     assert_ne!(q, p);
     assert_ne!(other_id, stream_id(PTDS));
     assert_eq!(stream_id(0), 0);
-    assert_eq!(stream_id(1), 0, "CU_STREAM_LEGACY is the legacy default stream");
+    assert_eq!(
+        stream_id(1),
+        0,
+        "CU_STREAM_LEGACY is the legacy default stream"
+    );
     dev.allocator().check_invariants().unwrap();
 }
 
@@ -247,7 +273,11 @@ fn a_tensor_dropped_on_another_thread_waits_for_that_thread_s_stream() {
     })
     .join()
     .unwrap();
-    assert_eq!(sim.pending_events(), 1, "an event on the freeing thread's stream");
+    assert_eq!(
+        sim.pending_events(),
+        1,
+        "an event on the freeing thread's stream"
+    );
     let q = hook.alloc_async(1 << 20, PTDS).unwrap();
     assert_ne!(q, p, "not reused before the freeing stream passed the free");
     assert_eq!(hook.free_async(q, PTDS), status::SUCCESS);
@@ -280,7 +310,10 @@ fn several_gpus_each_have_their_own_allocator() {
     let (b, _) = sim_device(ByteSize::gib(1));
     hook.serve(0xa, a.clone()).ok().unwrap();
     hook.serve(0xb, b.clone()).ok().unwrap();
-    assert!(hook.serve(0xb, a.clone()).is_err(), "one device per context");
+    assert!(
+        hook.serve(0xb, a.clone()).is_err(),
+        "one device per context"
+    );
     set_context(0xa);
     let pa = hook.alloc_async(1 << 20, PTDS).unwrap();
     set_context(0xb);
@@ -318,7 +351,9 @@ fn many_threads_allocate_and_free_across_threads() {
             std::thread::spawn(move || {
                 set_context(CTX);
                 for i in 0..200u64 {
-                    let p = h.alloc_async(((i % 7) as usize + 1) * 100_000 + t, PTDS).unwrap();
+                    let p = h
+                        .alloc_async(((i % 7) as usize + 1) * 100_000 + t, PTDS)
+                        .unwrap();
                     tx.send(p).unwrap();
                 }
             })

@@ -45,8 +45,12 @@ fn load() -> Result<Entries, String> {
         let entries = unsafe {
             let get = |s: &str| format!("{name} lacks {s}");
             Entries {
-                alloc: *lib.get::<AllocFn>(b"cuMemAlloc_v2").map_err(|_| get("cuMemAlloc_v2"))?,
-                free: *lib.get::<FreeFn>(b"cuMemFree_v2").map_err(|_| get("cuMemFree_v2"))?,
+                alloc: *lib
+                    .get::<AllocFn>(b"cuMemAlloc_v2")
+                    .map_err(|_| get("cuMemAlloc_v2"))?,
+                free: *lib
+                    .get::<FreeFn>(b"cuMemFree_v2")
+                    .map_err(|_| get("cuMemFree_v2"))?,
                 alloc_async: *lib
                     .get::<AllocAsyncFn>(b"cuMemAllocAsync")
                     .map_err(|_| get("cuMemAllocAsync"))?,
@@ -73,7 +77,11 @@ fn entries() -> Result<&'static Entries, CUresult> {
 
 /// Whether the four entry points could be looked up (an error says why not).
 pub fn available() -> Result<(), String> {
-    ENTRIES.get_or_init(load).as_ref().map(|_| ()).map_err(Clone::clone)
+    ENTRIES
+        .get_or_init(load)
+        .as_ref()
+        .map(|_| ())
+        .map_err(Clone::clone)
 }
 
 /// `cuMemAlloc_v2` of the driver library. `CUDA_ERROR_NOT_INITIALIZED` when it cannot be loaded.
