@@ -413,6 +413,7 @@ impl NcclConsensus {
                 rank: env.rank,
                 world_size: env.world_size,
                 timeout: env.rendezvous_timeout,
+                job_id: env.job_id.clone(),
             },
             || {
                 let id = new_id()?;
@@ -656,6 +657,7 @@ mod tests {
             rank,
             world_size: 2,
             timeout: Duration::from_secs(10),
+            job_id: String::new(),
         };
         let one = thread::spawn(move || rendezvous(&cfg(1), || unreachable!()).unwrap());
         let zero = rendezvous(&cfg(0), || Ok([7; rendezvous::ID_BYTES])).unwrap();
