@@ -491,17 +491,17 @@ fn bind_failure(cfg: &RendezvousConfig, addr: SocketAddr, e: &io::Error) -> Stri
     let mut m = format!("rank 0 cannot listen on {addr}: {e}");
     if e.kind() == ErrorKind::AddrInUse {
         m += &match probe(cfg) {
+            // The answer says whether it is another job or a second rank 0 of this one.
             Some(answer) => format!(
                 "; an oomguard rendezvous already listens there and answered this process's \
                  hello: {answer}"
             ),
             None => "; the process that holds the port does not answer as an oomguard \
                      rendezvous of this version (another service, or another job's rank 0 of \
-                     another oomguard version)"
+                     another oomguard version): give each job its own port (MASTER_PORT, or \
+                     OOMGUARD_RENDEZVOUS_PORT, the same on every rank of a job)"
                 .into(),
         };
-        m += " (give each job its own port: MASTER_PORT, or OOMGUARD_RENDEZVOUS_PORT, the same \
-              on every rank of a job)";
     } else {
         m += " (set OOMGUARD_RENDEZVOUS_PORT to a free port, the same on every rank)";
     }
@@ -660,7 +660,7 @@ fn join(cfg: &RendezvousConfig) -> Result<Rendezvous, Error> {
                 })
             }
             Frame::Msg(REJECT, p) | Frame::OtherVersion(_, REJECT, p) => Err(err(format!(
-                "rank 0 at {at} ended the rendezvous for rank {}: {}",
+                "rank 0 at {at} refused rank {}: {}",
                 cfg.rank,
                 String::from_utf8_lossy(&p)
             ))),
