@@ -230,6 +230,29 @@ fn a_rank_out_of_range_or_twice_is_refused_to_that_peer_only() {
 }
 
 #[test]
+fn a_rank_that_left_before_the_id_can_join_again() {
+    // A rank 1 that joins, then dies before the group is complete (a restarted process): its
+    // place is freed, and the restarted rank 1 is not "a rank that joined twice".
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 3, 10_000), || Ok(id_of(7))));
+    let mut gone = connect_to(port);
+    gone.write_all(&raw_hello(2, 1, 3, JOB)).unwrap();
+    assert_eq!(raw_frame(&mut gone).1, WAITING);
+    drop(gone);
+    let ranks: Vec<_> = (1..3)
+        .map(|rank| {
+            thread::spawn(move || rendezvous(&cfg(port, rank, 3, 10_000), || panic!("not 0")))
+        })
+        .collect();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let r = r.join().unwrap();
+        let r = r.unwrap_or_else(|e| panic!("rank {}: {e}", rank + 1));
+        assert_eq!(r.id, id_of(7));
+    }
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(7));
+}
+
+#[test]
 fn idle_connections_neither_delay_nor_fail_the_real_ranks() {
     // 25 connections that never speak, opened before the ranks: served one at a time with 5 s
     // each, they took 125 s, past this rendezvous's 20 s (and the default 120 s).

@@ -267,9 +267,25 @@ struct Serving<'a> {
     silent: usize,
     /// The first error `accept` gave (the loop goes on: a full fd table is no reason to stop).
     accept_error: Option<String>,
+    /// Warnings logged about peers so far (a flood of them is counted, not logged).
+    warned: usize,
 }
 
+/// Warnings about dropped or refused peers that rank 0 logs; the rest are counted in its
+/// timeout message.
+const LOGGED_WARNINGS: usize = 20;
+
 impl Serving<'_> {
+    fn warn(&mut self, m: String) {
+        self.warned += 1;
+        if self.warned <= LOGGED_WARNINGS {
+            tracing::warn!("rendezvous: {m}");
+        }
+        if self.warned == LOGGED_WARNINGS {
+            tracing::warn!("rendezvous: further dropped or refused peers are not logged");
+        }
+    }
+
     /// Accepts what is queued on the listener (at most `n`), as pending connections.
     fn accept(
         &mut self,
@@ -301,11 +317,10 @@ impl Serving<'_> {
             }
             if self.pending.len() >= limits.max_pending {
                 if let Some(old) = self.pending.pop_front() {
-                    tracing::warn!(
-                        "rendezvous: {} connections without a hello; dropped the oldest, from {}",
-                        limits.max_pending,
-                        old.from
-                    );
+                    self.warn(format!(
+                        "{} connections without a hello; dropped the oldest, from {}",
+                        limits.max_pending, old.from
+                    ));
                     self.silent += 1;
                     refuse(
                         old.s,
@@ -326,7 +341,7 @@ impl Serving<'_> {
     }
 
     fn refuse_peer(&mut self, s: TcpStream, version: u8, why: String) {
-        tracing::warn!("rendezvous: refused a peer: {why}");
+        self.warn(format!("refused a peer: {why}"));
         refuse(s, version, &why);
         self.refused.push(why);
     }
@@ -338,7 +353,7 @@ impl Serving<'_> {
             Heard::Nothing => {}
             Heard::Closed => {}
             Heard::Unusable(why) => {
-                tracing::warn!("rendezvous: dropped a connection from {from} that {why}");
+                self.warn(format!("dropped a connection from {from} that {why}"));
                 self.silent += 1;
                 refuse(p.s, VERSION, &format!("this connection {why}"));
             }
@@ -435,12 +450,13 @@ impl Serving<'_> {
             Ok(0) | Err(_) => None,
             Ok(_) => Some(format!("rank {rank} (from {from}) sent data before the id")),
         };
-        let (s, from) = self.peers[rank].take().expect("checked above");
+        let Some((s, from)) = self.peers[rank].take() else {
+            return false;
+        };
         self.joined -= 1;
-        tracing::warn!(
-            "rendezvous: rank {rank} (from {from}) left before the id was sent; waiting for it \
-             again"
-        );
+        self.warn(format!(
+            "rank {rank} (from {from}) left before the id was sent; waiting for it again"
+        ));
         if let Some(why) = why {
             self.refuse_peer(s, VERSION, why);
         }
@@ -469,7 +485,10 @@ impl Serving<'_> {
             }
         }
         if self.silent > 0 {
-            m += &format!("; dropped {} connection(s) that sent no hello", self.silent);
+            m += &format!(
+                "; dropped {} connection(s) that sent no hello (nothing in time, or not a frame)",
+                self.silent
+            );
         }
         if let Some(e) = &self.accept_error {
             m += &format!("; accept failed: {e}");
@@ -558,6 +577,7 @@ fn serve(cfg: &RendezvousConfig, id: [u8; ID_BYTES], limits: Limits) -> Result<R
         refused: Vec::new(),
         silent: 0,
         accept_error: None,
+        warned: 0,
     };
     while st.joined < world {
         let now = Instant::now();
@@ -571,8 +591,9 @@ fn serve(cfg: &RendezvousConfig, id: [u8; ID_BYTES], limits: Limits) -> Result<R
                 Heard::Nothing => i += 1,
                 heard => {
                     busy = true;
-                    let p = st.pending.remove(i).expect("index checked");
-                    st.settle(p, heard);
+                    if let Some(p) = st.pending.remove(i) {
+                        st.settle(p, heard);
+                    }
                 }
             }
         }
