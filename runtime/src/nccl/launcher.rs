@@ -18,9 +18,10 @@
 //! with a reason, instead of giving it the NCCL id. It is `OOMGUARD_JOB_ID` when set, else
 //! torchrun's run id `TORCHELASTIC_RUN_ID` (a fresh one per run with `--standalone`, else
 //! `--rdzv-id`, whose default is `none`), else SLURM's `SLURM_JOB_ID`, with `.SLURM_STEP_ID`
-//! appended when set, else empty (no job identity). A set variable that is empty, longer than
-//! 256 bytes or holds control characters is an error that names it. The job id guards against
-//! accidents; it is not a secret (the rendezvous is for trusted networks only).
+//! appended when set (ranks started by several srun steps need one `OOMGUARD_JOB_ID`), else empty
+//! (no job identity). A set variable that is empty, longer than 256 bytes or holds control
+//! characters is an error that names it. The job id guards against accidents; it is not a secret
+//! (the rendezvous is for trusted networks only).
 //!
 //! The CUDA device is `LOCAL_RANK`, or 0 when `CUDA_VISIBLE_DEVICES` names a single device.
 //!

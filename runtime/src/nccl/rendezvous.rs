@@ -403,7 +403,8 @@ impl Serving<'_> {
             return Err(format!(
                 "job id mismatch: rank 0 on {addr} serves job {ours:?}, the peer from {from} \
                  (rank {rank}) belongs to job {job:?}; two jobs share this port: give each its \
-                 own MASTER_PORT or OOMGUARD_RENDEZVOUS_PORT"
+                 own MASTER_PORT or OOMGUARD_RENDEZVOUS_PORT (if they are one job, e.g. ranks of \
+                 several srun steps, set OOMGUARD_JOB_ID to one value on every rank)"
             ));
         }
         if their_world != world {
