@@ -29,8 +29,57 @@ fn cfg(port: u16, rank: usize, world: usize, timeout_ms: u64) -> RendezvousConfi
         rank,
         world_size: world,
         timeout: Duration::from_millis(timeout_ms),
+        job_id: JOB.into(),
     }
 }
+
+/// The job id of the ranks these tests start (a stray of another job uses another).
+const JOB: &str = "job-a";
+
+/// Connects to rank 0 once it listens (bounded).
+fn connect_to(port: u16) -> TcpStream {
+    for _ in 0..500 {
+        if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
+            return s;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    panic!("rank 0 never listened on {port}");
+}
+
+/// A hello written by hand: magic, version, kind 1, length, rank, world size, job id (version 2;
+/// version 1 had no job id).
+fn raw_hello(version: u8, rank: u32, world: u32, job: &str) -> Vec<u8> {
+    let mut payload = rank.to_be_bytes().to_vec();
+    payload.extend_from_slice(&world.to_be_bytes());
+    if version >= 2 {
+        payload.extend_from_slice(job.as_bytes());
+    }
+    let mut f = b"OOMG".to_vec();
+    f.extend_from_slice(&[version, 1]);
+    f.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+    f.extend_from_slice(&payload);
+    f
+}
+
+/// Reads one frame by hand (bounded): version, kind, payload as text.
+fn raw_frame(s: &mut TcpStream) -> (u8, u8, String) {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut head = [0u8; 8];
+    s.read_exact(&mut head).expect("a frame header from rank 0");
+    assert_eq!(&head[..4], b"OOMG", "{head:?}");
+    let mut payload = vec![0u8; u16::from_be_bytes([head[6], head[7]]) as usize];
+    s.read_exact(&mut payload).expect("the frame's payload");
+    (
+        head[4],
+        head[5],
+        String::from_utf8_lossy(&payload).into_owned(),
+    )
+}
+
+const WAITING: u8 = 6;
+const REJECT: u8 = 3;
+const ID: u8 = 2;
 
 fn id_of(seed: u8) -> [u8; 128] {
     std::array::from_fn(|i| seed.wrapping_add(i as u8))
@@ -100,44 +149,53 @@ fn a_rank_started_before_rank_0_keeps_trying() {
 }
 
 #[test]
-fn world_size_mismatch_fails_on_both_sides() {
-    let (out, _) = group(free_port(), &[2, 3], 5_000);
-    let m0 = message(&out[0]);
-    let m1 = message(&out[1]);
+fn a_wrong_world_size_is_refused_to_that_rank_only() {
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 10_000), || Ok(id_of(4))));
+    let m1 = message(&rendezvous(&cfg(port, 1, 3, 5_000), || {
+        panic!("not rank 0")
+    }));
     assert!(
-        m0.contains("rank 1") && m0.contains("world size of 3") && m0.contains("with 2"),
-        "{m0}"
-    );
-    assert!(
-        m1.contains("ended the rendezvous for rank 1") && m1.contains("world size of 3"),
+        m1.contains("refused rank 1") && m1.contains("world size of 3"),
         "{m1}"
+    );
+    // Rank 0 goes on: the rank started with the right world size joins.
+    let r1 = rendezvous(&cfg(port, 1, 2, 5_000), || panic!("not rank 0")).unwrap();
+    assert_eq!(r1.id, id_of(4));
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(4));
+
+    // When the right rank never comes, rank 0's timeout names what it refused.
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 1_500), || Ok(id_of(4))));
+    let m1 = message(&rendezvous(&cfg(port, 1, 3, 5_000), || {
+        panic!("not rank 0")
+    }));
+    assert!(m1.contains("world size of 3"), "{m1}");
+    let m0 = message(&server.join().unwrap());
+    assert!(
+        m0.contains("missing rank(s) 1")
+            && m0.contains("refused 1 peer(s)")
+            && m0.contains("world size of 3, rank 0 with 2"),
+        "{m0}"
     );
 }
 
 #[test]
-fn a_rank_out_of_range_or_twice_is_refused() {
+fn a_rank_out_of_range_or_twice_is_refused_to_that_peer_only() {
     // A peer claiming rank 5 of 2 cannot be built through the API (it checks the rank), so speak
-    // the protocol by hand: magic, version 1, kind 1 (hello), length 8, rank, world.
+    // the protocol by hand.
     let port = free_port();
-    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 5_000), || Ok(id_of(1))));
-    let mut s = loop {
-        if let Ok(s) = TcpStream::connect(("127.0.0.1", port)) {
-            break s;
-        }
-        thread::sleep(Duration::from_millis(20));
-    };
-    let mut hello = b"OOMG\x01\x01\x00\x08".to_vec();
-    hello.extend_from_slice(&5u32.to_be_bytes());
-    hello.extend_from_slice(&2u32.to_be_bytes());
-    s.write_all(&hello).unwrap();
-    let m = message(&server.join().unwrap());
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 10_000), || Ok(id_of(1))));
+    let mut s = connect_to(port);
+    s.write_all(&raw_hello(2, 5, 2, JOB)).unwrap();
+    // The peer is told why (a reject frame carrying the message) ...
+    let (_, kind, m) = raw_frame(&mut s);
+    assert_eq!(kind, REJECT, "{m}");
     assert!(m.contains("says it is rank 5 of 2"), "{m}");
-    // The peer was told why (a reject frame, kind 3, carrying the message).
-    let mut reply = Vec::new();
-    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    let _ = s.read_to_end(&mut reply);
-    assert!(reply.starts_with(b"OOMG\x01\x03"), "{reply:?}");
-    assert!(String::from_utf8_lossy(&reply).contains("rank 5 of 2"));
+    // ... and rank 0 goes on: rank 1 joins.
+    let r1 = rendezvous(&cfg(port, 1, 2, 5_000), || panic!("not rank 0")).unwrap();
+    assert_eq!(r1.id, id_of(1));
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(1));
 
     // Rank 2 never comes: rank 0 times out and tells rank 1 why.
     let port = free_port();
@@ -149,20 +207,169 @@ fn a_rank_out_of_range_or_twice_is_refused() {
         "{m0}"
     );
     assert!(
-        m1.contains("ended the rendezvous for rank 1") && m1.contains("missing rank(s) 2"),
+        m1.contains("refused rank 1") && m1.contains("missing rank(s) 2"),
         "{m1}"
     );
 
+    // Rank 1 twice: the second is refused, the first keeps its place and gets the id.
     let port = free_port();
-    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 3, 5_000), || Ok(id_of(1))));
-    let twice: Vec<_> = (0..2)
-        .map(|_| thread::spawn(move || rendezvous(&cfg(port, 1, 3, 5_000), || Ok(id_of(9)))))
-        .collect();
-    let m = message(&server.join().unwrap());
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 3, 10_000), || Ok(id_of(2))));
+    let mut first = connect_to(port);
+    first.write_all(&raw_hello(2, 1, 3, JOB)).unwrap();
+    assert_eq!(raw_frame(&mut first).1, WAITING);
+    let mut second = connect_to(port);
+    second.write_all(&raw_hello(2, 1, 3, JOB)).unwrap();
+    let (_, kind, m) = raw_frame(&mut second);
+    assert_eq!(kind, REJECT, "{m}");
     assert!(m.contains("rank 1 joined twice"), "{m}");
-    for t in twice {
-        assert!(t.join().unwrap().is_err());
+    let r2 = rendezvous(&cfg(port, 2, 3, 5_000), || panic!("not rank 0")).unwrap();
+    assert_eq!(r2.id, id_of(2));
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(2));
+    let (_, kind, _) = raw_frame(&mut first);
+    assert_eq!(kind, ID);
+}
+
+#[test]
+fn a_rank_that_left_before_the_id_can_join_again() {
+    // A rank 1 that joins, then dies before the group is complete (a restarted process): its
+    // place is freed, and the restarted rank 1 is not "a rank that joined twice".
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 3, 10_000), || Ok(id_of(7))));
+    let mut gone = connect_to(port);
+    gone.write_all(&raw_hello(2, 1, 3, JOB)).unwrap();
+    assert_eq!(raw_frame(&mut gone).1, WAITING);
+    drop(gone);
+    let ranks: Vec<_> = (1..3)
+        .map(|rank| {
+            thread::spawn(move || rendezvous(&cfg(port, rank, 3, 10_000), || panic!("not 0")))
+        })
+        .collect();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let r = r.join().unwrap();
+        let r = r.unwrap_or_else(|e| panic!("rank {}: {e}", rank + 1));
+        assert_eq!(r.id, id_of(7));
     }
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(7));
+}
+
+#[test]
+fn idle_connections_neither_delay_nor_fail_the_real_ranks() {
+    // 25 connections that never speak, opened before the ranks: served one at a time with 5 s
+    // each, they took 125 s, past this rendezvous's 20 s (and the default 120 s).
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 3, 20_000), || Ok(id_of(6))));
+    let idle: Vec<TcpStream> = (0..25).map(|_| connect_to(port)).collect();
+    let ranks: Vec<_> = (1..3)
+        .map(|rank| {
+            thread::spawn(move || rendezvous(&cfg(port, rank, 3, 20_000), || panic!("not 0")))
+        })
+        .collect();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let r = r.join().unwrap();
+        let r = r.unwrap_or_else(|e| panic!("rank {}: {e}", rank + 1));
+        assert_eq!(r.id, id_of(6));
+    }
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(6));
+    // The ranks did not wait for the idle connections' hello time (5 s): each was still held
+    // when the group completed, and is told so.
+    for mut s in idle {
+        let (_, kind, m) = raw_frame(&mut s);
+        assert_eq!(kind, REJECT, "{m}");
+        assert!(m.contains("is complete: all 3 ranks joined"), "{m}");
+    }
+}
+
+#[test]
+fn another_jobs_rank_is_refused_and_the_rendezvous_goes_on() {
+    // Two jobs on one host with the same port: job B's rank 1 reaches job A's rank 0.
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 10_000), || Ok(id_of(8))));
+    let mut stray = cfg(port, 1, 2, 5_000);
+    stray.job_id = "job-b".into();
+    let m = message(&rendezvous(&stray, || panic!("not rank 0")));
+    assert!(
+        m.contains("job id mismatch")
+            && m.contains("serves job \"job-a\"")
+            && m.contains("belongs to job \"job-b\""),
+        "{m}"
+    );
+    assert!(m.contains("OOMGUARD_RENDEZVOUS_PORT"), "{m}");
+    let r1 = rendezvous(&cfg(port, 1, 2, 5_000), || panic!("not rank 0")).unwrap();
+    assert_eq!(r1.id, id_of(8));
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(8));
+}
+
+#[test]
+fn a_peer_of_the_old_protocol_gets_a_reject_it_can_read() {
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 10_000), || Ok(id_of(3))));
+    let mut old = connect_to(port);
+    old.write_all(&raw_hello(1, 1, 2, "")).unwrap();
+    let (version, kind, m) = raw_frame(&mut old);
+    // In version 1's framing, so that an old rank prints the reason.
+    assert_eq!((version, kind), (1, REJECT), "{m}");
+    assert!(
+        m.contains("protocol version 1") && m.contains("version 2") && m.contains("same oomguard"),
+        "{m}"
+    );
+    let r1 = rendezvous(&cfg(port, 1, 2, 5_000), || panic!("not rank 0")).unwrap();
+    assert_eq!(r1.id, id_of(3));
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(3));
+}
+
+#[test]
+fn a_connection_still_waiting_when_rank_0_gives_up_gets_the_reason() {
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 3, 800), || Ok(id_of(0))));
+    let mut queued = connect_to(port);
+    let m0 = message(&server.join().unwrap());
+    assert!(m0.contains("missing rank(s) 1, 2"), "{m0}");
+    let (_, kind, m) = raw_frame(&mut queued);
+    assert_eq!(kind, REJECT, "{m}");
+    assert!(
+        m.contains("timed out") && m.contains("missing rank(s) 1, 2"),
+        "{m}"
+    );
+}
+
+#[test]
+fn a_silent_service_on_the_port_is_named_as_such() {
+    // Accepts, reads, never answers.
+    let other = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = other.local_addr().unwrap().port();
+    let service = thread::spawn(move || {
+        let (s, _) = other.accept().unwrap();
+        thread::sleep(Duration::from_millis(1_500));
+        drop(s);
+    });
+    let m = message(&rendezvous(&cfg(port, 1, 2, 800), || panic!("not rank 0")));
+    assert!(
+        m.contains("never answered this rank's hello") && m.contains("not an oomguard rank 0"),
+        "{m}"
+    );
+    assert!(!m.contains("did not all join"), "{m}");
+    service.join().unwrap();
+}
+
+#[test]
+fn a_second_rank_0_is_told_who_holds_the_port() {
+    let port = free_port();
+    let server = thread::spawn(move || rendezvous(&cfg(port, 0, 2, 10_000), || Ok(id_of(5))));
+    drop(connect_to(port));
+    // Started as rank 0 of the same job: a launcher or RANK mistake.
+    let m = message(&rendezvous(&cfg(port, 0, 2, 5_000), || Ok(id_of(6))));
+    assert!(m.contains("cannot listen on 127.0.0.1:"), "{m}");
+    assert!(m.contains("two processes were started as rank 0"), "{m}");
+    // Rank 0 of another job on the same port.
+    let mut other = cfg(port, 0, 2, 5_000);
+    other.job_id = "job-b".into();
+    let m = message(&rendezvous(&other, || Ok(id_of(6))));
+    assert!(m.contains("job id mismatch") && m.contains("job-b"), "{m}");
+    assert!(m.contains("MASTER_PORT or OOMGUARD_RENDEZVOUS_PORT"), "{m}");
+    // Neither probe ended the first rank 0's rendezvous.
+    let r1 = rendezvous(&cfg(port, 1, 2, 5_000), || panic!("not rank 0")).unwrap();
+    assert_eq!(r1.id, id_of(5));
+    assert_eq!(server.join().unwrap().unwrap().id, id_of(5));
 }
 
 #[test]
@@ -212,12 +419,13 @@ fn garbage_is_refused_on_both_sides() {
     };
     junk.write_all(b"\x00\xffgarbage bytes that are not a frame")
         .unwrap();
-    let wrong_version = {
-        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.write_all(b"OOMG\x09\x01\x00\x08\x00\x00\x00\x01\x00\x00\x00\x02")
-            .unwrap();
-        s
-    };
+    let mut wrong_version = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    wrong_version
+        .write_all(b"OOMG\x09\x01\x00\x08\x00\x00\x00\x01\x00\x00\x00\x02")
+        .unwrap();
+    let (version, kind, m) = raw_frame(&mut wrong_version);
+    assert_eq!((version, kind), (9, REJECT), "{m}");
+    assert!(m.contains("protocol version 9"), "{m}");
     let r1 = rendezvous(&cfg(port, 1, 2, 10_000), || panic!("not rank 0")).unwrap();
     assert_eq!(r1.id, id_of(3));
     assert_eq!(server.join().unwrap().unwrap().id, id_of(3));

@@ -11,6 +11,17 @@
 //! | `OOMGUARD_RENDEZVOUS_PORT` | the TCP port rank 0 listens on for the NCCL id exchange | `MASTER_PORT + 1` |
 //! | `OOMGUARD_RENDEZVOUS_TIMEOUT` | seconds a rank waits for the others to join | 120 |
 //! | `OOMGUARD_NCCL_TIMEOUT` | seconds a collective may wait for the other ranks | 60 |
+//! | `OOMGUARD_JOB_ID` | the job id every rank sends in its hello (rank 0 refuses other ids) | see below |
+//!
+//! The job id ([`LaunchEnv::job_id`]) keeps two jobs apart that share a rendezvous port (two
+//! srun steps on one host with the same `MASTER_PORT`): rank 0 refuses a peer of another job,
+//! with a reason, instead of giving it the NCCL id. It is `OOMGUARD_JOB_ID` when set, else
+//! torchrun's run id `TORCHELASTIC_RUN_ID` (a fresh one per run with `--standalone`, else
+//! `--rdzv-id`, whose default is `none`), else SLURM's `SLURM_JOB_ID`, with `.SLURM_STEP_ID`
+//! appended when set (ranks started by several srun steps need one `OOMGUARD_JOB_ID`), else empty
+//! (no job identity). A set variable that is empty, longer than 256 bytes or holds control
+//! characters is an error that names it. The job id guards against accidents; it is not a secret
+//! (the rendezvous is for trusted networks only).
 //!
 //! The CUDA device is `LOCAL_RANK`, or 0 when `CUDA_VISIBLE_DEVICES` names a single device.
 //!
@@ -22,6 +33,7 @@
 
 use std::time::Duration;
 
+use super::rendezvous::MAX_JOB_ID;
 use crate::Error;
 
 /// Which launcher's variables a [`LaunchEnv`] was read from.
@@ -63,6 +75,9 @@ pub struct LaunchEnv {
     pub rendezvous_timeout: Duration,
     /// How long one collective may wait for the other ranks.
     pub collective_timeout: Duration,
+    /// The job this rank belongs to, sent in the rendezvous hello: `OOMGUARD_JOB_ID`, else
+    /// `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID[.SLURM_STEP_ID]`, else empty.
+    pub job_id: String,
 }
 
 impl LaunchEnv {
@@ -176,8 +191,59 @@ impl LaunchEnv {
             rendezvous_port,
             rendezvous_timeout: seconds("OOMGUARD_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_TIMEOUT)?,
             collective_timeout: seconds("OOMGUARD_NCCL_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT)?,
+            job_id: job_id(&var)?,
         })
     }
+}
+
+/// The job id: the first of `OOMGUARD_JOB_ID`, `TORCHELASTIC_RUN_ID`,
+/// `SLURM_JOB_ID[.SLURM_STEP_ID]` that is set, each checked; empty when none is.
+fn job_id(var: &impl Fn(&str) -> Option<String>) -> Result<String, Error> {
+    let checked = |name: &str| -> Result<Option<String>, Error> {
+        let Some(v) = var(name) else { return Ok(None) };
+        let v = v.trim();
+        let problem = if v.is_empty() {
+            Some("is empty".to_string())
+        } else if v.len() > MAX_JOB_ID {
+            Some(format!("is {} bytes long (at most {MAX_JOB_ID})", v.len()))
+        } else if v.chars().any(char::is_control) {
+            Some("holds control characters".to_string())
+        } else {
+            None
+        };
+        match problem {
+            Some(p) => Err(Error::InvalidArgument(format!(
+                "{name} {p}: it names the job in the rendezvous hello{}",
+                if name == "OOMGUARD_JOB_ID" {
+                    ""
+                } else {
+                    "; set OOMGUARD_JOB_ID (the same on every rank) to override it"
+                }
+            ))),
+            None => Ok(Some(v.to_string())),
+        }
+    };
+    if let Some(v) = checked("OOMGUARD_JOB_ID")? {
+        return Ok(v);
+    }
+    if let Some(v) = checked("TORCHELASTIC_RUN_ID")? {
+        return Ok(v);
+    }
+    let Some(job) = checked("SLURM_JOB_ID")? else {
+        return Ok(String::new());
+    };
+    let id = match checked("SLURM_STEP_ID")? {
+        Some(step) => format!("{job}.{step}"),
+        None => job,
+    };
+    if id.len() > MAX_JOB_ID {
+        return Err(Error::InvalidArgument(format!(
+            "SLURM_JOB_ID.SLURM_STEP_ID is {} bytes long (at most {MAX_JOB_ID}); set \
+             OOMGUARD_JOB_ID (the same on every rank) to override it",
+            id.len()
+        )));
+    }
+    Ok(id)
 }
 
 /// A positive, finite number of seconds (at most a day), e.g. `"30"` or `"0.5"`.
@@ -342,5 +408,59 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(e.rendezvous_port, 1234);
+    }
+
+    #[test]
+    fn the_job_id_comes_from_the_launcher_and_is_checked() {
+        assert_eq!(env(TORCHRUN).unwrap().job_id, "");
+        let e = env(&with(&[("TORCHELASTIC_RUN_ID", "3f2a")])).unwrap();
+        assert_eq!(e.job_id, "3f2a");
+        let slurm = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("MASTER_ADDR", "node7"),
+            ("MASTER_PORT", "12000"),
+            ("SLURM_JOB_ID", "81234"),
+        ];
+        assert_eq!(env(&slurm).unwrap().job_id, "81234");
+        let mut step = slurm.to_vec();
+        step.push(("SLURM_STEP_ID", "2"));
+        assert_eq!(env(&step).unwrap().job_id, "81234.2");
+        // OOMGUARD_JOB_ID wins over the launcher's.
+        step.push(("OOMGUARD_JOB_ID", " mine "));
+        assert_eq!(env(&step).unwrap().job_id, "mine");
+        let e = env(&with(&[
+            ("TORCHELASTIC_RUN_ID", "run"),
+            ("OOMGUARD_JOB_ID", "over"),
+        ]))
+        .unwrap();
+        assert_eq!(e.job_id, "over");
+
+        let long = "x".repeat(MAX_JOB_ID + 1);
+        let cases: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (vec![("OOMGUARD_JOB_ID", " ")], "OOMGUARD_JOB_ID is empty"),
+            (
+                vec![("TORCHELASTIC_RUN_ID", "a\u{7}b")],
+                "TORCHELASTIC_RUN_ID holds control characters",
+            ),
+            (
+                vec![("SLURM_JOB_ID", &long)],
+                "SLURM_JOB_ID is 257 bytes long (at most 256)",
+            ),
+            (
+                vec![("SLURM_JOB_ID", "1"), ("SLURM_STEP_ID", "")],
+                "SLURM_STEP_ID is empty",
+            ),
+        ];
+        for (over, want) in cases {
+            let mut pairs: Vec<(&str, &str)> = TORCHRUN.to_vec();
+            pairs.extend(over.iter().copied());
+            let m = err(&pairs);
+            assert!(m.contains(want), "{over:?}: {m}");
+            if !want.starts_with("OOMGUARD_JOB_ID") {
+                assert!(m.contains("set OOMGUARD_JOB_ID"), "{m}");
+            }
+        }
     }
 }

@@ -11,7 +11,9 @@
 //!   The launcher's variables are read by [`LaunchEnv`] (see [`launcher`] for every variable,
 //!   oomguard's included); rank 0 makes the NCCL id and hands it to the others over TCP
 //!   ([`rendezvous()`], at `MASTER_ADDR`, port `MASTER_PORT + 1` or
-//!   `OOMGUARD_RENDEZVOUS_PORT`). Nothing assumes the ranks share a host or a filesystem.
+//!   `OOMGUARD_RENDEZVOUS_PORT`). Nothing assumes the ranks share a host or a filesystem. Each
+//!   hello carries the job id ([`LaunchEnv::job_id`]): rank 0 refuses another job's ranks. For
+//!   trusted networks only, as torchrun's store (see the trust model in [`mod@rendezvous`]).
 //! - [`NcclConsensus::for_devices`]: one process, one thread per GPU.
 //! - [`NcclConsensus::from_rank`]: you move the id ([`new_id`]) yourself.
 //!
@@ -413,6 +415,7 @@ impl NcclConsensus {
                 rank: env.rank,
                 world_size: env.world_size,
                 timeout: env.rendezvous_timeout,
+                job_id: env.job_id.clone(),
             },
             || {
                 let id = new_id()?;
@@ -656,6 +659,7 @@ mod tests {
             rank,
             world_size: 2,
             timeout: Duration::from_secs(10),
+            job_id: String::new(),
         };
         let one = thread::spawn(move || rendezvous(&cfg(1), || unreachable!()).unwrap());
         let zero = rendezvous(&cfg(0), || Ok([7; rendezvous::ID_BYTES])).unwrap();
