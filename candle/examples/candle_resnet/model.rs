@@ -1,12 +1,12 @@
-//! ConvMixer-1024/20 from candle-transformers (`models::convmixer::c1024_20`: patch 14, kernel 9,
-//! eval-mode batch norm), written by candle's authors, not here: random initialisation and
+//! ResNet-50 from candle-transformers (`models::resnet::resnet50`: bottleneck blocks, eval-mode
+//! batch norm, max pooling), written by candle's authors, not here: random initialisation and
 //! synthetic images, as no weights can be downloaded. Shared by the H100 example and the CPU
 //! check (`candle/tests/models.rs`).
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
 
-/// Image size and classes (the network is c1024_20 in both).
+/// Image size and classes (the network is ResNet-50 in both).
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
     /// Square image side in pixels.
@@ -24,27 +24,27 @@ impl Config {
             classes: 1000,
         }
     }
-    /// The same network on 28 × 28 images and 10 classes, for CPU checks.
+    /// The same network on 32 × 32 images and 10 classes, for CPU checks.
     #[allow(dead_code)] // used by the CPU test only
     pub fn tiny() -> Self {
         Self {
-            image: 28,
+            image: 32,
             classes: 10,
         }
     }
 }
 
 /// The network and its configuration.
-pub struct ConvMixer {
+pub struct ResNet {
     net: candle_nn::Func<'static>,
     /// The configuration it was made with.
     pub cfg: Config,
 }
 
-impl ConvMixer {
-    /// candle-transformers' `c1024_20` with its weights from `vb`.
+impl ResNet {
+    /// candle-transformers' `resnet50` with its weights from `vb`.
     pub fn new(cfg: Config, vb: VarBuilder<'_>) -> Result<Self> {
-        let net = candle_transformers::models::convmixer::c1024_20(cfg.classes, vb)?;
+        let net = candle_transformers::models::resnet::resnet50(cfg.classes, vb)?;
         Ok(Self { net, cfg })
     }
 
