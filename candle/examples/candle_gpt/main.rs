@@ -256,9 +256,14 @@ fn phase_oom(run: &Run, source: &Arc<dyn MemorySource>, big: usize) -> Res<()> {
     for step in 0..4u64 {
         let tokens = run.tokens(2000 + step, big)?;
         let t0 = Instant::now();
-        let done = train_step(&engine, source, big, &run.vars, &mut opt, |chunk| {
-            run.model.loss(&chunk_rows(&tokens, chunk)?)
-        })?;
+        let done = train_step(
+            &engine,
+            source,
+            &[&tokens],
+            &run.vars,
+            &mut opt,
+            |_, rows| run.model.loss(&rows[0]),
+        )?;
         run.dev.synchronize()?;
         let r = &done.report;
         println!(
@@ -317,7 +322,7 @@ fn phase_equiv(run: &Run) -> Res<()> {
                     acc.backward(&loss, &c)?;
                 }
                 last = acc.loss();
-                let g = acc.into_grads();
+                let g = acc.into_grads()?;
                 match opt_name {
                     "SGD" => sgd.step(&g)?,
                     _ => adamw.step(&g)?,
@@ -359,9 +364,14 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
     let tokens = run.tokens(4000, batch)?;
     // Warm-up of both paths (kernels, cuBLAS, optimizer state, the remembered plan).
     run.plain_step(&mut opt_plain, &tokens)?;
-    train_step(&engine, source, batch, &run.vars, &mut opt_wrapped, |c| {
-        run.model.loss(&chunk_rows(&tokens, c)?)
-    })?;
+    train_step(
+        &engine,
+        source,
+        &[&tokens],
+        &run.vars,
+        &mut opt_wrapped,
+        |_, rows| run.model.loss(&rows[0]),
+    )?;
     run.dev.synchronize()?;
     let (mut plain, mut wrapped) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
@@ -372,9 +382,14 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
         }
         for _ in 0..per_round {
             let t0 = Instant::now();
-            let done = train_step(&engine, source, batch, &run.vars, &mut opt_wrapped, |c| {
-                run.model.loss(&chunk_rows(&tokens, c)?)
-            })?;
+            let done = train_step(
+                &engine,
+                source,
+                &[&tokens],
+                &run.vars,
+                &mut opt_wrapped,
+                |_, rows| run.model.loss(&rows[0]),
+            )?;
             run.dev.synchronize()?;
             wrapped.push(t0.elapsed().as_secs_f64());
             assert_eq!(done.report.retries(), 0);
