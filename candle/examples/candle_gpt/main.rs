@@ -8,6 +8,9 @@
 //! - `--allocator`: where candle's tensors live: the driver's pool (candle's own, the default)
 //!   or oomguard's caching allocator (`oomguard_candle::alloc_hook::install`, feature
 //!   `allocator-hook`), installed before the model is made;
+//! - `snap PREFIX` (with `--allocator oomguard`): one training step at `--batch` rows with
+//!   oomguard's history on, written as `PREFIX.pickle` (PyTorch's snapshot format, for
+//!   `torch.cuda._memory_viz` and `oomguard view`) and `PREFIX.json`;
 //! - `frag`: `--steps` (default 20) plain steps at `--batch` rows: peak reserved / peak used of
 //!   the allocator, OOMs, median step time, and the device memory the allocator does not see
 //!   (`cuMemGetInfo` used minus the allocator's reserved);
@@ -412,6 +415,32 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
     Ok(())
 }
 
+/// One training step with oomguard's history on, written as a PyTorch snapshot.
+#[cfg(feature = "allocator-hook")]
+fn phase_snapshot(run: &Run, prefix: &str, batch: usize) -> Res<()> {
+    let og = oomguard_candle::alloc_hook::installed_device(&run.dev)
+        .ok_or("snap needs --allocator oomguard")?;
+    let mut opt = run.adamw()?;
+    run.plain_step(&mut opt, &run.tokens(0, 1)?)?; // optimizer state, as in a running loop
+    og.allocator().record_history(200_000, true);
+    run.plain_step(&mut opt, &run.tokens(1, batch)?)?;
+    let snap = og.memory_snapshot();
+    og.allocator().record_history(0, false);
+    std::fs::write(format!("{prefix}.pickle"), snap.to_pytorch_pickle())?;
+    std::fs::write(format!("{prefix}.json"), snap.to_json()?)?;
+    println!(
+        "RESULT snap: one step of batch {batch} on oomguard's allocator: {} segments, {} events -> {prefix}.pickle",
+        snap.segments.len(),
+        snap.device_traces.len()
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "allocator-hook"))]
+fn phase_snapshot(_: &Run, _: &str, _: usize) -> Res<()> {
+    Err("snap needs the `allocator-hook` feature".into())
+}
+
 /// Device memory in use (`cuMemGetInfo`: total - free).
 fn device_used() -> Res<u64> {
     let (free, total) = oomguard::cudarc::driver::result::mem_get_info()?;
@@ -480,9 +509,9 @@ fn main() -> Res<()> {
     };
     let ordinal = flag("--device")?.unwrap_or(0);
     let steps = flag("--steps")?.unwrap_or(100);
-    if !["all", "find", "oom", "equiv", "overhead", "frag"].contains(&phase.as_str()) {
+    if !["all", "find", "oom", "equiv", "overhead", "frag", "snap"].contains(&phase.as_str()) {
         return Err(
-            format!("unknown phase {phase}: all, find, oom, equiv, overhead or frag").into(),
+            format!("unknown phase {phase}: all, find, oom, equiv, overhead, frag or snap").into(),
         );
     }
     let allocator = match args.iter().position(|a| a == "--allocator") {
@@ -515,6 +544,11 @@ fn main() -> Res<()> {
     }
     if phase == "all" || phase == "overhead" {
         phase_overhead(&run, &source, ordinal)?;
+    }
+    if phase == "snap" {
+        let prefix = args.get(1).ok_or("snap needs an output PREFIX")?;
+        let batch = flag("--batch")?.ok_or("snap needs --batch ROWS")?;
+        phase_snapshot(&run, prefix, batch)?;
     }
     if phase == "frag" {
         let batch = flag("--batch")?.ok_or("frag needs --batch ROWS")?;

@@ -35,15 +35,15 @@ impl Config {
 }
 
 /// The network and its configuration.
-pub struct ResNet {
-    net: candle_nn::Func<'static>,
+pub struct ResNet<'a> {
+    net: candle_nn::Func<'a>,
     /// The configuration it was made with.
     pub cfg: Config,
 }
 
-impl ResNet {
+impl<'a> ResNet<'a> {
     /// candle-transformers' `resnet50` with its weights from `vb`.
-    pub fn new(cfg: Config, vb: VarBuilder<'_>) -> Result<Self> {
+    pub fn new(cfg: Config, vb: VarBuilder<'a>) -> Result<Self> {
         let net = candle_transformers::models::resnet::resnet50(cfg.classes, vb)?;
         Ok(Self { net, cfg })
     }
