@@ -1,12 +1,14 @@
-//! ResNet-50 from candle-transformers (`models::resnet::resnet50`: bottleneck blocks, eval-mode
-//! batch norm, max pooling), written by candle's authors, not here: random initialisation and
-//! synthetic images, as no weights can be downloaded. Shared by the H100 example and the CPU
+//! ConvMixer-1024/20 from candle-transformers (`models::convmixer::c1024_20`: patch 14, kernel 9,
+//! depthwise convolutions, eval-mode batch norm), written by candle's authors, not here: random
+//! initialisation and synthetic images, as no weights can be downloaded. (candle-transformers'
+//! ResNet cannot train: candle has no backward for its 3 × 3, stride-2 max pooling; its VGG runs
+//! one image at a time.) Shared by the H100 example and the CPU
 //! check (`candle/tests/models.rs`).
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
 
-/// Image size and classes (the network is ResNet-50 in both).
+/// Image size and classes (the network is ConvMixer-1024/20 in both).
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
     /// Square image side in pixels.
@@ -24,27 +26,27 @@ impl Config {
             classes: 1000,
         }
     }
-    /// The same network on 32 × 32 images and 10 classes, for CPU checks.
+    /// The same network on 14 × 14 images (one patch) and 10 classes, for CPU checks.
     #[allow(dead_code)] // used by the CPU test only
     pub fn tiny() -> Self {
         Self {
-            image: 32,
+            image: 14,
             classes: 10,
         }
     }
 }
 
 /// The network and its configuration.
-pub struct ResNet<'a> {
+pub struct ConvMixer<'a> {
     net: candle_nn::Func<'a>,
     /// The configuration it was made with.
     pub cfg: Config,
 }
 
-impl<'a> ResNet<'a> {
-    /// candle-transformers' `resnet50` with its weights from `vb`.
+impl<'a> ConvMixer<'a> {
+    /// candle-transformers' `c1024_20` with its weights from `vb`.
     pub fn new(cfg: Config, vb: VarBuilder<'a>) -> Result<Self> {
-        let net = candle_transformers::models::resnet::resnet50(cfg.classes, vb)?;
+        let net = candle_transformers::models::convmixer::c1024_20(cfg.classes, vb)?;
         Ok(Self { net, cfg })
     }
 

@@ -1,8 +1,8 @@
-//! ResNet-50 from candle-transformers trained under oomguard on a CUDA device, with
+//! ConvMixer-1024/20 from candle-transformers trained under oomguard on a CUDA device, with
 //! candle's tensors on the driver's pool or on oomguard's allocator (issue 24, item 6).
 //!
 //! ```text
-//! candle_resnet [frag|max|oom|all] [--allocator pool|oomguard] [--batch ROWS] [--steps N]
+//! candle_convmixer [frag|max|oom|all] [--allocator pool|oomguard] [--batch ROWS] [--steps N]
 //!                  [--big ROWS] [--device ORDINAL]
 //! ```
 //! - `frag`: `--steps` (20) plain AdamW steps at `--batch` rows: peak reserved / peak used, OOMs;
@@ -25,7 +25,7 @@ use oomguard::RetryEngine;
 use oomguard_candle::train_step;
 
 use measure::{flag, Allocator, Res};
-use model::{synthetic_batch, trainable, Config, ResNet};
+use model::{synthetic_batch, trainable, Config, ConvMixer};
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,14 +43,14 @@ fn main() -> Res<()> {
     candle_core::cuda::set_gemm_reduced_precision_f32(true);
     let cfg = Config::imagenet();
     let varmap = VarMap::new();
-    let model = ResNet::new(
+    let model = ConvMixer::new(
         cfg,
         VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dev),
     )?;
     let vars: Vec<_> = trainable(&varmap).into_iter().map(|(_, v)| v).collect();
     let n: usize = vars.iter().map(|v| v.elem_count()).sum();
     println!(
-        "model: ResNet-50, {n} trained parameters in {} tensors; memory: {}",
+        "model: ConvMixer-1024/20, {n} trained parameters in {} tensors; memory: {}",
         vars.len(),
         source.info()
     );
