@@ -107,3 +107,53 @@ fn an_unreadable_or_unwritable_file_is_reported() {
         "still remembered in memory"
     );
 }
+
+/// A lock file left by a writer that died (older than `STALE_LOCK`), then many writers at once
+/// (issue 26, point 9): exactly one of them takes the stale lock over, so no save runs beside
+/// another and no writer's plans are lost. Repeated, as the race is one of timing.
+#[test]
+fn a_stale_lock_is_taken_over_by_one_writer_and_nothing_is_lost() {
+    use oomguard_runtime::retry::STALE_LOCK;
+    let path = temp("stale-lock");
+    let lock = path.with_extension("json.lock");
+    for round in 0..40 {
+        let _ = std::fs::remove_file(&path);
+        let f = std::fs::File::create(&lock).unwrap();
+        std::io::Write::write_all(&mut &f, b"a writer that died").unwrap();
+        f.set_modified(std::time::SystemTime::now() - STALE_LOCK * 4)
+            .unwrap();
+        drop(f);
+        let writers = 16;
+        let start = std::sync::Barrier::new(writers);
+        std::thread::scope(|s| {
+            for t in 0..writers {
+                let (path, start) = (&path, &start);
+                s.spawn(move || {
+                    let mut m = PlanMemory::open(path).unwrap();
+                    start.wait();
+                    for i in 0..3 {
+                        m.set_limits(&key(&format!("r{round}t{t}.rs:{i} f")), limits(i + 1))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        let read = PlanMemory::open(&path).unwrap();
+        assert_eq!(
+            read.len(),
+            writers * 3,
+            "round {round}: plans lost: {:?}",
+            read.iter().map(|(k, _)| k.site.clone()).collect::<Vec<_>>()
+        );
+        assert!(!lock.exists(), "round {round}: the lock is released");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("oomguard-stale-lock-{}", std::process::id())))
+        .filter(|n| !n.ends_with(".json"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    std::fs::remove_file(&path).unwrap();
+}
