@@ -255,3 +255,36 @@ fn z_an_install_during_a_budget_survives_its_drop() {
     drop(fits);
     stream.synchronize().unwrap();
 }
+
+/// Issue 26, point 7b: the batch `find_max_batch` returns on a capped driver pool holds for a
+/// loop of steps. The step's shapes vary from step to step (every other step 10% larger, as
+/// sequence lengths vary) and it frees in a different order than it allocates, which leaves
+/// the pool fragmented for the next step. 20 consecutive steps at the batch found (no trim
+/// between them) must all run; the figure is printed.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_batch_found_on_the_pool_holds_for_20_consecutive_steps() {
+    let (pool, stream) = pool();
+    let _budget = pool.budget(2048 * MIB as u64).unwrap();
+    let source: Arc<dyn MemorySource> = Arc::new(pool.clone());
+    let mut k = 0usize;
+    let mut step = |rows: usize| {
+        k += 1;
+        let scale = 10 + k % 2;
+        let a = stream.alloc_zeros::<u8>(rows * 2 * MIB * scale / 10)?;
+        let b = stream.alloc_zeros::<u8>(rows * MIB * scale / 10 + 3 * MIB)?;
+        drop(a);
+        let c = stream.alloc_zeros::<u8>(rows * 3 * MIB / 2)?;
+        drop(b);
+        drop(c);
+        stream.synchronize()
+    };
+    let r = find_max_batch(&source, FinderOptions::default(), &mut step).unwrap();
+    println!("{r}");
+    let ooms = (0..20).filter(|_| step(r.max_batch).is_err()).count();
+    println!(
+        "RESULT 20 consecutive steps at {} rows on the capped pool: {ooms} out of memory",
+        r.max_batch
+    );
+    assert_eq!(ooms, 0, "{r}");
+}
