@@ -720,7 +720,13 @@ mod tests {
             std::process::id()
         ));
         let lock = path.with_extension("json.lock");
-        *STALE_HOOK.lock().unwrap() = Some(|| std::thread::sleep(Duration::from_millis(20)));
+        // Every waiter judges the lock stale, then acts at a different time: some act after
+        // another has already taken it over and made a fresh lock.
+        *STALE_HOOK.lock().unwrap() = Some(|| {
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let n = N.fetch_add(1, Ordering::Relaxed) as u64;
+            std::thread::sleep(Duration::from_millis(5 + (n % 4) * 2));
+        });
         let inside = AtomicUsize::new(0);
         let most = AtomicUsize::new(0);
         for _round in 0..5 {
@@ -737,7 +743,7 @@ mod tests {
                         let held = FileLock::acquire(&path).unwrap();
                         let n = inside.fetch_add(1, Ordering::SeqCst) + 1;
                         most.fetch_max(n, Ordering::SeqCst);
-                        std::thread::sleep(Duration::from_millis(3));
+                        std::thread::sleep(Duration::from_millis(10));
                         assert!(held.held(), "the lock was deleted from under its owner");
                         inside.fetch_sub(1, Ordering::SeqCst);
                     });
