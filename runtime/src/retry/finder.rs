@@ -357,8 +357,7 @@ where
         if let Some(r) = inner {
             let report = Box::new(r);
             return Err(
-                if report.attempts.is_empty() && report.final_plan.batch() == report.requested_batch
-                {
+                if report.retries() == 0 && report.final_plan.batch() == report.requested_batch {
                     FinderError::SplitInside { rows, report }
                 } else {
                     FinderError::RetriesInside { rows, report }

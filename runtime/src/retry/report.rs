@@ -101,10 +101,11 @@ thread_local! {
         const { std::cell::RefCell::new(LastSlot { valid: false, report: None, watch: None }) };
 }
 
-/// Whether a step ran its whole requested batch in one pass on its first attempt (what a batch
-/// finder can measure): no retry, no rows dropped, no split (remembered or not).
+/// Whether a step ran (or tried) its whole requested batch in one pass (what a batch finder
+/// can measure): no retry, no rows dropped, no split (remembered or not). A step that gave up
+/// at its first attempt is a plain out-of-memory.
 fn one_pass(r: &RetryReport) -> bool {
-    r.attempts.is_empty()
+    r.retries() == 0
         && r.final_plan.batch() == r.requested_batch
         && r.final_plan.num_chunks() == 1
         && r.initial_plan.num_chunks() == 1
