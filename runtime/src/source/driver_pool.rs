@@ -430,7 +430,11 @@ fn create_pool(
     let p =
         PoolHandle(unsafe { result::mem_pool::create(&props) }.map_err(drv("cuMemPoolCreate"))?);
     if let Some(t) = release_threshold {
-        p.set_attr(RELEASE_THRESHOLD, t)?;
+        if let Err(e) = p.set_attr(RELEASE_THRESHOLD, t) {
+            // SAFETY: `p` was just created here and nothing else knows it.
+            let _ = unsafe { result::mem_pool::destroy(p.0) };
+            return Err(e);
+        }
     }
     Ok(p)
 }
