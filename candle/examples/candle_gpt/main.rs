@@ -165,7 +165,7 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
     println!("{report}");
     println!(
         "RESULT find: oomguard found batch {found} in {} step runs ({:.1} s)",
-        report.runs(),
+        report.step_runs(),
         t0.elapsed().as_secs_f64()
     );
 
