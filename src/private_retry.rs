@@ -7,8 +7,8 @@ use std::ops::ControlFlow;
 use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
-    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, Limits, MemoryError, MemoryKey, PlanMemory,
-    PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, SiteMemo, StepMode,
+    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, KeepsRows, Limits, MemoryError, MemoryKey,
+    PlanMemory, PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, SiteMemo, StepMode,
 };
 
 /// Where the function is.
@@ -160,7 +160,8 @@ fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
     match (cfg.policy.take(), &cfg.kind) {
         // A training step is never shrunk, by a policy of the user's either.
         (Some(p), _) if mode == StepMode::Train => Box::new(
-            KeepsRows(p)
+            KeepsRows::new(p)
+                .hint("Use an `Accumulate` policy (or `plan =`), or `#[no_grad]` for evaluation")
                 .with_floor(min_micro, min_batch)
                 .max_retries(max),
         ),
@@ -184,27 +185,6 @@ fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
                 .then(Accumulate::halving().min_micro_batch(min))
                 .max_retries(max),
         ),
-    }
-}
-
-/// A `policy = ...` of a training step: plans that drop rows are refused (the step gives up and
-/// says why), as the built-in policies never propose them for training.
-#[derive(Debug)]
-struct KeepsRows(Box<dyn RetryPolicy>);
-
-impl RetryPolicy for KeepsRows {
-    fn next_plan(&self, ctx: &oomguard_runtime::retry::RetryContext) -> Option<BatchPlan> {
-        let next = self.0.next_plan(ctx)?;
-        if next.batch() < ctx.requested_batch {
-            warn_visibly(&format!(
-                "the retry policy {:?} proposed {next} for a training step of {} rows: a \
-                 training step never runs fewer rows (it would train on less data); giving up. \
-                 Use an `Accumulate` policy (or `plan =`), or `#[no_grad]` for evaluation",
-                self.0, ctx.requested_batch
-            ));
-            return None;
-        }
-        Some(next)
     }
 }
 

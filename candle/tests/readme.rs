@@ -1,5 +1,6 @@
-//! The README's "With candle" example, compiled and run: `readme_candle/example.rs` is the block
-//! under the `readme-candle` marker, and this test checks that the two are the same text.
+//! The README's candle examples, compiled and run: `readme_candle/example.rs` is the block under
+//! the `readme-candle:` marker, `readme_candle/cpu_oom.rs` the one under `readme-candle-cpu:`,
+//! and this test checks that each pair is the same text.
 
 mod example {
     include!("readme_candle/example.rs");
@@ -8,28 +9,53 @@ mod example {
     }
 }
 
-const README: &str = include_str!("../../README.md");
-const EXAMPLE: &str = include_str!("readme_candle/example.rs");
+mod cpu_oom {
+    include!("readme_candle/cpu_oom.rs");
+    pub fn run() -> Result<(), Box<dyn std::error::Error>> {
+        main()
+    }
+}
 
-fn readme_block() -> &'static str {
+const README: &str = include_str!("../../README.md");
+
+/// The first rust block after `marker`.
+fn readme_block(marker: &str) -> &'static str {
     let start = README
-        .find("<!-- readme-candle:")
-        .expect("the README has a readme-candle block");
+        .find(marker)
+        .unwrap_or_else(|| panic!("the README has a {marker} block"));
     let code = &README[start..];
     let code = &code[code.find("```rust\n").expect("a rust block") + "```rust\n".len()..];
     &code[..code.find("```").expect("the block ends")]
 }
 
 #[test]
-fn readme_block_is_the_tested_file() {
-    assert_eq!(
-        readme_block().trim(),
-        EXAMPLE.trim(),
-        "README.md's candle block and candle/tests/readme_candle/example.rs differ: keep them equal"
-    );
+fn readme_blocks_are_the_tested_files() {
+    for (marker, file, text) in [
+        (
+            "<!-- readme-candle:",
+            "example.rs",
+            include_str!("readme_candle/example.rs"),
+        ),
+        (
+            "<!-- readme-candle-cpu:",
+            "cpu_oom.rs",
+            include_str!("readme_candle/cpu_oom.rs"),
+        ),
+    ] {
+        assert_eq!(
+            readme_block(marker).trim(),
+            text.trim(),
+            "README.md's {marker} block and candle/tests/readme_candle/{file} differ: keep them equal"
+        );
+    }
 }
 
 #[test]
 fn readme_example_runs() {
     example::run().unwrap();
+}
+
+#[test]
+fn readme_cpu_oom_recipe_runs() {
+    cpu_oom::run().unwrap();
 }

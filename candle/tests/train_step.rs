@@ -83,7 +83,12 @@ fn accumulated_gradient_equals_the_whole_batch() {
         "{} vs {loss_whole}",
         acc.loss()
     );
-    let g = acc.into_grads().get(w.as_tensor()).unwrap().clone();
+    let g = acc
+        .into_grads()
+        .unwrap()
+        .get(w.as_tensor())
+        .unwrap()
+        .clone();
     let diff = max_abs(&(g - &g_whole).unwrap());
     let scale = max_abs(&g_whole);
     assert!(diff <= 1e-5 * scale, "max diff {diff} of {scale}");
@@ -102,16 +107,14 @@ fn train_step_splits_on_oom_steps_once_and_matches_the_unsplit_run() {
             let done = train_step(
                 &engine,
                 &sim,
-                64,
+                &[&x, &y],
                 std::slice::from_ref(&w),
                 &mut opt,
-                |chunk| {
+                |chunk, rows| {
                     // 1 MiB of activations per row, on the simulated card; its OOM reaches the
-                    // engine boxed in `Error::Cuda`, as candle's own CUDA errors do.
-                    let _acts = sim
-                        .alloc::<u8>(chunk.len() << 20)
-                        .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-                    loss_of(&w, &chunk_rows(&x, chunk)?, &chunk_rows(&y, chunk)?)
+                    // engine as a classified candle error, as candle's own CUDA errors do.
+                    let _acts = oomguard_candle::charge(&sim, chunk.len() << 20)?;
+                    loss_of(&w, &rows[0], &rows[1])
                 },
             )
             .unwrap();
@@ -155,10 +158,10 @@ fn a_wrapped_oom_is_classified_but_a_shape_error_is_not_retried() {
     let err = train_step(
         &RetryEngine::new(),
         &sim,
-        64,
+        &[&x, &y],
         std::slice::from_ref(&w),
         &mut opt,
-        |c| loss_of(&w, &chunk_rows(&x, c)?, &chunk_rows(&y, c)?),
+        |_, rows| loss_of(&w, &rows[0], &rows[1]),
     )
     .unwrap_err();
     assert!(matches!(err, TrainStepError::Retry(_)), "{err}");
@@ -186,4 +189,265 @@ fn split_rows_checks_shapes() {
     let c = plan.chunks().last().unwrap();
     assert!(chunk_rows(&short, &c).is_err());
     assert!(oomguard_candle::memory_source(&Device::Cpu).is_err());
+}
+
+/// 100 rows, 1 MiB of "activations" per row charged to `sim`: `(w_after, optimizer steps, result)`.
+fn hundred_rows(
+    engine: &RetryEngine,
+    sim: &oomguard::Device,
+) -> (
+    Tensor,
+    usize,
+    Result<oomguard_candle::TrainedStep, TrainStepError>,
+) {
+    let x = Tensor::ones((100, 4), DType::F32, &Device::Cpu).unwrap();
+    let y = Tensor::ones((100, 1), DType::F32, &Device::Cpu).unwrap();
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let mut opt = Counting::new(vec![w.clone()], 0.05).unwrap();
+    let r = train_step(engine, sim, &[&x, &y], &w, &mut opt, |c, rows| {
+        let _acts = oomguard_candle::charge(sim, c.len() << 20)?;
+        loss_of(&w, &rows[0], &rows[1])
+    });
+    (w.as_tensor().copy().unwrap(), opt.1, r)
+}
+
+#[test]
+fn an_engine_whose_policy_drops_rows_is_refused_before_anything_runs() {
+    // On the old code this step returned Ok with 50 of 100 rows trained.
+    let engine = RetryEngine::new().with_policy(oomguard::retry::inference_policy());
+    let sim = oomguard::Device::sim(ByteSize::mib(40));
+    let (w, steps, r) = hundred_rows(&engine, &sim);
+    let err = r.unwrap_err();
+    assert!(
+        matches!(err, TrainStepError::PolicyDropsRows { batch: 100, proposed, .. } if proposed.batch() < 100),
+        "{err}"
+    );
+    assert!(err.to_string().contains("never drops rows"), "{err}");
+    assert!(!err.is_oom(), "not retryable by an outer layer");
+    assert_eq!(steps, 0);
+    assert_eq!(max_abs(&w), 0.0, "nothing was updated");
+    // With ample memory too: the policy is refused, not the OOM.
+    let (_, _, r) = hundred_rows(&engine, &oomguard::Device::sim(ByteSize::gib(1)));
+    assert!(matches!(r, Err(TrainStepError::PolicyDropsRows { .. })));
+}
+
+#[test]
+fn a_policy_that_drops_rows_only_when_it_runs_is_refused_when_it_proposes() {
+    use oomguard::retry::{Accumulate, FnPolicy, RetryPolicy};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // Keeps rows while train_step looks at it, drops half of them once the step has started.
+    let armed = Arc::new(AtomicBool::new(false));
+    let a = armed.clone();
+    let policy = FnPolicy(move |ctx: &oomguard::retry::RetryContext| {
+        if a.load(Ordering::SeqCst) {
+            BatchPlan::with_micro_batch(ctx.plan.batch() / 2, ctx.plan.micro_batch()).ok()
+        } else {
+            Accumulate::halving().next_plan(ctx)
+        }
+    });
+    let engine = RetryEngine::new().with_policy(policy);
+    let sim = oomguard::Device::sim(ByteSize::mib(40));
+    let x = Tensor::ones((100, 4), DType::F32, &Device::Cpu).unwrap();
+    let y = Tensor::ones((100, 1), DType::F32, &Device::Cpu).unwrap();
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let mut opt = Counting::new(vec![w.clone()], 0.05).unwrap();
+    let err = train_step(&engine, &sim, &[&x, &y], &w, &mut opt, |c, rows| {
+        armed.store(true, Ordering::SeqCst);
+        let _acts = oomguard_candle::charge(&sim, c.len() << 20)?;
+        loss_of(&w, &rows[0], &rows[1])
+    })
+    .unwrap_err();
+    let TrainStepError::Retry(oomguard::retry::RetryError::GaveUp { report, .. }) = &err else {
+        panic!("expected GaveUp, got {err}");
+    };
+    assert!(
+        report.attempts.iter().all(|a| a.plan.batch() == 100),
+        "no attempt ran fewer rows: {report}"
+    );
+    assert_eq!(opt.1, 0, "no update");
+}
+
+#[test]
+fn the_batch_is_the_rows_of_its_tensors() {
+    let sim = oomguard::Device::sim(ByteSize::mib(40));
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let mut opt = Counting::new(vec![w.clone()], 0.05).unwrap();
+    let x = Tensor::ones((100, 4), DType::F32, &Device::Cpu).unwrap();
+    // Targets for only 10 rows: refused, not trained on 10 rows.
+    let y10 = Tensor::ones((10, 1), DType::F32, &Device::Cpu).unwrap();
+    let err = train_step(
+        &RetryEngine::new(),
+        &sim,
+        &[&x, &y10],
+        &w,
+        &mut opt,
+        |_, rows| loss_of(&w, &rows[0], &rows[1]),
+    )
+    .unwrap_err();
+    assert!(matches!(err, TrainStepError::InvalidBatch(_)), "{err}");
+    assert!(err.to_string().contains("[10, 1]"), "{err}");
+    let err = train_step(&RetryEngine::new(), &sim, &[], &w, &mut opt, |_, _| {
+        w.as_tensor().sum_all()
+    })
+    .unwrap_err();
+    assert!(matches!(err, TrainStepError::InvalidBatch(_)), "{err}");
+    assert_eq!(opt.1, 0);
+    // 100 rows in 40 MiB: split, and every row trained on.
+    let (_, steps, r) = hundred_rows(&RetryEngine::new(), &sim);
+    let done = r.unwrap();
+    assert_eq!((done.rows, steps), (100, 1));
+    assert!(done.report.final_plan.num_chunks() > 1);
+}
+
+#[test]
+fn a_variable_the_optimizer_updates_but_the_step_does_not_list_is_an_error() {
+    let (x, y) = data();
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let b = Var::zeros(1, DType::F32, &Device::Cpu).unwrap();
+    let mut opt = Counting::new(vec![w.clone(), b.clone()], 0.05).unwrap();
+    let model = |rows: &[Tensor]| -> candle_core::Result<Tensor> {
+        let pred = rows[0]
+            .matmul(w.as_tensor())?
+            .broadcast_add(b.as_tensor())?;
+        (pred - &rows[1])?.sqr()?.mean_all()
+    };
+    // On the old code `b` got no update, silently.
+    let err = train_step(
+        &RetryEngine::new(),
+        &sim,
+        &[&x, &y],
+        &w,
+        &mut opt,
+        |_, r| model(r),
+    )
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("not among the step's parameters") && msg.contains("[1] F32"),
+        "{msg}"
+    );
+    assert_eq!(opt.1, 0);
+    // Listed, or frozen on purpose: fine.
+    let done = train_step(
+        &RetryEngine::new(),
+        &sim,
+        &[&x, &y],
+        &[w.clone(), b.clone()],
+        &mut opt,
+        |_, r| model(r),
+    )
+    .unwrap();
+    assert_eq!(done.rows, 64);
+    let params =
+        oomguard_candle::Params::new(std::slice::from_ref(&w)).freeze(std::slice::from_ref(&b));
+    train_step(
+        &RetryEngine::new(),
+        &sim,
+        &[&x, &y],
+        &params,
+        &mut opt,
+        |_, r| model(r),
+    )
+    .unwrap();
+}
+
+#[test]
+fn train_step_errors_are_classified_budget_kind_included() {
+    let (x, y) = data();
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let run = |sim: &oomguard::Device| {
+        let mut opt = Counting::new(vec![w.clone()], 0.05).unwrap();
+        let r = train_step(
+            &RetryEngine::new(),
+            sim,
+            &[&x, &y],
+            &w,
+            &mut opt,
+            |c, rows| {
+                let _acts = oomguard_candle::charge(sim, c.len() << 20)?;
+                loss_of(&w, &rows[0], &rows[1])
+            },
+        );
+        (r, opt.1)
+    };
+    // Not even one row (1 MiB) fits a card of 512 KiB: an OOM, not a budget's.
+    let (r, steps) = run(&oomguard::Device::sim(ByteSize::kib(512)));
+    let err = r.unwrap_err();
+    assert!(err.is_oom() && !err.is_budget_exceeded(), "{err}");
+    assert_eq!(steps, 0);
+    // A budget of 512 KiB on a large card: an OOM of the budget kind, and the engine skipped
+    // the same-plan retry that cannot help a budget.
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    let _budget = sim.budget(ByteSize::kib(512));
+    let (r, _) = run(&sim);
+    let err = r.unwrap_err();
+    assert!(err.is_oom() && err.is_budget_exceeded(), "{err}");
+    let report = err_report(&err);
+    assert!(
+        report.attempts[0].next.unwrap().micro_batch() < 64,
+        "no same-plan retry after a budget: {report}"
+    );
+    // A shape error is neither.
+    let w3 = Var::zeros((3, 1), DType::F32, &Device::Cpu).unwrap();
+    let mut opt = Counting::new(vec![w3.clone()], 0.05).unwrap();
+    let err = train_step(
+        &RetryEngine::new(),
+        &sim,
+        &[&x, &y],
+        &w3,
+        &mut opt,
+        |_, rows| loss_of(&w3, &rows[0], &rows[1]),
+    )
+    .unwrap_err();
+    assert!(!err.is_oom() && !err.is_budget_exceeded(), "{err}");
+}
+
+fn err_report(e: &TrainStepError) -> &oomguard::retry::RetryReport {
+    match e {
+        TrainStepError::Retry(r) => r.report().expect("a report"),
+        TrainStepError::Update { report, .. } => report,
+        other => panic!("no report in {other}"),
+    }
+}
+
+/// An optimizer whose update runs out of memory.
+struct OomOnStep(oomguard::Device);
+impl Optimizer for OomOnStep {
+    type Config = ();
+    fn new(_: Vec<Var>, _: ()) -> candle_core::Result<Self> {
+        Ok(Self(oomguard::Device::sim(ByteSize::kib(1))))
+    }
+    fn step(&mut self, _: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        oomguard_candle::charge(&self.0, 1 << 20).map(drop)
+    }
+    fn learning_rate(&self) -> f64 {
+        0.0
+    }
+    fn set_learning_rate(&mut self, _: f64) {}
+}
+
+#[test]
+fn an_update_that_ran_out_of_memory_is_not_retryable() {
+    let (x, y) = data();
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let mut opt = OomOnStep::new(vec![], ()).unwrap();
+    let err = train_step(
+        &RetryEngine::new(),
+        &oomguard::Device::sim(ByteSize::gib(1)),
+        &[&x, &y],
+        &w,
+        &mut opt,
+        |_, rows| loss_of(&w, &rows[0], &rows[1]),
+    )
+    .unwrap_err();
+    let TrainStepError::Update { error, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(error.is_oom(), "the optimizer's own error is an OOM");
+    assert!(
+        !err.is_oom(),
+        "but the step must not be rerun: it may be partly applied"
+    );
 }

@@ -100,6 +100,8 @@ fn finds_95_percent_in_4_runs() {
         assert!(report.max_batch <= truth, "{name}: {report}");
         assert!(ratio >= 0.95, "{name}: {ratio:.3} of {truth}: {report}");
         assert!(report.runs() <= 4, "{name}: {report}");
+        // each trial runs two consecutive steps (issue 26, point 7b): 8 step runs
+        assert!(report.step_runs() <= 8, "{name}: {report}");
         let fit = report.fit.expect("a fit");
         let per_row = (m.layers as u64 * m.act_per_row) as f64;
         assert!(
@@ -150,4 +152,262 @@ fn errors_are_reported() {
     })
     .unwrap_err();
     assert!(matches!(e, FinderError::Step(_)), "{e}");
+}
+
+/// A training step behind a retry engine (the way `train_step` runs one): micro-batches of
+/// 1 MiB of activations a row. One call site, so the engine remembers its plan.
+fn engine_step(
+    engine: &oomguard_runtime::retry::RetryEngine,
+    dev: &Device,
+    rows: usize,
+) -> Result<(), oomguard_runtime::retry::RetryError<Error>> {
+    engine
+        .run(
+            dev,
+            rows,
+            |plan| {
+                for c in plan.chunks() {
+                    let _acts = dev.alloc::<u8>(c.len() << 20)?;
+                }
+                Ok::<_, Error>(())
+            },
+            |_| (),
+        )
+        .map(|r| r.value)
+}
+
+/// Issue 26, point 7: an engine inside the step that remembered a split plan runs every trial
+/// above its micro-batch split "from memory", with no retry. The old finder accepted those
+/// trials and returned `max` (2^20 rows on a device that holds about 250); now the trial is
+/// refused with a reason, nested in another engine's step or not.
+#[test]
+fn a_step_whose_engine_ran_a_remembered_split_plan_is_refused() {
+    use oomguard_runtime::retry::RetryEngine;
+    let dev = Device::sim(ByteSize::mib(256));
+    let engine = RetryEngine::new();
+    // learn: 1000 rows do not fit; the engine splits them and remembers the micro-batch
+    let learned = engine_step(&engine, &dev, 1000);
+    assert!(learned.is_ok());
+    let r = oomguard_runtime::retry::last_report().unwrap();
+    assert!(r.final_plan.num_chunks() > 1, "{r}");
+
+    let e = find_max_batch(&dev, FinderOptions::default(), |rows| {
+        engine_step(&engine, &dev, rows)
+    })
+    .unwrap_err();
+    println!("{e}");
+    assert!(matches!(e, FinderError::SplitInside { .. }), "{e}");
+    assert!(e.to_string().contains("remembered"), "{e}");
+
+    // nested: the outer engine's own report is a clean one-pass step
+    let outer = RetryEngine::new();
+    let e = find_max_batch(&dev, FinderOptions::default(), |rows| {
+        outer
+            .run(&dev, rows, |_plan| engine_step(&engine, &dev, rows), |_| ())
+            .map(|r| r.value)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            FinderError::SplitInside { .. } | FinderError::RetriesInside { .. }
+        ),
+        "{e}"
+    );
+}
+
+/// Issue 26, point 7: a step whose memory the measured source cannot see (here it allocates on
+/// another device) peaks at 0 bytes at every size. The old finder climbed to `max` and
+/// returned it; now it is an error after two trials, saying why.
+#[test]
+fn a_step_the_source_cannot_see_is_an_error() {
+    let measured = Device::sim(ByteSize::mib(256));
+    let elsewhere = Device::sim(ByteSize::mib(256));
+    let e = find_max_batch(&measured, FinderOptions::default(), |rows| {
+        elsewhere.alloc::<u8>(rows << 10).map(drop)
+    })
+    .unwrap_err();
+    println!("{e}");
+    match &e {
+        FinderError::Unmeasured { rows, .. } => assert_eq!(rows, &[1, 8]),
+        other => panic!("{other}"),
+    }
+    assert!(e.to_string().contains("invisible"), "{e}");
+    // `start == max`: one trial, still refused
+    let opts = FinderOptions {
+        start: 4,
+        max: 4,
+        ..FinderOptions::default()
+    };
+    let e = find_max_batch(&measured, opts, |_| Ok::<_, Error>(())).unwrap_err();
+    assert!(matches!(e, FinderError::Unmeasured { .. }), "{e}");
+}
+
+/// A stand-in for the driver's pool as the H100 showed it (issue 26, point 7b): freed memory
+/// stays cached until the pool is trimmed and serves only requests of its exact size; a step's
+/// shapes vary from one step to the next (here every other step is 10% larger, as sequence
+/// lengths vary). A single step from a trimmed pool says nothing of the next step.
+mod fragmenting {
+    use oomguard_runtime::retry::IsOom;
+    use oomguard_runtime::source::{MemorySource, MemoryUsage, SourceBudget, SourceInfo};
+    use std::sync::Mutex;
+
+    #[derive(Debug, Default)]
+    struct State {
+        used: u64,
+        used_peak: u64,
+        reserved: u64,
+        reserved_peak: u64,
+        cached: Vec<u64>,
+        steps: u64,
+    }
+
+    #[derive(Debug)]
+    pub struct Pool {
+        cap: u64,
+        s: Mutex<State>,
+    }
+
+    #[derive(Debug)]
+    pub struct Oom;
+    impl std::fmt::Display for Oom {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("out of memory")
+        }
+    }
+    impl IsOom for Oom {
+        fn is_oom(&self) -> bool {
+            true
+        }
+    }
+
+    impl Pool {
+        pub fn new(cap: u64) -> Self {
+            Self {
+                cap,
+                s: Mutex::new(State::default()),
+            }
+        }
+        fn alloc(&self, size: u64) -> Result<u64, Oom> {
+            let mut s = self.s.lock().unwrap();
+            if let Some(i) = s.cached.iter().position(|c| *c == size) {
+                s.cached.swap_remove(i);
+            } else if s.reserved + size <= self.cap {
+                s.reserved += size;
+                s.reserved_peak = s.reserved_peak.max(s.reserved);
+            } else {
+                return Err(Oom);
+            }
+            s.used += size;
+            s.used_peak = s.used_peak.max(s.used);
+            Ok(size)
+        }
+        fn free(&self, size: u64) {
+            let mut s = self.s.lock().unwrap();
+            s.used -= size;
+            s.cached.push(size);
+        }
+        /// One training step of `rows` rows: 1 MiB of activations a row, 10% more every
+        /// other step.
+        pub fn step(&self, rows: usize) -> Result<(), Oom> {
+            let k = {
+                let mut s = self.s.lock().unwrap();
+                s.steps += 1;
+                s.steps
+            };
+            let size = ((rows as u64) << 20) * (10 + k % 2) / 10;
+            let a = self.alloc(size)?;
+            self.free(a);
+            Ok(())
+        }
+    }
+
+    impl MemorySource for Pool {
+        fn info(&self) -> SourceInfo {
+            SourceInfo {
+                device_name: "fragmenting pool".into(),
+                ordinal: 0,
+                total_bytes: self.cap,
+                kind: "driver pool",
+            }
+        }
+        fn usage(&self) -> oomguard_runtime::Result<MemoryUsage> {
+            let s = self.s.lock().unwrap();
+            Ok(MemoryUsage {
+                used: s.used,
+                used_peak: s.used_peak,
+                reserved: s.reserved,
+                reserved_peak: s.reserved_peak,
+            })
+        }
+        fn available(&self) -> oomguard_runtime::Result<u64> {
+            let s = self.s.lock().unwrap();
+            Ok(self.cap - s.used)
+        }
+        fn reset_peak(&self) -> oomguard_runtime::Result<()> {
+            let mut s = self.s.lock().unwrap();
+            s.used_peak = s.used;
+            s.reserved_peak = s.reserved;
+            Ok(())
+        }
+        fn empty_cache(&self) -> oomguard_runtime::Result<()> {
+            let mut s = self.s.lock().unwrap();
+            let cached: u64 = s.cached.drain(..).sum();
+            s.reserved -= cached;
+            Ok(())
+        }
+        fn memory_summary(&self) -> String {
+            format!("{:?}", self.s.lock().unwrap())
+        }
+        fn budget(&self, _limit: u64) -> oomguard_runtime::Result<SourceBudget> {
+            Err(oomguard_runtime::Error::InvalidArgument(
+                "no budgets".into(),
+            ))
+        }
+        fn source_id(&self) -> usize {
+            0xf4a6
+        }
+    }
+}
+
+/// Issue 26, point 7b: the batch found holds for a loop of steps on the source measured. On
+/// the fragmenting pool the old finder (one step per trial, from a trimmed pool) returned
+/// about 900 rows, and 10 of 20 consecutive steps at it ran out of memory; each trial now runs
+/// two steps back to back, and 20 consecutive steps at the batch found all run.
+#[test]
+fn the_batch_found_holds_for_consecutive_steps() {
+    let pool = fragmenting::Pool::new(1024 << 20);
+    let r = find_max_batch(&pool, FinderOptions::default(), |rows| pool.step(rows)).unwrap();
+    println!("{r}");
+    assert!(r.safe_for().contains("2 consecutive steps"), "{r}");
+    assert_eq!(r.steps_per_trial, 2);
+    assert!(r.step_runs() >= r.runs());
+    let mut ooms = 0;
+    for _ in 0..20 {
+        if pool.step(r.max_batch).is_err() {
+            ooms += 1;
+        }
+    }
+    assert_eq!(
+        ooms, 0,
+        "consecutive steps at {}: {ooms} of 20 ran out of memory",
+        r.max_batch
+    );
+    // and it is close to the largest batch two consecutive steps fit (1024 / 2.1 MiB)
+    assert!(r.max_batch >= (0.95 * 487.0) as usize, "{r}");
+
+    // one step per trial (the old behaviour, now an opt-out the report names)
+    let single = FinderOptions {
+        steps_per_trial: 1,
+        ..FinderOptions::default()
+    };
+    oomguard_runtime::source::MemorySource::empty_cache(&pool).unwrap();
+    let r1 = find_max_batch(&pool, single, |rows| pool.step(rows)).unwrap();
+    assert!(r1.safe_for().contains("single steps"), "{r1}");
+    let ooms1 = (0..20).filter(|_| pool.step(r1.max_batch).is_err()).count();
+    println!(
+        "steps_per_trial 1: {} rows, {ooms1} of 20 consecutive steps ran out of memory",
+        r1.max_batch
+    );
+    assert!(ooms1 > 0);
 }

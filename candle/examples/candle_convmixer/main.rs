@@ -22,7 +22,7 @@ use std::time::Instant;
 use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use oomguard::RetryEngine;
-use oomguard_candle::{chunk_rows, train_step};
+use oomguard_candle::train_step;
 
 use measure::{flag, Allocator, Res};
 use model::{synthetic_batch, trainable, Config, ConvMixer};
@@ -96,8 +96,8 @@ fn main() -> Res<()> {
         for step in 0..3u64 {
             let (x, y) = synthetic_batch(1000 + step, big, &cfg, &dev)?;
             let t0 = Instant::now();
-            let done = train_step(&engine, &source, big, &vars, &mut opt, |c| {
-                model.loss(&chunk_rows(&x, c)?, &chunk_rows(&y, c)?)
+            let done = train_step(&engine, &source, &[&x, &y], &vars, &mut opt, |_, rows| {
+                model.loss(&rows[0], &rows[1])
             })?;
             dev.synchronize()?;
             let r = &done.report;

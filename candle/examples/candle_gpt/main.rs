@@ -8,6 +8,9 @@
 //! - `--allocator`: where candle's tensors live: the driver's pool (candle's own, the default)
 //!   or oomguard's caching allocator (`oomguard_candle::alloc_hook::install`, feature
 //!   `allocator-hook`), installed before the model is made;
+//! - `snap PREFIX` (with `--allocator oomguard`): one training step at `--batch` rows with
+//!   oomguard's history on, written as `PREFIX.pickle` (PyTorch's snapshot format, for
+//!   `torch.cuda._memory_viz` and `oomguard view`) and `PREFIX.json`;
 //! - `frag`: `--steps` (default 20) plain steps at `--batch` rows: peak reserved / peak used of
 //!   the allocator, OOMs, median step time, and the device memory the allocator does not see
 //!   (`cuMemGetInfo` used minus the allocator's reserved);
@@ -162,7 +165,7 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
     println!("{report}");
     println!(
         "RESULT find: oomguard found batch {found} in {} step runs ({:.1} s)",
-        report.runs(),
+        report.step_runs(),
         t0.elapsed().as_secs_f64()
     );
 
@@ -256,9 +259,14 @@ fn phase_oom(run: &Run, source: &Arc<dyn MemorySource>, big: usize) -> Res<()> {
     for step in 0..4u64 {
         let tokens = run.tokens(2000 + step, big)?;
         let t0 = Instant::now();
-        let done = train_step(&engine, source, big, &run.vars, &mut opt, |chunk| {
-            run.model.loss(&chunk_rows(&tokens, chunk)?)
-        })?;
+        let done = train_step(
+            &engine,
+            source,
+            &[&tokens],
+            &run.vars,
+            &mut opt,
+            |_, rows| run.model.loss(&rows[0]),
+        )?;
         run.dev.synchronize()?;
         let r = &done.report;
         println!(
@@ -317,7 +325,7 @@ fn phase_equiv(run: &Run) -> Res<()> {
                     acc.backward(&loss, &c)?;
                 }
                 last = acc.loss();
-                let g = acc.into_grads();
+                let g = acc.into_grads()?;
                 match opt_name {
                     "SGD" => sgd.step(&g)?,
                     _ => adamw.step(&g)?,
@@ -359,9 +367,14 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
     let tokens = run.tokens(4000, batch)?;
     // Warm-up of both paths (kernels, cuBLAS, optimizer state, the remembered plan).
     run.plain_step(&mut opt_plain, &tokens)?;
-    train_step(&engine, source, batch, &run.vars, &mut opt_wrapped, |c| {
-        run.model.loss(&chunk_rows(&tokens, c)?)
-    })?;
+    train_step(
+        &engine,
+        source,
+        &[&tokens],
+        &run.vars,
+        &mut opt_wrapped,
+        |_, rows| run.model.loss(&rows[0]),
+    )?;
     run.dev.synchronize()?;
     let (mut plain, mut wrapped) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
@@ -372,9 +385,14 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
         }
         for _ in 0..per_round {
             let t0 = Instant::now();
-            let done = train_step(&engine, source, batch, &run.vars, &mut opt_wrapped, |c| {
-                run.model.loss(&chunk_rows(&tokens, c)?)
-            })?;
+            let done = train_step(
+                &engine,
+                source,
+                &[&tokens],
+                &run.vars,
+                &mut opt_wrapped,
+                |_, rows| run.model.loss(&rows[0]),
+            )?;
             run.dev.synchronize()?;
             wrapped.push(t0.elapsed().as_secs_f64());
             assert_eq!(done.report.retries(), 0);
@@ -395,6 +413,32 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
         w / p
     );
     Ok(())
+}
+
+/// One training step with oomguard's history on, written as a PyTorch snapshot.
+#[cfg(feature = "allocator-hook")]
+fn phase_snapshot(run: &Run, prefix: &str, batch: usize) -> Res<()> {
+    let og = oomguard_candle::alloc_hook::installed_device(&run.dev)
+        .ok_or("snap needs --allocator oomguard")?;
+    let mut opt = run.adamw()?;
+    run.plain_step(&mut opt, &run.tokens(0, 1)?)?; // optimizer state, as in a running loop
+    og.allocator().record_history(200_000, true);
+    run.plain_step(&mut opt, &run.tokens(1, batch)?)?;
+    let snap = og.memory_snapshot();
+    og.allocator().record_history(0, false);
+    std::fs::write(format!("{prefix}.pickle"), snap.to_pytorch_pickle())?;
+    std::fs::write(format!("{prefix}.json"), snap.to_json()?)?;
+    println!(
+        "RESULT snap: one step of batch {batch} on oomguard's allocator: {} segments, {} events -> {prefix}.pickle",
+        snap.segments.len(),
+        snap.device_traces.len()
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "allocator-hook"))]
+fn phase_snapshot(_: &Run, _: &str, _: usize) -> Res<()> {
+    Err("snap needs the `allocator-hook` feature".into())
 }
 
 /// Device memory in use (`cuMemGetInfo`: total - free).
@@ -465,9 +509,9 @@ fn main() -> Res<()> {
     };
     let ordinal = flag("--device")?.unwrap_or(0);
     let steps = flag("--steps")?.unwrap_or(100);
-    if !["all", "find", "oom", "equiv", "overhead", "frag"].contains(&phase.as_str()) {
+    if !["all", "find", "oom", "equiv", "overhead", "frag", "snap"].contains(&phase.as_str()) {
         return Err(
-            format!("unknown phase {phase}: all, find, oom, equiv, overhead or frag").into(),
+            format!("unknown phase {phase}: all, find, oom, equiv, overhead, frag or snap").into(),
         );
     }
     let allocator = match args.iter().position(|a| a == "--allocator") {
@@ -500,6 +544,11 @@ fn main() -> Res<()> {
     }
     if phase == "all" || phase == "overhead" {
         phase_overhead(&run, &source, ordinal)?;
+    }
+    if phase == "snap" {
+        let prefix = args.get(1).ok_or("snap needs an output PREFIX")?;
+        let batch = flag("--batch")?.ok_or("snap needs --batch ROWS")?;
+        phase_snapshot(&run, prefix, batch)?;
     }
     if phase == "frag" {
         let batch = flag("--batch")?.ok_or("frag needs --batch ROWS")?;

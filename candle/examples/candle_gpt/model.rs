@@ -1,8 +1,41 @@
 //! A GPT-2-shaped decoder in candle-nn: token and position embeddings, pre-norm blocks of causal
 //! self-attention and a GELU MLP, a final norm, and an output head tied to the token embedding.
+//!
+//! Built from differentiable ops only, so that every parameter trains: candle-nn 0.11.1's
+//! `LayerNorm::forward` (contiguous input with a bias: `ops::layer_norm`) and
+//! `ops::softmax_last_dim` are forward-only (`apply_op*_no_bwd`) and would cut the graph below
+//! them. `candle/tests/candle_gpt_model.rs` builds this model small on CPU and fails when any
+//! parameter gets no gradient.
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use candle_nn::{layer_norm, linear, Embedding, Init, LayerNorm, Linear, Module, VarBuilder};
+use candle_nn::{linear, ops, Embedding, Init, Linear, Module, VarBuilder};
+
+/// A layer norm with a weight and a bias (candle-nn's `layer_norm` parameters, same names and
+/// initialisation), applied with the differentiable `ops::layer_norm_slow`.
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f32,
+}
+
+impl LayerNorm {
+    fn new(size: usize, vb: VarBuilder<'_>) -> Result<Self> {
+        let ln = candle_nn::layer_norm(size, 1e-5, vb)?;
+        let bias = ln
+            .bias()
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg("candle_nn::layer_norm made no bias".into()))?;
+        Ok(Self {
+            weight: ln.weight().clone(),
+            bias,
+            eps: ln.eps() as f32,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::layer_norm_slow(x, &self.weight, &self.bias, self.eps)
+    }
+}
 
 /// The shape of the model.
 #[derive(Clone, Copy, Debug)]
@@ -41,10 +74,10 @@ impl Block {
     fn new(c: &Config, vb: VarBuilder<'_>) -> Result<Self> {
         let w = c.width;
         Ok(Self {
-            ln1: layer_norm(w, 1e-5, vb.pp("ln1"))?,
+            ln1: LayerNorm::new(w, vb.pp("ln1"))?,
             qkv: linear(w, 3 * w, vb.pp("qkv"))?,
             proj: linear(w, w, vb.pp("proj"))?,
-            ln2: layer_norm(w, 1e-5, vb.pp("ln2"))?,
+            ln2: LayerNorm::new(w, vb.pp("ln2"))?,
             fc: linear(w, 4 * w, vb.pp("fc"))?,
             fc_out: linear(4 * w, w, vb.pp("fc_out"))?,
             heads: c.heads,
@@ -63,7 +96,7 @@ impl Block {
         };
         let (q, k, v) = (split(0)?, split(1)?, split(2)?);
         let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?;
+        let att = ops::softmax(&att.broadcast_add(mask)?, D::Minus1)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, s, w))?;
         let x = (x + self.proj.forward(&y)?)?;
         let h = self.fc.forward(&self.ln2.forward(&x)?)?.gelu()?;
@@ -110,7 +143,7 @@ impl Gpt {
             wte: emb(cfg.vocab, "wte")?,
             wpe: emb(cfg.seq, "wpe")?,
             blocks,
-            ln_f: layer_norm(cfg.width, 1e-5, vb.pp("ln_f"))?,
+            ln_f: LayerNorm::new(cfg.width, vb.pp("ln_f"))?,
             mask: Tensor::from_vec(mask, (s, s), dev)?,
             cfg,
         })

@@ -1,7 +1,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
 use oomguard::retry::RetryEngine;
-use oomguard_candle::{chunk_rows, memory_source, train_step};
+use oomguard_candle::{memory_source, train_step};
 use std::sync::Arc;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -17,11 +17,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let y = x.matmul(&Tensor::new(&[[1f32], [2.], [3.], [4.]], &dev)?)?;
     let engine = RetryEngine::new();
     for _ in 0..200 {
-        // On OOM the step reruns as more, smaller micro-batches (each chunk's mean loss weighted by
-        // its share of the batch); the optimizer steps once, after every micro-batch succeeded.
-        let step = train_step(&engine, &source, 64, std::slice::from_ref(&w), &mut opt, |chunk| {
-            let pred = chunk_rows(&x, chunk)?.matmul(w.as_tensor())?;
-            (pred - chunk_rows(&y, chunk)?)?.sqr()?.mean_all() // the chunk's mean loss
+        // The batch is its tensors' rows (64). On OOM the step reruns as more, smaller
+        // micro-batches, each weighted by its share of the batch; the optimizer steps once,
+        // after every micro-batch succeeded. `rows` are the chunk's rows of `x` and `y`.
+        let step = train_step(&engine, &source, &[&x, &y], &w, &mut opt, |_chunk, rows| {
+            let pred = rows[0].matmul(w.as_tensor())?;
+            (pred - &rows[1])?.sqr()?.mean_all() // the chunk's per-row MEAN loss, a scalar
         })?;
         assert_eq!(step.rows, 64); // every row is trained on, however the batch was split
     }

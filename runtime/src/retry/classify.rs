@@ -244,7 +244,7 @@ pub fn chain_is_oom(err: &(dyn StdError + 'static)) -> bool {
 }
 
 /// Whether `err` or any error in its `source()` chain is a memory budget's out-of-memory.
-fn chain_is_budget(err: &(dyn StdError + 'static)) -> bool {
+pub(super) fn chain_is_budget(err: &(dyn StdError + 'static)) -> bool {
     chain_any(err, |e| {
         e.is::<BudgetExceeded>()
             || e.downcast_ref::<Error>()

@@ -10,12 +10,36 @@
 
 use std::error::Error as StdError;
 
-use super::classify::chain_is_oom;
+use super::classify::{chain_is_budget, chain_is_oom};
 use super::IsOom;
 
 impl IsOom for candle_core::Error {
     fn is_oom(&self) -> bool {
         candle_is_oom(self, 0)
+    }
+    /// A memory budget's out-of-memory (oomguard's `BudgetExceeded`) carried inside the error:
+    /// the retry engine then skips the same-plan retry, as for oomguard's own errors.
+    fn is_budget_exceeded(&self) -> bool {
+        candle_is_budget(self, 0)
+    }
+}
+
+/// [`candle_is_oom`]'s walk, for a budget's out-of-memory (candle's own CUDA errors never are).
+fn candle_is_budget(e: &candle_core::Error, depth: usize) -> bool {
+    use candle_core::Error as E;
+    if depth > 64 {
+        return false;
+    }
+    let boxed = |b: &(dyn StdError + Send + Sync + 'static)| match b.downcast_ref::<E>() {
+        Some(inner) => candle_is_budget(inner, depth + 1),
+        None => chain_is_budget(b),
+    };
+    match e {
+        E::Cuda(b) | E::WrappedContext { wrapped: b, .. } => boxed(b.as_ref()),
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
+            candle_is_budget(inner, depth + 1)
+        }
+        other => other.source().is_some_and(chain_is_budget),
     }
 }
 
@@ -98,6 +122,26 @@ mod tests {
         assert!(e.is_oom());
         let e = candle_core::Error::Io(std::io::Error::other(oom()));
         assert!(e.is_oom(), "an OOM inside an io::Error is followed");
+    }
+
+    #[test]
+    fn a_budget_inside_a_candle_error_stays_a_budget() {
+        let dev = Device::sim(ByteSize::mib(64));
+        let _b = dev.budget(1 << 20);
+        let budget = dev.alloc::<u8>(2 << 20).unwrap_err();
+        assert!(budget.is_budget_exceeded());
+        let e = candle_core::Error::Cuda(Box::new(budget))
+            .context("layer 3")
+            .bt();
+        assert!(e.is_oom());
+        assert!(e.is_budget_exceeded());
+        let e = candle_core::Error::Cuda(Box::new(candle_core::Error::Cuda(Box::new(
+            dev.alloc::<u8>(2 << 20).unwrap_err(),
+        ))));
+        assert!(e.is_budget_exceeded());
+        // a plain out-of-memory is not a budget's
+        let e = candle_core::Error::Cuda(Box::new(oom()));
+        assert!(e.is_oom() && !e.is_budget_exceeded());
     }
 
     #[test]

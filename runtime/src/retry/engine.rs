@@ -186,6 +186,12 @@ impl RetryEngine {
         self
     }
 
+    /// The policy that chooses plans after an OOM (e.g. to wrap it: `oomguard_candle::train_step`
+    /// refuses plans that drop rows with [`KeepsRows`](super::KeepsRows)).
+    pub fn policy(&self) -> Arc<dyn RetryPolicy> {
+        self.inner.policy.clone()
+    }
+
     /// Remembers plans in `path` (JSON), starting from what it holds.
     pub fn with_memory_file(mut self, path: impl AsRef<Path>) -> Result<Self, MemoryError> {
         Arc::make_mut(&mut self.inner).memory = Arc::new(Mutex::new(PlanMemory::open(path)?));

@@ -27,11 +27,19 @@ pub struct FinderOptions {
     /// After a jump that ran with the peak the fit predicted, refit on the widest two points and
     /// try the refined prediction (one more run, with half the margin).
     pub refine: bool,
-    /// Most step runs in all.
+    /// Most trials in all (each runs the step [`FinderOptions::steps_per_trial`] times).
     pub max_trials: u32,
+    /// Steps each trial runs back to back, without emptying the cache between them (at least
+    /// 1; default 2): a batch counts as fitting only when every one of them ran. A loop of
+    /// steps meets the memory the previous step left cached and fragmented, which a single step
+    /// from an emptied cache does not (on the driver pool, single-step trials found batches
+    /// that ran out of memory on the next step): with 2, the batch found is one that ran two
+    /// consecutive steps on the source measured.
+    pub steps_per_trial: u32,
 }
 
-/// The defaults: `start` 1 row, `max` 2^20 rows, `margin` 0.03, `refine` on, `max_trials` 16.
+/// The defaults: `start` 1 row, `max` 2^20 rows, `margin` 0.03, `refine` on, `max_trials` 16,
+/// `steps_per_trial` 2.
 impl Default for FinderOptions {
     fn default() -> Self {
         Self {
@@ -40,18 +48,24 @@ impl Default for FinderOptions {
             margin: 0.03,
             refine: true,
             max_trials: 16,
+            steps_per_trial: 2,
         }
     }
 }
 
-/// One run of the step.
+/// One trial: the step run [`FinderOptions::steps_per_trial`] times back to back at one size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Trial {
     /// Rows it ran with.
     pub rows: usize,
-    /// Peak bytes allocated during the run above what was allocated before it; `None`: out of
-    /// memory.
+    /// Peak bytes allocated during the trial's steps above what was allocated before them;
+    /// `None`: out of memory.
     pub peak_bytes: Option<u64>,
+    /// Peak bytes the source held (used plus cached) during the steps, above what it held
+    /// before them (how much more than `peak_bytes` the source needed: fragmentation, rounding).
+    pub reserved_peak_bytes: u64,
+    /// Step runs the trial made (fewer than `steps_per_trial` when one ran out of memory).
+    pub steps: u32,
     /// How long it took.
     pub elapsed: Duration,
 }
@@ -93,10 +107,15 @@ impl LinearFit {
 /// What [`find_max_batch`] found, and how.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FinderReport {
-    /// The largest batch that ran.
+    /// The largest batch that ran: [`FinderReport::steps_per_trial`] consecutive steps of it ran
+    /// on this source (see [`FinderReport::safe_for`]).
     pub max_batch: usize,
-    /// Every run, in order.
+    /// Every trial, in order.
     pub trials: Vec<Trial>,
+    /// Steps each trial ran back to back ([`FinderOptions::steps_per_trial`]).
+    pub steps_per_trial: u32,
+    /// The source measured.
+    pub source: crate::source::SourceInfo,
     /// The fit used for the jump (the refined one if a refinement ran).
     pub fit: Option<LinearFit>,
     /// Bytes available to the step's peak (what the device could still give, cache emptied).
@@ -107,9 +126,32 @@ pub struct FinderReport {
 }
 
 impl FinderReport {
-    /// Number of step runs.
+    /// Number of trials (each of up to [`FinderReport::steps_per_trial`] step runs).
     pub fn runs(&self) -> usize {
         self.trials.len()
+    }
+
+    /// Number of times the step ran, all trials together.
+    pub fn step_runs(&self) -> usize {
+        self.trials.iter().map(|t| t.steps as usize).sum()
+    }
+
+    /// What `max_batch` is safe for, in words: consecutive steps on the measured source, with
+    /// nothing else allocating more than when it was measured.
+    pub fn safe_for(&self) -> String {
+        let steps = match self.steps_per_trial {
+            1 => "single steps, each from an emptied cache (steps_per_trial 1: a loop of steps \
+                  may run out of memory)"
+                .to_string(),
+            n => format!(
+                "a loop of steps: {n} consecutive steps ran at it without emptying the cache \
+                 between them"
+            ),
+        };
+        format!(
+            "{steps}, on the {} as measured (with other memory use as it was during the search)",
+            self.source
+        )
     }
 }
 
@@ -117,9 +159,10 @@ impl fmt::Display for FinderReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "max batch {} after {} runs",
+            "max batch {} after {} trials ({} step runs)",
             self.max_batch,
-            self.trials.len()
+            self.trials.len(),
+            self.step_runs()
         )?;
         if let Some(fit) = &self.fit {
             write!(
@@ -128,10 +171,15 @@ impl fmt::Display for FinderReport {
                 fit.fixed_bytes, fit.per_row_bytes
             )?;
         }
+        write!(f, "\n  safe for {}", self.safe_for())?;
         for t in &self.trials {
             match t.peak_bytes {
-                Some(p) => write!(f, "\n  {} rows: peak {p} B", t.rows)?,
-                None => write!(f, "\n  {} rows: out of memory", t.rows)?,
+                Some(p) => write!(
+                    f,
+                    "\n  {} rows: peak {p} B ({} B held), {} steps",
+                    t.rows, t.reserved_peak_bytes, t.steps
+                )?,
+                None => write!(f, "\n  {} rows: out of memory at step {}", t.rows, t.steps)?,
             }
         }
         Ok(())
@@ -163,19 +211,42 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
         /// The inner retry's report.
         report: Box<super::report::RetryReport>,
     },
+    /// A retry engine inside the step ran the batch split into micro-batches (a plan remembered
+    /// from earlier steps or a plan file, or a split start plan), so the trial measured one
+    /// micro-batch's memory, not the rows asked for: its success says nothing about them.
+    #[error("the step's retry engine ran {rows} rows split ({plan}{remembered}), so the trial measured a micro-batch, not {rows} rows; give find_max_batch the step without its OOM retry, or an engine with nothing remembered for it (a new RetryEngine, no plan file)", plan = .report.final_plan, remembered = if .report.from_memory { ", remembered from earlier steps" } else { "" })]
+    SplitInside {
+        /// The rows asked for.
+        rows: usize,
+        /// The inner step's report.
+        report: Box<super::report::RetryReport>,
+    },
+    /// Every trial that ran measured a peak of 0 bytes: the step's memory comes from
+    /// somewhere this source does not see, and a search would return `max` untested.
+    #[error("the step's memory is invisible to the {measured}: its peak was 0 bytes at every size tried ({rows:?} rows). The step allocates from another source (candle's CUDA tensors come from the driver pool: pass oomguard_candle's memory_source or a DriverPool, not a Device), or allocates nothing")]
+    Unmeasured {
+        /// The source measured.
+        measured: crate::source::SourceInfo,
+        /// The rows of the trials that ran.
+        rows: Vec<usize>,
+    },
 }
 
-/// Peak bytes allocated while `f` runs, above what was allocated when it started (what a
-/// `PeakScope` around `f` reports: this is the one place to switch to it).
+/// Peak bytes allocated and held while `f` runs, above what was allocated and held when it
+/// started (what a `PeakScope` around `f` reports: this is the one place to switch to it).
 fn measure_peak<S: MemorySource + ?Sized, T>(
     device: &S,
     f: impl FnOnce() -> T,
-) -> Result<(T, u64), crate::Error> {
+) -> Result<(T, u64, u64), crate::Error> {
     device.reset_peak()?;
-    let before = device.usage()?.used;
+    let before = device.usage()?;
     let out = f();
-    let peak = device.usage()?.used_peak;
-    Ok((out, peak.saturating_sub(before)))
+    let after = device.usage()?;
+    Ok((
+        out,
+        after.used_peak.saturating_sub(before.used),
+        after.reserved_peak.saturating_sub(before.reserved),
+    ))
 }
 
 /// Finds the largest batch for which `step(rows)` runs without out-of-memory on `device`.
@@ -183,7 +254,12 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 /// Runs the step at `start` and `8 × start` rows while measuring peak memory, fits
 /// `peak = fixed + per_row × rows`, jumps to the predicted maximum under the available memory
 /// minus the margin, and, when the jump's peak is the predicted one, refines once: **at most 4
-/// runs when peak memory is affine in the batch** (3 without `refine`).
+/// runs when peak memory is affine in the batch** (3 without `refine`). "Runs" below are
+/// trials: each trial runs the step [`FinderOptions::steps_per_trial`] times back to back (2 by
+/// default, so 4 trials are 8 step runs; [`FinderReport::step_runs`] counts them), and a size
+/// fits only when all of them ran, so the batch found holds for consecutive steps on the
+/// source measured, not only for one step from an emptied cache
+/// ([`FinderReport::safe_for`] says so). The cache is emptied before each trial and at the end.
 ///
 /// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
 /// largest batch below the smallest one that did not (the 0.95 tolerance; the maximum lies between
@@ -201,8 +277,12 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 /// [`FinderReport::stopped_by_max_trials`] says so (and a warning is logged).
 ///
 /// The step should do what a real step does (forward, backward, optimizer), keep nothing
-/// between calls, and not retry out-of-memory itself (a step that did is refused:
-/// [`FinderError::RetriesInside`]). Defaults: [`FinderOptions::default`].
+/// between calls, and not retry out-of-memory itself. Refused with an error that says why:
+/// a step that retried or shrank its batch ([`FinderError::RetriesInside`]); a step whose retry
+/// engine ran a split plan, remembered or not, on this thread, nested steps included
+/// ([`FinderError::SplitInside`]: the trial measured a micro-batch); a step whose memory the
+/// source does not see, peak 0 bytes at two sizes ([`FinderError::Unmeasured`]). Defaults:
+/// [`FinderOptions::default`].
 ///
 /// ```
 /// use oomguard_runtime::retry::{find_max_batch, FinderOptions};
@@ -215,7 +295,7 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 ///     Ok::<_, oomguard_runtime::Error>(())
 /// }).unwrap();
 /// assert!(report.max_batch >= 228 && report.max_batch <= 240, "{report}");
-/// assert!(report.runs() <= 4);
+/// assert!(report.runs() <= 4); // trials: 8 step runs, two consecutive steps per size
 /// ```
 pub fn find_max_batch<S: MemorySource + ?Sized, T, E>(
     device: &S,
@@ -243,36 +323,70 @@ where
             opts.max_trials
         )));
     }
+    if opts.steps_per_trial == 0 {
+        return Err(FinderError::InvalidArgument(
+            "steps_per_trial 0: each trial must run the step at least once".into(),
+        ));
+    }
     device.empty_cache()?;
     // Room for the step: what the device can still give (the cache is empty), capped by the
     // allocator's limit.
     let budget = device.available()?;
 
     let mut trials: Vec<Trial> = Vec::new();
+    let steps_per_trial = opts.steps_per_trial;
     let mut run = |rows: usize, trials: &mut Vec<Trial>| -> Result<Option<u64>, FinderError<E>> {
         device.empty_cache()?;
         let t0 = Instant::now();
-        super::report::clear_last_report();
-        let (res, peak) = measure_peak(device, || step(rows))?;
-        if let Some(r) = super::report::last_report() {
-            if r.retries() > 0 || r.final_plan.batch() != r.requested_batch {
-                return Err(FinderError::RetriesInside {
-                    rows,
-                    report: Box::new(r),
-                });
+        let mut steps = 0;
+        let mut inner = None;
+        // The trial's steps back to back, the cache kept between them, under one peak.
+        let (res, peak, reserved_peak) = measure_peak(device, || {
+            super::report::watch_steps(true);
+            let mut res = Ok(());
+            while steps < steps_per_trial {
+                steps += 1;
+                if let Err(e) = step(rows) {
+                    res = Err(e);
+                    break;
+                }
             }
+            inner = super::report::watch_steps(false);
+            res
+        })?;
+        if let Some(r) = inner {
+            let report = Box::new(r);
+            return Err(
+                if report.retries() == 0 && report.final_plan.batch() == report.requested_batch {
+                    FinderError::SplitInside { rows, report }
+                } else {
+                    FinderError::RetriesInside { rows, report }
+                },
+            );
         }
         let peak_bytes = match res {
-            Ok(_) => Some(peak),
+            Ok(()) => Some(peak),
             Err(e) if e.is_oom() => None,
             Err(e) => return Err(FinderError::Step(e)),
         };
         trials.push(Trial {
             rows,
             peak_bytes,
+            reserved_peak_bytes: reserved_peak,
+            steps,
             elapsed: t0.elapsed(),
         });
-        tracing::debug!(target: "oomguard::retry", rows, ?peak_bytes, "batch finder trial");
+        tracing::debug!(target: "oomguard::retry", rows, ?peak_bytes, steps, "batch finder trial");
+        // Nothing measured at two sizes (or at the only size there is): the search would
+        // climb to `max` on nothing.
+        let successes: Vec<&Trial> = trials.iter().filter(|t| t.peak_bytes.is_some()).collect();
+        let all_zero = successes.iter().all(|t| t.peak_bytes == Some(0));
+        if all_zero && (successes.len() >= 2 || (peak_bytes.is_some() && rows >= opts.max)) {
+            return Err(FinderError::Unmeasured {
+                measured: device.info(),
+                rows: successes.iter().map(|t| t.rows).collect(),
+            });
+        }
         Ok(peak_bytes)
     };
     let budget_left = |trials: &Vec<Trial>| (trials.len() as u32) < opts.max_trials;
@@ -288,6 +402,9 @@ where
         let peak = run(probe.rows, &mut trials)?;
         state.observe(&search, probe, peak, &trials);
     }
+    // Leave the source as found: what the last trials cached (the sizes that failed
+    // included) would not serve the steps that follow.
+    device.empty_cache()?;
     if state.l == 0 {
         return Err(FinderError::NothingFits(trials));
     }
@@ -301,6 +418,8 @@ where
     Ok(FinderReport {
         max_batch: state.l,
         trials,
+        steps_per_trial: opts.steps_per_trial,
+        source: device.info(),
         fit: state.fit,
         budget_bytes: budget,
         stopped_by_max_trials: stopped_by_trials,

@@ -272,7 +272,9 @@ impl Default for PlanMemory {
 }
 
 /// How long a save waits for another writer's lock on the plan file before it fails (it never
-/// hangs). A lock file older than [`STALE_LOCK`] is taken over (its writer died).
+/// hangs). A lock file older than [`STALE_LOCK`] is taken over (its writer died): by exactly
+/// one waiting writer, and a writer whose lock was taken over while it stalled writes nothing
+/// and returns an error.
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// See [`LOCK_WAIT`].
 pub const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(30);
@@ -422,7 +424,7 @@ impl PlanMemory {
             path: path.to_path_buf(),
             source,
         };
-        let _lock = FileLock::acquire(path).map_err(io)?;
+        let lock = FileLock::acquire(path).map_err(io)?;
         let mut merged: HashMap<MemoryKey, Limits> = HashMap::default();
         if !self.cleared {
             // Another writer's plans since we read the file: keep them. A file that became
@@ -472,6 +474,17 @@ impl PlanMemory {
             let _ = std::fs::remove_file(&tmp);
             return Err(io(e));
         }
+        if !lock.held() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the lock on {} was taken over by another writer while this one stalled \
+                     (more than {STALE_LOCK:?}): not written",
+                    path.display()
+                ),
+            )));
+        }
         std::fs::rename(&tmp, path).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             io(e)
@@ -507,35 +520,92 @@ fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryError> {
     Ok(file.plans.into_iter().map(|e| (e.key, e.limits)).collect())
 }
 
-/// `<path>.lock`, created exclusively, removed on drop.
-struct FileLock(PathBuf);
+/// `<path>.lock`, held by the writer whose token it contains.
+///
+/// Every lock instance carries a token unique to its writer and acquisition (process id, a
+/// per-process sequence number, the time). It is created with its token in one step (a
+/// private file hard-linked to the lock's name, which fails if the name exists), and read back
+/// after creation (verify-after-acquire). The right to *delete* an instance is taken by
+/// creating its end marker `<lock>.end.<token>` exclusively: its owner does so on release, a
+/// waiter does so when the instance is stale ([`STALE_LOCK`]); exactly one of them gets it,
+/// and only the one that does deletes the lock, after checking that the lock still holds that
+/// token. So a stale lock is taken over by exactly one writer, and a lock is never deleted from
+/// under a live owner (an owner that was taken over learns so on release and says so).
+struct FileLock {
+    lock: PathBuf,
+    token: String,
+}
+
+/// Hook for tests: runs between a waiter's judging a lock stale and its claim to delete it
+/// (the race the end marker closes).
+#[cfg(test)]
+static STALE_HOOK: std::sync::Mutex<Option<fn()>> = std::sync::Mutex::new(None);
+
+fn lock_token() -> String {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{seq}-{nanos}", std::process::id())
+}
+
+/// A file's name with `suffix` appended (`plans.json.lock` + `.end.T`).
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_os_string();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+fn create_exclusive(path: &Path, contents: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    f.write_all(contents.as_bytes())
+}
 
 impl FileLock {
     fn acquire(path: &Path) -> std::io::Result<FileLock> {
         let lock = path.with_extension("json.lock");
+        let token = lock_token();
         let started = std::time::Instant::now();
         loop {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&lock)
-            {
-                Ok(_) => return Ok(FileLock(lock)),
+            match Self::create(&lock, &token) {
+                Ok(()) => {
+                    // Verify after acquiring: the lock holds our token.
+                    if std::fs::read_to_string(&lock).is_ok_and(|t| t == token) {
+                        return Ok(FileLock { lock, token });
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let theirs = std::fs::read_to_string(&lock).ok();
                     let stale = std::fs::metadata(&lock)
                         .and_then(|m| m.modified())
                         .ok()
                         .and_then(|t| t.elapsed().ok())
                         .is_some_and(|age| age > STALE_LOCK);
-                    if stale {
-                        let _ = std::fs::remove_file(&lock);
+                    if let (true, Some(theirs)) = (stale, theirs) {
+                        #[cfg(test)]
+                        if let Some(hook) = *STALE_HOOK.lock().unwrap_or_else(|e| e.into_inner()) {
+                            hook();
+                        }
+                        if Self::end(&lock, &theirs) {
+                            tracing::warn!(
+                                target: "oomguard::retry",
+                                lock = %lock.display(),
+                                "took over a stale plan-file lock (its writer stopped more than {STALE_LOCK:?} ago)"
+                            );
+                        }
                         continue;
                     }
                     if started.elapsed() > LOCK_WAIT {
                         return Err(std::io::Error::new(
                             std::io::ErrorKind::TimedOut,
                             format!(
-                                "{} is held by another writer (waited {LOCK_WAIT:?})",
+                                "{} is held by another writer (waited {LOCK_WAIT:?}; a lock \
+                                 older than {STALE_LOCK:?} is taken over)",
                                 lock.display()
                             ),
                         ));
@@ -546,17 +616,63 @@ impl FileLock {
             }
         }
     }
+
+    /// Creates `lock` holding `token`, in one step where the file system can link files.
+    fn create(lock: &Path, token: &str) -> std::io::Result<()> {
+        let private = with_suffix(lock, &format!(".{token}.tmp"));
+        create_exclusive(&private, token)?;
+        let linked = std::fs::hard_link(&private, lock);
+        let _ = std::fs::remove_file(&private);
+        match linked {
+            Err(e)
+                if e.kind() != std::io::ErrorKind::AlreadyExists
+                    && e.kind() != std::io::ErrorKind::NotFound =>
+            {
+                // No hard links here (some network or FAT file systems): an exclusive create,
+                // whose token is read back by the verification.
+                create_exclusive(lock, token)
+            }
+            other => other,
+        }
+    }
+
+    /// Deletes the lock instance holding `token` if this caller wins the right to (creating
+    /// its end marker exclusively) and the lock still holds it. Returns whether it deleted it.
+    fn end(lock: &Path, token: &str) -> bool {
+        let marker = with_suffix(lock, &format!(".end.{token}"));
+        if create_exclusive(&marker, "").is_err() {
+            return false; // another waiter, or the owner, has it
+        }
+        // Only the holder of the marker deletes this instance: if the lock holds `token` now,
+        // it still does when removed.
+        let deleted = std::fs::read_to_string(lock).is_ok_and(|t| t == token)
+            && std::fs::remove_file(lock).is_ok();
+        let _ = std::fs::remove_file(&marker);
+        deleted
+    }
+
+    /// Whether the lock still holds this writer's token (not taken over).
+    fn held(&self) -> bool {
+        std::fs::read_to_string(&self.lock).is_ok_and(|t| t == self.token)
+    }
 }
 
 impl Drop for FileLock {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if !Self::end(&self.lock, &self.token) {
+            tracing::warn!(
+                target: "oomguard::retry",
+                lock = %self.lock.display(),
+                "the plan-file lock was taken over while held (this writer stalled for more than {STALE_LOCK:?})"
+            );
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn limits_give_plans_and_grow_back() {
@@ -591,5 +707,55 @@ mod tests {
         let e = PlanMemory::open(&p).unwrap_err();
         assert!(e.to_string().contains("version 99"), "{e}");
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// Point 9 of issue 26: writers wait at a stale lock, all judge it stale before any of them
+    /// acts (the hook), and still exactly one holds the lock at any time; the lock of a live
+    /// owner is never deleted.
+    #[test]
+    fn a_stale_lock_is_taken_over_by_exactly_one_writer() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let path = std::env::temp_dir().join(format!(
+            "oomguard-memory-takeover-{}.json",
+            std::process::id()
+        ));
+        let lock = path.with_extension("json.lock");
+        // Every waiter judges the lock stale, then acts at a different time: some act after
+        // another has already taken it over and made a fresh lock.
+        *STALE_HOOK.lock().unwrap() = Some(|| {
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let n = N.fetch_add(1, Ordering::Relaxed) as u64;
+            std::thread::sleep(Duration::from_millis(5 + (n % 4) * 2));
+        });
+        let inside = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        for _round in 0..5 {
+            let f = std::fs::File::create(&lock).unwrap();
+            std::io::Write::write_all(&mut &f, b"dead writer").unwrap();
+            f.set_modified(std::time::SystemTime::now() - STALE_LOCK * 2)
+                .unwrap();
+            drop(f);
+            let start = std::sync::Barrier::new(12);
+            std::thread::scope(|s| {
+                for _ in 0..12 {
+                    s.spawn(|| {
+                        start.wait();
+                        let held = FileLock::acquire(&path).unwrap();
+                        let n = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(n, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(10));
+                        assert!(held.held(), "the lock was deleted from under its owner");
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                    });
+                }
+            });
+            assert!(!lock.exists());
+        }
+        *STALE_HOOK.lock().unwrap() = None;
+        assert_eq!(
+            most.load(Ordering::SeqCst),
+            1,
+            "two writers held the lock at once"
+        );
     }
 }

@@ -66,7 +66,7 @@ pub use memory::{
 pub use plan::{BatchPlan, Chunk, PlanError};
 pub use policy::{
     inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,
-    MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
+    KeepsRows, MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
 pub use report::{
     clear_last_report, last_report, record_commit_error, AttemptOutcome, AttemptRecord,

@@ -176,6 +176,10 @@ impl Chunk {
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
     }
+    /// Rows of the whole batch the plan splits (the step's batch).
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
     /// `len / batch`: multiply the micro-batch's mean loss (or its gradients) by this and sum over
     /// micro-batches to get the full batch's mean.
     pub fn weight(&self) -> f64 {
@@ -198,6 +202,7 @@ mod tests {
         let c: Vec<_> = p.chunks().map(|c| c.rows()).collect();
         assert_eq!(c, [0..34, 34..67, 67..100]);
         assert!(p.chunk(2).unwrap().is_last());
+        assert!(p.chunks().all(|c| c.batch() == 100));
         assert!(p.chunk(3).is_none());
         assert_eq!(p.to_string(), "batch 100 in 3 micro-batches of ≤34");
     }

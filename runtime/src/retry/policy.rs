@@ -242,6 +242,64 @@ impl RetryPolicy for Shrink {
     }
 }
 
+/// Filters another policy's plans for a training step: a plan that runs fewer rows than the step
+/// asked for is refused (the step gives up), because dropping rows changes what a training
+/// step computes. The refusal is logged at error level, and printed on standard error when no
+/// `tracing` subscriber is installed, with the hint set by [`KeepsRows::hint`]. Used by
+/// `#[oom_retry]` on training steps and by `oomguard_candle::train_step`.
+///
+/// ```
+/// use oomguard_runtime::retry::{inference_policy, BatchPlan, KeepsRows, Pressure, RetryContext, RetryPolicy};
+/// let p = KeepsRows::new(inference_policy());
+/// let plan = BatchPlan::with_micro_batch(8, 1).unwrap(); // nothing left to split
+/// let ctx = RetryContext::new(plan, 8, 3, Pressure::Oom);
+/// assert_eq!(inference_policy().next_plan(&ctx).map(|p| p.batch()), Some(4)); // would drop rows
+/// assert_eq!(p.next_plan(&ctx), None); // refused
+/// ```
+#[derive(Clone, Debug)]
+pub struct KeepsRows<P> {
+    inner: P,
+    hint: &'static str,
+}
+
+impl<P> KeepsRows<P> {
+    /// Filters `inner`'s plans.
+    pub fn new(inner: P) -> Self {
+        Self {
+            inner,
+            hint: "Use a policy that keeps the batch (`Accumulate`, `training_policy()`)",
+        }
+    }
+    /// What the refusal message tells the user to do instead.
+    pub fn hint(mut self, hint: &'static str) -> Self {
+        self.hint = hint;
+        self
+    }
+    /// The filtered policy.
+    pub fn inner(&self) -> &P {
+        &self.inner
+    }
+}
+
+impl<P: RetryPolicy> RetryPolicy for KeepsRows<P> {
+    fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
+        let next = self.inner.next_plan(ctx)?;
+        if next.batch() < ctx.requested_batch {
+            let msg = format!(
+                "the retry policy {:?} proposed {next} for a training step of {} rows: a \
+                 training step never runs fewer rows (it would train on less data); giving up. {}",
+                self.inner, ctx.requested_batch, self.hint
+            );
+            tracing::error!(target: "oomguard::retry", "{msg}");
+            if !tracing::dispatcher::has_been_set() {
+                eprintln!("oomguard error: {msg}");
+            }
+            return None;
+        }
+        Some(next)
+    }
+}
+
 /// Filters another policy's plans: plans with smaller micro-batches or batches than the floor
 /// are refused (the policy gives up instead).
 #[derive(Clone, Debug)]
@@ -392,6 +450,22 @@ mod tests {
         assert!(Accumulate::by(1).is_err());
         let p3 = Accumulate::by(3).unwrap();
         assert_eq!(run(&p3, BatchPlan::whole(9).unwrap()).len(), 2);
+    }
+
+    #[test]
+    fn keeps_rows_refuses_only_plans_that_drop_rows() {
+        let p = KeepsRows::new(inference_policy());
+        let whole = BatchPlan::whole(8).unwrap();
+        // the same plan and accumulation pass through
+        let ctx = RetryContext::new(whole, 8, 1, Pressure::Oom);
+        assert_eq!(p.next_plan(&ctx), Some(whole));
+        let ctx = RetryContext::new(whole, 8, 2, Pressure::Oom);
+        assert_eq!(p.next_plan(&ctx).unwrap().batch(), 8);
+        // the shrink is refused
+        let ones = BatchPlan::with_micro_batch(8, 1).unwrap();
+        let ctx = RetryContext::new(ones, 8, 5, Pressure::Oom);
+        assert_eq!(inference_policy().next_plan(&ctx).unwrap().batch(), 4);
+        assert_eq!(p.next_plan(&ctx), None);
     }
 
     #[test]

@@ -91,11 +91,40 @@ pub struct CommitFailure {
 struct LastSlot {
     valid: bool,
     report: Option<RetryReport>,
+    /// While `find_max_batch` runs a trial: the first step that ended on this thread without
+    /// running its whole batch in one pass (see [`watch_steps`]).
+    watch: Option<Option<RetryReport>>,
 }
 
 thread_local! {
     static LAST: std::cell::RefCell<LastSlot> =
-        const { std::cell::RefCell::new(LastSlot { valid: false, report: None }) };
+        const { std::cell::RefCell::new(LastSlot { valid: false, report: None, watch: None }) };
+}
+
+/// Whether a step ran (or tried) its whole requested batch in one pass (what a batch finder
+/// can measure): no retry, no rows dropped, no split (remembered or not). A step that gave up
+/// at its first attempt is a plain out-of-memory.
+fn one_pass(r: &RetryReport) -> bool {
+    r.retries() == 0
+        && r.final_plan.batch() == r.requested_batch
+        && r.final_plan.num_chunks() == 1
+        && r.initial_plan.num_chunks() == 1
+}
+
+/// Starts (`true`) or stops (`false`) watching the steps that end on this thread; stopping
+/// returns the first step that did not run its whole batch in one pass, if any. Every step
+/// reports here (nested ones included, which `last_report` alone would lose to the outer one).
+pub(crate) fn watch_steps(on: bool) -> Option<RetryReport> {
+    LAST.try_with(|l| {
+        let mut l = l.borrow_mut();
+        let seen = l.watch.take().flatten();
+        if on {
+            l.watch = Some(None);
+        }
+        seen
+    })
+    .ok()
+    .flatten()
 }
 
 /// The report of the last step on this thread (through any [`RetryEngine`] use, `#[oom_retry]`
@@ -135,6 +164,11 @@ pub fn clear_last_report() {
 pub(crate) fn set_last_report(r: &RetryReport) {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
+        if let Some(first @ None) = &mut l.watch {
+            if !one_pass(r) {
+                *first = Some(r.clone());
+            }
+        }
         match &mut l.report {
             Some(old) => old.clone_from(r),
             none => *none = Some(r.clone()),
@@ -183,6 +217,11 @@ pub(crate) fn set_last_clean(
         r.commit_error = None;
         r.memory_error = None;
         l.valid = true;
+        if plan.num_chunks() > 1 {
+            if let Some(None) = l.watch {
+                l.watch = l.report.clone().map(Some);
+            }
+        }
     });
 }
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use super::pool_state::{PoolDriver, PoolState};
 use super::{MemorySource, MemoryUsage, SourceBudget, SourceInfo};
 use crate::backend::cuda::{driver_error, loader};
 use crate::backend::{BackendError, BackendErrorKind};
@@ -19,7 +20,10 @@ use crate::ByteSize;
 /// - usage: `USED_MEM_CURRENT/HIGH` and `RESERVED_MEM_CURRENT/HIGH` of the device's current pool;
 /// - `empty_cache`: synchronise the context, then `cuMemPoolTrimTo(pool, 0)`;
 /// - `budget(n)`: a new pool with `maxSize = n` made the device's current pool while the guard
-///   lives (see [`MemorySource::budget`] below for exactly what it caps);
+///   is the tightest live one (see [`MemorySource::budget`] below for exactly what it caps and
+///   what each order of drops means);
+/// - every handle of a device (from [`DriverPool::current`], [`DriverPool::of_context`], any
+///   context) shares one state: the caps in force and the lock serialising installs;
 /// - [`DriverPoolBuilder`]: a capped pool installed for the whole run, before the framework
 ///   allocates.
 ///
@@ -31,27 +35,66 @@ use crate::ByteSize;
 /// ```
 #[derive(Clone)]
 pub struct DriverPool {
-    inner: Arc<PoolInner>,
+    /// The context this handle makes current for its driver calls.
+    ctx: Arc<CudaContext>,
+    /// The device's pool state, shared by every handle of the device.
+    shared: Arc<DeviceShared>,
 }
 
-struct PoolInner {
-    ctx: Arc<CudaContext>,
+/// What every handle of one device shares: one install lock, one record of the caps in force.
+struct DeviceShared {
+    ordinal: usize,
     name: String,
     total: u64,
-    /// The cap of the device's current pool when oomguard installed it (`maxSize`), and the
-    /// lock that serialises installs and restores of the current pool.
-    install: Mutex<Option<u64>>,
+    state: Mutex<PoolState<usize>>,
 }
 
-fn lock(m: &Mutex<Option<u64>>) -> MutexGuard<'_, Option<u64>> {
+/// One [`DeviceShared`] per device ordinal, for the process.
+static DEVICES: Mutex<Vec<Arc<DeviceShared>>> = Mutex::new(Vec::new());
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The state is consistent between calls (each operation leaves it saying what is current).
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The CUDA driver behind [`PoolState`], for the device of a context.
+struct Cuda<'a>(&'a Arc<CudaContext>);
+
+impl PoolDriver for Cuda<'_> {
+    type Pool = usize;
+    fn current(&self) -> Result<usize> {
+        self.0.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: the device handle comes from a live context.
+        let p = unsafe { result::device::get_mem_pool(self.0.cu_device()) }
+            .map_err(drv("cuDeviceGetMemPool"))?;
+        Ok(p as usize)
+    }
+    fn set_current(&self, pool: usize) -> Result<()> {
+        set_current(self.0, PoolHandle(pool as sys::CUmemoryPool))
+    }
+    fn create(&self, max_size: Option<u64>, release_threshold: Option<u64>) -> Result<usize> {
+        create_pool(self.0, max_size, release_threshold).map(|p| p.0 as usize)
+    }
+    fn trim(&self, pool: usize) {
+        // SAFETY: the state passes only live pools of this device (never a destroyed one).
+        let _ = unsafe { result::mem_pool::trim_to(pool as sys::CUmemoryPool, 0) };
+    }
+    fn synchronize(&self) {
+        let _ = self.0.synchronize();
+    }
+    fn destroy(&self, pool: usize) -> Result<()> {
+        // SAFETY: the state destroys a pool it created, once, when no budget refers to it and
+        // it is not the device's current pool.
+        unsafe { result::mem_pool::destroy(pool as sys::CUmemoryPool) }
+            .map_err(drv("cuMemPoolDestroy"))
+    }
 }
 
 impl fmt::Debug for DriverPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DriverPool")
-            .field("ordinal", &self.inner.ctx.ordinal())
-            .field("name", &self.inner.name)
+            .field("ordinal", &self.shared.ordinal)
+            .field("name", &self.shared.name)
             .finish()
     }
 }
@@ -110,22 +153,37 @@ impl DriverPool {
     }
 
     /// The pool of the device of `ctx` (e.g. candle's `CudaDevice::cuda_stream().context()`).
+    /// Every handle of one device, from any context, shares one state: the caps in force and
+    /// the lock that serialises installs and budgets.
     pub fn of_context(ctx: &Arc<CudaContext>) -> Result<Self> {
         ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
-        let name = ctx.name().map_err(drv("cuDeviceGetName"))?;
-        // SAFETY: the device handle comes from a live context.
-        let total = unsafe { result::device::total_mem(ctx.cu_device()) }
-            .map_err(drv("cuDeviceTotalMem"))?;
+        let ordinal = ctx.ordinal();
+        let shared = {
+            let mut devices = lock(&DEVICES);
+            match devices.iter().find(|d| d.ordinal == ordinal) {
+                Some(d) => d.clone(),
+                None => {
+                    let name = ctx.name().map_err(drv("cuDeviceGetName"))?;
+                    // SAFETY: the device handle comes from a live context.
+                    let total = unsafe { result::device::total_mem(ctx.cu_device()) }
+                        .map_err(drv("cuDeviceTotalMem"))?;
+                    let d = Arc::new(DeviceShared {
+                        ordinal,
+                        name,
+                        total: total as u64,
+                        state: Mutex::new(PoolState::default()),
+                    });
+                    devices.push(d.clone());
+                    d
+                }
+            }
+        };
         let pool = Self {
-            inner: Arc::new(PoolInner {
-                ctx: ctx.clone(),
-                name,
-                total: total as u64,
-                install: Mutex::new(None),
-            }),
+            ctx: ctx.clone(),
+            shared,
         };
         // The registry holds sources weakly: keep one handle per device for the process.
-        let mut kept = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = lock(&REGISTERED);
         if !kept.iter().any(|s| s.source_id() == pool.source_id()) {
             let source: Arc<dyn MemorySource> = Arc::new(pool.clone());
             super::register(&source);
@@ -145,18 +203,22 @@ impl DriverPool {
 
     /// The cudarc context.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.inner.ctx
+        &self.ctx
     }
 
     fn current_handle(&self) -> Result<PoolHandle> {
-        self.inner
-            .ctx
-            .bind_to_thread()
-            .map_err(drv("cuCtxSetCurrent"))?;
-        // SAFETY: the device handle comes from a live context.
-        let p = unsafe { result::device::get_mem_pool(self.inner.ctx.cu_device()) }
-            .map_err(drv("cuDeviceGetMemPool"))?;
-        Ok(PoolHandle(p))
+        Cuda(&self.ctx)
+            .current()
+            .map(|p| PoolHandle(p as sys::CUmemoryPool))
+    }
+
+    /// The `maxSize` oomguard installed on the device's current pool (the tightest live
+    /// budget's, else a builder's), shared by every handle of the device; `None` when no cap
+    /// is known.
+    pub fn installed_cap(&self) -> Option<u64> {
+        let mut st = lock(&self.shared.state);
+        st.repair(&Cuda(&self.ctx));
+        st.cap()
     }
 
     /// Unused bytes the current pool keeps cached across synchronisations (`RELEASE_THRESHOLD`).
@@ -189,9 +251,9 @@ static REGISTERED: Mutex<Vec<Arc<dyn MemorySource>>> = Mutex::new(Vec::new());
 impl MemorySource for DriverPool {
     fn info(&self) -> SourceInfo {
         SourceInfo {
-            device_name: self.inner.name.clone(),
-            ordinal: self.inner.ctx.ordinal(),
-            total_bytes: self.inner.total,
+            device_name: self.shared.name.clone(),
+            ordinal: self.shared.ordinal,
+            total_bytes: self.shared.total,
             kind: "driver pool",
         }
     }
@@ -209,16 +271,15 @@ impl MemorySource for DriverPool {
     }
 
     /// The device's free memory plus what the current pool caches unused, capped by the
-    /// `maxSize` oomguard installed (a builder's or a budget's) less what is in use.
+    /// `maxSize` oomguard installed (the tightest live budget's, else a builder's; through any
+    /// handle of the device) less what is in use.
     fn available(&self) -> Result<u64> {
-        self.inner
-            .ctx
-            .bind_to_thread()
-            .map_err(drv("cuCtxSetCurrent"))?;
+        let cap = self.installed_cap();
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         let (free, _total) = result::mem_get_info().map_err(drv("cuMemGetInfo"))?;
         let u = self.usage()?;
         let avail = free as u64 + u.reserved.saturating_sub(u.used);
-        Ok(match *lock(&self.inner.install) {
+        Ok(match cap {
             Some(cap) => avail.min(cap.saturating_sub(u.used)),
             None => avail,
         })
@@ -278,72 +339,62 @@ impl MemorySource for DriverPool {
     }
 
     /// Creates a pool with `maxSize = limit` on the device and makes it the device's current
-    /// pool while the guard lives; the previous pool is current again on drop, and the capped
-    /// pool is destroyed (the driver frees it once its last allocation is freed).
+    /// pool while it is the tightest live budget of the device; on drop, the pool of the next
+    /// tightest live budget, or the pool current before the first budget (or one a builder
+    /// installed since), is current again, and the capped pool is destroyed (the driver frees
+    /// it once its last allocation is freed).
     ///
     /// What it caps: bytes `cuMemAllocAsync` hands out on this device, from any thread or
-    /// stream, while the guard lives, to `limit` (rounded by the driver to its 2 MiB
+    /// stream, while the guard is in force, to `limit` (rounded by the driver to its 2 MiB
     /// granularity), so an allocation past it fails with `CUDA_ERROR_OUT_OF_MEMORY`, which the
     /// retry engine retries. What it does not cap: memory allocated before (it stays in the
     /// previous pool), allocations through an explicit pool (`cuMemAllocFromPoolAsync`) or
     /// `cuMemAlloc`, and frameworks that cache on their own. Needs CUDA 12.2+ (pool `maxSize`).
-    /// Budgets on one device nest: drop them in the reverse order of their creation (each
-    /// restores the pool that was current when it was made).
+    ///
+    /// Several budgets on one device (through any handle, from any thread) share one state, and
+    /// any order of drops is sound:
+    /// - the cap in force is the **smallest limit among the live budgets** (the newest among
+    ///   equals): a looser budget made inside a tighter one does not lift it;
+    /// - dropping a budget that is not in force changes nothing for allocations (its pool, never
+    ///   current since a tighter one was made, is destroyed);
+    /// - dropping the budget in force makes the next tightest live budget's pool current (its
+    ///   cap counts only what was allocated while its pool was current), or, when none is left,
+    ///   the base pool;
+    /// - a pool is destroyed only when no budget refers to it and it is not current; if the
+    ///   driver refuses to make another pool current, the capped pool stays current, its cap
+    ///   still reported by [`DriverPool::installed_cap`] and `available`, and it is replaced and
+    ///   destroyed at the next call that succeeds (a warning is logged).
+    ///
+    /// A limit of 0 is refused (`maxSize = 0` means no cap to the driver), as on every source.
     fn budget(&self, limit: u64) -> Result<SourceBudget> {
-        let mut cap = lock(&self.inner.install);
-        let previous = self.current_handle()?;
-        let capped = create_pool(&self.inner.ctx, Some(limit), Some(u64::MAX))?;
-        // Memory cached by the previous pool cannot serve the capped one: give it back.
-        // SAFETY: `previous` is the device's live current pool.
-        let _ = unsafe { result::mem_pool::trim_to(previous.0, 0) };
-        set_current(&self.inner.ctx, capped)?;
-        let lift = Box::new(RestorePool {
+        let id = lock(&self.shared.state).budget(&Cuda(&self.ctx), limit)?;
+        let lift = Box::new(BudgetLift {
             pool: self.clone(),
-            previous,
-            previous_cap: cap.replace(limit),
-            capped,
+            id,
         });
-        drop(cap);
         Ok(SourceBudget::new(limit, self.info(), lift))
     }
 
     fn source_id(&self) -> usize {
         // One source per device: the primary context's device.
-        0x1000_0000 + self.inner.ctx.ordinal()
+        0x1000_0000 + self.shared.ordinal
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.inner
-            .ctx
-            .synchronize()
-            .map_err(drv("cuCtxSynchronize"))
+        self.ctx.synchronize().map_err(drv("cuCtxSynchronize"))
     }
 }
 
-/// Restores the device's previous pool when a budget is dropped.
-struct RestorePool {
+/// Releases a budget of the device's shared state when dropped (see [`DriverPool`]'s
+/// `MemorySource::budget`).
+struct BudgetLift {
     pool: DriverPool,
-    previous: PoolHandle,
-    previous_cap: Option<u64>,
-    capped: PoolHandle,
+    id: u64,
 }
 
-impl Drop for RestorePool {
+impl Drop for BudgetLift {
     fn drop(&mut self) {
-        let mut cap = lock(&self.pool.inner.install);
-        if let Err(e) = set_current(&self.pool.inner.ctx, self.previous) {
-            tracing::warn!(target: "oomguard::source", error = %e, "restoring the device's memory pool failed");
-            return;
-        }
-        *cap = self.previous_cap;
-        // Let pending frees complete, then destroy: the driver releases the pool's memory when
-        // its last outstanding allocation is freed.
-        let _ = self.pool.synchronize();
-        // SAFETY: the capped pool was created by `budget` and is no longer current; it is
-        // destroyed once, here.
-        if let Err(e) = unsafe { result::mem_pool::destroy(self.capped.0) } {
-            tracing::warn!(target: "oomguard::source", error = %e, "destroying a capped memory pool failed");
-        }
+        lock(&self.pool.shared.state).release(&Cuda(&self.pool.ctx), self.id);
     }
 }
 
@@ -379,7 +430,11 @@ fn create_pool(
     let p =
         PoolHandle(unsafe { result::mem_pool::create(&props) }.map_err(drv("cuMemPoolCreate"))?);
     if let Some(t) = release_threshold {
-        p.set_attr(RELEASE_THRESHOLD, t)?;
+        if let Err(e) = p.set_attr(RELEASE_THRESHOLD, t) {
+            // SAFETY: `p` was just created here and nothing else knows it.
+            let _ = unsafe { result::mem_pool::destroy(p.0) };
+            return Err(e);
+        }
     }
     Ok(p)
 }
@@ -419,8 +474,10 @@ impl DriverPoolBuilder {
         self
     }
 
-    /// Creates the pool and makes it the device's current pool. The pool lives for the rest of
-    /// the process.
+    /// Creates the pool and makes it the device's current pool (with budgets live on the device:
+    /// once the last of them drops; their caps stay in force while they live). The pool lives
+    /// for the rest of the process. If it cannot be made current it is destroyed and the error
+    /// returned.
     pub fn install(self) -> Result<DriverPool> {
         if self.max_size == Some(0) {
             return Err(Error::InvalidArgument(
@@ -429,12 +486,11 @@ impl DriverPoolBuilder {
             ));
         }
         let pool = DriverPool::current(self.ordinal)?;
-        {
-            let mut cap = lock(&pool.inner.install);
-            let p = create_pool(&pool.inner.ctx, self.max_size, self.release_threshold)?;
-            set_current(&pool.inner.ctx, p)?;
-            *cap = self.max_size;
-        }
+        lock(&pool.shared.state).install(
+            &Cuda(&pool.ctx),
+            self.max_size,
+            self.release_threshold,
+        )?;
         Ok(pool)
     }
 }

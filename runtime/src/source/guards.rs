@@ -239,6 +239,18 @@ mod tests {
         assert!(dev.alloc::<u8>(3 << 20).is_ok());
     }
 
+    /// Issue 26, point 3: `MemorySource::budget(0)` means the same on every source: refused
+    /// (a driver pool cannot cap at 0; the old code returned a budget here that refused
+    /// everything, and one on the pool that capped nothing).
+    #[test]
+    fn a_source_budget_of_zero_is_refused() {
+        let dev = Device::sim(ByteSize::mib(64));
+        let e = MemorySource::budget(&dev, 0).unwrap_err();
+        assert!(matches!(e, crate::Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains("0 bytes"), "{e}");
+        assert!(dev.alloc::<u8>(1 << 20).is_ok());
+    }
+
     #[test]
     fn empty_cache_on_drop_releases() {
         let dev = Device::sim(ByteSize::mib(64));

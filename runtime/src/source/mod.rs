@@ -36,6 +36,8 @@ use crate::Device;
 #[cfg(feature = "cuda")]
 mod driver_pool;
 pub mod guards;
+#[cfg(any(feature = "cuda", test))]
+mod pool_state;
 
 #[cfg(feature = "cuda")]
 pub use driver_pool::{DriverPool, DriverPoolBuilder};
@@ -104,6 +106,11 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     fn memory_summary(&self) -> String;
     /// Caps what the source hands out, device-wide (every thread), to `limit` bytes allocated
     /// while the returned guard lives. See each implementation for what exactly is capped.
+    ///
+    /// A `limit` of 0 is refused with [`crate::Error::InvalidArgument`] on every source (a
+    /// driver pool cannot cap at 0 bytes: `maxSize = 0` means no cap); implementations should
+    /// do the same. [`Device::budget`] (a per-thread guard) takes 0 and refuses every
+    /// allocation.
     fn budget(&self, limit: u64) -> Result<SourceBudget>;
     /// Identity: two handles of one source return the same value.
     fn source_id(&self) -> usize;
@@ -191,13 +198,28 @@ impl MemorySource for Device {
         Device::memory_summary(self)
     }
     /// A device-wide [`MemoryBudget`] (every thread's allocations while it lives).
+    /// A limit of 0 is refused (as on every source; [`Device::budget`] takes 0).
     fn budget(&self, limit: u64) -> Result<SourceBudget> {
+        if limit == 0 {
+            return Err(zero_budget());
+        }
         let b: MemoryBudget = self.device_budget(limit);
         Ok(SourceBudget::new(limit, self.info(), Box::new(b)))
     }
     fn source_id(&self) -> usize {
         self.identity()
     }
+}
+
+/// `budget(0)` on a source: refused on every source (a driver pool's `maxSize = 0` means no
+/// cap at all, so it cannot mean "nothing may be allocated").
+pub(crate) fn zero_budget() -> crate::Error {
+    crate::Error::InvalidArgument(
+        "a budget of 0 bytes: MemorySource::budget needs a limit of at least 1 byte (a driver \
+         pool cannot cap at 0: maxSize 0 means no cap; to refuse every allocation on a Device, \
+         use Device::budget(0))"
+            .into(),
+    )
 }
 
 /// Registered sources other than [`Device`]s (devices have their own registry, [`Device::all`]).

@@ -1,0 +1,60 @@
+//! Out-of-memory in candle code on any device, CPU included: an oomguard error carried inside
+//! a `candle_core::Error` that stays classified, and memory charged to an oomguard device.
+
+use oomguard::DeviceBuffer;
+
+/// An oomguard error as a candle error, still classified by [`IsOom`](oomguard::IsOom): boxed in
+/// `candle_core::Error::Cuda`, where candle's own CUDA errors are, so an out-of-memory is
+/// one, a budget's is one (`is_budget_exceeded`), and candle's wrappers (`context`, `bt`,
+/// `with_path`) keep it so. Not `Error::wrap`/`Error::msg`, which keep only the text (never
+/// matched).
+///
+/// ```
+/// use oomguard::{ByteSize, Device, IsOom};
+/// let card = Device::sim(ByteSize::mib(1));
+/// let e = oomguard_candle::into_candle_error(card.alloc::<u8>(2 << 20).unwrap_err());
+/// assert!(e.is_oom());
+/// assert!(e.context("layer 3").is_oom());
+/// ```
+pub fn into_candle_error(e: oomguard::Error) -> candle_core::Error {
+    candle_core::Error::Cuda(Box::new(e)).bt()
+}
+
+/// `bytes` of an oomguard device's memory, held until dropped: what a candle step charges to a
+/// simulated card ([`oomguard::Device::sim`]) to stand for the memory its tensors would take
+/// on a GPU. Made by [`charge`].
+#[must_use = "the memory is given back when this is dropped: hold it while the tensors it stands for live"]
+#[derive(Debug)]
+pub struct Charge(DeviceBuffer<u8>);
+
+impl Charge {
+    /// The bytes held.
+    pub fn bytes(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// Takes `bytes` of `device`'s memory until the returned [`Charge`] drops, for testing candle
+/// code's out-of-memory handling on CPU: an OOM (the device is full, or a budget on it is
+/// exceeded) comes back as a `candle_core::Error` that [`IsOom`](oomguard::IsOom) classifies
+/// ([`into_candle_error`]), so [`train_step`](crate::train_step) and `#[oom_retry]` retry it
+/// as they would a CUDA OOM.
+///
+/// ```
+/// use oomguard::{ByteSize, Device, IsOom};
+/// let card = Device::sim(ByteSize::mib(64));
+/// let acts = oomguard_candle::charge(&card, 48 << 20)?; // 48 MiB of "activations"
+/// let e = oomguard_candle::charge(&card, 32 << 20).unwrap_err();
+/// assert!(e.is_oom() && !e.is_budget_exceeded());
+/// drop(acts);
+/// let _budget = card.budget(ByteSize::mib(8)); // this thread may hold 8 MiB
+/// let e = oomguard_candle::charge(&card, 16 << 20).unwrap_err();
+/// assert!(e.is_oom() && e.is_budget_exceeded());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn charge(device: &oomguard::Device, bytes: usize) -> candle_core::Result<Charge> {
+    device
+        .alloc::<u8>(bytes)
+        .map(Charge)
+        .map_err(into_candle_error)
+}
