@@ -42,6 +42,7 @@
 mod classify;
 #[cfg(feature = "candle")]
 mod classify_candle;
+mod commit;
 mod consensus;
 mod engine;
 mod finder;
@@ -53,6 +54,7 @@ mod report;
 mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
+pub use commit::{note_commit, AfterCommit};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{
     RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
@@ -69,7 +71,7 @@ pub use policy::{
     MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
 pub use report::{
-    clear_last_report, last_report, record_commit_error, AttemptOutcome, AttemptRecord,
-    CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+    clear_last_report, last_report, record_commit_error, record_hint, AttemptOutcome,
+    AttemptRecord, CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
 };
 pub use thrash::ThrashDetector;
