@@ -284,9 +284,14 @@ pub struct Retry<E> {
     train_batch: bool,
 }
 
-impl<E: IsOom + fmt::Display> Retry<E> {
+// The bounds are on the methods, not the impl: a step whose error type lacks `IsOom` then
+// gets `IsOom`'s own diagnostic (which names the `anyhow` feature), not "method not found".
+impl<E> Retry<E> {
     /// Starts the loop for one call.
-    pub fn new(mut cfg: RetryConfig, cache: &SiteCache) -> Self {
+    pub fn new(mut cfg: RetryConfig, cache: &SiteCache) -> Self
+    where
+        E: IsOom + fmt::Display,
+    {
         // The mode inside the function: `#[no_grad]` on it applies to each attempt, after this.
         let mode = if cfg.no_grad {
             StepMode::Eval
@@ -375,7 +380,10 @@ impl<E: IsOom + fmt::Display> Retry<E> {
     /// out-of-memory included) is the function's error, logged, recorded in
     /// [`last_report`](oomguard_runtime::retry::last_report) as the commit's, and marked
     /// ([`IsOom::after_commit`]) so that no outer layer retries it.
-    pub fn committed<T>(&self, out: Result<T, E>) -> Result<T, E> {
+    pub fn committed<T>(&self, out: Result<T, E>) -> Result<T, E>
+    where
+        E: IsOom + fmt::Display,
+    {
         let e = match out {
             Ok(v) => return Ok(v),
             Err(e) => e,
@@ -401,7 +409,10 @@ impl<E: IsOom + fmt::Display> Retry<E> {
 
     /// Takes an attempt's outcome: `Break` with the function's result, or `Continue` to run the
     /// body again with [`Retry::batch`] / [`Retry::plan`].
-    pub fn next<T>(&mut self, out: Result<T, E>) -> ControlFlow<Result<T, E>> {
+    pub fn next<T>(&mut self, out: Result<T, E>) -> ControlFlow<Result<T, E>>
+    where
+        E: IsOom + fmt::Display,
+    {
         let Some(lp) = self.lp.as_mut() else {
             return ControlFlow::Break(out);
         };

@@ -38,6 +38,12 @@
 //! runs once with the body's value, after the attempt's guards (a `#[leak_check(action =
 //! error)]` fails the step before the commit); its error, an out-of-memory included, is the
 //! function's error and is recorded in [`RetryReport::commit_error`].
+//!
+//! Steps nest: a step may run inside another step's attempt. Every commit is counted on its
+//! thread ([`note_commit`]); an attempt that fails after a commit ran inside it is not retried
+//! (the outer step fails, [`RetryReport::nested_commit`] holds the inner report), and the error
+//! is marked ([`IsOom::after_commit`]) so that no layer takes it for a retryable out-of-memory.
+//! Driving a step by hand ([`RetryLoop`]), call [`note_commit`] before its commit.
 
 mod classify;
 #[cfg(feature = "candle")]

@@ -336,18 +336,20 @@ impl fmt::Display for Headline<'_> {
         if r.failure.is_some() {
             write!(
                 f,
-                "failed at {} after {retries} retr{plural} in {:.3?}, ",
-                r.final_plan, r.elapsed
+                "failed on attempt {} ({}) in {:.3?}, not retried",
+                r.attempts.len() + 1,
+                r.final_plan,
+                r.elapsed
             )?;
-            return match &r.nested_commit {
-                Some(n) => write!(
+            if let Some(n) = &r.nested_commit {
+                write!(
                     f,
-                    "the step at {} committed during the attempt (a retry would apply its update \
-                     again)",
+                    ": the step at {} committed during the attempt (a retry would apply its \
+                     update again)",
                     n.site
-                ),
-                None => write!(f, "not retried"),
-            };
+                )?;
+            }
+            return Ok(());
         }
         write!(
             f,
