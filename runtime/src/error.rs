@@ -128,13 +128,14 @@ pub struct BudgetExceeded {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    // `transparent`: the message is the inner error's, and the error chain does not list it
-    // twice (`{:#}` of an anyhow error, a `Caused by:` list).
+    // Not `transparent`: the inner error must stay in the `source()` chain, as an `io::Error`
+    // inside a transparent wrapper (candle's `Error::Io`, a user's enum) shows only its
+    // source's source, and the OOM is classified by that type.
     /// The device (or oomguard's cache) has no memory for the request.
-    #[error(transparent)]
+    #[error("{0}")]
     Oom(#[from] OomError),
     /// A memory budget would be exceeded.
-    #[error(transparent)]
+    #[error("{0}")]
     BudgetExceeded(#[from] BudgetExceeded),
     /// A backend call failed for a reason other than out-of-memory.
     #[error("device error: {0}")]
@@ -146,6 +147,7 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// A leak check found device memory still held (`#[leak_check(action = error)]`).
+    // `transparent`: a `Caused by:` list does not show the report twice
     #[error(transparent)]
     Leak(#[from] crate::guard::LeakReport),
     /// A step retried by the OOM retry engine (`#[oom_retry]`, [`crate::retry::RetryEngine`])
