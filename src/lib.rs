@@ -99,6 +99,15 @@ pub use oomguard_runtime::*;
 /// call that returned, failed or not, is in [`retry::last_report`] (cleared when a call
 /// starts, so after a call whose attempt panicked it is `None`).
 ///
+/// **Nested steps.** A step with a commit may be called from another retried function (or
+/// from a [`retry::RetryEngine`] attempt). Once its commit has started, the update is applied:
+/// an error after that point (in the commit, or later in the outer attempt) is never retried by
+/// any outer layer, since a retry would apply the update again. The outer step fails at once
+/// with that error, and its report's [`retry::RetryReport::nested_commit`] holds the inner
+/// step's report (its `commit_error` included). The error is marked where its type can carry a
+/// mark ([`retry::IsOom::after_commit`]: [`Error::AfterCommit`], an anyhow context, an
+/// `io::Error` wrapper), so that `is_oom` says `false` for it.
+///
 /// Plans are remembered per function definition (`file:line name`, and per generic instance),
 /// per device (the device the thread allocated on: name, ordinal, capacity), and per mode
 /// (train/eval, as inside the function). [`remembered_plans`] lists them,

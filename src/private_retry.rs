@@ -8,7 +8,8 @@ use std::sync::{Mutex, OnceLock};
 
 use oomguard_runtime::retry::{
     Accumulate, BatchPlan, EmptyCacheRetry, IsOom, KeepsRows, Limits, MemoryError, MemoryKey,
-    PlanMemory, PolicyExt, RetryEngine, RetryLoop, RetryPolicy, Shrink, SiteMemo, StepMode,
+    PlanMemory, PolicyExt, RetryEngine, RetryError, RetryLoop, RetryPolicy, Shrink, SiteMemo,
+    StepMode,
 };
 
 /// Where the function is.
@@ -264,9 +265,14 @@ pub struct Retry<E> {
     train_batch: bool,
 }
 
-impl<E: IsOom + fmt::Display> Retry<E> {
+// The bounds are on the methods, not the impl: a step whose error type lacks `IsOom` then
+// gets `IsOom`'s own diagnostic (which names the `anyhow` feature), not "method not found".
+impl<E> Retry<E> {
     /// Starts the loop for one call.
-    pub fn new(mut cfg: RetryConfig, cache: &SiteCache) -> Self {
+    pub fn new(mut cfg: RetryConfig, cache: &SiteCache) -> Self
+    where
+        E: IsOom + fmt::Display,
+    {
         // The mode inside the function: `#[no_grad]` on it applies to each attempt, after this.
         let mode = if cfg.no_grad {
             StepMode::Eval
@@ -346,28 +352,48 @@ impl<E: IsOom + fmt::Display> Retry<E> {
         }
     }
 
+    /// The commit phase starts: enclosing retry loops on this thread must not rerun it.
+    pub fn commit_starting(&self) {
+        oomguard_runtime::retry::note_commit();
+    }
+
     /// The commit phase ended with `out`. It ran once and is never retried: an error (an
-    /// out-of-memory included) is the function's error, logged, and recorded in
-    /// [`last_report`](oomguard_runtime::retry::last_report) as the commit's.
-    pub fn committed<T>(&self, out: &Result<T, E>) {
-        if let Err(e) = out {
-            let oom = e.is_oom();
-            tracing::error!(
-                target: "oomguard::retry",
-                site = self.site,
-                oom,
-                error = %e,
-                "the commit phase failed; it is not retried (it runs once)"
-            );
-            if let Some(lp) = &self.lp {
-                oomguard_runtime::retry::record_commit_error(&lp.report().site, e.to_string(), oom);
-            }
+    /// out-of-memory included) is the function's error, logged, recorded in
+    /// [`last_report`](oomguard_runtime::retry::last_report) as the commit's, and marked
+    /// ([`IsOom::after_commit`]) so that no outer layer retries it.
+    pub fn committed<T>(&self, out: Result<T, E>) -> Result<T, E>
+    where
+        E: IsOom + fmt::Display,
+    {
+        let e = match out {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        let oom = e.is_oom();
+        tracing::error!(
+            target: "oomguard::retry",
+            site = self.site,
+            oom,
+            error = %e,
+            "the commit phase failed; it is not retried (it runs once)"
+        );
+        let report = self.lp.as_ref().and_then(|lp| {
+            oomguard_runtime::retry::record_commit_error(&lp.report().site, e.to_string(), oom)
+        });
+        match report {
+            Some(r) => Err(e.after_commit(&r)),
+            // no loop (a batch of 0 rows): nothing to report, still never retryable on this
+            // thread (the commit was noted)
+            None => Err(e),
         }
     }
 
     /// Takes an attempt's outcome: `Break` with the function's result, or `Continue` to run the
     /// body again with [`Retry::batch`] / [`Retry::plan`].
-    pub fn next<T>(&mut self, out: Result<T, E>) -> ControlFlow<Result<T, E>> {
+    pub fn next<T>(&mut self, out: Result<T, E>) -> ControlFlow<Result<T, E>>
+    where
+        E: IsOom + fmt::Display,
+    {
         let Some(lp) = self.lp.as_mut() else {
             return ControlFlow::Break(out);
         };
@@ -389,14 +415,20 @@ impl<E: IsOom + fmt::Display> Retry<E> {
                 }
                 ControlFlow::Break(Ok(v))
             }
-            ControlFlow::Break(Err(e)) => {
+            ControlFlow::Break(Err(mut e)) => {
                 if self.train_batch && e.is_oom() {
+                    let hint = "`batch =` does not shrink a step with gradients on (it would \
+                                train on fewer rows); use `plan =` to accumulate micro-batches, \
+                                or `#[no_grad]` for evaluation";
                     warn_visibly(&format!(
-                        "{}: out of memory in a training step: `batch =` does not shrink a \
-                         step with gradients on (it would train on fewer rows); use `plan =` \
-                         to accumulate micro-batches, or `#[no_grad]` for evaluation",
+                        "{}: out of memory in a training step: {hint}",
                         self.site
                     ));
+                    // in the returned error too (its report), and in `last_report`
+                    if let RetryError::GaveUp { report, .. } = &mut e {
+                        report.hint = Some(hint.to_string());
+                        oomguard_runtime::retry::record_hint(&report.site, hint.to_string());
+                    }
                 }
                 // One process, so the step ended with this rank's own error (a non-OOM error or
                 // the last OOM): give it back as the function's error.

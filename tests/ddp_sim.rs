@@ -52,7 +52,7 @@ fn train(
         params: vec![],
     };
     for s in 0..STEPS {
-        let _budget = budget.map(|b| dev.budget(b));
+        let _budget = budget.map(|b| dev.thread_budget(b));
         let mut step = DdpStep {
             dev: &dev,
             ops: &HostOps,

@@ -46,6 +46,13 @@ fn batch_does_not_shrink_a_training_step() {
     );
     let report = last_report().expect("a failed step has a report");
     assert_eq!(report.final_plan.batch(), 200, "no row dropped");
+    // What to change is in the returned error, not only on standard error.
+    let text = e.to_string();
+    assert!(
+        text.contains("hint: `batch =` does not shrink a step with gradients on"),
+        "{text}"
+    );
+    assert!(report.hint.is_some(), "{report}");
     // Under the caller's no_grad it evaluates, and may shrink: the caller sees the rows.
     let _g = oomguard::no_grad();
     attempts.set(0);
@@ -187,6 +194,42 @@ fn anyhow_results_are_retried_and_carry_the_report() {
         e.downcast_ref::<oomguard::retry::RetryReport>().is_some(),
         "the report is in the chain: {e:?}"
     );
+    // The final error does not repeat its context: the report attached as context leaves out
+    // the last attempt's error (it is the error below it). "forward pass" is in the line of
+    // each earlier attempt, and once in the chain.
+    let attempts = last_report().unwrap().attempts.len();
+    assert!(attempts >= 2);
+    for text in [format!("{e:#}"), format!("{e:?}")] {
+        assert_eq!(text.matches("forward pass").count(), attempts, "{text}");
+        assert!(!text.contains("forward pass: forward pass"), "{text}");
+    }
+}
+
+/// A step that fails with an error that is not an out-of-memory.
+#[oom_retry(plan = plan, remember = false)]
+fn bad_input(plan: &BatchPlan) -> Result<usize, Error> {
+    Err(Error::InvalidArgument(format!(
+        "row {} is malformed",
+        plan.batch()
+    )))
+}
+
+#[test]
+fn a_failed_steps_report_says_it_failed() {
+    let e = bad_input(&BatchPlan::whole(64).unwrap()).unwrap_err();
+    assert!(!e.is_oom());
+    let r = last_report().unwrap();
+    assert_eq!(r.failure.as_deref(), Some(e.to_string().as_str()));
+    let text = r.to_string();
+    assert!(
+        !text.contains("batch 64 in one pass after 0 retries"),
+        "reads like a success: {text}"
+    );
+    assert!(
+        text.contains("failed on attempt 1 (batch 64 in one pass)"),
+        "{text}"
+    );
+    assert!(text.contains("row 64 is malformed"), "{text}");
 }
 
 type StepResult<T> = Result<T, std::io::Error>;

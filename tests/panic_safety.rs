@@ -56,7 +56,7 @@ fn a_panic_inside_each_guard_scope_closes_it() {
         "no_grad",
     ] {
         let r = catch_unwind(AssertUnwindSafe(|| {
-            let _b = (name == "budget").then(|| dev.budget(ByteSize::mib(1)));
+            let _b = (name == "budget").then(|| dev.thread_budget(ByteSize::mib(1)));
             let _d = (name == "device budget").then(|| dev.device_budget(ByteSize::mib(1)));
             let _p = (name == "peak scope").then(|| dev.peak_scope());
             let _t =

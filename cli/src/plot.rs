@@ -67,13 +67,22 @@ pub fn svg(title: &str, report: &ReplayReport, tl: &Timeline) -> String {
     // Panel 1: bytes over events.
     let (top, ph) = (60.0, 300.0);
     let max_events = tl.samples.last().map(|s| s.event + 1).unwrap_or(1).max(1) as f64;
-    let max_bytes = tl
+    let data_max = tl
         .samples
         .iter()
         .map(|s| s.reserved.max(s.live))
         .max()
         .unwrap_or(1)
-        .max(1) as f64;
+        .max(1);
+    // The capacity is drawn as a line when it is near the data (within 2x its top: the scale
+    // grows to hold it); far above, the curves would be squashed flat, so it is named instead.
+    let capacity = report.capacity_bytes;
+    let capacity_on_scale = capacity > 0 && capacity <= data_max.saturating_mul(2);
+    let max_bytes = if capacity_on_scale {
+        data_max.max(capacity)
+    } else {
+        data_max
+    } as f64;
     let x = |e: usize| LEFT + PLOT_W * e as f64 / max_events;
     let y = |b: u64| top + ph - ph * b as f64 / max_bytes;
     let _ = writeln!(
@@ -100,6 +109,25 @@ pub fn svg(title: &str, report: &ReplayReport, tl: &Timeline) -> String {
         .collect();
     polyline(&mut o, &reserved, "#e67e22");
     polyline(&mut o, &live, "#2c7fb8");
+    if capacity_on_scale {
+        let cy = y(capacity);
+        let _ = writeln!(
+            o,
+            r##"<line class="capacity" x1="{LEFT}" x2="{}" y1="{cy:.1}" y2="{cy:.1}" stroke="#7f1d1d" stroke-width="1.5" stroke-dasharray="8 4"/><text x="{}" y="{:.1}" text-anchor="end" fill="#7f1d1d">capacity {}</text>"##,
+            LEFT + PLOT_W,
+            LEFT + PLOT_W - 4.0,
+            cy - 4.0,
+            ByteSize(capacity)
+        );
+    } else if capacity > 0 {
+        let _ = writeln!(
+            o,
+            r##"<text class="capacity" x="{}" y="{}" text-anchor="end" fill="#7f1d1d">capacity {} (above this scale)</text>"##,
+            LEFT + PLOT_W - 4.0,
+            top + 16.0,
+            ByteSize(capacity)
+        );
+    }
     let _ = writeln!(
         o,
         r##"<text x="{}" y="{}" fill="#e67e22">reserved</text><text x="{}" y="{}" fill="#2c7fb8">live</text>"##,
@@ -262,5 +290,53 @@ mod tests {
         }
         assert!(n > 10);
         assert!(s.contains("peak live (event"));
+    }
+
+    /// `plot --capacity`: the capacity is a line on the bytes panel when it is near the data,
+    /// and named when it is far above (issue 26).
+    #[test]
+    fn the_capacity_is_drawn() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../traces/resnet50.trace.csv");
+        let t = crate::detect::read_trace(std::path::Path::new(path)).unwrap();
+        let plot = |capacity: u64| {
+            let opts = ReplayOptions {
+                timeline: true,
+                capacity,
+                ..Default::default()
+            };
+            let (r, tl) = replay(&t, &opts, &mut |_| {});
+            let tl = tl.unwrap();
+            let top = tl
+                .samples
+                .iter()
+                .map(|s| s.reserved.max(s.live))
+                .max()
+                .unwrap();
+            (svg("resnet50", &r, &tl), top)
+        };
+        let (_, top) = plot(80 << 30);
+        // a card 20% larger than the peak: a horizontal line inside the frame, labelled
+        let cap = top + top / 5;
+        let (s, _) = plot(cap);
+        let line = s
+            .split('<')
+            .find(|t| t.starts_with("line class=\"capacity\""))
+            .expect("a capacity line");
+        let attr = |k: &str| -> f64 {
+            let at = line.find(&format!(" {k}=\"")).unwrap() + k.len() + 3;
+            line[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        assert_eq!(attr("y1"), attr("y2"));
+        // the top of the scale is the capacity: the line is at the frame's top (y = 60)
+        assert!((attr("y1") - 60.0).abs() < 0.1, "{line}");
+        assert!(s.contains(&format!("capacity {}", ByteSize(cap))));
+        // far above the data: named, not drawn
+        let (s, _) = plot(80 << 30);
+        assert!(!s.contains("line class=\"capacity\""));
+        assert!(
+            s.contains("capacity 80.00 GiB (above this scale)"),
+            "{}",
+            &s[..600]
+        );
     }
 }

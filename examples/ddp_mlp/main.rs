@@ -217,7 +217,7 @@ fn train(
             die(o.die_how, &label, s)?;
         }
         let t0 = Instant::now();
-        let _budget = budget.map(|b| dev.budget(b));
+        let _budget = budget.map(|b| dev.thread_budget(b));
         let step = DdpStep {
             dev,
             ops: &ops,

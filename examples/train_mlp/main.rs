@@ -301,7 +301,7 @@ fn train_timed(
         }
         let s0 = Instant::now();
         let stats = {
-            let _budget = budget.map(|b| t.dev.budget(ByteSize(b)));
+            let _budget = budget.map(|b| t.dev.thread_budget(ByteSize(b)));
             t.train_step(
                 &BatchPlan::whole(o.batch).map_err(|e| Error::InvalidArgument(e.to_string()))?,
             )?

@@ -645,9 +645,9 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                     }
                 };
                 #(#commit_rebind)*
+                #__oomguard_retry.commit_starting();
                 #call
-                #__oomguard_retry.committed(&#__oomguard_committed);
-                #__oomguard_committed
+                #__oomguard_retry.committed(#__oomguard_committed)
             })
         }
     };

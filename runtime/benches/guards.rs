@@ -56,7 +56,7 @@ fn main() {
         ns_per_pair(N, pair)
     };
     let in_budget = {
-        let _b = dev.budget(ByteSize::gib(1));
+        let _b = dev.thread_budget(ByteSize::gib(1));
         ns_per_pair(N, pair)
     };
     println!("512 B alloc+free pair, cache hit (ns per pair)");

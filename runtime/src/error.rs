@@ -128,6 +128,9 @@ pub struct BudgetExceeded {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    // Not `transparent`: the inner error must stay in the `source()` chain, as an `io::Error`
+    // inside a transparent wrapper (candle's `Error::Io`, a user's enum) shows only its
+    // source's source, and the OOM is classified by that type.
     /// The device (or oomguard's cache) has no memory for the request.
     #[error("{0}")]
     Oom(#[from] OomError),
@@ -144,7 +147,8 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// A leak check found device memory still held (`#[leak_check(action = error)]`).
-    #[error("{0}")]
+    // `transparent`: a `Caused by:` list does not show the report twice
+    #[error(transparent)]
     Leak(#[from] crate::guard::LeakReport),
     /// A step retried by the OOM retry engine (`#[oom_retry]`, [`crate::retry::RetryEngine`])
     /// gave up: its last error, with the report of every attempt (plans tried, the smallest
@@ -157,10 +161,26 @@ pub enum Error {
         /// Every attempt of the step.
         report: Box<crate::retry::RetryReport>,
     },
+    /// An error after an update was applied: the commit phase of a retried step failed (an
+    /// out-of-memory included), or a step nested in its attempt committed before the attempt
+    /// failed. Never an out-of-memory for [`Error::is_oom`] and
+    /// [`IsOom`](crate::retry::IsOom): no layer may retry it, since a retry would apply the
+    /// update again. `error` says what failed (out-of-memory or not); `report` is the step's,
+    /// with its [`commit_error`](crate::retry::RetryReport::commit_error) or
+    /// [`nested_commit`](crate::retry::RetryReport::nested_commit).
+    #[error("{error}\n{} (not retried: an update was already applied)", report.headline())]
+    AfterCommit {
+        /// The error, as the commit (or the attempt) returned it.
+        #[source]
+        error: Box<Error>,
+        /// The report of the step.
+        report: Box<crate::retry::RetryReport>,
+    },
 }
 
 impl Error {
-    /// Whether this error is an out-of-memory (device OOM or exceeded budget).
+    /// Whether this error is an out-of-memory (device OOM or exceeded budget) that a retry may
+    /// fix. [`Error::AfterCommit`] is not, whatever it holds (an update was already applied).
     pub fn is_oom(&self) -> bool {
         match self {
             Error::Oom(_) | Error::BudgetExceeded(_) => true,

@@ -263,7 +263,7 @@ fn p4_zero_byte_allocations_take_nothing() {
     }
     // through a device: an empty buffer, charging no budget
     let dev = device(ByteSize::mib(64), MODES[1]);
-    let budget = dev.budget(ByteSize(0));
+    let budget = dev.thread_budget(ByteSize(0));
     let e = dev.alloc::<f32>(0).unwrap();
     assert!(e.is_empty());
     assert_eq!(e.to_vec().unwrap(), Vec::<f32>::new());

@@ -83,7 +83,7 @@ fn empty_cache_guard_threshold() {
 #[test]
 fn budget_boundary_byte() {
     let d = dev();
-    let b = d.budget(ByteSize::mib(1));
+    let b = d.thread_budget(ByteSize::mib(1));
     let x = d.alloc::<u8>((MIB - 512) as usize).unwrap();
     assert_eq!(b.remaining(), 512);
     // One more block than remains fails, before the allocator is touched.
@@ -107,7 +107,7 @@ fn budget_boundary_byte() {
 #[test]
 fn budget_fails_before_touching_the_device() {
     let d = dev();
-    let _b = d.budget(ByteSize::mib(1));
+    let _b = d.thread_budget(ByteSize::mib(1));
     let e = d.alloc::<u8>(4 * MIB as usize).unwrap_err();
     assert!(e.is_oom(), "{e}");
     assert!(e.to_string().contains("memory budget exceeded"), "{e}");
@@ -124,7 +124,7 @@ fn budget_counts_whole_blocks_larger_than_the_request() {
     let d = native_dev();
     drop(d.alloc::<u8>(6 * MIB as usize).unwrap()); // leaves a free 20 MiB block in the cache
     let reserved = d.stats().reserved_bytes.all.current;
-    let b = d.budget(ByteSize::b(19 * MIB + 768 * KIB));
+    let b = d.thread_budget(ByteSize::b(19 * MIB + 768 * KIB));
     let e = budget_err(d.alloc::<u8>((19 * MIB + 512 * KIB) as usize).unwrap_err());
     assert_eq!(e.requested, 20 * MIB);
     assert_eq!(e.in_use, 0);
@@ -140,17 +140,17 @@ fn budget_counts_whole_blocks_larger_than_the_request() {
 #[test]
 fn nested_budgets_tightest_wins_and_frees_credit() {
     let d = dev();
-    let outer = d.budget(ByteSize::mib(4));
+    let outer = d.thread_budget(ByteSize::mib(4));
     let a = d.alloc::<u8>(2 * MIB as usize).unwrap();
     {
-        let inner = d.budget(ByteSize::mib(8)); // looser than what the outer has left
+        let inner = d.thread_budget(ByteSize::mib(8)); // looser than what the outer has left
         let e = budget_err(d.alloc::<u8>(3 * MIB as usize).unwrap_err());
         assert_eq!(e.limit, 4 * MIB, "the outer budget is the tightest");
         let b = d.alloc::<u8>(2 * MIB as usize).unwrap();
         assert_eq!((inner.used(), outer.used()), (2 * MIB, 4 * MIB));
         drop(b);
         assert_eq!((inner.used(), outer.used()), (0, 2 * MIB));
-        let tight = d.budget(ByteSize::kib(64));
+        let tight = d.thread_budget(ByteSize::kib(64));
         assert_eq!(
             budget_err(d.alloc::<u8>(65 * KIB as usize).unwrap_err()).limit,
             64 * KIB
@@ -165,7 +165,7 @@ fn nested_budgets_tightest_wins_and_frees_credit() {
 fn allocations_before_the_budget_do_not_count() {
     let d = dev();
     let before = d.alloc::<u8>(4 * MIB as usize).unwrap();
-    let b = d.budget(ByteSize::mib(1));
+    let b = d.thread_budget(ByteSize::mib(1));
     drop(before); // freeing it does not credit the budget either
     assert_eq!(b.used(), 0);
     let x = d.alloc::<u8>(MIB as usize).unwrap();
@@ -177,7 +177,7 @@ fn allocations_before_the_budget_do_not_count() {
 fn budget_restored_after_panic() {
     let d = dev();
     let r = catch_unwind(AssertUnwindSafe(|| {
-        let _b = d.budget(ByteSize::kib(1));
+        let _b = d.thread_budget(ByteSize::kib(1));
         let _x = d.alloc::<u8>(1024).unwrap();
         panic!("boom");
     }));
@@ -189,14 +189,14 @@ fn budget_restored_after_panic() {
 #[test]
 fn free_on_another_thread_and_after_scope_end_credits_safely() {
     let d = dev();
-    let b = d.budget(ByteSize::mib(2));
+    let b = d.thread_budget(ByteSize::mib(2));
     let x = d.alloc::<u8>(MIB as usize).unwrap();
     let y = d.alloc::<u8>(MIB as usize).unwrap();
     thread::spawn(move || drop(x)).join().unwrap();
     assert_eq!(b.used(), MIB);
     drop(b);
     drop(y); // freed after the scope ended
-    let b2 = d.budget(ByteSize::mib(2));
+    let b2 = d.thread_budget(ByteSize::mib(2));
     assert_eq!(b2.used(), 0);
     let z = d.alloc::<u8>(2 * MIB as usize).unwrap();
     assert_eq!(b2.remaining(), 0);
@@ -207,7 +207,7 @@ fn free_on_another_thread_and_after_scope_end_credits_safely() {
 #[test]
 fn budgets_are_per_thread_unless_device_wide() {
     let d = dev();
-    let b = d.budget(ByteSize::mib(1));
+    let b = d.thread_budget(ByteSize::mib(1));
     let d2 = d.clone();
     let other = thread::spawn(move || d2.alloc::<u8>(4 * MIB as usize).map(drop))
         .join()
@@ -239,7 +239,7 @@ fn guards_on_several_threads_at_once() {
         .map(|i| {
             let d = d.clone();
             thread::spawn(move || {
-                let b = d.budget(ByteSize::mib(i));
+                let b = d.thread_budget(ByteSize::mib(i));
                 let p = d.peak_scope();
                 let mut held = Vec::new();
                 for _ in 0..i * 4 {
@@ -290,7 +290,7 @@ fn device_wide_budget_under_concurrency_never_exceeded() {
 #[test]
 fn budgets_are_per_device() {
     let (a, b) = (dev(), dev());
-    let _budget = a.budget(ByteSize::kib(1));
+    let _budget = a.thread_budget(ByteSize::kib(1));
     assert!(b.alloc::<u8>(MIB as usize).is_ok());
     assert!(a.alloc::<u8>(MIB as usize).is_err());
 }
@@ -496,4 +496,50 @@ fn allocator_history_sees_the_callers_line_through_a_guard() {
     assert_eq!(alloc.frames[0].filename, file!());
     assert_eq!(alloc.frames[0].line, line);
     drop(x);
+}
+
+/// `Device::thread_budget` caps this thread's allocations; the device-wide cap is
+/// `MemorySource::budget` (and `Device::device_budget`): two names for two meanings (issue 26).
+#[test]
+fn thread_budget_is_per_thread_and_the_source_budget_device_wide() {
+    use oomguard_runtime::source::MemorySource;
+    let d = Device::sim(ByteSize::gib(1));
+    let other = |d: &Device| {
+        let d = d.clone();
+        std::thread::spawn(move || d.alloc::<u8>(2 << 20).map(drop))
+            .join()
+            .unwrap()
+    };
+    {
+        let _b = d.thread_budget(ByteSize::mib(1));
+        assert!(d.alloc::<u8>(2 << 20).unwrap_err().is_oom());
+        assert!(other(&d).is_ok(), "another thread is not capped");
+    }
+    let _b = MemorySource::budget(&d, 1 << 20).unwrap();
+    assert!(d.alloc::<u8>(2 << 20).unwrap_err().is_oom());
+    assert!(other(&d).unwrap_err().is_oom(), "every thread is capped");
+}
+
+/// A clean leak check says so; the advice about what is still alive comes only with a leak.
+#[test]
+fn a_clean_leak_check_does_not_claim_a_leak() {
+    use oomguard_runtime::source::guards::UsageLeakCheck;
+    let d = Device::sim(ByteSize::gib(1));
+    let check = UsageLeakCheck::new(&d).unwrap();
+    drop(d.alloc::<u8>(1 << 20).unwrap());
+    let clean = check.finish().unwrap();
+    assert!(!clean.exceeds_allowance());
+    let text = clean.to_string();
+    assert!(!text.contains("still alive"), "{text}");
+    assert!(text.contains("no leak"), "{text}");
+    let check = UsageLeakCheck::new(&d).unwrap();
+    let kept = d.alloc::<u8>(1 << 20).unwrap();
+    let leak = check.finish().unwrap();
+    assert!(leak.to_string().contains("still alive"), "{leak}");
+    drop(kept);
+    // the per-allocation check of a Device, too
+    let check = d.leak_check();
+    let text = check.report().to_string();
+    assert!(text.contains("no leak"), "{text}");
+    check.finish().unwrap();
 }

@@ -97,7 +97,7 @@ fn eight_threads_with_guard_scopes_and_cross_thread_frees() {
                 };
                 for _ in 0..300 {
                     let r = next();
-                    let budget = (r % 3 == 0).then(|| dev.budget(ByteSize::mib(8)));
+                    let budget = (r % 3 == 0).then(|| dev.thread_budget(ByteSize::mib(8)));
                     let peak = (r % 5 == 0).then(|| dev.peak_scope());
                     let mut held = Vec::new();
                     for _ in 0..(r >> 8) % 6 {

@@ -39,7 +39,7 @@ fn frees_on_other_threads_under_budgets_and_leak_checks() {
                 s.spawn(move || {
                     let mut next = xorshift(0x5151 ^ (t as u64) << 24);
                     for round in 0..40 {
-                        let budget = dev.budget(ByteSize::mib(64));
+                        let budget = dev.thread_budget(ByteSize::mib(64));
                         let leaks = dev.leak_check();
                         let mut kept = Vec::new();
                         for k in 0..16 {

@@ -23,7 +23,7 @@ use crate::ByteSize;
 /// ```
 /// use oomguard_runtime::{ByteSize, Device, Error};
 /// let dev = Device::sim(ByteSize::gib(8));
-/// let budget = dev.budget(ByteSize::mib(1));
+/// let budget = dev.thread_budget(ByteSize::mib(1));
 /// let a = dev.alloc::<u8>(512 << 10).unwrap();
 /// let b = dev.alloc::<u8>(512 << 10).unwrap(); // exactly the rest: fits
 /// let err = dev.alloc::<u8>(1).unwrap_err();
@@ -94,9 +94,11 @@ impl std::fmt::Debug for MemoryBudget {
 
 impl Device {
     /// A budget of `limit` for this thread's allocations on this device, until the guard drops;
-    /// see [`MemoryBudget`].
+    /// see [`MemoryBudget`]. For every thread's allocations: [`Device::device_budget`] (or
+    /// [`MemorySource::budget`](crate::source::MemorySource::budget), the same cap on any
+    /// memory source).
     #[track_caller]
-    pub fn budget(&self, limit: impl Into<ByteSize>) -> MemoryBudget {
+    pub fn thread_budget(&self, limit: impl Into<ByteSize>) -> MemoryBudget {
         let limit = limit.into().bytes();
         MemoryBudget {
             guard: ScopeGuard::open(
@@ -108,8 +110,21 @@ impl Device {
         }
     }
 
+    /// A budget of `limit` for this thread's allocations: renamed
+    /// [`Device::thread_budget`], so that it no longer reads like the device-wide
+    /// [`MemorySource::budget`](crate::source::MemorySource::budget) it shadows.
+    #[deprecated(
+        since = "0.1.0",
+        note = "per thread: use `Device::thread_budget`; for every thread's allocations use \
+                `Device::device_budget` (or `MemorySource::budget`)"
+    )]
+    #[track_caller]
+    pub fn budget(&self, limit: impl Into<ByteSize>) -> MemoryBudget {
+        self.thread_budget(limit)
+    }
+
     /// A budget of `limit` for every thread's allocations on this device, until the guard
-    /// drops: `device.budget(limit).device_wide()`.
+    /// drops: `device.thread_budget(limit).device_wide()`.
     ///
     /// ```
     /// use oomguard_runtime::{ByteSize, Device};
@@ -121,7 +136,7 @@ impl Device {
     /// ```
     #[track_caller]
     pub fn device_budget(&self, limit: impl Into<ByteSize>) -> MemoryBudget {
-        self.budget(limit).device_wide()
+        self.thread_budget(limit).device_wide()
     }
 
     /// Caps the memory this device's allocator may hold at `fraction` of the device's capacity,

@@ -148,6 +148,9 @@ impl fmt::Display for LeakReport {
             ByteSize(self.total_bytes),
             ByteSize(self.allowed_bytes),
         )?;
+        if !self.exceeds_allowance() {
+            write!(f, ": no leak")?;
+        }
         for l in &self.leaks {
             write!(
                 f,

@@ -6,7 +6,7 @@
 //! | --- | --- |
 //! | wrap inference in `torch.no_grad()` | [`no_grad`], [`inference_mode`], [`with_no_grad`] |
 //! | `del x; torch.cuda.empty_cache()` | [`Device::empty_cache_guard`](crate::Device::empty_cache_guard) ([`EmptyCacheOnDrop`]) |
-//! | watch `memory_allocated()` | [`Device::budget`](crate::Device::budget) ([`MemoryBudget`]), [`Device::set_memory_fraction`](crate::Device::set_memory_fraction) |
+//! | watch `memory_allocated()` | [`Device::thread_budget`](crate::Device::thread_budget) ([`MemoryBudget`]), [`Device::set_memory_fraction`](crate::Device::set_memory_fraction) |
 //! | don't keep tensors alive | [`Device::leak_check`](crate::Device::leak_check) ([`LeakCheck`]) |
 //! | `max_memory_allocated()` around a region | [`Device::peak_scope`](crate::Device::peak_scope) ([`PeakScope`]) |
 //!
@@ -21,7 +21,7 @@
 //! ```
 //! use oomguard_runtime::{no_grad, ByteSize, Device};
 //! let dev = Device::sim(ByteSize::gib(1));
-//! let _budget = dev.budget(ByteSize::mib(64));
+//! let _budget = dev.thread_budget(ByteSize::mib(64));
 //! let peak = dev.peak_scope();
 //! let leaks = dev.leak_check();
 //! {
@@ -81,8 +81,8 @@ mod tests {
     fn every_scope_closes_on_unwind() {
         let dev = Device::sim(ByteSize::gib(1));
         let r = catch_unwind(AssertUnwindSafe(|| {
-            let _b = dev.budget(ByteSize::mib(1)).device_wide();
-            let _c = dev.budget(ByteSize::mib(1));
+            let _b = dev.thread_budget(ByteSize::mib(1)).device_wide();
+            let _c = dev.thread_budget(ByteSize::mib(1));
             let _p = dev.peak_scope();
             let _l = dev.leak_check();
             let _e = dev.empty_cache_guard();

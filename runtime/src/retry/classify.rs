@@ -7,6 +7,7 @@
 
 use std::error::Error as StdError;
 
+use super::commit::{AfterCommit, AfterCommitIo};
 use super::report::RetryReport;
 use crate::backend::BackendError;
 use crate::error::{BudgetExceeded, Error, OomError};
@@ -37,6 +38,12 @@ use crate::error::{BudgetExceeded, Error, OomError};
 /// assert!(err.is_oom());
 /// assert!(!TrainError::Data("bad row".into()).is_oom());
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not implement `IsOom`: the retry engine cannot tell whether it is an out-of-memory",
+    label = "the error type of this step",
+    note = "for `anyhow::Error` (`anyhow::Result`), enable oomguard's `anyhow` feature: oomguard = {{ version = \"0.1\", features = [\"anyhow\"] }}",
+    note = "for `candle_core::Error`, enable the `candle` feature (or use oomguard-candle); for an error type of your own, implement `oomguard::retry::IsOom` for it"
+)]
 pub trait IsOom {
     /// `true` when the error is an out-of-memory.
     fn is_oom(&self) -> bool;
@@ -58,6 +65,22 @@ pub trait IsOom {
     {
         self
     }
+
+    /// The error of a step after an update was applied: its commit failed, or a step nested in
+    /// its attempt committed before the attempt failed. No layer may retry it (a retry would
+    /// apply the update again), so it is marked where the type can carry a mark, and
+    /// [`IsOom::is_oom`] of the result is `false`: oomguard's [`Error`] becomes
+    /// [`Error::AfterCommit`], an `anyhow::Error` gets an [`AfterCommit`] context, an
+    /// `io::Error` is wrapped (kind `Other`). An error already marked is returned as it is (it
+    /// carries the innermost report). By default the error is returned unchanged: the engines
+    /// still refuse to retry it on this thread, as they count commits
+    /// ([`note_commit`](super::note_commit)), but a retry loop of your own would not know.
+    fn after_commit(self, _report: &RetryReport) -> Self
+    where
+        Self: Sized,
+    {
+        self
+    }
 }
 
 impl IsOom for Error {
@@ -74,8 +97,17 @@ impl IsOom for Error {
     fn with_retry_report(self, report: &RetryReport) -> Self {
         match self {
             // a nested retried step: keep the inner report, the outer is in `last_report`
-            e @ Error::RetriesExhausted { .. } => e,
+            e @ (Error::RetriesExhausted { .. } | Error::AfterCommit { .. }) => e,
             error => Error::RetriesExhausted {
+                error: Box::new(error),
+                report: Box::new(report.clone()),
+            },
+        }
+    }
+    fn after_commit(self, report: &RetryReport) -> Self {
+        match self {
+            e @ Error::AfterCommit { .. } => e,
+            error => Error::AfterCommit {
                 error: Box::new(error),
                 report: Box::new(report.clone()),
             },
@@ -116,6 +148,17 @@ impl IsOom for std::io::Error {
             },
         )
     }
+    fn after_commit(self, report: &RetryReport) -> Self {
+        if self.get_ref().is_some_and(|e| e.is::<AfterCommitIo>()) {
+            return self;
+        }
+        std::io::Error::other(AfterCommitIo {
+            error: self,
+            mark: AfterCommit {
+                report: Box::new(report.clone()),
+            },
+        })
+    }
 }
 
 /// An `io::Error` with the report of the retried step that gave up (see
@@ -140,14 +183,27 @@ impl StdError for ReportedIo {
 
 #[cfg(feature = "anyhow")]
 impl IsOom for anyhow::Error {
+    // anyhow's contexts are not in the `source()` chain as their own types: an `AfterCommit`
+    // context is found by downcasting.
     fn is_oom(&self) -> bool {
-        chain_is_oom(self.as_ref())
+        self.downcast_ref::<AfterCommit>().is_none() && chain_is_oom(self.as_ref())
     }
     fn is_budget_exceeded(&self) -> bool {
-        chain_is_budget(self.as_ref())
+        self.downcast_ref::<AfterCommit>().is_none() && chain_is_budget(self.as_ref())
     }
     fn with_retry_report(self, report: &RetryReport) -> Self {
+        if self.downcast_ref::<AfterCommit>().is_some() {
+            return self;
+        }
         self.context(report.clone())
+    }
+    fn after_commit(self, report: &RetryReport) -> Self {
+        if self.downcast_ref::<AfterCommit>().is_some() {
+            return self;
+        }
+        self.context(AfterCommit {
+            report: Box::new(report.clone()),
+        })
     }
 }
 
@@ -262,6 +318,10 @@ fn chain_any(
     // Bounded, in case a source chain loops.
     for _ in 0..64 {
         let Some(e) = cur else { return false };
+        if is_after_commit(e) {
+            // an update was applied: nothing below makes it retryable
+            return false;
+        }
         if pred(e) {
             return true;
         }
@@ -274,6 +334,13 @@ fn chain_any(
         };
     }
     false
+}
+
+/// Whether `e` is the mark of an error after a commit ([`IsOom::after_commit`]).
+fn is_after_commit(e: &(dyn StdError + 'static)) -> bool {
+    e.is::<AfterCommit>()
+        || e.is::<AfterCommitIo>()
+        || matches!(e.downcast_ref::<Error>(), Some(Error::AfterCommit { .. }))
 }
 
 fn known_is_oom(e: &(dyn StdError + 'static)) -> bool {

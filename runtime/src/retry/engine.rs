@@ -258,6 +258,7 @@ impl RetryEngine {
     {
         let site = Location::caller();
         let (g, report) = self.drive(site, device, batch, &mut ClosureAttempt(attempt))?;
+        super::commit::note_commit();
         Ok(Retried {
             value: commit(g),
             report,
@@ -275,6 +276,7 @@ impl RetryEngine {
     ) -> Result<Retried<S::Output>, RetryError<S::Error>> {
         let site = Location::caller();
         let ((), report) = self.drive(site, device, batch, &mut StepAttempt(&mut *step))?;
+        super::commit::note_commit();
         Ok(Retried {
             value: step.commit(),
             report,
@@ -410,6 +412,7 @@ impl RetryEngine {
                 plan: start,
                 started: Instant::now(),
                 retries_before: crate::alloc::thread_alloc_retries(),
+                commits_before: super::commit::commits(),
                 elapsed: None,
                 report: std::sync::OnceLock::new(),
             }),
@@ -501,6 +504,9 @@ impl RetryEngine {
             elapsed: Default::default(),
             commit_error: None,
             memory_error,
+            failure: None,
+            nested_commit: None,
+            hint: None,
         };
         Ok(RetryLoop::full(FullLoop {
             device_addr: Device::thread_device_addr(),
@@ -518,6 +524,7 @@ impl RetryEngine {
             oom_count: 0,
             started,
             attempt_started: started,
+            commits_before: super::commit::commits(),
             done: false,
         }))
     }
@@ -738,6 +745,9 @@ struct FullLoop<E> {
     started: Instant,
     attempt_started: Instant,
     retries_before: u64,
+    /// Commits on the thread when the attempt started: a commit during a failed attempt (of a
+    /// step nested in it) makes the failure final ([`super::commit`]).
+    commits_before: u64,
     done: bool,
 }
 
@@ -803,8 +813,11 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let retries_after = self.target.alloc_retries();
         let plan = self.plan;
         let mut budget = false;
+        // A step nested in the attempt committed: rerunning the attempt would commit it again.
+        let nested_commit = result.is_err() && super::commit::commits() != self.commits_before;
         let (status, proposal) = match &result {
             Ok(_) => (OK, plan),
+            Err(_) if nested_commit => (FATAL, plan),
             Err(e) if e.is_oom() => {
                 self.oom_count += 1;
                 budget = e.is_budget_exceeded();
@@ -841,6 +854,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let mut v = encode(status, &proposal, self.batch);
         if let Err(e) = self.engine.agree(&mut v) {
             self.done = true;
+            self.report.failure = Some(e.to_string());
             self.report.elapsed = now.saturating_duration_since(self.started);
             super::report::set_last_report(&self.report);
             return ControlFlow::Break(Err(RetryError::Consensus(e)));
@@ -894,9 +908,36 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                     self.done = true;
                     self.report.final_plan = plan;
                     self.report.elapsed = now.saturating_duration_since(self.started);
-                    super::report::set_last_report(&self.report);
+                    let error = if nested_commit {
+                        tracing::error!(
+                            target: "oomguard::retry",
+                            site = %self.report.site,
+                            error = %e,
+                            "the attempt failed after a nested step committed: not retried \
+                             (a retry would apply its update again)"
+                        );
+                        let (seq, inner) = super::report::committed_since(self.commits_before)
+                            .map_or((super::commit::commits(), None), |(s, r)| (s, Some(r)));
+                        self.report.failure = Some(match &inner {
+                            Some(_) => text,
+                            // a commit noted by hand, without a report of its step
+                            None => format!(
+                                "a commit ran on this thread during the attempt, so it is not \
+                                 retried: {text}"
+                            ),
+                        });
+                        self.report.nested_commit = inner.map(Box::new);
+                        super::report::set_last_report(&self.report);
+                        // enclosing steps find this report, which holds the nested one
+                        super::report::mark_last_committed(seq);
+                        e.after_commit(&self.report)
+                    } else {
+                        self.report.failure = Some(text);
+                        super::report::set_last_report(&self.report);
+                        e
+                    };
                     return ControlFlow::Break(Err(RetryError::Step {
-                        error: e,
+                        error,
                         report: Box::new(self.report.clone()),
                     }));
                 }
@@ -964,6 +1005,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         }
         self.plan = next;
         self.retries_before = self.target.alloc_retries();
+        self.commits_before = super::commit::commits();
         self.attempt_started = now;
         ControlFlow::Continue(())
     }
@@ -994,6 +1036,8 @@ struct LazyLoop {
     plan: BatchPlan,
     started: Instant,
     retries_before: u64,
+    /// Commits on the thread when the attempt started ([`super::commit`]).
+    commits_before: u64,
     /// The step ended: how long it took.
     elapsed: Option<std::time::Duration>,
     /// [`RetryLoop::report`], made when asked for.
@@ -1015,6 +1059,9 @@ impl LazyLoop {
             elapsed: self.elapsed.unwrap_or_default(),
             commit_error: None,
             memory_error: None,
+            failure: None,
+            nested_commit: None,
+            hint: None,
         }
     }
 
@@ -1047,6 +1094,7 @@ impl LazyLoop {
             started: self.started,
             attempt_started: self.started,
             retries_before: self.retries_before,
+            commits_before: self.commits_before,
             done: false,
         }
     }

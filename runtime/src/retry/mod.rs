@@ -38,10 +38,17 @@
 //! runs once with the body's value, after the attempt's guards (a `#[leak_check(action =
 //! error)]` fails the step before the commit); its error, an out-of-memory included, is the
 //! function's error and is recorded in [`RetryReport::commit_error`].
+//!
+//! Steps nest: a step may run inside another step's attempt. Every commit is counted on its
+//! thread ([`note_commit`]); an attempt that fails after a commit ran inside it is not retried
+//! (the outer step fails, [`RetryReport::nested_commit`] holds the inner report), and the error
+//! is marked ([`IsOom::after_commit`]) so that no layer takes it for a retryable out-of-memory.
+//! Driving a step by hand ([`RetryLoop`]), call [`note_commit`] before its commit.
 
 mod classify;
 #[cfg(feature = "candle")]
 mod classify_candle;
+mod commit;
 mod consensus;
 mod engine;
 mod finder;
@@ -53,6 +60,7 @@ mod report;
 mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
+pub use commit::{note_commit, AfterCommit};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{
     RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
@@ -69,7 +77,7 @@ pub use policy::{
     KeepsRows, MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
 pub use report::{
-    clear_last_report, last_report, record_commit_error, AttemptOutcome, AttemptRecord,
-    CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+    clear_last_report, last_report, record_commit_error, record_hint, AttemptOutcome,
+    AttemptRecord, CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
 };
 pub use thrash::ThrashDetector;

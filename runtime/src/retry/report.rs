@@ -75,6 +75,19 @@ pub struct RetryReport {
     /// The plan file could not be read or written (corrupt, locked, unwritable): what is
     /// remembered is not persisted, and why.
     pub memory_error: Option<String>,
+    /// The step failed without a retry: the message of the error that ended it (an error that
+    /// is not an out-of-memory, or any error after a nested step committed, see
+    /// [`RetryReport::nested_commit`]). `None` when the step succeeded or gave up
+    /// ([`RetryReport::gave_up`]).
+    pub failure: Option<String>,
+    /// A step nested in this step's attempt committed (its update was applied), then the
+    /// attempt failed: it was not retried, since a retry would apply that update again. The
+    /// nested step's report, with its [`commit_error`](RetryReport::commit_error) when its
+    /// commit failed (the last one, when several committed).
+    pub nested_commit: Option<Box<RetryReport>>,
+    /// What to change, when the engine can tell (e.g. `batch =` on a training step, which is
+    /// never shrunk).
+    pub hint: Option<String>,
 }
 
 /// A commit phase that failed (see [`RetryReport::commit_error`]).
@@ -94,11 +107,38 @@ struct LastSlot {
     /// While `find_max_batch` runs a trial: the first step that ended on this thread without
     /// running its whole batch in one pass (see [`watch_steps`]).
     watch: Option<Option<RetryReport>>,
+    /// The commit number ([`super::commit`]) of `report`'s step when it committed, else 0.
+    committed: u64,
+    /// The report of the last step that committed, once a later step replaced it in `report`:
+    /// an enclosing step whose attempt fails reads it ([`committed_since`]).
+    prior: Option<RetryReport>,
+    /// `prior`'s commit number (0: none).
+    prior_committed: u64,
+}
+
+impl LastSlot {
+    /// `report` is about to be replaced: a committed one moves to `prior` (their buffers are
+    /// swapped, so that none is allocated).
+    fn keep_committed(&mut self) {
+        if self.valid && self.committed != 0 {
+            std::mem::swap(&mut self.report, &mut self.prior);
+            self.prior_committed = self.committed;
+        }
+        self.committed = 0;
+    }
 }
 
 thread_local! {
-    static LAST: std::cell::RefCell<LastSlot> =
-        const { std::cell::RefCell::new(LastSlot { valid: false, report: None, watch: None }) };
+    static LAST: std::cell::RefCell<LastSlot> = const {
+        std::cell::RefCell::new(LastSlot {
+            valid: false,
+            report: None,
+            watch: None,
+            committed: 0,
+            prior: None,
+            prior_committed: 0,
+        })
+    };
 }
 
 /// Whether a step ran (or tried) its whole requested batch in one pass (what a batch finder
@@ -127,6 +167,33 @@ pub(crate) fn watch_steps(on: bool) -> Option<RetryReport> {
     .flatten()
 }
 
+/// Marks the last report as its step's commit number `n` (its commit is starting).
+pub(crate) fn mark_last_committed(n: u64) {
+    let _ = LAST.try_with(|l| {
+        let mut l = l.borrow_mut();
+        if l.valid {
+            l.committed = n;
+        }
+    });
+}
+
+/// The report of the last step on this thread that committed after commit number `seq`, with
+/// its commit number.
+pub(crate) fn committed_since(seq: u64) -> Option<(u64, RetryReport)> {
+    LAST.try_with(|l| {
+        let l = l.borrow();
+        if l.valid && l.committed > seq {
+            return l.report.clone().map(|r| (l.committed, r));
+        }
+        if l.prior_committed > seq {
+            return l.prior.clone().map(|r| (l.prior_committed, r));
+        }
+        None
+    })
+    .ok()
+    .flatten()
+}
+
 /// The report of the last step on this thread (through any [`RetryEngine`] use, `#[oom_retry]`
 /// included), to see the retries a step took, the plan it ran with and the rows it processed
 /// (`final_plan.batch()` of `requested_batch`). Cleared when a step starts and set when it
@@ -142,15 +209,32 @@ pub fn last_report() -> Option<RetryReport> {
 }
 
 /// Records that the commit phase of the step last reported on this thread at `site` failed
-/// (the macros' glue calls it; a hand-written commit may too).
-pub fn record_commit_error(site: &str, error: String, oom: bool) {
+/// (the macros' glue calls it; a hand-written commit may too). Returns the report with the
+/// failure recorded (`None` when the last report is not `site`'s).
+pub fn record_commit_error(site: &str, error: String, oom: bool) -> Option<RetryReport> {
+    LAST.try_with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.valid {
+            return None;
+        }
+        let r = l.report.as_mut().filter(|r| r.site == site)?;
+        r.commit_error = Some(CommitFailure { error, oom });
+        Some(r.clone())
+    })
+    .ok()
+    .flatten()
+}
+
+/// Adds `hint` ([`RetryReport::hint`]) to the report of the step last reported on this thread
+/// at `site` (the macros' glue calls it when it knows what the user should change).
+pub fn record_hint(site: &str, hint: String) {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
         if !l.valid {
             return;
         }
         if let Some(r) = l.report.as_mut().filter(|r| r.site == site) {
-            r.commit_error = Some(CommitFailure { error, oom });
+            r.hint = Some(hint);
         }
     });
 }
@@ -158,12 +242,17 @@ pub fn record_commit_error(site: &str, error: String, oom: bool) {
 /// Forgets this thread's last report (every step does when it starts; `#[oom_retry]` also
 /// when a call has nothing to plan, such as a batch of 0 rows).
 pub fn clear_last_report() {
-    let _ = LAST.try_with(|l| l.borrow_mut().valid = false);
+    let _ = LAST.try_with(|l| {
+        let mut l = l.borrow_mut();
+        l.keep_committed();
+        l.valid = false;
+    });
 }
 
 pub(crate) fn set_last_report(r: &RetryReport) {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
+        l.keep_committed();
         if let Some(first @ None) = &mut l.watch {
             if !one_pass(r) {
                 *first = Some(r.clone());
@@ -187,6 +276,7 @@ pub(crate) fn set_last_clean(
 ) {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
+        l.keep_committed();
         let r = l.report.get_or_insert_with(|| RetryReport {
             site: String::new(),
             mode,
@@ -200,6 +290,9 @@ pub(crate) fn set_last_clean(
             elapsed,
             commit_error: None,
             memory_error: None,
+            failure: None,
+            nested_commit: None,
+            hint: None,
         });
         if r.site != site {
             r.site.clear();
@@ -216,6 +309,9 @@ pub(crate) fn set_last_clean(
         r.elapsed = elapsed;
         r.commit_error = None;
         r.memory_error = None;
+        r.failure = None;
+        r.nested_commit = None;
+        r.hint = None;
         l.valid = true;
         if plan.num_chunks() > 1 {
             if let Some(None) = l.watch {
@@ -238,34 +334,87 @@ impl RetryReport {
     }
 }
 
+impl RetryReport {
+    /// The first line of the report: the site, and what happened to the step.
+    pub(crate) fn headline(&self) -> Headline<'_> {
+        Headline(self)
+    }
+
+    /// The copy of the report an error carries ([`IsOom::with_retry_report`]): the last
+    /// attempt's error text is left out, as it is the error the report is attached to.
+    pub(crate) fn attached(&self) -> RetryReport {
+        let mut r = self.clone();
+        if r.gave_up() {
+            if let Some(a) = r.attempts.last_mut() {
+                a.error = None;
+            }
+        }
+        r
+    }
+}
+
+/// [`RetryReport::headline`].
+pub(crate) struct Headline<'a>(&'a RetryReport);
+
+impl fmt::Display for Headline<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = self.0;
+        let retries = r.retries();
+        let plural = if retries == 1 { "y" } else { "ies" };
+        write!(f, "{} ({:?}): ", r.site, r.mode)?;
+        if r.gave_up() {
+            return write!(
+                f,
+                "gave up (out of memory) after {} attempt{} ({retries} retr{plural}); last tried \
+                 {} in {:.3?}",
+                r.attempts.len(),
+                if r.attempts.len() == 1 { "" } else { "s" },
+                r.final_plan,
+                r.elapsed
+            );
+        }
+        if r.failure.is_some() {
+            write!(
+                f,
+                "failed on attempt {} ({}) in {:.3?}, not retried",
+                r.attempts.len() + 1,
+                r.final_plan,
+                r.elapsed
+            )?;
+            if let Some(n) = &r.nested_commit {
+                write!(
+                    f,
+                    ": the step at {} committed during the attempt (a retry would apply its \
+                     update again)",
+                    n.site
+                )?;
+            }
+            return Ok(());
+        }
+        write!(
+            f,
+            "{} after {retries} retr{plural} in {:.3?}",
+            r.final_plan, r.elapsed
+        )?;
+        if let Some(c) = &r.commit_error {
+            let what = if c.oom { "out of memory" } else { "an error" };
+            write!(f, ", then its commit failed ({what}; not retried)")?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for RetryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let retries = self.retries();
-        let plural = if retries == 1 { "y" } else { "ies" };
-        if self.gave_up() {
-            write!(
-                f,
-                "{} ({:?}): gave up (out of memory) after {} attempt{} ({retries} retr{plural}); \
-                 last tried {} in {:.3?}",
-                self.site,
-                self.mode,
-                self.attempts.len(),
-                if self.attempts.len() == 1 { "" } else { "s" },
-                self.final_plan,
-                self.elapsed
-            )?;
-        } else {
-            write!(
-                f,
-                "{} ({:?}): {} after {retries} retr{plural} in {:.3?}",
-                self.site, self.mode, self.final_plan, self.elapsed
-            )?;
-        }
+        write!(f, "{}", self.headline())?;
         for (i, a) in self.attempts.iter().enumerate() {
             write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;
             if let Some(e) = &a.error {
                 write!(f, ": {e}")?;
             }
+        }
+        if let Some(e) = &self.failure {
+            write!(f, "\n  error: {e}")?;
         }
         if let Some(m) = &self.memory_error {
             write!(f, "\n  plan file: {m}")?;
@@ -273,6 +422,19 @@ impl fmt::Display for RetryReport {
         if let Some(c) = &self.commit_error {
             let what = if c.oom { "out of memory" } else { "error" };
             write!(f, "\n  commit failed ({what}, not retried): {}", c.error)?;
+        }
+        if let Some(h) = &self.hint {
+            write!(f, "\n  hint: {h}")?;
+        }
+        if let Some(n) = &self.nested_commit {
+            write!(f, "\n  nested step that committed: ")?;
+            // indented one level more
+            for (i, line) in n.to_string().lines().enumerate() {
+                if i > 0 {
+                    f.write_str("\n  ")?;
+                }
+                f.write_str(line)?;
+            }
         }
         Ok(())
     }
@@ -340,7 +502,7 @@ impl<E> RetryError<E> {
                 .into_iter()
                 .rev()
                 .find_map(|f| f.error)
-                .map(|e| e.with_retry_report(&report)),
+                .map(|e| e.with_retry_report(&report.attached())),
             _ => None,
         }
     }
@@ -359,7 +521,15 @@ impl<E> RetryError<E> {
 impl<E: fmt::Display> fmt::Display for RetryError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RetryError::Step { error, .. } => write!(f, "step failed: {error}"),
+            RetryError::Step { error, report } => match &report.nested_commit {
+                Some(n) => write!(
+                    f,
+                    "step failed, not retried (the step at {} committed during the attempt): \
+                     {error}",
+                    n.site
+                ),
+                None => write!(f, "step failed: {error}"),
+            },
             RetryError::GaveUp { failures, report } => {
                 write!(
                     f,
@@ -391,7 +561,8 @@ impl<E: IsOom> IsOom for RetryError<E> {
     fn is_oom(&self) -> bool {
         match self {
             RetryError::GaveUp { .. } => true,
-            RetryError::Step { error, .. } => error.is_oom(),
+            // after a nested commit: never retryable
+            RetryError::Step { error, report } => report.nested_commit.is_none() && error.is_oom(),
             _ => false,
         }
     }

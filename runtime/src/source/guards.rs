@@ -40,14 +40,23 @@ impl fmt::Display for UsageLeakReport {
         write!(
             f,
             "leak check on the {}: {} byte(s) more in use at the end of the scope than at its start \
-             ({} -> {}; {} allowed). Something created in the scope is still alive (a tensor kept \
-             in a collection, a graph held by a returned value); drop it or detach it",
+             ({} -> {}; {} allowed)",
             self.source,
             self.leaked_bytes,
             self.used_at_open,
             self.used_at_finish,
             self.allowed_bytes
-        )
+        )?;
+        // the advice only where there is a leak: a clean check says so
+        if self.exceeds_allowance() {
+            write!(
+                f,
+                ". Something created in the scope is still alive (a tensor kept in a collection, \
+                 a graph held by a returned value); drop it or detach it"
+            )
+        } else {
+            write!(f, ": no leak")
+        }
     }
 }
 
