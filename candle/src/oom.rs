@@ -47,7 +47,7 @@ impl Charge {
 /// let e = oomguard_candle::charge(&card, 32 << 20).unwrap_err();
 /// assert!(e.is_oom() && !e.is_budget_exceeded());
 /// drop(acts);
-/// let _budget = card.budget(ByteSize::mib(8)); // this thread may hold 8 MiB
+/// let _budget = card.thread_budget(ByteSize::mib(8)); // this thread may hold 8 MiB
 /// let e = oomguard_candle::charge(&card, 16 << 20).unwrap_err();
 /// assert!(e.is_oom() && e.is_budget_exceeded());
 /// # Ok::<(), candle_core::Error>(())

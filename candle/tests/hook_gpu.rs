@@ -113,7 +113,7 @@ fn out_of_memory_reaches_candle_as_the_drivers_oom() {
 fn guards_see_candle_memory() {
     let (dev, og) = hooked();
     {
-        let _budget = og.budget(oomguard::ByteSize::mib(64));
+        let _budget = og.thread_budget(oomguard::ByteSize::mib(64));
         let ok = Tensor::zeros(8 << 20, DType::F32, dev).unwrap(); // 32 MiB
         let e = Tensor::zeros(16 << 20, DType::F32, dev).unwrap_err(); // 64 MiB more
         assert!(e.is_oom(), "{e}");

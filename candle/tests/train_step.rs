@@ -380,7 +380,7 @@ fn train_step_errors_are_classified_budget_kind_included() {
     // A budget of 512 KiB on a large card: an OOM of the budget kind, and the engine skipped
     // the same-plan retry that cannot help a budget.
     let sim = oomguard::Device::sim(ByteSize::gib(1));
-    let _budget = sim.budget(ByteSize::kib(512));
+    let _budget = sim.thread_budget(ByteSize::kib(512));
     let (r, _) = run(&sim);
     let err = r.unwrap_err();
     assert!(err.is_oom() && err.is_budget_exceeded(), "{err}");

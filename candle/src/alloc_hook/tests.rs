@@ -209,7 +209,7 @@ fn out_of_memory_is_the_drivers_status_with_the_oomguard_error_kept() {
 #[test]
 fn a_budget_on_the_device_caps_candle_memory_too() {
     let (hook, dev, _sim) = hook_with(ByteSize::gib(1));
-    let budget = dev.budget(ByteSize::mib(4));
+    let budget = dev.thread_budget(ByteSize::mib(4));
     let p = hook.alloc_async(3 << 20, PTDS).unwrap();
     assert_eq!(hook.alloc_async(2 << 20, PTDS), Err(status::OUT_OF_MEMORY));
     let e = super::take_last_error().unwrap();

@@ -26,7 +26,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{}", done.report);
 
     // A budget on the card gives a budget's OOM; under 1 MiB not even one row fits.
-    let _budget = card.budget(ByteSize::kib(512));
+    let _budget = card.thread_budget(ByteSize::kib(512));
     let err = step(&mut opt).unwrap_err();
     assert!(err.is_oom() && err.is_budget_exceeded());
     Ok(())

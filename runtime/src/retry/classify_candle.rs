@@ -127,7 +127,7 @@ mod tests {
     #[test]
     fn a_budget_inside_a_candle_error_stays_a_budget() {
         let dev = Device::sim(ByteSize::mib(64));
-        let _b = dev.budget(1 << 20);
+        let _b = dev.thread_budget(1 << 20);
         let budget = dev.alloc::<u8>(2 << 20).unwrap_err();
         assert!(budget.is_budget_exceeded());
         let e = candle_core::Error::Cuda(Box::new(budget))
