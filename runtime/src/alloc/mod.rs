@@ -10,6 +10,7 @@ mod fixed;
 mod growable;
 mod history;
 mod lending;
+mod peaks;
 mod pool;
 mod snapshot;
 mod state;
@@ -131,7 +132,8 @@ impl From<BackendError> for GrowError {
 /// H100 host, 8 threads took 1.1–1.6× one thread's time per pair: docs/BENCHMARKS.md). Cached
 /// blocks go back to the shared pool before any allocation can fail, on
 /// [`CachingAllocator::empty_cache`], and when their thread exits. Current statistics stay exact;
-/// peaks become upper bounds (see [`CachingAllocator::stats`]).
+/// peaks stay exact while one thread allocates and frees, and are upper bounds otherwise (see
+/// [`CachingAllocator::stats`]).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -308,15 +310,17 @@ impl CachingAllocator {
         if st.owner_thread != thread_cache::thread_token() {
             self.thread_joined(&mut st);
         }
-        if st.multi {
-            return self.allocate_shared(st, pool, stream, size, bytes);
-        }
+        // before the thread caches: the pass-through baseline never sub-allocates or caches,
+        // on any number of threads
         if st.cfg.pass_through {
             let a = self.allocate_through(&mut st, pool, stream, size, bytes)?;
             if st.history.is_some() {
                 self.record_alloc(&mut st, a.block, stream);
             }
             return Ok(a);
+        }
+        if st.multi {
+            return self.allocate_shared(st, pool, stream, size, bytes);
         }
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
@@ -531,7 +535,16 @@ impl CachingAllocator {
         if !owned_live {
             return self.reject_free(&st, &a);
         }
+        let multi = st.multi;
+        if multi {
+            // not on behalf of a cache: the shared state's changes get an interval of their own
+            // (`peaks`)
+            self.fold_caches(&mut st);
+        }
         self.free_block(&mut st, &a, a.block, std::panic::Location::caller());
+        if multi {
+            self.fold_caches(&mut st);
+        }
         Ok(())
     }
 
@@ -651,26 +664,30 @@ impl CachingAllocator {
     /// cross-stream frees first). Allocated memory is untouched.
     pub fn empty_cache(&self) -> Result<(), Error> {
         let mut st = self.lock();
+        // with thread caches, the changes below get an interval of their own (`peaks`)
+        self.fold_caches(&mut st);
         self.process_events(&mut st, true);
         self.drain_all_caches(&mut st);
         st.flush_parked();
         st.release_fixed(&*self.backend);
         st.release_pages(&*self.backend, u64::MAX, None, true);
         st.release_empty_ranges(&*self.backend);
+        self.fold_caches(&mut st);
         Ok(())
     }
 
     /// A copy of the statistics. Current values and totals are exact at any moment no other
-    /// thread allocates or frees. With several allocating threads (thread caches, see
-    /// [`CachingAllocator`]), each `peak` is an upper bound: never below the true peak, and exact
-    /// when only one thread allocated since the previous call (or
-    /// [`CachingAllocator::reset_peak_stats`]); single-threaded use is always exact.
+    /// thread allocates or frees. Peaks are exact while one thread allocates and frees (since
+    /// the previous call or [`CachingAllocator::reset_peak_stats`]), also after other threads
+    /// have used the allocator (thread caches, see [`CachingAllocator`]); while several threads
+    /// allocate or free between two calls, each `peak` is an upper bound: never below the true
+    /// peak.
     pub fn stats(&self) -> MemoryStats {
         let mut st = self.lock();
         self.fold_caches(&mut st);
         let mut s = st.stats;
         s.largest_free_block = st.largest_free();
-        thread_cache::apply_floors(&mut s, &st.floors);
+        st.peaks.apply_floors(&mut s);
         s
     }
 
@@ -751,7 +768,7 @@ impl CachingAllocator {
         let mut st = self.lock();
         self.fold_caches(&mut st);
         st.stats.reset_peaks();
-        st.floors = [0; thread_cache::CACHE_STATS];
+        st.peaks.reset();
     }
 
     /// Resets the accumulated totals (`allocated`/`freed` of every statistic) and the event
