@@ -31,7 +31,7 @@ pub use stats::{MemoryStats, PoolStats, ScopeCounter, ScopeStats, Stat};
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::config::AllocatorConfig;
-use crate::error::{Error, OomError};
+use crate::error::{Error, OomError, ONE_EXABYTE};
 use block::{BlockId, BlockState};
 use state::State;
 use thread_cache::ThreadCache;
@@ -251,7 +251,7 @@ impl CachingAllocator {
     #[inline]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         if bytes == 0 {
-            return Ok(self.null_handle(stream));
+            return Ok(self.allocate_nothing(stream));
         }
         let r = match self.backend.check_request(bytes) {
             Err(e) => Err(self.fail(&mut self.lock(), bytes, e)),
@@ -305,6 +305,11 @@ impl CachingAllocator {
     #[inline]
     fn allocate_locked(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         let mut st = self.lock();
+        if bytes >= ONE_EXABYTE {
+            // as PyTorch: out of memory at once, whatever the device (its message says so)
+            let e = BackendError::oom("allocate", "requests of 1EB or more are refused");
+            return Err(self.fail(&mut st, bytes, e));
+        }
         let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
         let pool = pool::pool_for(size);
         if st.owner_thread != thread_cache::thread_token() {
@@ -415,7 +420,7 @@ impl CachingAllocator {
                 }
             }
         }
-        let first = self.grow(st, pool, stream, size);
+        let first = self.grow(st, pool, stream, size, false);
         let err = match first {
             Ok(id) => return Ok(id),
             Err(GrowError::TooLarge) => return Err(too_large(bytes)),
@@ -435,7 +440,9 @@ impl CachingAllocator {
             return Ok(id);
         }
         self.release_cache(st, true);
-        let second = self.grow(st, pool, stream, size);
+        // the memory limit is the user's stated capacity: a request under it is served, in a
+        // segment of its own size if need be
+        let second = self.grow(st, pool, stream, size, true);
         if second.is_err() {
             // An address range reserved for this request holds nothing: give it back now
             // rather than at the next empty_cache.
@@ -458,17 +465,20 @@ impl CachingAllocator {
         }
     }
 
+    /// Grows the cache for a request of `size`; `exact_under_limit`: a fixed segment of
+    /// exactly `size` when the rounded one would pass the memory limit.
     fn grow(
         &self,
         st: &mut State,
         pool: PoolKind,
         stream: StreamId,
         size: u64,
+        exact_under_limit: bool,
     ) -> Result<BlockId, GrowError> {
         if st.growable {
             st.grow_growable(&*self.backend, pool, stream, size, self.total)
         } else {
-            st.grow_fixed(&*self.backend, pool, stream, size)
+            st.grow_fixed(&*self.backend, pool, stream, size, exact_under_limit)
         }
     }
 
@@ -533,6 +543,13 @@ impl CachingAllocator {
                 b.generation == a.generation && b.state == BlockState::Allocated && b.addr == a.ptr
             });
         if !owned_live {
+            if a.block == NO_BLOCK && a.owner == self.id && !a.is_borrowed() {
+                // a zero-byte allocation: nothing to free, counted as rmm counts it
+                if let Some(scope) = st.scopes.last_mut() {
+                    scope.freed(0);
+                }
+                return Ok(());
+            }
             return self.reject_free(&st, &a);
         }
         let multi = st.multi;
@@ -736,8 +753,8 @@ impl CachingAllocator {
     /// allocation, also one made before the scope) subtracts them, so the value can go negative.
     ///
     /// Unlike a [`crate::guard::PeakScope`] (block sizes, only allocations made inside the scope
-    /// and their frees, never negative), this counts what rmm counts. Zero-byte allocations
-    /// (null handles) are not counted.
+    /// and their frees, never negative), this counts what rmm counts, zero-byte allocations
+    /// (null handles) and their frees included.
     pub fn push_statistics_scope(&self) {
         let mut st = self.lock();
         st.scopes.push(ScopeStats::default());
@@ -790,11 +807,12 @@ impl CachingAllocator {
     }
 
     /// Caps the bytes this allocator may hold at `fraction` of the device's capacity (PyTorch's
-    /// `set_per_process_memory_fraction`); `Err` unless `0 < fraction <= 1`.
+    /// `set_per_process_memory_fraction`); `Err` unless `0 <= fraction <= 1`. 0 allows nothing,
+    /// as in PyTorch (every request but a zero-byte one then fails with out-of-memory).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidArgument(format!(
-                "memory fraction must be in (0, 1], got {fraction}"
+                "memory fraction must be in [0, 1], got {fraction}"
             )));
         }
         let mut st = self.lock();
@@ -835,6 +853,16 @@ impl CachingAllocator {
     /// Device capacity as the backend reported it when the allocator was made.
     pub fn device_total(&self) -> u64 {
         self.total
+    }
+
+    /// A zero-byte allocation: no memory, counted only by an open statistics scope (as rmm
+    /// counts it).
+    #[cold]
+    fn allocate_nothing(&self, stream: StreamId) -> Allocation {
+        if let Some(scope) = self.lock().scopes.last_mut() {
+            scope.allocated(0);
+        }
+        self.null_handle(stream)
     }
 
     /// The handle of a zero-byte allocation: no block, a null pointer.
