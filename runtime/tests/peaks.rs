@@ -327,3 +327,75 @@ proptest::proptest! {
         check_against_recount(cfg, 3, &ops);
     }
 }
+
+/// Threads racing (not in lock step): between rounds every thread holds a known set of blocks
+/// at one barrier, so the true peak is at least their sum; the reported peaks never fall below
+/// it, and after the threads stop every current value equals a recount.
+#[test]
+fn racing_threads_never_report_less_than_they_held_together() {
+    const THREADS: usize = 6;
+    for (name, cfg) in configs() {
+        let a = CachingAllocator::new(Arc::new(SimDevice::address_only(ByteSize::gib(8))), cfg);
+        let barrier = std::sync::Barrier::new(THREADS);
+        for round in 0..20u64 {
+            a.reset_peak_stats();
+            let held: u64 = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..THREADS as u64)
+                    .map(|t| {
+                        let (a, barrier) = (&a, &barrier);
+                        s.spawn(move || {
+                            let mut r = (round * 31 + t + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                            let mut next = move || {
+                                r ^= r << 13;
+                                r ^= r >> 7;
+                                r ^= r << 17;
+                                r
+                            };
+                            // a panic before the barrier would leave the others waiting
+                            let held =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    // churn, then hold, then churn again while the others free
+                                    for _ in 0..200 {
+                                        let x = a.allocate(size_of(next() as u8, next() as u32), 0);
+                                        a.free(x.unwrap()).unwrap();
+                                    }
+                                    let kept: Vec<_> = (0..8)
+                                        .map(|_| {
+                                            a.allocate(size_of(next() as u8, next() as u32), 0)
+                                                .unwrap()
+                                        })
+                                        .collect();
+                                    let sum = kept.iter().map(|x| x.size).sum::<u64>();
+                                    (kept, sum)
+                                }));
+                            barrier.wait();
+                            let (kept, sum) = held.unwrap_or_else(|e| std::panic::resume_unwind(e));
+                            for x in kept {
+                                a.free(x).unwrap();
+                            }
+                            for _ in 0..200 {
+                                let x =
+                                    a.allocate(size_of(next() as u8, next() as u32), 0).unwrap();
+                                a.free(x).unwrap();
+                            }
+                            sum
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            let s = a.stats();
+            assert!(
+                s.allocated_bytes.all.peak >= held,
+                "{name} round {round}: peak {} below {held} held together",
+                s.allocated_bytes.all.peak
+            );
+            assert!(
+                s.allocation.all.peak >= 8 * THREADS as u64,
+                "{name} round {round}"
+            );
+            assert_eq!(s.allocated_bytes.all.current, 0, "{name} round {round}");
+            a.check_invariants().unwrap();
+        }
+    }
+}
