@@ -23,7 +23,9 @@ impl CachingAllocator {
             st.owner_thread = token;
             return;
         }
-        if st.multi || token == 0 {
+        // the pass-through baseline never switches: no sub-allocation, no caching, on any
+        // number of threads
+        if st.multi || token == 0 || st.cfg.pass_through {
             return;
         }
         st.multi = true;
@@ -191,12 +193,12 @@ impl CachingAllocator {
             None
         };
         let Some(cache) = cache else {
-            return self.reject_free(&st, &a);
+            return self.reject_free(&mut st, &a);
         };
         let mut cs = cache.state.lock();
         if a.is_borrowed() || !cs.is_live(a.block, a.generation, a.ptr) {
             drop(cs);
-            return self.reject_free(&st, &a);
+            return self.reject_free(&mut st, &a);
         }
         // the shared state's changes get a window of their own, before and after (`peaks`)
         let own = self.own_cache_index() == Some(cache.index);

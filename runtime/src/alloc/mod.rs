@@ -31,7 +31,7 @@ pub use stats::{MemoryStats, PoolStats, ScopeCounter, ScopeStats, Stat};
 
 use crate::backend::{Backend, BackendError, StreamId};
 use crate::config::AllocatorConfig;
-use crate::error::{Error, OomError, ONE_EXABYTE};
+use crate::error::{Error, OomError};
 use block::{BlockId, BlockState};
 use state::State;
 use thread_cache::ThreadCache;
@@ -245,7 +245,8 @@ impl CachingAllocator {
     /// [`Error::Oom`].
     ///
     /// Zero bytes allocate nothing, as in PyTorch and RMM: the handle's `ptr` is 0 (null) and
-    /// its `size` 0; freeing it does nothing. Out-of-memory errors are passed to the observers
+    /// its `size` 0; freeing it does nothing. A request of 1 EB (2^60 bytes) or more fails at
+    /// once with out-of-memory, as in PyTorch. Out-of-memory errors are passed to the observers
     /// ([`CachingAllocator::attach_oom_observer`]) first.
     #[track_caller]
     #[inline]
@@ -305,27 +306,22 @@ impl CachingAllocator {
     #[inline]
     fn allocate_locked(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         let mut st = self.lock();
-        if bytes >= ONE_EXABYTE {
-            // as PyTorch: out of memory at once, whatever the device (its message says so)
-            let e = BackendError::oom("allocate", "requests of 1EB or more are refused");
-            return Err(self.fail(&mut st, bytes, e));
-        }
-        let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
+        let Some(size) = pool::round_size(bytes, &st.cfg) else {
+            return Err(self.refuse_huge(&mut st, bytes));
+        };
         let pool = pool::pool_for(size);
         if st.owner_thread != thread_cache::thread_token() {
             self.thread_joined(&mut st);
         }
-        // before the thread caches: the pass-through baseline never sub-allocates or caches,
-        // on any number of threads
+        if st.multi {
+            return self.allocate_shared(st, pool, stream, size, bytes);
+        }
         if st.cfg.pass_through {
             let a = self.allocate_through(&mut st, pool, stream, size, bytes)?;
             if st.history.is_some() {
                 self.record_alloc(&mut st, a.block, stream);
             }
             return Ok(a);
-        }
-        if st.multi {
-            return self.allocate_shared(st, pool, stream, size, bytes);
         }
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
@@ -543,25 +539,27 @@ impl CachingAllocator {
                 b.generation == a.generation && b.state == BlockState::Allocated && b.addr == a.ptr
             });
         if !owned_live {
-            if a.block == NO_BLOCK && a.owner == self.id && !a.is_borrowed() {
-                // a zero-byte allocation: nothing to free, counted as rmm counts it
-                if let Some(scope) = st.scopes.last_mut() {
-                    scope.freed(0);
-                }
-                return Ok(());
-            }
-            return self.reject_free(&st, &a);
+            return self.reject_free(&mut st, &a);
         }
-        let multi = st.multi;
-        if multi {
-            // not on behalf of a cache: the shared state's changes get an interval of their own
-            // (`peaks`)
-            self.fold_caches(&mut st);
+        if st.multi {
+            return self.free_between_folds(&mut st, &a, std::panic::Location::caller());
         }
         self.free_block(&mut st, &a, a.block, std::panic::Location::caller());
-        if multi {
-            self.fold_caches(&mut st);
-        }
+        Ok(())
+    }
+
+    /// A free of a block the shared state handed out, in multi-thread mode: not on behalf of a
+    /// cache, so its changes get an interval of their own (`peaks`).
+    #[cold]
+    fn free_between_folds(
+        &self,
+        st: &mut State,
+        a: &Allocation,
+        loc: &'static std::panic::Location<'static>,
+    ) -> Result<(), Error> {
+        self.fold_caches(st);
+        self.free_block(st, a, a.block, loc);
+        self.fold_caches(st);
         Ok(())
     }
 
@@ -603,10 +601,16 @@ impl CachingAllocator {
         st.pending.push((id, events));
     }
 
-    /// Why `free` refused a handle (off the fast path): a null handle frees nothing.
+    /// Why `free` refused a handle (off the fast path): a null handle frees nothing (its
+    /// owner's handle counts as a free in an open statistics scope, as rmm counts it).
     #[cold]
-    fn reject_free(&self, st: &State, a: &Allocation) -> Result<(), Error> {
+    fn reject_free(&self, st: &mut State, a: &Allocation) -> Result<(), Error> {
         if a.block == NO_BLOCK && a.cache == 0 && a.owner == self.id {
+            if !a.is_borrowed() {
+                if let Some(scope) = st.scopes.last_mut() {
+                    scope.freed(0);
+                }
+            }
             return Ok(());
         }
         if a.is_borrowed() && self.is_live(st, a) {
@@ -863,6 +867,14 @@ impl CachingAllocator {
             scope.allocated(0);
         }
         self.null_handle(stream)
+    }
+
+    /// A request of 1 EB or more: out of memory at once, as in PyTorch (whose message the
+    /// error's `Display` repeats).
+    #[cold]
+    fn refuse_huge(&self, st: &mut State, bytes: u64) -> Error {
+        let e = BackendError::oom("allocate", "requests of 1EB or more are refused");
+        self.fail(st, bytes, e)
     }
 
     /// The handle of a zero-byte allocation: no block, a null pointer.
