@@ -24,7 +24,8 @@
 use super::stats::{MemoryStats, Stat};
 use super::thread_cache::{cache_stats_mut, CacheState, Delta, CACHE_STATS};
 
-/// Which caches changed their statistics since the last fold.
+/// Which caches had windows since the last fold (their deltas moved, or their thread's
+/// operation changed the shared statistics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Active {
     None,
