@@ -223,9 +223,12 @@ impl AllocatorConfig {
                     if boolean {
                         parse_bool(value).map_err(err)?;
                     } else {
-                        value
+                        let n = value
                             .parse::<u64>()
                             .map_err(|_| err(format!("{value:?} is not a whole number")))?;
+                        if other == "pinned_num_register_threads" {
+                            check_register_threads(n).map_err(err)?;
+                        }
                     }
                     warnings.push(format!(
                         "allocator config key `{other}` is PyTorch's and has no effect in oomguard; \
@@ -341,6 +344,24 @@ fn split_pairs(s: &str) -> Result<Vec<(&str, &str)>, ConfigError> {
         }
     }
     Ok(out)
+}
+
+/// Most threads PyTorch's `pinned_num_register_threads` accepts.
+const MAX_REGISTER_THREADS: u64 = 128;
+
+/// PyTorch's rule for `pinned_num_register_threads`: a power of two, at most 128.
+fn check_register_threads(n: u64) -> Result<(), String> {
+    if !n.is_power_of_two() {
+        return Err(format!(
+            "{n} threads: the number of register threads has to be a power of 2"
+        ));
+    }
+    if n > MAX_REGISTER_THREADS {
+        return Err(format!(
+            "{n} threads: the number of register threads must be at most {MAX_REGISTER_THREADS}"
+        ));
+    }
+    Ok(())
 }
 
 fn parse_bool(v: &str) -> Result<bool, String> {

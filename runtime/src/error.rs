@@ -64,14 +64,26 @@ impl fmt::Display for PtSize {
     }
 }
 
+/// Requests of this many bytes or more fail at once, as in PyTorch (`one_exa_bytes`, 2^60).
+pub(crate) const ONE_EXABYTE: u64 = 1 << 60;
+
 impl fmt::Display for OomError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.requested >= ONE_EXABYTE {
+            // PyTorch's words for such a request
+            write!(f, "out of memory. Tried to allocate more than 1EB memory.")?;
+        } else {
+            write!(
+                f,
+                "out of memory. Tried to allocate {}.",
+                PtSize(self.requested)
+            )?;
+        }
         write!(
             f,
-            "out of memory. Tried to allocate {}. Device {} has a total capacity of {} of which {} \
+            " Device {} has a total capacity of {} of which {} \
              is free. Of the allocated memory {} is allocated by oomguard and {} is reserved but \
              unallocated (largest free block {}).",
-            PtSize(self.requested),
             self.device,
             PtSize(self.device_total),
             PtSize(self.device_free),

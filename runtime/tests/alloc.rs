@@ -275,10 +275,10 @@ fn double_free_and_stale_handles_are_rejected() {
 #[test]
 fn huge_and_zero_sizes_do_not_panic() {
     let (_, a) = allocator(ByteSize::gib(1), MODES[1]);
-    assert!(matches!(
-        a.allocate(u64::MAX, 0),
-        Err(Error::InvalidArgument(_))
-    ));
+    // 1 EB or more: out of memory with PyTorch's message (issue 26 point 13)
+    let e = a.allocate(u64::MAX, 0).unwrap_err();
+    assert!(matches!(&e, Error::Oom(_)), "{e}");
+    assert!(e.to_string().contains("more than 1EB"), "{e}");
     assert!(a.allocate(u64::MAX / 2, 0).unwrap_err().is_oom());
     let z = a.allocate(0, 0).unwrap();
     assert_eq!(

@@ -1105,8 +1105,9 @@ fn p13_statistics_scopes_saturate() {
     let sim = SimDevice::address_only(ByteSize(u64::MAX));
     let a = CachingAllocator::new(Arc::new(sim), AllocatorConfig::native());
     a.push_statistics_scope();
-    let live: Vec<_> = (0..3)
-        .map(|_| a.allocate((1 << 62) + 1, 0).unwrap())
+    // (requests stay below 1 EB since issue 26: nine of them pass i64::MAX)
+    let live: Vec<_> = (0..9)
+        .map(|_| a.allocate((1 << 60) - 1, 0).unwrap())
         .collect();
     let s = a.statistics_scope().unwrap();
     assert_eq!(
@@ -1127,13 +1128,166 @@ fn p13_statistics_scopes_saturate() {
 fn p16_cumulative_statistics_do_not_overflow() {
     let sim = SimDevice::address_only(ByteSize(u64::MAX));
     let a = CachingAllocator::new(Arc::new(sim), AllocatorConfig::default());
-    for _ in 0..5 {
-        // served from the cache after the first round: the totals grow by 2^62 each time
-        let x = a.allocate(1 << 62, 0).unwrap();
+    let size = (1 << 60) - 512; // requests stay below 1 EB since issue 26
+    for _ in 0..20 {
+        // served from the cache after the first round: the totals grow by ~2^60 each time
+        let x = a.allocate(size, 0).unwrap();
         a.free(x).unwrap();
     }
     let s = a.stats();
     assert_eq!(s.allocated_bytes.all.current, 0);
-    assert_eq!(s.allocated_bytes.all.peak, 1 << 62);
+    assert_eq!(s.allocated_bytes.all.peak, size);
+    assert_eq!(
+        s.allocated_bytes.all.allocated,
+        size.wrapping_mul(20),
+        "wrapped"
+    );
+    a.check_invariants().unwrap();
+}
+
+// ---- issue 26 point 13: conformance leftovers ----
+
+/// PyTorch's `set_per_process_memory_fraction(0.0)` is accepted, and nothing may be allocated
+/// then (a zero-byte request still is: it takes no memory).
+#[test]
+fn i26_memory_fraction_zero_is_accepted_and_allows_nothing() {
+    for mode in MODES {
+        let dev = device(ByteSize::gib(1), mode);
+        dev.set_memory_fraction(0.0).unwrap();
+        assert_eq!(dev.memory_fraction(), 0.0, "{mode}");
+        assert_eq!(dev.allocator().memory_limit(), Some(0), "{mode}");
+        for n in [1, 512, 3 << 20] {
+            let e = dev.alloc::<u8>(n).unwrap_err();
+            assert!(e.is_oom(), "{mode} {n}: {e}");
+        }
+        assert_eq!(dev.stats().reserved_bytes.all.current, 0, "{mode}");
+        drop(dev.alloc::<u8>(0).unwrap());
+        dev.set_memory_fraction(1.0).unwrap();
+        drop(dev.alloc::<u8>(3 << 20).unwrap());
+        let e = dev.set_memory_fraction(-0.0001).unwrap_err();
+        assert!(e.to_string().contains("[0, 1]"), "{e}");
+    }
+}
+
+/// PyTorch refuses a request of 1 EB (2^60 bytes) or more with "Tried to allocate more than
+/// 1EB memory", an out-of-memory error, before anything else.
+#[test]
+fn i26_requests_of_1_eb_or_more_say_so_like_pytorch() {
+    for mode in MODES.iter().copied().chain(["backend:cudaMallocAsync"]) {
+        let (_, a) = allocator(ByteSize::gib(1), mode);
+        for size in [1u64 << 60, (1 << 60) + 1, u64::MAX / 2, u64::MAX] {
+            let e = a.allocate(size, 0).unwrap_err();
+            assert!(e.is_oom(), "{mode} {size}: {e}");
+            let m = e.to_string();
+            assert!(
+                m.contains("Tried to allocate more than 1EB memory."),
+                "{mode} {size}: {m}"
+            );
+        }
+        // just below: the ordinary message, with the size
+        let e = a.allocate((1 << 60) - 512, 0).unwrap_err();
+        assert!(!e.to_string().contains("1EB"), "{mode}: {e}");
+        assert!(
+            e.to_string()
+                .contains("Tried to allocate 1073741824.00 GiB"),
+            "{mode}: {e}"
+        );
+        assert_eq!(a.stats().reserved_bytes.all.current, 0, "{mode}");
+        a.check_invariants().unwrap();
+    }
+}
+
+/// PyTorch's `pinned_num_register_threads` must be a power of two and at most 128; the error
+/// names the key.
+#[test]
+fn i26_pinned_num_register_threads_follows_pytorchs_rule() {
+    for good in [1, 2, 8, 64, 128] {
+        let s = format!("pinned_num_register_threads:{good}");
+        let (_, warnings) = AllocatorConfig::parse_with_warnings(&s).unwrap();
+        assert_eq!(warnings.len(), 1, "{s}: ignored with a warning");
+    }
+    for (bad, why) in [
+        (0, "power of 2"),
+        (3, "power of 2"),
+        (96, "power of 2"),
+        (256, "at most 128"),
+        (1u64 << 40, "at most 128"),
+    ] {
+        let e = AllocatorConfig::parse(&format!("pinned_num_register_threads:{bad}")).unwrap_err();
+        assert_eq!(
+            e.key.as_deref(),
+            Some("pinned_num_register_threads"),
+            "{bad}: {e}"
+        );
+        assert!(e.to_string().contains(why), "{bad}: {e}");
+    }
+}
+
+/// RMM's `statistics_resource_adaptor` counts every allocation, one of zero bytes included (it
+/// adds `{0 bytes, 1 allocation}` and subtracts them on the free).
+#[test]
+fn i26_statistics_scopes_count_zero_byte_allocations() {
+    for mode in MODES {
+        let (_, a) = allocator(ByteSize::mib(64), mode);
+        a.push_statistics_scope();
+        let z = a.allocate(0, 0).unwrap();
+        let s = a.statistics_scope().unwrap();
+        assert_eq!(
+            (s.allocations.value, s.allocations.peak, s.allocations.total),
+            (1, 1, 1),
+            "{mode}"
+        );
+        assert_eq!((s.bytes.value, s.bytes.total), (0, 0), "{mode}");
+        let x = a.allocate(100, 0).unwrap();
+        a.free(z).unwrap();
+        a.free(x).unwrap();
+        let s = a.pop_statistics_scope().unwrap();
+        assert_eq!(
+            (s.allocations.value, s.allocations.peak, s.allocations.total),
+            (0, 2, 2),
+            "{mode}"
+        );
+        assert_eq!(
+            (s.bytes.value, s.bytes.peak, s.bytes.total),
+            (0, 100, 100),
+            "{mode}"
+        );
+        // with no scope open, a zero-byte allocation still takes nothing
+        let z = a.allocate(0, 0).unwrap();
+        a.free(z).unwrap();
+        assert_eq!(a.stats().allocation.all.allocated, 1, "{mode}: only x");
+    }
+}
+
+/// With a memory limit of 8 MiB, a request of 8 MiB − 1 is served in fixed-segment mode: its
+/// rounded segment (20 MiB) would pass the limit, so it gets a segment of exactly its size, as
+/// RMM's pool with that maximum serves it (it used to fail). Rounded segments are still used
+/// whenever they fit.
+#[test]
+fn i26_a_request_under_the_limit_is_served_when_its_segment_would_not_fit() {
+    let (sim, a) = allocator(ByteSize::gib(1), MODES[0]);
+    a.set_memory_limit(Some(8 * MIB));
+    let x = a.allocate(8 * MIB - 1, 0).unwrap();
+    assert_eq!(x.size, 8 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all.current, 8 * MIB);
+    assert!(a.allocate(1, 0).unwrap_err().is_oom(), "the limit holds");
+    a.free(x).unwrap();
+    a.check_invariants().unwrap();
+    // the cached 8 MiB segment is reused, split for a smaller request
+    let y = a.allocate(MIB + 1, 0).unwrap();
+    a.free(y).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(), 0);
+    // small requests alike: 512 KiB under a 1 MiB limit (the small pool's segment is 2 MiB)
+    a.set_memory_limit(Some(MIB));
+    let s = a.allocate(512 << 10, 0).unwrap();
+    assert_eq!(a.stats().reserved_bytes.all.current, 512 << 10);
+    a.free(s).unwrap();
+    // a rounded segment that fits is still rounded
+    a.empty_cache().unwrap();
+    a.set_memory_limit(Some(64 * MIB));
+    let t = a.allocate(3 * MIB, 0).unwrap();
+    assert_eq!(a.stats().reserved_bytes.all.current, 20 * MIB);
+    a.free(t).unwrap();
     a.check_invariants().unwrap();
 }

@@ -347,3 +347,61 @@ fn an_initial_reservation_serves_every_thread() {
     a.free(z).unwrap();
     a.check_invariants().unwrap();
 }
+
+/// Issue 26 point 6: `backend:cudaMallocAsync` stays a pass-through once a second thread
+/// allocates: each allocation is its own device segment of its rounded size, nothing is
+/// sub-allocated and nothing stays cached (it used to sub-allocate inside 2/20 MiB segments and
+/// keep them: 1000 B + 3 MiB left 22 MiB reserved).
+#[test]
+fn pass_through_stays_a_pass_through_on_two_threads() {
+    for cfg in [
+        "backend:cudaMallocAsync",
+        "backend:cudaMallocAsync,expandable_segments:False",
+    ] {
+        let sim = SimDevice::new(ByteSize::gib(1));
+        let a = CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::parse(cfg).unwrap());
+        let barrier = Barrier::new(2);
+        let (small, large) = std::thread::scope(|s| {
+            let t1 = s.spawn(|| {
+                let x = a.allocate(1000, 0).unwrap();
+                barrier.wait();
+                x
+            });
+            let t2 = s.spawn(|| {
+                let x = a.allocate(3 << 20, 0).unwrap();
+                barrier.wait();
+                x
+            });
+            (t1.join().unwrap(), t2.join().unwrap())
+        });
+        let live = 1024 + (3 << 20);
+        let s = a.stats();
+        assert_eq!(s.reserved_bytes.all.current, live, "{cfg}: reserved = live");
+        assert_eq!(s.segment.all.current, 2, "{cfg}: one segment each");
+        assert_eq!(sim.used(), live, "{cfg}: device");
+        // a third thread frees one, allocates again, frees again: only live bytes stay
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                a.free(large).unwrap();
+                let y = a.allocate(2000, 0).unwrap();
+                assert_eq!(a.stats().reserved_bytes.all.current, 1024 + 2048, "{cfg}");
+                a.free(y).unwrap();
+            });
+        });
+        assert_eq!(
+            a.stats().reserved_bytes.all.current,
+            1024,
+            "{cfg}: after frees"
+        );
+        assert_eq!(sim.used(), 1024, "{cfg}: device after frees");
+        a.free(small).unwrap();
+        let s = a.stats();
+        assert_eq!(s.reserved_bytes.all.current, 0, "{cfg}");
+        assert_eq!(
+            s.num_device_alloc, 3,
+            "{cfg}: one device allocation per request"
+        );
+        assert_eq!(sim.used(), 0, "{cfg}");
+        a.check_invariants().unwrap();
+    }
+}

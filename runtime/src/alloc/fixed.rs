@@ -10,15 +10,24 @@ use crate::backend::{Backend, StreamId};
 
 impl State {
     /// Allocates a new fixed segment for a request of `size` and returns its first block,
-    /// split to `size` and not indexed.
+    /// split to `size` and not indexed. `exact_under_limit`: when the rounded segment (2 or 20
+    /// MiB, or a multiple of 2 MiB) would pass the memory limit and `size` would not, the
+    /// segment is of exactly `size` (as rmm's pool with that maximum serves the request).
     pub fn grow_fixed(
         &mut self,
         backend: &dyn Backend,
         pool: PoolKind,
         stream: StreamId,
         size: u64,
+        exact_under_limit: bool,
     ) -> Result<BlockId, GrowError> {
-        let seg_size = segment_size(size).ok_or(GrowError::TooLarge)?;
+        let mut seg_size = segment_size(size).ok_or(GrowError::TooLarge)?;
+        if exact_under_limit
+            && self.check_limit(seg_size).is_err()
+            && self.check_limit(size).is_ok()
+        {
+            seg_size = size;
+        }
         self.new_segment(backend, pool, stream, size, seg_size)
     }
 

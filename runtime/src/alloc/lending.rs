@@ -23,7 +23,9 @@ impl CachingAllocator {
             st.owner_thread = token;
             return;
         }
-        if st.multi || token == 0 {
+        // the pass-through baseline never switches: no sub-allocation, no caching, on any
+        // number of threads
+        if st.multi || token == 0 || st.cfg.pass_through {
             return;
         }
         st.multi = true;
@@ -51,6 +53,8 @@ impl CachingAllocator {
         size: u64,
         bytes: u64,
     ) -> Result<Allocation, Error> {
+        // before the shared state changes anything: keeps peaks exact for one thread (`peaks`)
+        self.sync_own_cache(&mut st);
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
         }
@@ -97,6 +101,8 @@ impl CachingAllocator {
         };
         let a = self.with_own_cache(|c| {
             let mut cs = c.state.lock();
+            // the shared changes of this allocation end here: a new window (`peaks`)
+            st.sync_cache(c.index, &mut cs, true);
             let i = cs.insert(slot);
             cs.allocate(i, bytes, &self.generations);
             self.cached_handle(c.index, i, &cs.slots[i as usize])
@@ -187,13 +193,16 @@ impl CachingAllocator {
             None
         };
         let Some(cache) = cache else {
-            return self.reject_free(&st, &a);
+            return self.reject_free(&mut st, &a);
         };
         let mut cs = cache.state.lock();
         if a.is_borrowed() || !cs.is_live(a.block, a.generation, a.ptr) {
             drop(cs);
-            return self.reject_free(&st, &a);
+            return self.reject_free(&mut st, &a);
         }
+        // the shared state's changes get a window of their own, before and after (`peaks`)
+        let own = self.own_cache_index() == Some(cache.index);
+        st.sync_cache(cache.index, &mut cs, own);
         let id = unlend(&mut st, &mut cs, a.block);
         let gone = cs.owner_gone && cs.collected && cs.live == 0 && cs.cached == 0;
         drop(cs);
@@ -201,6 +210,9 @@ impl CachingAllocator {
             self.remove_cache(&mut st, cache.index);
         }
         self.free_block(&mut st, &a, id, loc);
+        if !gone {
+            st.sync_cache(cache.index, &mut cache.state.lock(), own);
+        }
         Ok(())
     }
 
@@ -240,14 +252,17 @@ impl CachingAllocator {
     /// Returns the calling thread's cached blocks to the shared state.
     pub(super) fn drain_own_cache(&self) {
         let mut st = self.lock();
-        thread_cache::with_thread_cache(self.id, |c| drain(&mut st, &mut c.state.lock()));
+        thread_cache::with_thread_cache(self.id, |c| {
+            drain(&mut st, c.index, &mut c.state.lock(), true)
+        });
     }
 
     /// Returns every thread's cached blocks to the shared state (under pressure, on
     /// `empty_cache`, when caching stops).
     pub(super) fn drain_all_caches(&self, st: &mut State) {
+        let own = self.own_cache_index();
         for c in self.cache_list() {
-            drain(st, &mut c.state.lock());
+            drain(st, c.index, &mut c.state.lock(), own == Some(c.index));
         }
     }
 
@@ -257,7 +272,7 @@ impl CachingAllocator {
         for c in self.cache_list() {
             let mut cs = c.state.lock();
             if cs.owner_gone && !cs.collected {
-                drain(st, &mut cs);
+                drain(st, c.index, &mut cs, false);
                 cs.collected = true;
                 self.orphans.fetch_sub(1, Relaxed);
                 if cs.live == 0 {
@@ -292,21 +307,32 @@ impl CachingAllocator {
         f(&mut locked)
     }
 
+    /// Moves the calling thread's cache's statistics into the shared ones.
+    fn sync_own_cache(&self, st: &mut State) {
+        thread_cache::with_thread_cache(self.id, |c| {
+            st.sync_cache(c.index, &mut c.state.lock(), true)
+        });
+    }
+
+    /// The index of the calling thread's cache, if it has one.
+    fn own_cache_index(&self) -> Option<u32> {
+        thread_cache::with_thread_cache(self.id, |c| c.index)
+    }
+
     /// Folds every cache's statistics into the shared ones (multi-thread mode).
     pub(super) fn fold_caches(&self, st: &mut State) {
         if !st.multi {
             return;
         }
-        self.with_caches_locked(|caches| thread_cache::fold(&mut st.stats, &mut st.floors, caches));
+        self.with_caches_locked(|caches| st.peaks.fold(&mut st.stats, caches));
     }
 }
 
 /// Takes allocated slot `i` out of its cache: its block continues as an allocation of the
-/// shared state (counts moved over, totals untouched).
+/// shared state (the cache was synced first: its counts are in the shared statistics).
 fn unlend(st: &mut State, cs: &mut CacheState, i: u32) -> BlockId {
     let slot = cs.vacate(i);
     cs.live -= 1;
-    cs.stats.shift_allocated(&mut st.stats, &slot);
     let b = &mut st.blocks[slot.block];
     b.state = BlockState::Allocated;
     b.requested = slot.requested;
@@ -315,14 +341,16 @@ fn unlend(st: &mut State, cs: &mut CacheState, i: u32) -> BlockId {
     slot.block
 }
 
-/// Returns a cache's cached blocks to the shared state, merged and indexed.
-fn drain(st: &mut State, cs: &mut CacheState) {
+/// Returns cache `index`'s cached blocks to the shared state, merged and indexed (the cache
+/// synced first: their counts are in the shared statistics; `own`: the caller's cache).
+fn drain(st: &mut State, index: u32, cs: &mut CacheState, own: bool) {
     if cs.cached == 0 {
         return;
     }
+    st.sync_cache(index, cs, own);
     for i in cs.drain_cached() {
         let slot = cs.vacate(i);
-        cs.stats.shift_cached(&mut st.stats, &slot);
         st.unpark(slot.block);
     }
+    st.sync_cache(index, cs, own);
 }

@@ -10,6 +10,7 @@ mod fixed;
 mod growable;
 mod history;
 mod lending;
+mod peaks;
 mod pool;
 mod snapshot;
 mod state;
@@ -131,7 +132,8 @@ impl From<BackendError> for GrowError {
 /// H100 host, 8 threads took 1.1–1.6× one thread's time per pair: docs/BENCHMARKS.md). Cached
 /// blocks go back to the shared pool before any allocation can fail, on
 /// [`CachingAllocator::empty_cache`], and when their thread exits. Current statistics stay exact;
-/// peaks become upper bounds (see [`CachingAllocator::stats`]).
+/// peaks stay exact while one thread allocates and frees, and are upper bounds otherwise (see
+/// [`CachingAllocator::stats`]).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -243,13 +245,14 @@ impl CachingAllocator {
     /// [`Error::Oom`].
     ///
     /// Zero bytes allocate nothing, as in PyTorch and RMM: the handle's `ptr` is 0 (null) and
-    /// its `size` 0; freeing it does nothing. Out-of-memory errors are passed to the observers
+    /// its `size` 0; freeing it does nothing. A request of 1 EB (2^60 bytes) or more fails at
+    /// once with out-of-memory, as in PyTorch. Out-of-memory errors are passed to the observers
     /// ([`CachingAllocator::attach_oom_observer`]) first.
     #[track_caller]
     #[inline]
     pub fn allocate(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         if bytes == 0 {
-            return Ok(self.null_handle(stream));
+            return Ok(self.allocate_nothing(stream));
         }
         let r = match self.backend.check_request(bytes) {
             Err(e) => Err(self.fail(&mut self.lock(), bytes, e)),
@@ -303,7 +306,9 @@ impl CachingAllocator {
     #[inline]
     fn allocate_locked(&self, bytes: u64, stream: StreamId) -> Result<Allocation, Error> {
         let mut st = self.lock();
-        let size = pool::round_size(bytes, &st.cfg).ok_or_else(|| too_large(bytes))?;
+        let Some(size) = pool::round_size(bytes, &st.cfg) else {
+            return Err(self.refuse_huge(&mut st, bytes));
+        };
         let pool = pool::pool_for(size);
         if st.owner_thread != thread_cache::thread_token() {
             self.thread_joined(&mut st);
@@ -411,7 +416,7 @@ impl CachingAllocator {
                 }
             }
         }
-        let first = self.grow(st, pool, stream, size);
+        let first = self.grow(st, pool, stream, size, false);
         let err = match first {
             Ok(id) => return Ok(id),
             Err(GrowError::TooLarge) => return Err(too_large(bytes)),
@@ -431,7 +436,9 @@ impl CachingAllocator {
             return Ok(id);
         }
         self.release_cache(st, true);
-        let second = self.grow(st, pool, stream, size);
+        // the memory limit is the user's stated capacity: a request under it is served, in a
+        // segment of its own size if need be
+        let second = self.grow(st, pool, stream, size, true);
         if second.is_err() {
             // An address range reserved for this request holds nothing: give it back now
             // rather than at the next empty_cache.
@@ -454,17 +461,20 @@ impl CachingAllocator {
         }
     }
 
+    /// Grows the cache for a request of `size`; `exact_under_limit`: a fixed segment of
+    /// exactly `size` when the rounded one would pass the memory limit.
     fn grow(
         &self,
         st: &mut State,
         pool: PoolKind,
         stream: StreamId,
         size: u64,
+        exact_under_limit: bool,
     ) -> Result<BlockId, GrowError> {
         if st.growable {
             st.grow_growable(&*self.backend, pool, stream, size, self.total)
         } else {
-            st.grow_fixed(&*self.backend, pool, stream, size)
+            st.grow_fixed(&*self.backend, pool, stream, size, exact_under_limit)
         }
     }
 
@@ -529,9 +539,27 @@ impl CachingAllocator {
                 b.generation == a.generation && b.state == BlockState::Allocated && b.addr == a.ptr
             });
         if !owned_live {
-            return self.reject_free(&st, &a);
+            return self.reject_free(&mut st, &a);
+        }
+        if st.multi {
+            return self.free_between_folds(&mut st, &a, std::panic::Location::caller());
         }
         self.free_block(&mut st, &a, a.block, std::panic::Location::caller());
+        Ok(())
+    }
+
+    /// A free of a block the shared state handed out, in multi-thread mode: not on behalf of a
+    /// cache, so its changes get an interval of their own (`peaks`).
+    #[cold]
+    fn free_between_folds(
+        &self,
+        st: &mut State,
+        a: &Allocation,
+        loc: &'static std::panic::Location<'static>,
+    ) -> Result<(), Error> {
+        self.fold_caches(st);
+        self.free_block(st, a, a.block, loc);
+        self.fold_caches(st);
         Ok(())
     }
 
@@ -573,10 +601,16 @@ impl CachingAllocator {
         st.pending.push((id, events));
     }
 
-    /// Why `free` refused a handle (off the fast path): a null handle frees nothing.
+    /// Why `free` refused a handle (off the fast path): a null handle frees nothing (its
+    /// owner's handle counts as a free in an open statistics scope, as rmm counts it).
     #[cold]
-    fn reject_free(&self, st: &State, a: &Allocation) -> Result<(), Error> {
+    fn reject_free(&self, st: &mut State, a: &Allocation) -> Result<(), Error> {
         if a.block == NO_BLOCK && a.cache == 0 && a.owner == self.id {
+            if !a.is_borrowed() {
+                if let Some(scope) = st.scopes.last_mut() {
+                    scope.freed(0);
+                }
+            }
             return Ok(());
         }
         if a.is_borrowed() && self.is_live(st, a) {
@@ -651,26 +685,30 @@ impl CachingAllocator {
     /// cross-stream frees first). Allocated memory is untouched.
     pub fn empty_cache(&self) -> Result<(), Error> {
         let mut st = self.lock();
+        // with thread caches, the changes below get an interval of their own (`peaks`)
+        self.fold_caches(&mut st);
         self.process_events(&mut st, true);
         self.drain_all_caches(&mut st);
         st.flush_parked();
         st.release_fixed(&*self.backend);
         st.release_pages(&*self.backend, u64::MAX, None, true);
         st.release_empty_ranges(&*self.backend);
+        self.fold_caches(&mut st);
         Ok(())
     }
 
     /// A copy of the statistics. Current values and totals are exact at any moment no other
-    /// thread allocates or frees. With several allocating threads (thread caches, see
-    /// [`CachingAllocator`]), each `peak` is an upper bound: never below the true peak, and exact
-    /// when only one thread allocated since the previous call (or
-    /// [`CachingAllocator::reset_peak_stats`]); single-threaded use is always exact.
+    /// thread allocates or frees. Peaks are exact while one thread allocates and frees (since
+    /// the previous call or [`CachingAllocator::reset_peak_stats`]), also after other threads
+    /// have used the allocator (thread caches, see [`CachingAllocator`]); while several threads
+    /// allocate or free between two calls, each `peak` is an upper bound: never below the true
+    /// peak.
     pub fn stats(&self) -> MemoryStats {
         let mut st = self.lock();
         self.fold_caches(&mut st);
         let mut s = st.stats;
         s.largest_free_block = st.largest_free();
-        thread_cache::apply_floors(&mut s, &st.floors);
+        st.peaks.apply_floors(&mut s);
         s
     }
 
@@ -719,8 +757,8 @@ impl CachingAllocator {
     /// allocation, also one made before the scope) subtracts them, so the value can go negative.
     ///
     /// Unlike a [`crate::guard::PeakScope`] (block sizes, only allocations made inside the scope
-    /// and their frees, never negative), this counts what rmm counts. Zero-byte allocations
-    /// (null handles) are not counted.
+    /// and their frees, never negative), this counts what rmm counts, zero-byte allocations
+    /// (null handles) and their frees included.
     pub fn push_statistics_scope(&self) {
         let mut st = self.lock();
         st.scopes.push(ScopeStats::default());
@@ -751,7 +789,7 @@ impl CachingAllocator {
         let mut st = self.lock();
         self.fold_caches(&mut st);
         st.stats.reset_peaks();
-        st.floors = [0; thread_cache::CACHE_STATS];
+        st.peaks.reset();
     }
 
     /// Resets the accumulated totals (`allocated`/`freed` of every statistic) and the event
@@ -773,11 +811,12 @@ impl CachingAllocator {
     }
 
     /// Caps the bytes this allocator may hold at `fraction` of the device's capacity (PyTorch's
-    /// `set_per_process_memory_fraction`); `Err` unless `0 < fraction <= 1`.
+    /// `set_per_process_memory_fraction`); `Err` unless `0 <= fraction <= 1`. 0 allows nothing,
+    /// as in PyTorch (every request but a zero-byte one then fails with out-of-memory).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidArgument(format!(
-                "memory fraction must be in (0, 1], got {fraction}"
+                "memory fraction must be in [0, 1], got {fraction}"
             )));
         }
         let mut st = self.lock();
@@ -818,6 +857,24 @@ impl CachingAllocator {
     /// Device capacity as the backend reported it when the allocator was made.
     pub fn device_total(&self) -> u64 {
         self.total
+    }
+
+    /// A zero-byte allocation: no memory, counted only by an open statistics scope (as rmm
+    /// counts it).
+    #[cold]
+    fn allocate_nothing(&self, stream: StreamId) -> Allocation {
+        if let Some(scope) = self.lock().scopes.last_mut() {
+            scope.allocated(0);
+        }
+        self.null_handle(stream)
+    }
+
+    /// A request of 1 EB or more: out of memory at once, as in PyTorch (whose message the
+    /// error's `Display` repeats).
+    #[cold]
+    fn refuse_huge(&self, st: &mut State, bytes: u64) -> Error {
+        let e = BackendError::oom("allocate", "requests of 1EB or more are refused");
+        self.fail(st, bytes, e)
     }
 
     /// The handle of a zero-byte allocation: no block, a null pointer.

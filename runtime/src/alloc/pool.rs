@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use super::block::{BlockId, PoolKind};
 use crate::backend::StreamId;
 use crate::config::AllocatorConfig;
+use crate::error::ONE_EXABYTE;
 
 /// Every block size is a multiple of this.
 pub const MIN_BLOCK: u64 = 512;
@@ -111,18 +112,22 @@ pub(crate) fn pool_for(size: u64) -> PoolKind {
 }
 
 /// Rounds a request as PyTorch does: to 512 bytes, or to the next power-of-two division when
-/// `roundup_power2_divisions` asks for it. `None` on overflow.
+/// `roundup_power2_divisions` asks for it. `None` for 1 EB or more, which PyTorch refuses (the
+/// one test also keeps the rounding from overflowing).
 #[inline]
 pub(crate) fn round_size(size: u64, cfg: &AllocatorConfig) -> Option<u64> {
     if size <= MIN_BLOCK {
         return Some(MIN_BLOCK);
     }
+    if size >= ONE_EXABYTE {
+        return None;
+    }
     let div = cfg.divisions_for(size);
     // saturating: a configured division count near 2^63 means "never" rather than an overflow
     if div > 1 && size > MIN_BLOCK.saturating_mul(div) {
-        return next_division(size, div).checked_next_multiple_of(MIN_BLOCK);
+        return Some(next_division(size, div).next_multiple_of(MIN_BLOCK));
     }
-    size.checked_next_multiple_of(MIN_BLOCK)
+    Some(size.next_multiple_of(MIN_BLOCK))
 }
 
 /// Rounds `size` up to the next of `divisions` equal steps between two powers of two.
@@ -167,6 +172,9 @@ mod tests {
         assert_eq!(round_size(1, &cfg), Some(512));
         assert_eq!(round_size(513, &cfg), Some(1024));
         assert_eq!(round_size(u64::MAX, &cfg), None);
+        // 1 EB or more is refused (PyTorch's one_exa_bytes); just below rounds as usual
+        assert_eq!(round_size(1 << 60, &cfg), None);
+        assert_eq!(round_size((1 << 60) - 1, &cfg), Some(1 << 60));
         let cfg = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
         // 1.1 GiB rounds to 1.25 GiB with 4 divisions
         assert_eq!(round_size(1_181_116_006, &cfg), Some(1_342_177_280));

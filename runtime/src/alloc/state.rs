@@ -7,9 +7,10 @@ use rustc_hash::FxHashMap;
 
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
 use super::history::{History, TraceAction};
+use super::peaks::Peaks;
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::{MemoryStats, ScopeStats};
-use super::thread_cache::CACHE_STATS;
+use super::thread_cache::CacheState;
 use crate::backend::{EventId, StreamId};
 use crate::config::AllocatorConfig;
 
@@ -70,9 +71,9 @@ pub(crate) struct State {
     pub owner_thread: u64,
     /// A second thread has allocated: thread caches are in use (see `thread_cache`).
     pub multi: bool,
-    /// Multi-thread mode: the peaks of the statistics the caches change, as of the last fold
-    /// (each statistic's own `peak` then holds the shared state's high since that fold).
-    pub floors: [u64; CACHE_STATS],
+    /// Multi-thread mode: the peaks of the statistics the caches change (see `peaks`; each
+    /// such statistic's own `peak` then holds the shared state's high since the last sync).
+    pub peaks: Peaks,
 }
 
 /// Most blocks parked per (stream, size).
@@ -110,7 +111,7 @@ impl State {
             scopes: Vec::new(),
             owner_thread: 0,
             multi: false,
-            floors: [0; CACHE_STATS],
+            peaks: Peaks::default(),
         }
     }
 
@@ -427,6 +428,12 @@ impl State {
         let largest = self.free[0].largest().max(self.free[1].largest());
         self.largest_memo.set(Some((versions, largest)));
         largest
+    }
+
+    /// Moves cache `index`'s statistics deltas into the shared statistics (see `peaks`; `own`:
+    /// the calling thread's cache).
+    pub fn sync_cache(&mut self, index: u32, cs: &mut CacheState, own: bool) {
+        self.peaks.sync(&mut self.stats, index, cs, own);
     }
 
     /// The free lists' versions (see [`FreeIndex::version`]).

@@ -30,10 +30,8 @@
 //!   flushes its quick lists): a thread's cache may so hold up to [`CACHE_CAP`] blocks per
 //!   stream and size that the shared state cannot split or merge until memory runs short.
 //!
-//! Peaks: with thread caches, the peak of a statistic is an upper bound. Between two reads of
-//! the statistics, each cache keeps the highest value its own delta reached and the shared
-//! state its own high; a read takes the sum. It is exact while only one thread allocates
-//! between two reads, and never below the true peak.
+//! Peaks (see `peaks`): exact while only one thread allocates between two reads of the
+//! statistics, never below the true peak with several.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -101,6 +99,8 @@ pub(crate) struct CacheState {
     /// Slots allocated.
     pub live: usize,
     pub stats: DeltaStats,
+    /// The highest each delta reached in any window since the last fold (see `peaks`).
+    pub highs: [u64; CACHE_STATS],
     /// The owning thread has exited: frees return blocks to the shared state.
     pub owner_gone: bool,
     /// The allocator has drained this orphan's cached blocks.
@@ -318,11 +318,11 @@ pub(crate) fn set_thread_cache(id: u64, cache: Arc<ThreadCache>) -> bool {
         .unwrap_or(false)
 }
 
-/// One statistic's change in a cache since the last fold.
+/// One statistic's change in a cache since the last sync (see `peaks`).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Delta {
     pub cur: i64,
-    /// Highest `cur` since the last fold (never below 0: the fold starts at 0).
+    /// Highest `cur` since the last sync (never below 0: every sync restarts from 0).
     pub max: i64,
     pub allocated: u64,
     pub freed: u64,
@@ -414,49 +414,13 @@ impl DeltaStats {
         }
     }
 
-    /// Moves the counts of an allocated slot's block out of this cache's current values into
-    /// `shared`'s, leaving the totals alone (the allocation is not counted twice): the block
-    /// continues as an allocation of the shared state.
-    pub fn shift_allocated(&mut self, shared: &mut MemoryStats, slot: &Slot) {
-        let moves = [
-            (ALLOCATED_BYTES, slot.size),
-            (ALLOCATION, 1),
-            (ACTIVE_BYTES, slot.size),
-            (ACTIVE, 1),
-            (REQUESTED_BYTES, slot.requested),
-        ];
-        let to = cache_stats_mut(shared);
-        for (base, n) in moves {
-            for k in [base, base + if slot.small { 1 } else { 2 }] {
-                self.0[k].cur -= n as i64;
-                shift_in(&mut *to[k], n);
-            }
-        }
-        if slot.oversize {
-            self.0[OVERSIZE_ALLOCATIONS].cur -= 1;
-            shift_in(&mut *to[OVERSIZE_ALLOCATIONS], 1);
-        }
+    /// Whether anything changed since the last sync (every change hands out or takes back an
+    /// allocation).
+    #[inline]
+    pub fn changed(&self) -> bool {
+        let d = &self.0[ALLOCATION];
+        d.allocated != 0 || d.freed != 0
     }
-
-    /// Moves the inactive-split count of a cached slot's block into `shared` (as a parked
-    /// block of the shared state), totals untouched.
-    pub fn shift_cached(&mut self, shared: &mut MemoryStats, slot: &Slot) {
-        if !slot.split {
-            return;
-        }
-        let to = cache_stats_mut(shared);
-        for (base, n) in [(INACTIVE_SPLIT, 1), (INACTIVE_SPLIT_BYTES, slot.size)] {
-            for k in [base, base + if slot.small { 1 } else { 2 }] {
-                self.0[k].cur -= n as i64;
-                shift_in(&mut *to[k], n);
-            }
-        }
-    }
-}
-
-fn shift_in(s: &mut Stat, n: u64) {
-    s.current += n;
-    s.peak = s.peak.max(s.current);
 }
 
 /// The statistics a cache changes, in [`DeltaStats`] order.
@@ -494,39 +458,4 @@ pub(crate) fn cache_stats_mut(s: &mut MemoryStats) -> [&mut Stat; CACHE_STATS] {
         &mut g.large,
         &mut s.oversize_allocations,
     ]
-}
-
-/// Folds every cache's deltas into `shared` (all caches locked by the caller). `floors` keeps
-/// the peaks: in multi-thread mode a statistic's own `peak` holds the shared state's high since
-/// the last fold, and the fold raises the floor to that high plus every cache's own high.
-pub(crate) fn fold(
-    shared: &mut MemoryStats,
-    floors: &mut [u64; CACHE_STATS],
-    caches: &mut [(u32, &mut CacheState)],
-) {
-    let to = cache_stats_mut(shared);
-    for k in 0..CACHE_STATS {
-        let (mut cur, mut max, mut allocated, mut freed) = (0i64, 0i64, 0u64, 0u64);
-        for (_, c) in caches.iter_mut() {
-            let d = std::mem::take(&mut c.stats.0[k]);
-            cur += d.cur;
-            max += d.max;
-            allocated = allocated.wrapping_add(d.allocated);
-            freed = freed.wrapping_add(d.freed);
-        }
-        let s = &mut *to[k];
-        floors[k] = floors[k].max(s.peak.saturating_add(max.max(0) as u64));
-        s.current = (s.current as i64 + cur) as u64;
-        s.allocated = s.allocated.wrapping_add(allocated);
-        s.freed = s.freed.wrapping_add(freed);
-        floors[k] = floors[k].max(s.current);
-        s.peak = s.current;
-    }
-}
-
-/// Raises the peaks of `s` to the floors kept by [`fold`] (multi-thread mode).
-pub(crate) fn apply_floors(s: &mut MemoryStats, floors: &[u64; CACHE_STATS]) {
-    for (stat, floor) in cache_stats_mut(s).into_iter().zip(floors) {
-        stat.peak = stat.peak.max(*floor);
-    }
 }

@@ -144,7 +144,8 @@ impl Device {
     /// fails with out-of-memory (after the cache is released and the allocation retried). Memory
     /// already held stays. `1.0` lifts the cap to the full capacity.
     ///
-    /// Fails with [`crate::Error::InvalidArgument`] unless `0 < fraction <= 1`.
+    /// Fails with [`crate::Error::InvalidArgument`] unless `0 <= fraction <= 1`; 0 allows
+    /// nothing, as in PyTorch.
     ///
     /// ```
     /// use oomguard_runtime::{ByteSize, Device};

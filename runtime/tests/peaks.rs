@@ -1,0 +1,401 @@
+//! Peaks in multi-thread mode (issue 26 point 5): exact while one thread allocates, never below
+//! the true peak with several, and the same figures wherever peaks are read (`stats`, `usage`,
+//! `UsagePeakScope`, `memory_summary`).
+
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use oomguard_runtime::alloc::{BlockStatus, CachingAllocator, MemoryStats, PoolStats};
+use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::source::guards::UsagePeakScope;
+use oomguard_runtime::{Allocation, AllocatorConfig, ByteSize, Device, MemorySource};
+
+const MIB: u64 = 1 << 20;
+
+fn configs() -> [(&'static str, AllocatorConfig); 2] {
+    [
+        ("native", AllocatorConfig::native()),
+        ("growable", AllocatorConfig::default()),
+    ]
+}
+
+/// Puts `a` in multi-thread mode (a second thread allocates once), peaks reset.
+fn go_multi(a: &CachingAllocator) {
+    a.free(a.allocate(512, 0).unwrap()).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| a.free(a.allocate(512, 0).unwrap()).unwrap());
+    });
+    a.reset_peak_stats();
+}
+
+/// The issue's first figure: one 64 MiB allocation and its free, on one thread, in native mode,
+/// gave `allocated_bytes.peak` 128 MiB and `allocation.peak` 2 (the freed block went back
+/// through the shared state, whose peak rose for bytes the cache's high already counted).
+#[test]
+fn one_64_mib_alloc_and_free_peaks_at_64_mib_everywhere() {
+    for (name, cfg) in configs() {
+        let dev = Device::new(SimDevice::new(ByteSize::gib(1)), cfg);
+        go_multi(dev.allocator());
+        let scope = UsagePeakScope::new(&dev).unwrap();
+        let x = dev.allocator().allocate(64 * MIB, 0).unwrap();
+        dev.allocator().free(x).unwrap();
+        assert_eq!(
+            scope.peak_bytes().unwrap(),
+            64 * MIB,
+            "{name}: UsagePeakScope"
+        );
+        assert_eq!(dev.usage().unwrap().used_peak, 64 * MIB, "{name}: usage()");
+        let s = dev.stats();
+        assert_eq!(s.allocated_bytes.all.peak, 64 * MIB, "{name}");
+        assert_eq!(s.allocated_bytes.large.peak, 64 * MIB, "{name}");
+        assert_eq!(s.active_bytes.all.peak, 64 * MIB, "{name}");
+        assert_eq!(s.requested_bytes.all.peak, 64 * MIB, "{name}");
+        assert_eq!(s.allocation.all.peak, 1, "{name}");
+        assert_eq!(s.active.all.peak, 1, "{name}");
+        let summary = dev.memory_summary();
+        let row = summary
+            .lines()
+            .find(|l| l.starts_with("| Allocated memory"))
+            .unwrap();
+        let peak = row.split('|').nth(3).unwrap().trim();
+        assert_eq!(peak, ByteSize(64 * MIB).to_string(), "{name}: {row}");
+        drop(scope);
+        dev.allocator().check_invariants().unwrap();
+    }
+}
+
+/// The issue's second figure: nine 1 MiB allocations, then their frees (the ninth does not fit
+/// the thread's cache list and goes back through the shared state), gave a peak of 10 MiB.
+#[test]
+fn nine_1_mib_allocations_peak_at_9_mib() {
+    for (name, cfg) in configs() {
+        let a = CachingAllocator::new(Arc::new(SimDevice::new(ByteSize::gib(1))), cfg);
+        go_multi(&a);
+        for round in 0..3 {
+            let xs: Vec<_> = (0..9).map(|_| a.allocate(MIB, 0).unwrap()).collect();
+            for x in xs {
+                a.free(x).unwrap();
+            }
+            let s = a.stats();
+            assert_eq!(s.allocated_bytes.all.peak, 9 * MIB, "{name} round {round}");
+            assert_eq!(
+                s.allocated_bytes.small.peak,
+                9 * MIB,
+                "{name} round {round}"
+            );
+            assert_eq!(s.allocation.all.peak, 9, "{name} round {round}");
+            assert_eq!(s.allocated_bytes.all.current, 0, "{name} round {round}");
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
+/// A block used on another stream (`record_stream`) and freed goes back through the shared
+/// state and stays active until the stream's work is done: the active peak is the live bytes,
+/// not twice them.
+#[test]
+fn a_recorded_stream_free_does_not_double_the_active_peak() {
+    for (name, cfg) in configs() {
+        let a = CachingAllocator::new(
+            Arc::new(SimDevice::new(ByteSize::gib(1)).with_pending_events()),
+            cfg,
+        );
+        go_multi(&a);
+        let x = a.allocate(4 * MIB, 0).unwrap();
+        a.record_stream(&x, 1).unwrap();
+        a.free(x).unwrap();
+        let y = a.allocate(4 * MIB, 0).unwrap();
+        let s = a.stats();
+        assert_eq!(s.active_bytes.all.peak, 8 * MIB, "{name}: x pending + y");
+        assert_eq!(s.allocated_bytes.all.peak, 4 * MIB, "{name}");
+        a.free(y).unwrap();
+        a.empty_cache().unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
+// ---- property test against a recount ----
+
+/// The statistics a recount can give: (allocated bytes, allocations, requested bytes) for all,
+/// small and large, and the inactive split bytes (free blocks of split fixed segments).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    allocated: [u64; 3],
+    allocations: [u64; 3],
+    requested: [u64; 3],
+    inactive_split_bytes: u64,
+}
+
+impl Counts {
+    fn of(a: &CachingAllocator, live: &[Allocation]) -> Self {
+        let mut c = Counts::default();
+        for x in live {
+            for k in [0, if x.size <= MIB { 1 } else { 2 }] {
+                c.allocated[k] += x.size;
+                c.allocations[k] += 1;
+                c.requested[k] += x.requested;
+            }
+        }
+        for s in a.snapshot() {
+            if !s.growable && s.blocks.len() > 1 {
+                c.inactive_split_bytes += s
+                    .blocks
+                    .iter()
+                    .filter(|b| b.status == BlockStatus::Free)
+                    .map(|b| b.size)
+                    .sum::<u64>();
+            }
+        }
+        c
+    }
+    fn max(self, o: Self) -> Self {
+        let m = |a: [u64; 3], b: [u64; 3]| [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])];
+        Counts {
+            allocated: m(self.allocated, o.allocated),
+            allocations: m(self.allocations, o.allocations),
+            requested: m(self.requested, o.requested),
+            inactive_split_bytes: self.inactive_split_bytes.max(o.inactive_split_bytes),
+        }
+    }
+    fn peaks(s: &MemoryStats) -> Self {
+        let p = |p: &PoolStats| [p.all.peak, p.small.peak, p.large.peak];
+        Counts {
+            allocated: p(&s.allocated_bytes),
+            allocations: p(&s.allocation),
+            requested: p(&s.requested_bytes),
+            inactive_split_bytes: s.inactive_split_bytes.all.peak,
+        }
+    }
+    fn currents(s: &MemoryStats) -> Self {
+        let p = |p: &PoolStats| [p.all.current, p.small.current, p.large.current];
+        Counts {
+            allocated: p(&s.allocated_bytes),
+            allocations: p(&s.allocation),
+            requested: p(&s.requested_bytes),
+            inactive_split_bytes: s.inactive_split_bytes.all.current,
+        }
+    }
+    /// Every figure at least `o`'s.
+    fn covers(&self, o: &Self) -> bool {
+        (0..3).all(|k| {
+            self.allocated[k] >= o.allocated[k]
+                && self.allocations[k] >= o.allocations[k]
+                && self.requested[k] >= o.requested[k]
+        }) && self.inactive_split_bytes >= o.inactive_split_bytes
+    }
+}
+
+/// One step of a generated workload: who acts and what it does.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    /// Thread `t` allocates a size of class `c` (see [`size_of`]).
+    Alloc {
+        t: usize,
+        c: u8,
+        r: u32,
+    },
+    /// Thread `t` frees the live allocation at index `i` (modulo), made by any thread.
+    Free {
+        t: usize,
+        i: u32,
+    },
+    /// Read the statistics and compare them with the recount.
+    Read,
+    /// Reset the peaks.
+    Reset,
+    EmptyCache,
+}
+
+fn size_of(c: u8, r: u32) -> u64 {
+    let r = r as u64;
+    match c % 6 {
+        0 => 512,
+        1 => r % 8192 + 1,
+        2 => MIB,
+        3 => r % MIB + 1,
+        4 => MIB + 1 + r % (9 * MIB),
+        _ => [64 * MIB, 12 * MIB, 3 * MIB][(r % 3) as usize],
+    }
+}
+
+fn op(threads: usize) -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        8 => (0..threads, any::<u8>(), any::<u32>()).prop_map(|(t, c, r)| Op::Alloc { t, c, r }),
+        7 => (0..threads, any::<u32>()).prop_map(|(t, i)| Op::Free { t, i }),
+        1 => Just(Op::Read),
+        1 => Just(Op::Reset),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+/// What a worker thread is asked to do (one request at a time, answered before the next).
+enum Request {
+    Alloc(u64),
+    Free(Allocation),
+}
+
+/// Runs `ops` with `threads` worker threads in lock step (each operation finishes before the
+/// next starts, so the true values are known after every one): peaks and currents are compared
+/// with the running maximum of a recount after every operation. With one allocating thread the
+/// peaks must be exact; with several at least the true peak.
+fn check_against_recount(cfg: AllocatorConfig, threads: usize, ops: &[Op]) {
+    let a = CachingAllocator::new(Arc::new(SimDevice::address_only(ByteSize::gib(1))), cfg);
+    go_multi(&a);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let (tx, rx) = mpsc::channel::<Request>();
+                let (back, answers) = mpsc::channel::<Option<Allocation>>();
+                let a = &a;
+                s.spawn(move || {
+                    for r in rx {
+                        let answer = match r {
+                            Request::Alloc(n) => a.allocate(n, 0).ok(),
+                            Request::Free(x) => {
+                                a.free(x).unwrap();
+                                None
+                            }
+                        };
+                        back.send(answer).unwrap();
+                    }
+                });
+                (tx, answers)
+            })
+            .collect();
+        let mut live: Vec<Allocation> = Vec::new();
+        let mut truth = Counts::of(&a, &live);
+        // a last read, so that every run compares its peaks at least once
+        for (n, &o) in ops.iter().chain(&[Op::Read]).enumerate() {
+            match o {
+                Op::Alloc { t, c, r } => {
+                    workers[t].0.send(Request::Alloc(size_of(c, r))).unwrap();
+                    if let Some(x) = workers[t].1.recv().unwrap() {
+                        live.push(x);
+                    }
+                }
+                Op::Free { t, i } if !live.is_empty() => {
+                    let x = live.swap_remove(i as usize % live.len());
+                    workers[t].0.send(Request::Free(x)).unwrap();
+                    workers[t].1.recv().unwrap();
+                }
+                Op::Free { .. } => {}
+                Op::Read => {
+                    let s = a.stats();
+                    let peaks = Counts::peaks(&s);
+                    assert_eq!(Counts::currents(&s), Counts::of(&a, &live), "op {n}");
+                    if threads == 1 {
+                        assert_eq!(peaks, truth, "op {n}: peaks with one allocating thread");
+                    } else {
+                        assert!(peaks.covers(&truth), "op {n}: {peaks:?} below {truth:?}");
+                    }
+                }
+                Op::Reset => {
+                    a.reset_peak_stats();
+                    truth = Counts::of(&a, &live);
+                }
+                Op::EmptyCache => a.empty_cache().unwrap(),
+            }
+            truth = truth.max(Counts::of(&a, &live));
+        }
+        for x in live.drain(..) {
+            a.free(x).unwrap();
+        }
+        drop(workers);
+    });
+    a.check_invariants().unwrap();
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn peaks_are_exact_with_one_allocating_thread(
+        native in proptest::bool::ANY,
+        ops in proptest::collection::vec(op(1), 1..160),
+    ) {
+        let cfg = if native { AllocatorConfig::native() } else { AllocatorConfig::default() };
+        check_against_recount(cfg, 1, &ops);
+    }
+
+    #[test]
+    fn peaks_never_fall_below_the_true_peak_with_several_threads(
+        native in proptest::bool::ANY,
+        ops in proptest::collection::vec(op(3), 1..160),
+    ) {
+        let cfg = if native { AllocatorConfig::native() } else { AllocatorConfig::default() };
+        check_against_recount(cfg, 3, &ops);
+    }
+}
+
+/// Threads racing (not in lock step): between rounds every thread holds a known set of blocks
+/// at one barrier, so the true peak is at least their sum; the reported peaks never fall below
+/// it, and after the threads stop every current value equals a recount.
+#[test]
+fn racing_threads_never_report_less_than_they_held_together() {
+    const THREADS: usize = 6;
+    for (name, cfg) in configs() {
+        let a = CachingAllocator::new(Arc::new(SimDevice::address_only(ByteSize::gib(8))), cfg);
+        let barrier = std::sync::Barrier::new(THREADS);
+        for round in 0..20u64 {
+            a.reset_peak_stats();
+            let held: u64 = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..THREADS as u64)
+                    .map(|t| {
+                        let (a, barrier) = (&a, &barrier);
+                        s.spawn(move || {
+                            let mut r = (round * 31 + t + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                            let mut next = move || {
+                                r ^= r << 13;
+                                r ^= r >> 7;
+                                r ^= r << 17;
+                                r
+                            };
+                            // a panic before the barrier would leave the others waiting
+                            let held =
+                                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                    // churn, then hold, then churn again while the others free
+                                    for _ in 0..200 {
+                                        let x = a.allocate(size_of(next() as u8, next() as u32), 0);
+                                        a.free(x.unwrap()).unwrap();
+                                    }
+                                    let kept: Vec<_> = (0..8)
+                                        .map(|_| {
+                                            a.allocate(size_of(next() as u8, next() as u32), 0)
+                                                .unwrap()
+                                        })
+                                        .collect();
+                                    let sum = kept.iter().map(|x| x.size).sum::<u64>();
+                                    (kept, sum)
+                                }));
+                            barrier.wait();
+                            let (kept, sum) = held.unwrap_or_else(|e| std::panic::resume_unwind(e));
+                            for x in kept {
+                                a.free(x).unwrap();
+                            }
+                            for _ in 0..200 {
+                                let x =
+                                    a.allocate(size_of(next() as u8, next() as u32), 0).unwrap();
+                                a.free(x).unwrap();
+                            }
+                            sum
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).sum()
+            });
+            let s = a.stats();
+            assert!(
+                s.allocated_bytes.all.peak >= held,
+                "{name} round {round}: peak {} below {held} held together",
+                s.allocated_bytes.all.peak
+            );
+            assert!(
+                s.allocation.all.peak >= 8 * THREADS as u64,
+                "{name} round {round}"
+            );
+            assert_eq!(s.allocated_bytes.all.current, 0, "{name} round {round}");
+            a.check_invariants().unwrap();
+        }
+    }
+}
