@@ -40,6 +40,8 @@
 //! function's error and is recorded in [`RetryReport::commit_error`].
 
 mod classify;
+#[cfg(feature = "burn")]
+mod classify_burn;
 #[cfg(feature = "candle")]
 mod classify_candle;
 mod consensus;
@@ -53,6 +55,8 @@ mod report;
 mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
+#[cfg(feature = "burn")]
+pub use classify_burn::cubecl_text_is_oom;
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{
     RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
