@@ -35,9 +35,13 @@ fn device_thread_oom() {
 #[test]
 fn panics_are_classified_and_others_continue() {
     // On the caller's thread: an unwrap of cubecl's out-of-memory.
-    let e = catch_oom(|| -> Result<(), Error> { Err::<Result<(), Error>, _>(too_big()).unwrap() }).unwrap_err();
+    let e = catch_oom(|| -> Result<(), Error> { Err::<Result<(), Error>, _>(too_big()).unwrap() })
+        .unwrap_err();
     assert!(matches!(e, Error::DevicePanic { .. }) && e.is_oom(), "{e}");
-    assert!(e.to_string().contains("can't allocate buffer of size"), "{e}");
+    assert!(
+        e.to_string().contains("can't allocate buffer of size"),
+        "{e}"
+    );
 
     // A bare CallError after a device thread's out-of-memory panic: an out-of-memory.
     let before = oom_panics();
@@ -59,10 +63,14 @@ fn panics_are_classified_and_others_continue() {
     assert!(e.is_oom(), "{e}");
 
     // A CallError with no out-of-memory behind it is not ours: the panic continues.
-    let r = panic::catch_unwind(|| catch_oom(|| -> Result<(), Error> { Err::<Result<(), Error>, _>(CallError).unwrap() }));
+    let r = panic::catch_unwind(|| {
+        catch_oom(|| -> Result<(), Error> { Err::<Result<(), Error>, _>(CallError).unwrap() })
+    });
     assert!(r.is_err(), "a CallError without a device OOM was caught");
     // Nor is any other panic.
-    let r = panic::catch_unwind(|| catch_oom(|| -> Result<(), Error> { panic!("index out of bounds") }));
+    let r = panic::catch_unwind(|| {
+        catch_oom(|| -> Result<(), Error> { panic!("index out of bounds") })
+    });
     assert!(r.is_err());
 
     // The closure's own result and errors pass through.

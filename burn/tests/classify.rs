@@ -158,6 +158,8 @@ fn panic_messages_are_classified_by_shape() {
         .unwrap()
     });
     assert!(!panic_message_is_oom(&io_unknown));
-    assert!(!panic_message_is_oom("index out of bounds: can't allocate buffer of size: 4"));
+    assert!(!panic_message_is_oom(
+        "index out of bounds: can't allocate buffer of size: 4"
+    ));
     std::panic::set_hook(prev);
 }
