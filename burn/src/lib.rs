@@ -31,7 +31,6 @@
 //!
 //! ```
 //! use burn::backend::{Autodiff, NdArray};
-//! use burn::module::Module;
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::optim::SgdConfig;
 //! use burn::tensor::{Distribution, Tensor};
