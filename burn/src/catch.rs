@@ -1,23 +1,6 @@
 //! cubecl out-of-memory that surfaces as a panic, turned into an [`Error`].
 //!
-//! On burn 0.21 a failed reservation often panics instead of returning an error: `into_data`
-//! panics on the `ExecutionError` it reads, and a reservation that fails on cubecl's device
-//! thread (`initialize_memory`) panics *there*; the caller then panics with a bare `CallError`
-//! that says nothing about memory. [`catch_oom`] runs a closure under `catch_unwind` and a panic
-//! hook (installed once, chained to the previous hook, so messages still print) that counts
-//! cubecl out-of-memory panics on every thread:
-//! - a panic whose message is a cubecl out-of-memory (`into_data`'s message, an `unwrap` of
-//!   cubecl's error, or the error's own text; read by shape, never by substring) is
-//!   [`Error::DevicePanic`];
-//! - a `CallError` panic is one too when a device thread panicked with an out-of-memory while
-//!   the closure ran; otherwise it is not ours to interpret and the panic continues;
-//! - a closure that *returned* while a device thread panicked with an out-of-memory also gets
-//!   [`Error::DevicePanic`]: some of its tensors were never allocated, its results are not
-//!   trusted;
-//! - every other panic continues (`resume_unwind`): it is never turned into an error.
-//!
-//! The count is process-wide (cubecl's device threads have no name to tell devices apart): an
-//! out-of-memory on another device during the closure also fails it, as an out-of-memory.
+//! See [`catch_oom`] for the rules.
 
 use std::any::Any;
 use std::panic::{self, AssertUnwindSafe};
@@ -78,7 +61,26 @@ fn last_oom_panic() -> String {
 
 /// Runs `f`, turning a cubecl out-of-memory that surfaces as a panic (on this thread or on a
 /// device thread while `f` runs) into [`Error::DevicePanic`]; `f`'s own errors are returned as
-/// they are, and any other panic continues. See the [module](self) for the rules.
+/// they are, and any other panic continues.
+///
+/// On burn 0.21 a failed reservation often panics instead of returning an error: `into_data`
+/// panics on the `ExecutionError` it reads, and a reservation that fails on cubecl's device
+/// thread (`initialize_memory`) panics *there*; the caller then panics with a bare `CallError`
+/// that says nothing about memory. `catch_oom` runs a closure under `catch_unwind` and a panic
+/// hook (installed once, chained to the previous hook, so messages still print) that counts
+/// cubecl out-of-memory panics on every thread:
+/// - a panic whose message is a cubecl out-of-memory (`into_data`'s message, an `unwrap` of
+///   cubecl's error, or the error's own text; read by shape, never by substring) is
+///   [`Error::DevicePanic`];
+/// - a `CallError` panic is one too when a device thread panicked with an out-of-memory while
+///   the closure ran; otherwise it is not ours to interpret and the panic continues;
+/// - a closure that *returned* while a device thread panicked with an out-of-memory also gets
+///   [`Error::DevicePanic`]: some of its tensors were never allocated, its results are not
+///   trusted;
+/// - every other panic continues (`resume_unwind`): it is never turned into an error.
+///
+/// The count is process-wide (cubecl's device threads have no name to tell devices apart): an
+/// out-of-memory on another device during the closure also fails it, as an out-of-memory.
 ///
 /// ```
 /// use oomguard::IsOom;

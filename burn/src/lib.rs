@@ -11,7 +11,7 @@
 //!   `ExecutionError` (feature `burn` of oomguard, on here), so `#[oom_retry]` works on
 //!   functions returning `Result<_, ExecutionError>` or `Result<_, oomguard_burn::Error>`.
 //! - [`memory_source`]: the [`MemorySource`](oomguard::MemorySource) of a burn device (CUDA,
-//!   feature `cuda`: [`CubeCudaSource`]), for the retry engine, [`find_max_batch`], leak checks
+//!   feature `cuda`: `CubeCudaSource`), for the retry engine, [`find_max_batch`], leak checks
 //!   and peak scopes ([`oomguard::source::guards`]).
 //! - [`chunk_rows`] / [`split_rows`]: the rows of a [`Chunk`](oomguard::retry::Chunk) of a
 //!   [`BatchPlan`](oomguard::BatchPlan) (`narrow` on dimension 0), checked against the batch.

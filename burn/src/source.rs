@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 use oomguard::source::MemorySource;
 
 /// The [`MemorySource`] a burn device allocates from: for a CUDA device (`burn::backend::cuda`,
-/// feature `cuda`, also under `Autodiff`), [`CubeCudaSource`](crate::CubeCudaSource) over
+/// feature `cuda`, also under `Autodiff`), `CubeCudaSource` over
 /// cubecl's pools and the driver's memory pool they draw from. Other devices (ndarray, wgpu,
 /// ...) have none oomguard can watch: an error says so. Give the retry engine a simulated
 /// `oomguard::Device` instead to test a step on CPU.

@@ -2,6 +2,8 @@
 //! thread and, behind a bare `CallError`, on a device thread; every other panic continues.
 //! One test function: the count of device out-of-memory panics is process-wide, so these
 //! cases must not run in parallel with each other.
+// `Err(..).unwrap()` on purpose: the panic message of `unwrap` is what cubecl raises.
+#![allow(clippy::unnecessary_literal_unwrap)]
 
 use std::panic;
 use std::thread;

@@ -3,6 +3,8 @@
 //! `ExecutionError::WithContext` (`format!("{err}")` for reads and `sync`, `format!("{err:?}")`
 //! for transactions), and classified. A cubecl or burn version that changes these texts fails
 //! here. Unrelated errors, including ones whose text quotes an out-of-memory, are not OOM.
+// `Err(..).unwrap()` on purpose: the panic message of `unwrap` is what cubecl raises.
+#![allow(clippy::unnecessary_literal_unwrap)]
 
 use burn::tensor::backend::ExecutionError;
 use cubecl_common::backtrace::BackTrace;

@@ -55,8 +55,9 @@ const DEBUG_WRAPPERS: [&str; 4] = ["Io(", "Launch(", "Profile(", "ServerUnhealth
 const EXECUTION: &str = "An error happened during execution\nCaused by:\n  ";
 
 /// Whether `text` is the display (or `Debug`) of one of cubecl 0.10's out-of-memory errors, or
-/// of burn's `ExecutionError` holding one, read from its start (see the [module](self) for the
-/// forms). Used by `oomguard-burn` on panic messages; `ExecutionError` itself implements
+/// of burn's `ExecutionError` holding one, read from its start: `IoError::BufferTooBig`,
+/// `LaunchError::OutOfMemory`, either inside cubecl's wrapping errors, or first among a
+/// `ServerUnhealthy`'s errors (the forms are listed in `runtime/src/retry/classify_burn.rs`). Used by `oomguard-burn` on panic messages; `ExecutionError` itself implements
 /// [`IsOom`].
 pub fn cubecl_text_is_oom(text: &str) -> bool {
     match text.strip_prefix(EXECUTION) {
