@@ -80,7 +80,9 @@ fn last_oom_panic() -> String {
 /// - every other panic continues (`resume_unwind`): it is never turned into an error.
 ///
 /// The count is process-wide (cubecl's device threads have no name to tell devices apart): an
-/// out-of-memory on another device during the closure also fails it, as an out-of-memory.
+/// out-of-memory on another device during the closure also fails it, as an out-of-memory. The
+/// hook is installed by the first call; a panic hook set later without chaining to the one it
+/// replaces (`std::panic::take_hook`) stops the count, and a bare `CallError` then panics on.
 ///
 /// ```
 /// use oomguard::IsOom;
