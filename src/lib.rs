@@ -68,8 +68,8 @@ pub use oomguard_runtime::*;
 /// The function must return a `Result` (written out, or an alias such as `io::Result<T>` or
 /// `anyhow::Result<T>`) whose error type implements [`retry::IsOom`] and `Display`: oomguard's
 /// [`Error`], `io::Error` (`?` converts oomguard's errors into it), `Box<dyn Error>`,
-/// `anyhow::Error` with the `anyhow` feature, or your own type (`Display` too: the retry report
-/// quotes each attempt's error).
+/// `anyhow::Error` with the `anyhow` feature, burn's `ExecutionError` with the `burn`
+/// feature, or your own type (`Display` too: the retry report quotes each attempt's error).
 /// Its body is the step's **attempt**: after an out-of-memory the attempt's locals are dropped,
 /// caches emptied, and the body runs again from its start with a smaller plan. It must therefore
 /// change nothing that lasts (parameters, optimizer state, a data iterator): put that in the

@@ -46,6 +46,8 @@
 //! Driving a step by hand ([`RetryLoop`]), call [`note_commit`] before its commit.
 
 mod classify;
+#[cfg(feature = "burn")]
+mod classify_burn;
 #[cfg(feature = "candle")]
 mod classify_candle;
 mod commit;
@@ -60,6 +62,8 @@ mod report;
 mod thrash;
 
 pub use classify::{chain_is_oom, IsOom};
+#[cfg(feature = "burn")]
+pub use classify_burn::cubecl_text_is_oom;
 pub use commit::{note_commit, AfterCommit};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{

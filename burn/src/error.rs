@@ -1,0 +1,115 @@
+//! The error of oomguard-burn's steps: burn's `ExecutionError`, a cubecl out-of-memory seen as a
+//! panic, or a refusal (rows that do not match the batch, a plan that drops rows, parameters
+//! without a gradient).
+
+use std::fmt;
+
+use oomguard::IsOom;
+
+use crate::compat::ExecutionError;
+
+/// Why a micro-batch, a step or a [`catch_oom`](crate::catch_oom) closure failed.
+#[derive(Debug)]
+pub enum Error {
+    /// An error burn returned (`try_into_data`, `Backend::sync`, ...). An out-of-memory when it
+    /// holds one of cubecl's out-of-memory errors ([`IsOom`] for `ExecutionError`, feature
+    /// `burn` of oomguard).
+    Execution(ExecutionError),
+    /// A cubecl out-of-memory that surfaced as a panic (`Tensor::into_data`, a reservation that
+    /// failed on the device thread); always an out-of-memory.
+    DevicePanic {
+        /// The panic's message (the device thread's when the caller only saw `CallError`).
+        message: String,
+    },
+    /// An oomguard error (e.g. a simulated device's out-of-memory in a CPU test of a step, or a
+    /// memory source's error); an out-of-memory when it is one.
+    Oomguard(oomguard::Error),
+    /// The batch's tensors do not have the rows the plan splits (e.g. a tensor of 16 rows in a
+    /// step of batch 8); not retried.
+    Rows(String),
+    /// The chunk's loss is not one value (the chunk's mean loss, e.g. `loss.mean()`); not
+    /// retried.
+    Loss(String),
+    /// The retry policy asked for fewer rows than the batch: [`train_step`](crate::train_step)
+    /// trains on every row, so it refuses instead of dropping rows; not retried.
+    DropsRows {
+        /// The batch the step was given.
+        batch: usize,
+        /// The rows the policy's plan covers.
+        plan_rows: usize,
+    },
+    /// Float parameters that require a gradient got none from the backward pass (a module that
+    /// cuts the graph, or a parameter the loss does not use); the optimizer did not step.
+    NoGradient {
+        /// Their paths in the module (`"blocks.0.attn.query.weight"`).
+        params: Vec<String>,
+    },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Execution(e) => write!(f, "{e}"),
+            Error::DevicePanic { message } => write!(
+                f,
+                "cubecl ran out of device memory (seen as a panic): {}",
+                message.lines().next().unwrap_or("")
+            ),
+            Error::Oomguard(e) => write!(f, "{e}"),
+            Error::Rows(m) | Error::Loss(m) => f.write_str(m),
+            Error::DropsRows { batch, plan_rows } => write!(
+                f,
+                "the retry policy planned {plan_rows} of the batch's {batch} rows; a training step \
+                 trains on every row: use a policy that splits into micro-batches \
+                 (oomguard::retry::training_policy, Accumulate), not one that shrinks the batch"
+            ),
+            Error::NoGradient { params } => write!(
+                f,
+                "{} parameter(s) requiring a gradient got none from the backward pass: {}; a \
+                 module cut the graph or the loss does not use them (freeze unused ones with \
+                 `set_require_grad(false)`); the optimizer did not step",
+                params.len(),
+                params.join(", ")
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Execution(e) => Some(e),
+            Error::Oomguard(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<ExecutionError> for Error {
+    fn from(e: ExecutionError) -> Self {
+        Error::Execution(e)
+    }
+}
+
+impl From<oomguard::Error> for Error {
+    fn from(e: oomguard::Error) -> Self {
+        Error::Oomguard(e)
+    }
+}
+
+impl IsOom for Error {
+    fn is_budget_exceeded(&self) -> bool {
+        matches!(self, Error::Oomguard(e) if IsOom::is_budget_exceeded(e))
+    }
+    fn is_oom(&self) -> bool {
+        match self {
+            Error::Execution(e) => e.is_oom(),
+            Error::DevicePanic { .. } => true,
+            Error::Oomguard(e) => IsOom::is_oom(e),
+            Error::Rows(_)
+            | Error::Loss(_)
+            | Error::DropsRows { .. }
+            | Error::NoGradient { .. } => false,
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! A burn training step kept alive through out-of-memory: exact gradient accumulation over the
+//! micro-batches of a [`BatchPlan`], one optimizer step after all of them succeeded.
+
+use std::fmt;
+
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use oomguard::retry::{BatchPlan, Chunk, RetryEngine, RetryError, RetryReport};
+use oomguard::source::MemorySource;
+
+use crate::compat;
+use crate::{catch_oom, Error};
+
+/// Sums the gradients of the micro-batches of one attempt (burn's `GradientsAccumulator`):
+/// each chunk's mean loss is multiplied by the chunk's share of the batch (`len / batch`, in f32
+/// or wider: a half-precision loss is cast to f32 first) before `backward`, so the sum is the
+/// gradient of the batch's mean loss, equal to one full-batch backward up to floating-point
+/// summation order.
+///
+/// [`GradAccumulator::backward`] reads the weighted loss and synchronises the device, so an
+/// out-of-memory of that micro-batch's forward or backward surfaces there, inside the attempt.
+pub struct GradAccumulator<B: AutodiffBackend, M> {
+    sum: compat::Summed<M>,
+    loss: f64,
+    rows: usize,
+    device: Option<B::Device>,
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Default for GradAccumulator<B, M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<B: AutodiffBackend, M> fmt::Debug for GradAccumulator<B, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GradAccumulator")
+            .field("loss", &self.loss)
+            .field("rows", &self.rows)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
+    /// An empty accumulator.
+    pub fn new() -> Self {
+        Self {
+            sum: compat::Summed::new(),
+            loss: 0.0,
+            rows: 0,
+            device: None,
+        }
+    }
+
+    /// Backpropagates `chunk_loss` (the chunk's *mean* loss, one element) weighted by
+    /// `chunk.weight()`, adds the parameters' gradients, then reads the weighted loss and
+    /// synchronises the device (so that an error of this micro-batch is returned here).
+    pub fn backward(
+        &mut self,
+        model: &M,
+        chunk_loss: Tensor<B, 1>,
+        chunk: &Chunk,
+    ) -> Result<(), Error> {
+        let n = chunk_loss.shape().num_elements();
+        if n != 1 {
+            return Err(Error::Loss(format!(
+                "the loss of chunk {:?} has {n} elements (shape {:?}); give the chunk's mean \
+                 loss, one element (e.g. `loss.mean()`)",
+                chunk.rows(),
+                chunk_loss.dims()
+            )));
+        }
+        let device = chunk_loss.device();
+        let weighted = compat::weighted_loss(chunk_loss, chunk.weight());
+        let grads = compat::backward(&weighted, model);
+        self.sum.add(model, grads);
+        let value = compat::read_f64(weighted)?;
+        compat::sync::<B>(&device)?;
+        self.device = Some(device);
+        self.loss += value;
+        self.rows += chunk.len();
+        Ok(())
+    }
+
+    /// The batch's mean loss so far (the weighted sum of the chunks' mean losses, in f64).
+    pub fn loss(&self) -> f64 {
+        self.loss
+    }
+
+    /// Rows backpropagated so far.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The summed gradients, for `Optimizer::step`. [`Error::NoGradient`] names every float
+    /// parameter of `model` that requires a gradient and got none.
+    pub fn into_grads(self, model: &M) -> Result<GradientsParams, Error> {
+        let grads = self.sum.take();
+        let missing = compat::missing_gradients(model, &grads);
+        if missing.is_empty() {
+            Ok(grads)
+        } else {
+            Err(Error::NoGradient { params: missing })
+        }
+    }
+}
+
+/// What [`train_step`] did.
+#[derive(Debug)]
+pub struct TrainedStep {
+    /// The batch's mean loss (weighted sum of the chunks' mean losses).
+    pub loss: f64,
+    /// Rows that contributed to the update: always the whole batch.
+    pub rows: usize,
+    /// How the step went: plans tried, retries, the plan that worked.
+    pub report: RetryReport,
+}
+
+/// Why [`train_step`] failed. The model is unchanged in both cases.
+#[derive(Debug)]
+pub enum TrainStepError {
+    /// The micro-batches failed: not an out-of-memory (a refusal of [`Error`] included), or
+    /// out-of-memory at the smallest plan (the report is inside).
+    Retry(RetryError<Error>),
+    /// The optimizer update failed (an out-of-memory included). It is not retried: it runs
+    /// once, after every micro-batch of one attempt succeeded; the model keeps its parameters,
+    /// but the optimizer's state (e.g. AdamW's moments) may have advanced.
+    Update {
+        /// The update's error.
+        error: Error,
+        /// How the micro-batches went.
+        report: Box<RetryReport>,
+    },
+}
+
+impl fmt::Display for TrainStepError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrainStepError::Retry(e) => write!(f, "{e}"),
+            TrainStepError::Update { error, report } => write!(
+                f,
+                "the optimizer update failed after the micro-batches succeeded ({} retries); it \
+                 was not retried, the model is unchanged, the optimizer's state may have \
+                 advanced: {error}",
+                report.retries()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for TrainStepError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TrainStepError::Retry(e) => Some(e),
+            TrainStepError::Update { error, .. } => Some(error),
+        }
+    }
+}
+
+/// One training step over `batch` rows, kept alive through out-of-memory.
+///
+/// Each attempt runs `chunk_loss(model, chunk)` for every chunk of the engine's plan (the
+/// first attempt: the plan remembered for this call site and source, else the whole batch) and
+/// backpropagates each chunk's mean loss weighted by its share of the batch
+/// ([`GradAccumulator`]); the attempt runs under [`catch_oom`], so cubecl's out-of-memory
+/// panics count as out-of-memory. On out-of-memory the attempt's tensors are dropped, the
+/// source's cache emptied, and the attempt reruns with more, smaller micro-batches. Then, once,
+/// the optimizer steps on the summed gradients (`lr`), and `*model` becomes the updated model.
+///
+/// Refused (not retried, no update): a tensor sliced with [`chunk_rows`](crate::chunk_rows)
+/// whose rows are not `batch` ([`Error::Rows`]), a policy whose plan drops rows
+/// ([`Error::DropsRows`]), a loss that is not one value ([`Error::Loss`]), and float parameters
+/// that require a gradient and got none ([`Error::NoGradient`]).
+#[track_caller]
+#[allow(clippy::too_many_arguments)]
+pub fn train_step<B, M, O, S>(
+    engine: &RetryEngine,
+    source: &S,
+    batch: usize,
+    model: &mut M,
+    optimizer: &mut O,
+    lr: f64,
+    mut chunk_loss: impl FnMut(&M, &Chunk) -> Result<Tensor<B, 1>, Error>,
+) -> Result<TrainedStep, TrainStepError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+    S: MemorySource + Clone,
+{
+    let current: &M = model;
+    let retried = engine
+        .run(
+            source,
+            batch,
+            |plan: &BatchPlan| {
+                catch_oom(|| {
+                    if plan.batch() != batch {
+                        return Err(Error::DropsRows {
+                            batch,
+                            plan_rows: plan.batch(),
+                        });
+                    }
+                    let mut acc = GradAccumulator::<B, M>::new();
+                    for c in plan.chunks() {
+                        let loss = chunk_loss(current, &c)?;
+                        acc.backward(current, loss, &c)?;
+                    }
+                    let (loss, rows, device) = (acc.loss, acc.rows, acc.device.clone());
+                    Ok((acc.into_grads(current)?, loss, rows, device))
+                })
+            },
+            |(grads, loss, rows, device)| {
+                let updated = catch_oom(|| {
+                    let updated = compat::optimizer_step(optimizer, lr, current.clone(), grads);
+                    if let Some(d) = &device {
+                        compat::sync::<B>(d)?;
+                    }
+                    Ok::<_, Error>(updated)
+                });
+                (updated, loss, rows)
+            },
+        )
+        .map_err(TrainStepError::Retry)?;
+    let report = retried.report;
+    match retried.value {
+        (Ok(updated), loss, rows) => {
+            *model = updated;
+            Ok(TrainedStep { loss, rows, report })
+        }
+        (Err(error), ..) => Err(TrainStepError::Update {
+            error,
+            report: Box::new(report),
+        }),
+    }
+}

@@ -1,0 +1,414 @@
+//! `train_step`, `GradAccumulator` and the batch splitting on burn's ndarray backend under
+//! `Autodiff`. Out-of-memory comes from a simulated oomguard device that the loss closure
+//! charges for each micro-batch's "activations" (1 MiB per row), as a GPU would: the engine must
+//! split the batch, accumulate exactly, and step the optimizer once.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{AutodiffModule, Module};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer, SgdConfig};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use oomguard::retry::{BatchPlan, RetryEngine, RetryError, Shrink};
+use oomguard::{ByteSize, IsOom};
+use oomguard_burn::{chunk_rows, split_rows, train_step, Error, GradAccumulator, TrainStepError};
+
+type B = Autodiff<NdArray>;
+
+/// A two-layer perceptron (bias, ReLU: gradients that are not linear in the rows).
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    fc1: Linear<B>,
+    act: Relu,
+    fc2: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(device: &B::Device) -> Self {
+        // Deterministic weights: the same initial model for every run.
+        let mut m = Self {
+            fc1: LinearConfig::new(4, 8).init(device),
+            act: Relu::new(),
+            fc2: LinearConfig::new(8, 1).init(device),
+        };
+        let w1: Vec<f32> = (0..32)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 10.0)
+            .collect();
+        let w2: Vec<f32> = (0..8).map(|i| ((i * 5 % 9) as f32 - 4.0) / 5.0).collect();
+        m.fc1.weight = m
+            .fc1
+            .weight
+            .map(|_| Tensor::from_data(TensorData::new(w1, [4, 8]), device).require_grad());
+        m.fc2.weight = m
+            .fc2
+            .weight
+            .map(|_| Tensor::from_data(TensorData::new(w2, [8, 1]), device).require_grad());
+        // Biases too (LinearConfig draws them at random).
+        let b1: Vec<f32> = (0..8).map(|i| (i as f32 - 3.5) / 10.0).collect();
+        m.fc1.bias = m
+            .fc1
+            .bias
+            .map(|b| b.map(|_| Tensor::from_data(TensorData::new(b1, [8]), device).require_grad()));
+        m.fc2.bias = m.fc2.bias.map(|b| {
+            b.map(|_| Tensor::from_data(TensorData::new(vec![0.1f32], [1]), device).require_grad())
+        });
+        m
+    }
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+}
+
+/// 8 rows of 4 features and their targets.
+fn data(dev: &burn::tensor::Device<B>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let x: Vec<f32> = (0..32)
+        .map(|i| ((i * 37 % 101) as f32) / 50.0 - 1.0)
+        .collect();
+    let x = Tensor::<B, 2>::from_data(TensorData::new(x, [8, 4]), dev);
+    let w = Tensor::<B, 2>::from_data(TensorData::new(vec![1f32, -2., 3., 0.5], [4, 1]), dev);
+    let y = x.clone().matmul(w).detach();
+    (x, y)
+}
+
+fn mse(m: &Mlp<B>, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+    (m.forward(x) - y).powi_scalar(2).mean()
+}
+
+/// All parameters, flattened, in order.
+fn params(m: &Mlp<B>) -> Vec<f32> {
+    let mut v = Vec::new();
+    for t in [
+        m.fc1.weight.val().flatten::<1>(0, 1),
+        m.fc1.bias.as_ref().unwrap().val(),
+        m.fc2.weight.val().flatten::<1>(0, 1),
+        m.fc2.bias.as_ref().unwrap().val(),
+    ] {
+        v.extend(t.into_data().iter::<f32>());
+    }
+    v
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Counts optimizer steps.
+#[derive(Clone)]
+struct Counting<O> {
+    inner: O,
+    steps: Arc<AtomicUsize>,
+}
+
+impl<M: AutodiffModule<Bk>, Bk: AutodiffBackend, O: Optimizer<M, Bk>> Optimizer<M, Bk>
+    for Counting<O>
+{
+    type Record = O::Record;
+    fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        self.inner.step(lr, module, grads)
+    }
+    fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        self.inner.step_multi(lr, module, grads)
+    }
+    fn to_record(&self) -> Self::Record {
+        self.inner.to_record()
+    }
+    fn load_record(self, record: Self::Record) -> Self {
+        Self {
+            inner: self.inner.load_record(record),
+            steps: self.steps,
+        }
+    }
+}
+
+fn sgd() -> Counting<impl Optimizer<Mlp<B>, B>> {
+    Counting {
+        inner: SgdConfig::new().init::<B, Mlp<B>>(),
+        steps: Arc::new(AtomicUsize::new(0)),
+    }
+}
+
+/// Three SGD steps over the 8 rows with `plan`'s micro-batches, accumulated by hand.
+fn three_steps_with(plan: &BatchPlan) -> Vec<f32> {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let mut model = Mlp::<B>::new(&dev);
+    let mut opt = sgd();
+    for _ in 0..3 {
+        let mut acc = GradAccumulator::<B, Mlp<B>>::new();
+        for c in plan.chunks() {
+            let loss = mse(
+                &model,
+                chunk_rows(&x, &c).unwrap(),
+                chunk_rows(&y, &c).unwrap(),
+            );
+            acc.backward(&model, loss, &c).unwrap();
+        }
+        assert_eq!(acc.rows(), 8);
+        let grads = acc.into_grads(&model).unwrap();
+        model = opt.step(0.05, model, grads);
+    }
+    params(&model)
+}
+
+/// Tolerance of the equivalence checks: 1e-6 absolute on parameters of order 1 (f32
+/// summation-order differences are ~1e-7 here).
+const TOL: f32 = 1e-6;
+
+#[test]
+fn one_by_eight_equals_four_by_two_after_three_sgd_steps() {
+    let whole = three_steps_with(&BatchPlan::whole(8).unwrap());
+    let split = three_steps_with(&BatchPlan::new(8, 4).unwrap());
+    let uneven = three_steps_with(&BatchPlan::with_micro_batch(8, 3).unwrap()); // 3 + 3 + 2
+    let start = params(&Mlp::<B>::new(&Default::default()));
+    let moved = max_diff(&whole, &start);
+    assert!(moved > 1e-2, "the steps changed the model: {moved}");
+    let d = max_diff(&whole, &split);
+    eprintln!("1x8 vs 4x2 after 3 SGD steps: max abs diff {d:e} (params moved {moved})");
+    assert!(d <= TOL, "1x8 vs 4x2: max diff {d}");
+    let d = max_diff(&whole, &uneven);
+    assert!(d <= TOL, "1x8 vs 3+3+2: max diff {d}");
+}
+
+/// `train_step` on a simulated card of `capacity`, 3 calls; returns the parameters, optimizer
+/// steps and reports.
+fn run(capacity: ByteSize) -> (Vec<f32>, usize, Vec<oomguard::retry::RetryReport>) {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(capacity);
+    let mut model = Mlp::<B>::new(&dev);
+    let mut opt = sgd();
+    let engine = RetryEngine::new();
+    let mut reports = Vec::new();
+    for _ in 0..3 {
+        let done = train_step(&engine, &sim, 8, &mut model, &mut opt, 0.05, |m, chunk| {
+            // 1 MiB of activations per row, on the simulated card: its OOM is a real
+            // oomguard out-of-memory error, as the device's would be.
+            let _acts = sim.alloc::<u8>(chunk.len() << 20)?;
+            Ok(mse(m, chunk_rows(&x, chunk)?, chunk_rows(&y, chunk)?))
+        })
+        .unwrap();
+        assert_eq!(done.rows, 8, "every row is trained on");
+        assert!(done.loss > 0.0);
+        reports.push(done.report);
+    }
+    let p = params(&model);
+    let moved = max_diff(&p, &params(&Mlp::<B>::new(&dev)));
+    assert!(moved > 1e-2, "the steps changed the model: {moved}");
+    (p, opt.steps.load(Ordering::SeqCst), reports)
+}
+
+#[test]
+fn injected_oom_splits_steps_once_and_matches_the_unsplit_run() {
+    let (p_ample, steps_ample, r_ample) = run(ByteSize::gib(1));
+    let (p_tight, steps_tight, r_tight) = run(ByteSize::mib(3));
+    assert_eq!(steps_ample, 3);
+    assert_eq!(
+        steps_tight, 3,
+        "one optimizer step per call, retries or not"
+    );
+    assert!(r_ample.iter().all(|r| r.retries() == 0));
+    assert!(
+        r_tight[0].retries() >= 1,
+        "3 MiB cannot hold 8 rows of 1 MiB"
+    );
+    assert!(r_tight[0].final_plan.micro_batch() <= 3, "{}", r_tight[0]);
+    assert!(
+        r_tight[1..]
+            .iter()
+            .all(|r| r.retries() == 0 && r.from_memory),
+        "later steps start from the remembered plan"
+    );
+    let d = max_diff(&p_tight, &p_ample);
+    assert!(d <= TOL, "split vs whole after 3 steps: max diff {d}");
+}
+
+#[test]
+fn a_failing_micro_batch_commits_nothing() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::mib(3));
+    let mut model = Mlp::<B>::new(&dev);
+    let before = params(&model);
+    let mut opt = sgd();
+    // OOM until the plan is 2 rows, then a non-OOM error in the last chunk.
+    let err = train_step(
+        &RetryEngine::new(),
+        &sim,
+        8,
+        &mut model,
+        &mut opt,
+        0.05,
+        |m, chunk| {
+            let _acts = sim.alloc::<u8>(chunk.len() << 20)?;
+            if chunk.is_last() && chunk.len() <= 3 {
+                return Err(Error::Rows("a data error in the last chunk".into()));
+            }
+            Ok(mse(m, chunk_rows(&x, chunk)?, chunk_rows(&y, chunk)?))
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, TrainStepError::Retry(_)), "{err}");
+    assert_eq!(
+        opt.steps.load(Ordering::SeqCst),
+        0,
+        "no update after a failed step"
+    );
+    assert_eq!(params(&model), before, "the model is unchanged");
+}
+
+fn step_error(err: TrainStepError) -> Error {
+    match err {
+        TrainStepError::Retry(RetryError::Step { error, .. }) => error,
+        other => panic!("unexpected: {other}"),
+    }
+}
+
+#[test]
+fn a_policy_that_drops_rows_is_refused() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::mib(3));
+    let mut model = Mlp::<B>::new(&dev);
+    let mut opt = sgd();
+    let engine = RetryEngine::new().with_policy(Shrink::halving());
+    let err = train_step(&engine, &sim, 8, &mut model, &mut opt, 0.05, |m, chunk| {
+        let _acts = sim.alloc::<u8>(chunk.len() << 20)?;
+        Ok(mse(m, chunk_rows(&x, chunk)?, chunk_rows(&y, chunk)?))
+    })
+    .unwrap_err();
+    let e = step_error(err);
+    assert!(
+        matches!(
+            e,
+            Error::DropsRows {
+                batch: 8,
+                plan_rows: 4
+            }
+        ),
+        "{e}"
+    );
+    assert!(!e.is_oom());
+    assert_eq!(opt.steps.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_batch_that_does_not_match_the_tensors_is_refused() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    let mut model = Mlp::<B>::new(&dev);
+    let mut opt = sgd();
+    // batch 4 over tensors of 8 rows would train on half the data: refused.
+    for batch in [4, 9] {
+        let err = train_step(
+            &RetryEngine::new(),
+            &sim,
+            batch,
+            &mut model,
+            &mut opt,
+            0.05,
+            |m, c| Ok(mse(m, chunk_rows(&x, c)?, chunk_rows(&y, c)?)),
+        )
+        .unwrap_err();
+        let e = step_error(err);
+        assert!(matches!(e, Error::Rows(_)), "{e}");
+        assert!(e.to_string().contains("8 rows"), "{e}");
+    }
+    // A loss that is not the chunk's mean (one value) is refused too.
+    let err = train_step(
+        &RetryEngine::new(),
+        &sim,
+        8,
+        &mut model,
+        &mut opt,
+        0.05,
+        |m, c| Ok((m.forward(chunk_rows(&x, c)?) - chunk_rows(&y, c)?).flatten::<1>(0, 1)),
+    )
+    .unwrap_err();
+    assert!(matches!(step_error(err), Error::Loss(_)));
+    assert_eq!(opt.steps.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn split_rows_is_consecutive_and_checked() {
+    let dev = Default::default();
+    let (x, _) = data(&dev);
+    let plan = BatchPlan::with_micro_batch(8, 3).unwrap();
+    let parts = split_rows(&x, &plan).unwrap();
+    assert_eq!(
+        parts.iter().map(|p| p.dims()).collect::<Vec<_>>(),
+        vec![[3, 4], [3, 4], [2, 4]]
+    );
+    let back = Tensor::cat(parts, 0);
+    assert_eq!(back.into_data(), x.clone().into_data());
+    let short = x.clone().narrow(0, 0, 5);
+    let e = split_rows(&short, &plan).unwrap_err();
+    assert!(
+        matches!(e, Error::Rows(_)) && e.to_string().contains("5 rows"),
+        "{e}"
+    );
+    let long = Tensor::cat(vec![x.clone(), x], 0);
+    assert!(split_rows(&long, &plan).is_err(), "16 rows in a batch of 8");
+    assert!(
+        oomguard_burn::memory_source::<B>(&dev).is_err(),
+        "ndarray has no source"
+    );
+}
+
+/// A model with a parameter the loss does not use.
+#[derive(Module, Debug)]
+struct WithUnused<B: Backend> {
+    used: Linear<B>,
+    unused: Linear<B>,
+}
+
+#[test]
+fn a_parameter_without_gradient_is_reported() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    let mut model = WithUnused::<B> {
+        used: LinearConfig::new(4, 1).init(&dev),
+        unused: LinearConfig::new(4, 1).init(&dev),
+    };
+    let steps = Arc::new(AtomicUsize::new(0));
+    let mut opt = Counting {
+        inner: SgdConfig::new().init::<B, WithUnused<B>>(),
+        steps: steps.clone(),
+    };
+    let mut step = |model: &mut WithUnused<B>| {
+        train_step(
+            &RetryEngine::new(),
+            &sim,
+            8,
+            model,
+            &mut opt,
+            0.05,
+            |m, c| {
+                let pred = m.used.forward(chunk_rows(&x, c)?);
+                Ok((pred - chunk_rows(&y, c)?).powi_scalar(2).mean())
+            },
+        )
+    };
+    let e = step_error(step(&mut model).unwrap_err());
+    match &e {
+        Error::NoGradient { params } => {
+            assert_eq!(params, &["unused.weight", "unused.bias"], "{e}")
+        }
+        other => panic!("expected NoGradient, got {other}"),
+    }
+    assert_eq!(steps.load(Ordering::SeqCst), 0);
+    // Frozen on purpose: no longer reported.
+    model.unused = model.unused.no_grad();
+    step(&mut model).unwrap();
+    assert_eq!(steps.load(Ordering::SeqCst), 1);
+}
