@@ -510,9 +510,10 @@ fn main() -> Res<()> {
     let ordinal = flag("--device")?.unwrap_or(0);
     let steps = flag("--steps")?.unwrap_or(100);
     if !["all", "find", "oom", "equiv", "overhead", "frag", "snap"].contains(&phase.as_str()) {
-        return Err(
-            format!("unknown phase {phase}: all, find, oom, equiv, overhead, frag or snap").into(),
-        );
+        return Err(format!(
+            "unknown phase {phase}: all, find, oom, equiv, overhead, frag or snap"
+        )
+        .into());
     }
     let allocator = match args.iter().position(|a| a == "--allocator") {
         None => Allocator::Pool,
