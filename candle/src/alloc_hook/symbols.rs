@@ -151,9 +151,9 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> u32 {
 /// them is always linked into a program that calls it (an unreferenced object of an rlib is not).
 pub(crate) fn definitions() -> [usize; 4] {
     [
-        cuMemAllocAsync as usize,
-        cuMemFreeAsync as usize,
-        cuMemAlloc_v2 as usize,
-        cuMemFree_v2 as usize,
+        cuMemAllocAsync as *const () as usize,
+        cuMemFreeAsync as *const () as usize,
+        cuMemAlloc_v2 as *const () as usize,
+        cuMemFree_v2 as *const () as usize,
     ]
 }
