@@ -7,10 +7,10 @@
 //! by the linker; with this feature, this crate defines the four symbols, so the linker binds
 //! cudarc's calls to oomguard instead of to `libcuda.so`.
 //!
-//! - **Nothing changes until [`install`]**: every hooked call goes straight to the driver
+//! - **Nothing changes until `install`**: every hooked call goes straight to the driver
 //!   (through its library handle) until a device is installed, and afterwards for every context
 //!   that is not installed.
-//! - [`install`] (or [`install_with_config`]) opens an oomguard [`oomguard::Device`] on the
+//! - `install` (or `install_with_config`; both need the feature) opens an oomguard [`oomguard::Device`] on the
 //!   candle device's GPU (configuration from `OOMGUARD_ALLOC_CONF` in PyTorch's syntax, as
 //!   `Device::cuda`; memory limit with `per_process_memory_fraction` or
 //!   `Device::allocator().set_memory_limit`), makes it the memory source of that candle device,
@@ -66,7 +66,7 @@ use std::fmt;
 
 pub use interposer::Counts as HookCounts;
 
-/// Why [`install`] did not install oomguard's allocator (nothing is installed after an error).
+/// Why `install` (feature `allocator-hook`) did not install oomguard's allocator (nothing is installed after an error).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum InstallError {
