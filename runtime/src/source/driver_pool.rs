@@ -83,8 +83,8 @@ impl PoolDriver for Cuda<'_> {
         let _ = self.0.synchronize();
     }
     fn destroy(&self, pool: usize) -> Result<()> {
-        // SAFETY: the state destroys a pool it created, once, when no budget refers to it and
-        // it is not the device's current pool.
+        // SAFETY: the state destroys only a pool it created that never became current (so no
+        // allocation was made from it), once.
         unsafe { result::mem_pool::destroy(pool as sys::CUmemoryPool) }
             .map_err(drv("cuMemPoolDestroy"))
     }
@@ -341,8 +341,13 @@ impl MemorySource for DriverPool {
     /// Creates a pool with `maxSize = limit` on the device and makes it the device's current
     /// pool while it is the tightest live budget of the device; on drop, the pool of the next
     /// tightest live budget, or the pool current before the first budget (or one a builder
-    /// installed since), is current again, and the capped pool is destroyed (the driver frees
-    /// it once its last allocation is freed).
+    /// installed since), is current again, and the capped pool is trimmed (its unused memory
+    /// goes back to the device) and kept as a spare that a later budget of the same limit
+    /// reuses. Pools that have been current are never destroyed: another thread's
+    /// `cuMemAllocAsync` selects the current pool inside the driver and may still be allocating
+    /// from it (on the H100, two threads making budgets while allocating crashed the process
+    /// while such pools were destroyed). A process so keeps one driver pool per distinct budget
+    /// limit (per budget live at once with that limit), without device memory once trimmed.
     ///
     /// What it caps: bytes `cuMemAllocAsync` hands out on this device, from any thread or
     /// stream, while the guard is in force, to `limit` (rounded by the driver to its 2 MiB
@@ -355,15 +360,14 @@ impl MemorySource for DriverPool {
     /// any order of drops is sound:
     /// - the cap in force is the **smallest limit among the live budgets** (the newest among
     ///   equals): a looser budget made inside a tighter one does not lift it;
-    /// - dropping a budget that is not in force changes nothing for allocations (its pool, never
-    ///   current since a tighter one was made, is destroyed);
+    /// - dropping a budget that is not in force changes nothing for allocations (its pool, not
+    ///   current since a tighter one was made, is trimmed and kept as a spare);
     /// - dropping the budget in force makes the next tightest live budget's pool current (its
     ///   cap counts only what was allocated while its pool was current), or, when none is left,
     ///   the base pool;
-    /// - a pool is destroyed only when no budget refers to it and it is not current; if the
-    ///   driver refuses to make another pool current, the capped pool stays current, its cap
-    ///   still reported by [`DriverPool::installed_cap`] and `available`, and it is replaced and
-    ///   destroyed at the next call that succeeds (a warning is logged).
+    /// - if the driver refuses to make another pool current, the capped pool stays current, its
+    ///   cap still reported by [`DriverPool::installed_cap`] and `available`, and it is replaced
+    ///   (and becomes a spare) at the next call that succeeds (a warning is logged).
     ///
     /// A limit of 0 is refused (`maxSize = 0` means no cap to the driver), as on every source.
     fn budget(&self, limit: u64) -> Result<SourceBudget> {

@@ -1,17 +1,26 @@
 //! One device's driver-pool state, shared by every `DriverPool` handle of the device: which pool
-//! oomguard made current, the caps of the live budget guards, and the pools to destroy. The
+//! oomguard made current, the caps of the live budget guards, and the spare pools. The
 //! logic lives here, over the [`PoolDriver`] trait, so it is tested without a GPU (a fake
-//! driver below records every call and flags any use of a destroyed pool).
+//! driver below records every call and flags any use of a destroyed pool, and any destruction
+//! of a pool that has been current).
 //!
 //! Rules (issue 26, points 2 and 8):
 //! - every live budget has its own capped pool; the pool *in force* (current on the device) is
 //!   the one of the live budget with the smallest limit (the newest among equals), or, with no
 //!   budget live, the *base* pool: the pool that was current when the first budget was made, or
 //!   the pool a builder installed since;
-//! - a pool is destroyed only once no budget refers to it and it is not current, so no call
-//!   ever reaches a destroyed pool, whatever the order of drops and from whichever thread;
+//! - a pool that has been current is never destroyed: another thread's `cuMemAllocAsync` picks
+//!   the device's current pool inside the driver, outside any lock of ours, and may still be
+//!   allocating from it after it was switched away; the driver does not promise that destroying
+//!   such a pool is safe (on the H100, two threads making and dropping budgets while allocating
+//!   crashed the test process while such pools were destroyed). A budget's
+//!   pool that no budget refers to and that is not current is trimmed (its unused memory goes
+//!   back to the device) and kept as a *spare*; a later budget with the same limit reuses it. So
+//!   a process holds one driver pool per distinct budget limit it used (host-side bookkeeping;
+//!   no device memory once trimmed). The only pool destroyed is a new one that could not be made
+//!   current (nothing can have allocated from it);
 //! - a failed switch leaves the state saying what is really current (its cap included); the
-//!   pool that could not be replaced is destroyed at the first later switch that works.
+//!   pool that could not be replaced becomes a spare at the first later switch that works.
 
 use std::fmt;
 
@@ -57,8 +66,11 @@ pub(crate) struct PoolState<P> {
     /// What oomguard made current, and its cap (`None` until oomguard installs a pool).
     current: Option<(P, Option<u64>)>,
     /// Budget pools no guard refers to that were still current when their guard dropped:
-    /// destroyed once they are not.
-    retired: Vec<P>,
+    /// trimmed and made spare once they are not.
+    retired: Vec<(u64, P)>,
+    /// Budget pools no guard refers to and not current, trimmed, by limit: reused by a budget
+    /// of the same limit, never destroyed.
+    spare: Vec<(u64, P)>,
     next_id: u64,
 }
 
@@ -70,6 +82,7 @@ impl<P: Copy + Eq + fmt::Debug> Default for PoolState<P> {
             budgets: Vec::new(),
             current: None,
             retired: Vec::new(),
+            spare: Vec::new(),
             next_id: 1,
         }
     }
@@ -79,6 +92,12 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
     /// The cap of the pool in force, as oomguard installed it (`None`: no cap known).
     pub(crate) fn cap(&self) -> Option<u64> {
         self.current.and_then(|(_, cap)| cap)
+    }
+
+    /// The spare pools (trimmed, kept for reuse).
+    #[cfg(test)]
+    pub(crate) fn spare_pools(&self) -> Vec<P> {
+        self.spare.iter().map(|s| s.1).collect()
     }
 
     /// Number of live budgets.
@@ -98,8 +117,9 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
         tightest.or(self.base)
     }
 
-    /// Makes the wanted pool current if it is not, then destroys the retired pools that are not
-    /// current. A failed switch is returned; the state then still says what is current.
+    /// Makes the wanted pool current if it is not, then trims the retired pools that are not
+    /// current and keeps them as spares. A failed switch is returned; the state then still says
+    /// what is current.
     fn settle<D: PoolDriver<Pool = P>>(&mut self, driver: &D) -> Result<()> {
         let switched = match self.wanted() {
             Some(want) if self.current.map(|c| c.0) != Some(want.0) => {
@@ -108,7 +128,7 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
                     self.current = Some(want);
                     // What the pool switched from cached cannot serve the new one.
                     if let Some((old, _)) = before {
-                        if !self.retired.contains(&old) {
+                        if !self.retired.iter().any(|r| r.1 == old) {
                             driver.trim(old);
                         }
                     }
@@ -117,16 +137,15 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
             _ => Ok(()),
         };
         let current = self.current.map(|c| c.0);
-        if self.retired.iter().any(|p| Some(*p) != current) {
-            // Pending frees complete first (the driver would also wait for them).
+        if self.retired.iter().any(|p| Some(p.1) != current) {
+            // Pending frees complete first, so the trim returns their memory too.
             driver.synchronize();
-            let (gone, kept): (Vec<P>, Vec<P>) =
-                self.retired.iter().partition(|p| Some(**p) != current);
+            let (gone, kept): (Vec<_>, Vec<_>) =
+                self.retired.iter().partition(|p| Some(p.1) != current);
             self.retired = kept;
-            for p in gone {
-                if let Err(e) = driver.destroy(p) {
-                    tracing::warn!(target: "oomguard::source", error = %e, pool = ?p, "destroying a capped memory pool failed");
-                }
+            for (limit, p) in gone {
+                driver.trim(p);
+                self.spare.push((limit, p));
             }
         }
         switched
@@ -161,7 +180,7 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
             // unless that is a budget's pool a failed restore left current.
             self.repair(driver);
             let now = driver.current()?;
-            if !self.retired.contains(&now) {
+            if !self.retired.iter().any(|r| r.1 == now) {
                 let cap = self
                     .installed
                     .iter()
@@ -173,14 +192,20 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
                 }
             }
         }
-        let pool = driver.create(Some(limit), Some(u64::MAX))?;
+        let reused = self.spare.iter().position(|(l, _)| *l == limit);
+        let pool = match reused {
+            Some(i) => self.spare.remove(i).1,
+            None => driver.create(Some(limit), Some(u64::MAX))?,
+        };
         let id = self.next_id;
         self.next_id += 1;
         self.budgets.push(Live { id, limit, pool });
         if let Err(e) = self.settle(driver) {
-            // Not made current: nothing refers to it, nothing allocated from it.
             self.budgets.retain(|b| b.id != id);
-            if let Err(d) = driver.destroy(pool) {
+            if reused.is_some() {
+                self.spare.push((limit, pool));
+            } else if let Err(d) = driver.destroy(pool) {
+                // A new pool never made current: nothing can have allocated from it.
                 tracing::warn!(target: "oomguard::source", error = %d, "destroying a capped memory pool failed");
             }
             return Err(e);
@@ -189,13 +214,14 @@ impl<P: Copy + Eq + fmt::Debug> PoolState<P> {
     }
 
     /// Drops the budget `id`: the next tightest live budget's pool, or the base, is current
-    /// again if this one was in force; its pool is destroyed once it is not current.
+    /// again if this one was in force; its pool is trimmed and kept as a spare once it is not
+    /// current.
     pub(crate) fn release<D: PoolDriver<Pool = P>>(&mut self, driver: &D, id: u64) {
         let Some(i) = self.budgets.iter().position(|b| b.id == id) else {
             return;
         };
         let gone = self.budgets.remove(i);
-        self.retired.push(gone.pool);
+        self.retired.push((gone.limit, gone.pool));
         if let Err(e) = self.settle(driver) {
             tracing::warn!(
                 target: "oomguard::source",
@@ -245,12 +271,15 @@ pub(crate) mod fake {
         pub violations: RefCell<Vec<String>>,
         pub fail_set_current: RefCell<u32>,
         pub fail_create: RefCell<bool>,
+        /// Pools that have been current at some time.
+        pub ever_current: RefCell<Vec<usize>>,
     }
 
     impl Fake {
         pub(crate) fn new() -> Self {
             let f = Self::default();
             f.alive.borrow_mut().push(true); // pool 0: the device's default pool
+            f.ever_current.borrow_mut().push(0);
             f
         }
         fn check(&self, op: &str, p: usize) {
@@ -271,16 +300,20 @@ pub(crate) mod fake {
             Ok(*self.current.borrow())
         }
         fn set_current(&self, p: usize) -> Result<()> {
-            self.calls.borrow_mut().push(format!("set_current {p}"));
             self.check("set_current", p);
             let mut fail = self.fail_set_current.borrow_mut();
             if *fail > 0 {
                 *fail -= 1;
+                self.calls
+                    .borrow_mut()
+                    .push(format!("set_current {p} (failed)"));
                 return Err(Error::InvalidArgument(
                     "injected cuDeviceSetMemPool failure".into(),
                 ));
             }
+            self.calls.borrow_mut().push(format!("set_current {p}"));
             *self.current.borrow_mut() = p;
+            self.ever_current.borrow_mut().push(p);
             Ok(())
         }
         fn create(&self, max: Option<u64>, _t: Option<u64>) -> Result<usize> {
@@ -310,10 +343,11 @@ pub(crate) mod fake {
                     .borrow_mut()
                     .push(format!("destroy of the current pool {p}"));
             }
-            if p == 0 {
+            if self.ever_current.borrow().contains(&p) {
+                // another thread's cuMemAllocAsync may still be allocating from it
                 self.violations
                     .borrow_mut()
-                    .push("destroy of the default pool".into());
+                    .push(format!("destroy of pool {p}, which has been current"));
             }
             if let Some(a) = self.alive.borrow_mut().get_mut(p) {
                 *a = false;
@@ -339,10 +373,31 @@ mod tests {
         );
     }
 
+    /// With no budget live: every capped pool that still exists is a spare (none leaked), and
+    /// each spare was trimmed after it was last current (its memory went back to the device).
+    fn all_spare(f: &Fake, s: &PoolState<usize>) {
+        let spare = s.spare_pools();
+        assert_eq!(f.live_pools(), 1 + spare.len(), "{:?}", f.calls.borrow());
+        let calls = f.calls.borrow();
+        for p in spare {
+            let last = calls
+                .iter()
+                .rev()
+                .find(|c| c.ends_with(&format!(" {p}")))
+                .cloned();
+            assert_eq!(
+                last,
+                Some(format!("trim {p}")),
+                "{:?}",
+                &calls[calls.len().saturating_sub(20)..]
+            );
+        }
+    }
+
     /// Every order of dropping three budgets (the old code reinstalled a destroyed pool when a
     /// guard dropped out of creation order): no destroyed pool is ever used, the cap in force
-    /// is the tightest live one, and at the end the default pool is current and every capped
-    /// pool destroyed.
+    /// is the tightest live one, no pool that has been current is destroyed, and at the end the
+    /// default pool is current and every capped pool a trimmed spare.
     #[test]
     fn every_drop_order_is_sound() {
         let limits = [300 * MIB, 100 * MIB, 200 * MIB];
@@ -372,7 +427,8 @@ mod tests {
                 0,
                 "{order:?}: the default pool is current"
             );
-            assert_eq!(f.live_pools(), 1, "{order:?}: every capped pool destroyed");
+            all_spare(&f, &s);
+            assert_eq!(s.spare_pools().len(), 3, "{order:?}: one spare per limit");
             assert_eq!(s.live_budgets(), 0);
         }
     }
@@ -394,7 +450,15 @@ mod tests {
         s.release(&f, loose);
         assert_eq!(s.cap(), None);
         clean(&f);
-        assert_eq!(f.live_pools(), 1);
+        all_spare(&f, &s);
+        // a budget of a limit used before reuses its pool: nothing new is created
+        let created = f.live_pools();
+        let again = s.budget(&f, 64 * MIB).unwrap();
+        assert_eq!(*f.current.borrow(), current_tight);
+        assert_eq!(f.live_pools(), created);
+        s.release(&f, again);
+        clean(&f);
+        all_spare(&f, &s);
     }
 
     #[test]
@@ -435,22 +499,18 @@ mod tests {
         // the driver still has the capped pool current: so says the state
         assert_eq!(*f.current.borrow(), capped);
         assert_eq!(s.cap(), Some(64 * MIB));
-        assert_eq!(f.live_pools(), 2, "not destroyed while current");
+        assert!(s.spare_pools().is_empty(), "not spare while current");
         s.repair(&f);
         assert_eq!(*f.current.borrow(), 0);
         assert_eq!(s.cap(), None);
-        assert_eq!(
-            f.live_pools(),
-            1,
-            "destroyed once replaced: {:?}",
-            f.calls.borrow()
-        );
+        assert_eq!(s.spare_pools(), vec![capped], "spare once replaced");
         clean(&f);
+        all_spare(&f, &s);
         // and a new budget after a failed restore works
         let b = s.budget(&f, 32 * MIB).unwrap();
         s.release(&f, b);
         clean(&f);
-        assert_eq!(f.live_pools(), 1);
+        all_spare(&f, &s);
     }
 
     /// Issue 26, point 8: a builder install made while a budget is live is what is current once
@@ -500,7 +560,9 @@ mod tests {
             s.release(&f, id);
         }
         clean(&f);
-        assert_eq!(f.live_pools(), 1);
+        all_spare(&f, &s);
+        // at most one pool per limit per budget live at once (7 limits, at most 6 live)
+        assert!(s.spare_pools().len() <= 7 * 6, "{}", s.spare_pools().len());
         assert_eq!(*f.current.borrow(), 0);
     }
 
@@ -536,12 +598,7 @@ mod tests {
         }
         s.repair(&f);
         clean(&f);
-        assert_eq!(
-            f.live_pools(),
-            1,
-            "{:?}",
-            &f.calls.borrow()[f.calls.borrow().len().saturating_sub(20)..]
-        );
+        all_spare(&f, &s);
         assert_eq!(*f.current.borrow(), 0);
         assert_eq!(s.cap(), None);
     }
