@@ -646,6 +646,13 @@ fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) 
         "backend calls    alloc_segment {}, free_segment {}, map {}, unmap {}, reserve {}, release {}",
         b.alloc_segment, b.free_segment, b.map, b.unmap, b.reserve, b.release
     );
+    outln!(
+        out,
+        "remapped         {} mapped, {} unmapped, {} device synchronisations",
+        ByteSize(b.mapped_bytes),
+        ByteSize(b.unmapped_bytes),
+        b.synchronize
+    );
     outln!(out, "seconds          {:.3}", r.seconds);
     for f in r.failures.iter().take(5) {
         outln!(

@@ -72,10 +72,18 @@ pub struct BackendCalls {
     pub reserve: u64,
     /// Address ranges released.
     pub release: u64,
+    /// Bytes of pages mapped, over all `map` calls (growable segments remapping free pages to
+    /// where they are needed shows here: each byte is one page table update on a GPU).
+    pub mapped_bytes: u64,
+    /// Bytes of pages unmapped, over all `unmap` calls.
+    pub unmapped_bytes: u64,
+    /// Device-wide synchronisations (before unmapping, on `empty_cache`); on a GPU each one
+    /// waits for all queued work. Not counted in [`BackendCalls::total`].
+    pub synchronize: u64,
 }
 
 impl BackendCalls {
-    /// All calls together.
+    /// All segment calls together (`synchronize` is not one).
     pub fn total(&self) -> u64 {
         self.alloc_segment + self.free_segment + self.map + self.unmap + self.reserve + self.release
     }

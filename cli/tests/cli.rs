@@ -64,6 +64,12 @@ fn replay_json_on_every_real_trace() {
             // Growable segments map pages; no fixed segments.
             assert_eq!(v["backend_calls"]["alloc_segment"].as_u64(), Some(0));
             assert!(v["backend_calls"]["map"].as_u64().unwrap() > 0);
+            // Every mapped page holds at least the peak reserved (nothing is unmapped below it
+            // without being mapped first), and what was unmapped was mapped before.
+            let mapped = v["backend_calls"]["mapped_bytes"].as_u64().unwrap();
+            let unmapped = v["backend_calls"]["unmapped_bytes"].as_u64().unwrap();
+            assert!(mapped >= reserved, "{file}: {mapped} < {reserved}");
+            assert!(unmapped <= mapped, "{file}");
             assert_eq!(v["num_ooms"].as_u64(), Some(0));
             assert_eq!(v["completed"].as_bool(), Some(true));
         }
@@ -80,6 +86,8 @@ fn replay_table_and_oom_exit_status() {
         "{out}"
     );
     assert!(out.contains("ratio"));
+    assert!(out.contains("remapped         "), "{out}");
+    assert!(out.contains("device synchronisations"), "{out}");
     // 4 GiB cannot hold 5.43 GiB live: out-of-memory, exit 1, failures listed.
     let o = oomguard(&[
         "replay",
