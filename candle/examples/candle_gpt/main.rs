@@ -2,14 +2,15 @@
 //! AdamW) trained with candle on seeded synthetic tokens, under oomguard, on a CUDA device.
 //!
 //! ```text
-//! candle_gpt [all|find|oom|equiv|overhead|frag] [--big ROWS] [--steps N] [--device ORDINAL]
+//! candle_gpt [all|find|oom|equiv|overhead|frag|snap PREFIX] [--big ROWS] [--steps N] [--device ORDINAL]
 //!            [--release-threshold BYTES] [--allocator pool|oomguard] [--batch ROWS]
 //! ```
 //! - `--allocator`: where candle's tensors live: the driver's pool (candle's own, the default)
 //!   or oomguard's caching allocator (`oomguard_candle::alloc_hook::install`, feature
 //!   `allocator-hook`), installed before the model is made;
 //! - `snap PREFIX` (with `--allocator oomguard`): one training step at `--batch` rows with
-//!   oomguard's history on, written as `PREFIX.pickle` (PyTorch's snapshot format, for
+//!   oomguard's history on (with `--steps N` > 1: the first N steps, without source locations),
+//!   written as `PREFIX.pickle` (PyTorch's snapshot format, for
 //!   `torch.cuda._memory_viz` and `oomguard view`) and `PREFIX.json`;
 //! - `frag`: `--steps` (default 20) plain steps at `--batch` rows: peak reserved / peak used of
 //!   the allocator, OOMs, median step time, and the device memory the allocator does not see
@@ -417,19 +418,28 @@ fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> 
 
 /// One training step with oomguard's history on, written as a PyTorch snapshot.
 #[cfg(feature = "allocator-hook")]
-fn phase_snapshot(run: &Run, prefix: &str, batch: usize) -> Res<()> {
+fn phase_snapshot(run: &Run, prefix: &str, batch: usize, steps: usize) -> Res<()> {
     let og = oomguard_candle::alloc_hook::installed_device(&run.dev)
         .ok_or("snap needs --allocator oomguard")?;
     let mut opt = run.adamw()?;
-    run.plain_step(&mut opt, &run.tokens(0, 1)?)?; // optimizer state, as in a running loop
-    og.allocator().record_history(200_000, true);
-    run.plain_step(&mut opt, &run.tokens(1, batch)?)?;
+    if steps > 1 {
+        // A training loop's trace from its first step (for replaying it through the allocator
+        // under other policies): no locations, to keep the file small.
+        og.allocator().record_history(1_000_000, false);
+        for s in 0..steps {
+            run.plain_step(&mut opt, &run.tokens(1 + s as u64, batch)?)?;
+        }
+    } else {
+        run.plain_step(&mut opt, &run.tokens(0, 1)?)?; // optimizer state, as in a running loop
+        og.allocator().record_history(200_000, true);
+        run.plain_step(&mut opt, &run.tokens(1, batch)?)?;
+    }
     let snap = og.memory_snapshot();
     og.allocator().record_history(0, false);
     std::fs::write(format!("{prefix}.pickle"), snap.to_pytorch_pickle())?;
     std::fs::write(format!("{prefix}.json"), snap.to_json()?)?;
     println!(
-        "RESULT snap: one step of batch {batch} on oomguard's allocator: {} segments, {} events -> {prefix}.pickle",
+        "RESULT snap: {steps} step(s) of batch {batch} on oomguard's allocator: {} segments, {} events -> {prefix}.pickle",
         snap.segments.len(),
         snap.device_traces.len()
     );
@@ -437,9 +447,29 @@ fn phase_snapshot(run: &Run, prefix: &str, batch: usize) -> Res<()> {
 }
 
 #[cfg(not(feature = "allocator-hook"))]
-fn phase_snapshot(_: &Run, _: &str, _: usize) -> Res<()> {
+fn phase_snapshot(_: &Run, _: &str, _: usize, _: usize) -> Res<()> {
     Err("snap needs the `allocator-hook` feature".into())
 }
+
+/// With oomguard's allocator installed: what growable segments did so far (pages mapped and
+/// unmapped, device synchronisations), one line per step.
+#[cfg(feature = "allocator-hook")]
+fn remap_line(run: &Run, step: usize) {
+    if let Some(og) = oomguard_candle::alloc_hook::installed_device(&run.dev) {
+        let s = og.allocator().stats();
+        println!(
+            "RESULT remap: after step {step}: {:.2} GiB mapped in {} calls, {:.2} GiB unmapped in {} calls, {} device synchronisations",
+            s.mapped_bytes_total as f64 / (1u64 << 30) as f64,
+            s.num_map,
+            s.unmapped_bytes_total as f64 / (1u64 << 30) as f64,
+            s.num_unmap,
+            s.num_sync_all_streams
+        );
+    }
+}
+
+#[cfg(not(feature = "allocator-hook"))]
+fn remap_line(_: &Run, _: usize) {}
 
 /// Device memory in use (`cuMemGetInfo`: total - free).
 fn device_used() -> Res<u64> {
@@ -464,6 +494,7 @@ fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: us
         }
         let unseen = device_used()? as i64 - source.usage()?.reserved as i64;
         unseen_max = unseen_max.max(unseen);
+        remap_line(run, s);
     }
     let u = source.usage()?;
     times.sort_by(f64::total_cmp);
@@ -549,7 +580,7 @@ fn main() -> Res<()> {
     if phase == "snap" {
         let prefix = args.get(1).ok_or("snap needs an output PREFIX")?;
         let batch = flag("--batch")?.ok_or("snap needs --batch ROWS")?;
-        phase_snapshot(&run, prefix, batch)?;
+        phase_snapshot(&run, prefix, batch, flag("--steps")?.unwrap_or(1))?;
     }
     if phase == "frag" {
         let batch = flag("--batch")?.ok_or("frag needs --batch ROWS")?;
