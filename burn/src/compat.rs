@@ -45,6 +45,27 @@ pub(crate) fn weighted_loss<B: Backend>(loss: Tensor<B, 1>, weight: f64) -> Tens
     loss.mul_scalar(weight)
 }
 
+/// Initialises every lazily initialised float parameter of `model` (burn creates a parameter's
+/// tensor on its first use) and waits for the device(s): a parameter whose initialisation runs
+/// out of memory inside a step stays broken for good (its tensor is never allocated; on the
+/// H100 a fresh GPT's first step at twice its maximum batch then trained on NaN), so it must
+/// happen before any attempt, where an out-of-memory is an error of its own.
+pub(crate) fn materialize<B: Backend, M: burn::module::Module<B>>(
+    model: &M,
+) -> Result<(), ExecutionError> {
+    struct Init;
+    impl<B: Backend> ModuleVisitor<B> for Init {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let _ = p.val();
+        }
+    }
+    model.visit(&mut Init);
+    for d in model.devices() {
+        B::sync(&d)?;
+    }
+    Ok(())
+}
+
 /// The first element of a tensor as `f64`, read from the device (the read that reveals an
 /// error of the work that produced it).
 pub(crate) fn read_f64<B: Backend>(t: Tensor<B, 1>) -> Result<f64, ExecutionError> {

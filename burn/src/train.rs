@@ -118,7 +118,7 @@ pub struct TrainedStep {
     pub report: RetryReport,
 }
 
-/// Why [`train_step`] failed. The model is unchanged in both cases.
+/// Why [`train_step`] failed. The model is unchanged in every case.
 #[derive(Debug)]
 pub enum TrainStepError {
     /// The micro-batches failed: not an out-of-memory (a refusal of [`Error`] included), or
@@ -133,6 +133,10 @@ pub enum TrainStepError {
         /// How the micro-batches went.
         report: Box<RetryReport>,
     },
+    /// The model's parameters could not be initialised before the first attempt (burn creates
+    /// a parameter's tensor on its first use; `train_step` does that first, as splitting the
+    /// batch cannot make parameters smaller). Nothing ran; free memory or shrink the model.
+    Parameters(Error),
 }
 
 impl fmt::Display for TrainStepError {
@@ -146,6 +150,10 @@ impl fmt::Display for TrainStepError {
                  advanced: {error}",
                 report.retries()
             ),
+            TrainStepError::Parameters(e) => write!(
+                f,
+                "the model's parameters could not be initialised before the step (nothing ran): {e}"
+            ),
         }
     }
 }
@@ -155,6 +163,7 @@ impl std::error::Error for TrainStepError {
         match self {
             TrainStepError::Retry(e) => Some(e),
             TrainStepError::Update { error, .. } => Some(error),
+            TrainStepError::Parameters(e) => Some(e),
         }
     }
 }
@@ -190,6 +199,11 @@ where
     O: Optimizer<M, B>,
     S: MemorySource + Clone,
 {
+    // Lazy parameters are created before any attempt (an out-of-memory there would leave them
+    // unallocated for good, whatever the retries).
+    if let Err(error) = catch_oom(|| compat::materialize::<B, M>(model)) {
+        return Err(TrainStepError::Parameters(error));
+    }
     let current: &M = model;
     let retried = engine
         .run(

@@ -895,9 +895,11 @@ impl<B: Backend> Ctx<B> {
         let engine = RetryEngine::new();
         let tokens = self.tokens(batch, 7);
         let mut reports = Vec::new();
+        let mut losses = Vec::new();
         for s in 0..3 {
             match self.guarded_step(&engine, &mut model, &mut opt, self.args.lr, &tokens) {
                 Ok(done) => {
+                    losses.push(done.loss);
                     println!(
                         "STEP phase=oom step={} batch={batch} rows={} loss={:.5} {} {}",
                         s + 1,
@@ -926,10 +928,22 @@ impl<B: Backend> Ctx<B> {
         let then_clean = reports[1..]
             .iter()
             .all(|r| r.retries() == 0 && r.from_memory && r.initial_plan == first.final_plan);
-        let pass = first.retries() >= 1 && first.final_plan.num_chunks() > 1 && then_clean;
+        // A step that survived must have trained on numbers: every parameter finite, every
+        // loss finite (a parameter left uninitialised by an OOM trains on NaN).
+        let non_finite = params_of(&model)?
+            .iter()
+            .flatten()
+            .filter(|v| !v.is_finite())
+            .count();
+        let finite_losses = losses.iter().all(|l| l.is_finite());
+        let pass = first.retries() >= 1
+            && first.final_plan.num_chunks() > 1
+            && then_clean
+            && non_finite == 0
+            && finite_losses;
         println!(
             "RESULT phase=oom max={max} batch={batch} step1_retries={} step1_final_plan={} \
-             steps23_retries={},{} steps23_from_memory={} pass={pass}",
+             steps23_retries={},{} steps23_from_memory={} losses={losses:?} non_finite_params={non_finite} pass={pass}",
             first.retries(),
             plan_str(&first.final_plan),
             reports[1].retries(),
