@@ -65,7 +65,7 @@ fn main() -> Res<()> {
     };
     let mut opt = adamw()?;
     let mut plain_step = |seed: u64, rows: usize| -> candle_core::Result<()> {
-        let (x, y) = synthetic_batch(seed, rows, &cfg, &dev)?;
+        let (x, y) = synthetic_batch(seed, rows, &model.cfg, &dev)?;
         let loss = model.loss(&x, &y)?;
         opt.backward_step(&loss)?;
         dev.synchronize()
@@ -94,7 +94,7 @@ fn main() -> Res<()> {
         let engine = RetryEngine::new();
         let mut opt = adamw()?;
         for step in 0..3u64 {
-            let (x, y) = synthetic_batch(1000 + step, big, &cfg, &dev)?;
+            let (x, y) = synthetic_batch(1000 + step, big, &model.cfg, &dev)?;
             let t0 = Instant::now();
             let done = train_step(&engine, &source, &[&x, &y], &vars, &mut opt, |_, rows| {
                 model.loss(&rows[0], &rows[1])

@@ -2,6 +2,9 @@
 //! runs (bisection), and the device memory the allocator does not see. Every figure is printed on
 //! a line starting with `RESULT`.
 
+// Included by several examples (`#[path]`), each of which uses part of it.
+#![allow(dead_code)]
+
 use std::sync::Arc;
 use std::time::Instant;
 
