@@ -591,7 +591,11 @@ fn moved_pages_are_reused_and_hold_data() -> TestResult {
     let t_move = t0.elapsed();
     let stats = dev.stats();
     assert!(stats.num_unmap >= 1, "pages were moved: {stats:?}");
-    assert_eq!(reserved(&dev), 5 << 30, "A's 2 GiB unmapped, 1 GiB mapped after C");
+    assert_eq!(
+        reserved(&dev),
+        5 << 30,
+        "A's 2 GiB unmapped, 1 GiB mapped after C"
+    );
     let used_after = dev.mem_info()?.total - free_now(&dev);
     assert!(
         used_after.abs_diff(used_before - (1 << 30)) <= TOLERANCE,
@@ -601,7 +605,11 @@ fn moved_pages_are_reused_and_hold_data() -> TestResult {
     );
     let mut moved = moved;
     moved.copy_from_slice(&data)?;
-    assert_eq!(moved.to_vec()?, data, "data round-trips through moved pages");
+    assert_eq!(
+        moved.to_vec()?,
+        data,
+        "data round-trips through moved pages"
+    );
     // a fresh map of 1 GiB for comparison
     drop(moved);
     dev.empty_cache()?;
