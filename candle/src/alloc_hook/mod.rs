@@ -273,7 +273,14 @@ fn install_inner(
     } else {
         "oomguard keeps serving the context for the memory it gave out"
     };
-    Err(InstallError::NotIntercepted {
+    Err(not_intercepted(allocated, freed, left))
+}
+
+/// The error of an install whose proof failed: the probe tensor's allocation and free did not
+/// both reach oomguard. Says what was seen, why it happens and what to build instead.
+#[cfg_attr(not(feature = "allocator-hook"), allow(dead_code))]
+fn not_intercepted(allocated: bool, freed: bool, left: &str) -> InstallError {
+    InstallError::NotIntercepted {
         reason: format!(
             "a candle tensor was {} and {} through oomguard ({left}). This happens when cudarc \
              resolves the driver with dlsym (its `dynamic-loading` feature: a build without \
@@ -288,5 +295,5 @@ fn install_inner(
             },
             if freed { "freed" } else { "not freed" },
         ),
-    })
+    }
 }

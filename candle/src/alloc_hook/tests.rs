@@ -376,3 +376,24 @@ fn many_threads_allocate_and_free_across_threads() {
     assert_eq!((c.served_allocs, c.served_frees), (800, 800));
     dev.allocator().check_invariants().unwrap();
 }
+
+/// An install whose proof fails (the probe tensor did not reach oomguard, as in a build where
+/// cudarc resolves the driver with `dlsym`) is an error that says what was seen, why, and what
+/// to build instead.
+#[test]
+fn a_failed_proof_says_what_was_seen_and_what_to_build() {
+    let e = super::not_intercepted(false, false, "nothing was installed");
+    assert!(matches!(e, super::InstallError::NotIntercepted { .. }));
+    let m = e.to_string();
+    for want in [
+        "not allocated and not freed",
+        "nothing was installed",
+        "dynamic-loading",
+        "candle-core's `cuda` feature",
+        "allocator-hook",
+    ] {
+        assert!(m.contains(want), "{want:?} missing from: {m}");
+    }
+    let m = super::not_intercepted(true, false, "x").to_string();
+    assert!(m.contains("allocated and not freed"), "{m}");
+}
