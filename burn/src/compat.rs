@@ -53,15 +53,24 @@ pub(crate) fn weighted_loss<B: Backend>(loss: Tensor<B, 1>, weight: f64) -> Tens
 pub(crate) fn materialize<B: Backend, M: burn::module::Module<B>>(
     model: &M,
 ) -> Result<(), ExecutionError> {
-    struct Init;
+    /// Counts the parameters it initialised.
+    struct Init(usize);
     impl<B: Backend> ModuleVisitor<B> for Init {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            let _ = p.val();
+            if !p.is_initialized() {
+                let _ = p.val();
+                self.0 += 1;
+            }
         }
     }
-    model.visit(&mut Init);
-    for d in model.devices() {
-        B::sync(&d)?;
+    let mut init = Init(0);
+    model.visit(&mut init);
+    // Only a step that initialised something waits for the device (every later step finds
+    // them all initialised and adds no synchronisation).
+    if init.0 > 0 {
+        for d in model.devices() {
+            B::sync(&d)?;
+        }
     }
     Ok(())
 }

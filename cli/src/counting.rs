@@ -13,9 +13,6 @@ use crate::replay::BackendCalls;
 pub struct CountingBackend {
     inner: Arc<dyn Backend>,
     counts: [AtomicU64; 6],
-    mapped_bytes: AtomicU64,
-    unmapped_bytes: AtomicU64,
-    synchronize: AtomicU64,
 }
 
 const ALLOC: usize = 0;
@@ -31,9 +28,6 @@ impl CountingBackend {
         Self {
             inner,
             counts: Default::default(),
-            mapped_bytes: AtomicU64::new(0),
-            unmapped_bytes: AtomicU64::new(0),
-            synchronize: AtomicU64::new(0),
         }
     }
 
@@ -47,9 +41,8 @@ impl CountingBackend {
             unmap: c(UNMAP),
             reserve: c(RESERVE),
             release: c(RELEASE),
-            mapped_bytes: self.mapped_bytes.load(Ordering::Relaxed),
-            unmapped_bytes: self.unmapped_bytes.load(Ordering::Relaxed),
-            synchronize: self.synchronize.load(Ordering::Relaxed),
+            // counted by the allocator (`replay` fills them in)
+            ..BackendCalls::default()
         }
     }
 
@@ -90,18 +83,10 @@ impl Backend for CountingBackend {
         self.count(RELEASE, self.inner.release(base, bytes))
     }
     fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
-        let r = self.count(MAP, self.inner.map(addr, bytes));
-        if r.is_ok() {
-            self.mapped_bytes.fetch_add(bytes, Ordering::Relaxed);
-        }
-        r
+        self.count(MAP, self.inner.map(addr, bytes))
     }
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
-        let r = self.count(UNMAP, self.inner.unmap(addr, bytes));
-        if r.is_ok() {
-            self.unmapped_bytes.fetch_add(bytes, Ordering::Relaxed);
-        }
-        r
+        self.count(UNMAP, self.inner.unmap(addr, bytes))
     }
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
         self.inner.copy_to_device(dst, src)
@@ -125,7 +110,6 @@ impl Backend for CountingBackend {
         self.inner.wait_event(event)
     }
     fn synchronize(&self) -> Result<(), BackendError> {
-        self.synchronize.fetch_add(1, Ordering::Relaxed);
         self.inner.synchronize()
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -347,7 +347,13 @@ fn run(
     let seconds = start.elapsed().as_secs_f64();
     progress(done);
     let st = alloc.stats();
-    let calls = counting.calls();
+    // Bytes moved and synchronisations: the allocator's own counters (the same calls).
+    let calls = BackendCalls {
+        mapped_bytes: st.mapped_bytes_total,
+        unmapped_bytes: st.unmapped_bytes_total,
+        synchronize: st.num_sync_all_streams,
+        ..counting.calls()
+    };
     if device.limit {
         // A real device: give everything back before the next replay (a capacity search runs
         // many), rather than leaving it to the backend's drop.
