@@ -116,6 +116,19 @@ fn main() {
                     row(name, &t, conf, f.get(key));
                 }
             }
+            // This project's own capture (traces/README.md), with PyTorch's figures beside it.
+            if let (Ok(t), Ok(text)) = (
+                detect::read_trace(&dir.join("bert_infer.trace.csv")),
+                std::fs::read_to_string(dir.join("bert_infer.figures.json")),
+            ) {
+                let f: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+                for (conf, key) in [
+                    ("expandable_segments:False", "pytorch_native"),
+                    ("expandable_segments:True", "pytorch_expandable_segments"),
+                ] {
+                    row("bert_infer", &t, conf, f.get(key));
+                }
+            }
             let snap = dir.join("resnet50.snapshot.pickle");
             if let Ok(t) = detect::read_trace(&snap) {
                 let f = traces.get("resnet50");

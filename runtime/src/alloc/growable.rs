@@ -10,6 +10,15 @@ use super::state::{Segment, State};
 use super::GrowError;
 use crate::backend::{Backend, BackendError, StreamId};
 
+/// Where [`State::grow_growable`] maps pages: `cost` bytes at the start of the unmapped block
+/// `hole`, joining the free mapped neighbours in `uses`.
+#[derive(Clone, Copy, Debug)]
+struct Placement {
+    hole: BlockId,
+    cost: u64,
+    uses: [Option<BlockId>; 2],
+}
+
 impl State {
     /// Maps pages so that a free block of at least `size` exists on (`pool`, `stream`), placing
     /// them where the fewest new pages are needed; returns that block split to `size`, not indexed.
@@ -44,19 +53,22 @@ impl State {
         // Recycle before reaching a new high-water mark: move free pages from holes (unmap) to
         // where they are needed (map), so that reserved memory tracks live memory instead of
         // piling up unused pages. Below the mark, mapping alone is cheaper and costs nothing.
-        let need = choice.map_or(pages, |(_, c)| c);
+        let need = choice.map_or(pages, |p| p.cost);
         let over = self
             .reserved()
             .saturating_add(need)
             .saturating_sub(self.high_water);
         if over > 0 {
-            let keep = choice.and_then(|(h, _)| self.blocks[h].prev);
+            // The free mapped neighbours the placement uses stay mapped: unmapping one (the
+            // largest free run is often the hole's neighbour) would make it need more new
+            // pages than were released, and the high-water mark would rise for nothing.
+            let keep = choice.map_or([None, None], |p| p.uses);
             if self.release_pages(backend, over, keep, false) > 0 {
                 choice = self.cheapest_hole(pool, stream, size);
             }
         }
         let (hole, cost) = match choice {
-            Some(c) => c,
+            Some(p) => (p.hole, p.cost),
             None => {
                 // (a capacity within a page of 2^64: half the address space, whole pages)
                 let va = pages.max(
@@ -98,39 +110,84 @@ impl State {
         Ok(id)
     }
 
-    /// The unmapped free block to map into for a request of `size`, and how many bytes to map.
-    /// A hole right after a mapped free block needs only the pages that block lacks.
-    fn cheapest_hole(&self, pool: PoolKind, stream: StreamId, size: u64) -> Option<(BlockId, u64)> {
+    /// Where to map pages for a request of `size`: an unmapped free block (hole). A hole right
+    /// after a free mapped block needs only the pages that block lacks; a hole between two of
+    /// them may be mapped whole to join them. Below the high-water mark the fewest new pages
+    /// win; past it, where reserved memory ends once the free pages the placement does not use
+    /// are unmapped (the placement's own neighbours stay mapped, so a cheap-looking hole next to
+    /// the largest free run may end higher than one that lets that run be moved).
+    fn cheapest_hole(&self, pool: PoolKind, stream: StreamId, size: u64) -> Option<Placement> {
         let g = self.granularity;
-        let mut best: Option<(u64, u64, BlockId)> = None;
+        let mut best: Option<((u64, u64, u64), Placement)> = None;
+        let reserved = self.reserved();
+        // Needed only past the mark (it scans every free block): computed at most once.
+        let mut releasable = None;
         // Inclusive upper bound: `stream + 1` would overflow for stream u64::MAX.
         let stream_blocks = (stream, 0, 0)..=(stream, u64::MAX, BlockId::MAX);
         for &(_, addr, id) in self.unmapped[pool as usize].range(stream_blocks) {
             let u = &self.blocks[id];
             let free_mapped = |n: Option<BlockId>| {
-                n.map(|n| &self.blocks[n])
-                    .filter(|b| b.is_free() && b.mapped)
-                    .map_or(0, |b| b.size)
+                n.filter(|&n| self.blocks[n].is_free() && self.blocks[n].mapped)
+                    .map_or((0, None), |n| (self.blocks[n].size, Some(n)))
             };
-            let before = free_mapped(u.prev);
-            let need = size.saturating_sub(before).next_multiple_of(g);
+            let (before, prev) = free_mapped(u.prev);
+            let (after, next) = free_mapped(u.next);
             // A free neighbour that alone fits was refused by the allocator's rules
-            // (max_split_size): map nothing into it.
-            if need == 0 {
+            // (max_split_size): map nothing next to it.
+            if before >= size {
                 continue;
             }
-            let cost = if need <= u.size {
-                need
-            } else if before + u.size + free_mapped(u.next) >= size {
-                u.size
+            let head = (size - before).next_multiple_of(g);
+            let option = if head <= u.size {
+                Placement {
+                    hole: id,
+                    cost: head,
+                    uses: [prev, None],
+                }
+            } else if before + u.size + after >= size {
+                Placement {
+                    hole: id,
+                    cost: u.size,
+                    uses: [prev, next],
+                }
             } else {
                 continue;
             };
-            if best.is_none_or(|(c, a, _)| (cost, addr) < (c, a)) {
-                best = Some((cost, addr, id));
+            // Past the high-water mark, the pages of free blocks the placement does not use are
+            // unmapped first: rank by where reserved memory ends, then by pages mapped.
+            let ends = if reserved + option.cost <= self.high_water {
+                self.high_water
+            } else {
+                let kept: u64 = option
+                    .uses
+                    .iter()
+                    .flatten()
+                    .map(|&n| whole_pages(g, &self.blocks[n]))
+                    .sum();
+                let releasable = *releasable.get_or_insert_with(|| self.releasable_pages());
+                (reserved + option.cost)
+                    .saturating_sub(releasable.saturating_sub(kept))
+                    .max(self.high_water)
+            };
+            let key = (ends, option.cost, addr);
+            if best.as_ref().is_none_or(|&(k, _)| key < k) {
+                best = Some((key, option));
             }
         }
-        best.map(|(c, _, id)| (id, c))
+        best.map(|(_, p)| p)
+    }
+
+    /// Bytes of whole pages in free blocks of growable segments: what
+    /// [`State::release_pages`] could unmap.
+    fn releasable_pages(&self) -> u64 {
+        let g = self.granularity;
+        self.free
+            .iter()
+            .flat_map(|f| f.ids())
+            .map(|id| &self.blocks[id])
+            .filter(|b| self.segs[b.seg].growable)
+            .map(|b| whole_pages(g, b))
+            .sum()
     }
 
     /// Reserves a new address range of `va` bytes: one unmapped free block, indexed.
@@ -173,7 +230,8 @@ impl State {
     }
 
     /// Unmaps pages of growable segments that hold no live byte, the largest free runs first,
-    /// until at least `budget` bytes are unmapped (`u64::MAX`: all), leaving block `keep` alone;
+    /// until at least `budget` bytes are unmapped (`u64::MAX`: all), leaving the blocks in `keep`
+    /// alone;
     /// returns the bytes unmapped. The device is synchronised first; that counts in
     /// `num_sync_all_streams` unless the caller counted its own synchronisation already
     /// (`sync_counted`), so one `empty_cache` counts one, as in PyTorch.
@@ -181,20 +239,19 @@ impl State {
         &mut self,
         backend: &dyn Backend,
         budget: u64,
-        keep: Option<BlockId>,
+        keep: [Option<BlockId>; 2],
         sync_counted: bool,
     ) -> u64 {
         if !self.free.iter().any(FreeIndex::any_whole_page) {
             return 0;
         }
         let g = self.granularity;
-        let whole_pages = |b: &Block| (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
         let mut candidates: Vec<(u64, BlockId)> = self
             .free
             .iter()
             .flat_map(|f| f.ids())
-            .filter(|&id| Some(id) != keep && self.segs[self.blocks[id].seg].growable)
-            .map(|id| (whole_pages(&self.blocks[id]), id))
+            .filter(|&id| !keep.contains(&Some(id)) && self.segs[self.blocks[id].seg].growable)
+            .map(|id| (whole_pages(g, &self.blocks[id]), id))
             .filter(|&(n, _)| n > 0)
             .collect();
         if budget != u64::MAX {
@@ -286,4 +343,9 @@ impl State {
             self.stats.segment.sub(small, 1);
         }
     }
+}
+
+/// Bytes of the whole pages (of `g` bytes) inside block `b`.
+fn whole_pages(g: u64, b: &Block) -> u64 {
+    (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g))
 }
