@@ -100,8 +100,11 @@ fn finds_95_percent_in_4_runs() {
         assert!(report.max_batch <= truth, "{name}: {report}");
         assert!(ratio >= 0.95, "{name}: {ratio:.3} of {truth}: {report}");
         assert!(report.runs() <= 4, "{name}: {report}");
-        // each trial runs two consecutive steps (issue 26, point 7b): 8 step runs
-        assert!(report.step_runs() <= 8, "{name}: {report}");
+        // each trial runs two consecutive steps (issue 26, point 7b): 8 step runs, then one
+        // verification of 8 consecutive steps that passes at once on a source that does not
+        // fragment
+        assert_eq!(report.verification.len(), 1, "{name}: {report}");
+        assert!(report.step_runs() <= 8 + 8, "{name}: {report}");
         let fit = report.fit.expect("a fit");
         let per_row = (m.layers as u64 * m.act_per_row) as f64;
         assert!(
@@ -265,6 +268,8 @@ mod fragmenting {
     #[derive(Debug)]
     pub struct Pool {
         cap: u64,
+        /// Steps before the sizes repeat (each size is cached apart).
+        period: u64,
         s: Mutex<State>,
     }
 
@@ -283,8 +288,14 @@ mod fragmenting {
 
     impl Pool {
         pub fn new(cap: u64) -> Self {
+            Self::with_period(cap, 2)
+        }
+        /// Step `k` asks for `(1 + (k % period) / 10)` MiB a row: a loop of steps holds
+        /// `period` sizes at once, which a trial of fewer steps does not see.
+        pub fn with_period(cap: u64, period: u64) -> Self {
             Self {
                 cap,
+                period,
                 s: Mutex::new(State::default()),
             }
         }
@@ -307,15 +318,15 @@ mod fragmenting {
             s.used -= size;
             s.cached.push(size);
         }
-        /// One training step of `rows` rows: 1 MiB of activations a row, 10% more every
-        /// other step.
+        /// One training step of `rows` rows: 1 MiB of activations a row, 10% more at each step
+        /// of the period (every other step by default).
         pub fn step(&self, rows: usize) -> Result<(), Oom> {
             let k = {
                 let mut s = self.s.lock().unwrap();
                 s.steps += 1;
                 s.steps
             };
-            let size = ((rows as u64) << 20) * (10 + k % 2) / 10;
+            let size = ((rows as u64) << 20) * (10 + k % self.period) / 10;
             let a = self.alloc(size)?;
             self.free(a);
             Ok(())
@@ -379,8 +390,9 @@ fn the_batch_found_holds_for_consecutive_steps() {
     let pool = fragmenting::Pool::new(1024 << 20);
     let r = find_max_batch(&pool, FinderOptions::default(), |rows| pool.step(rows)).unwrap();
     println!("{r}");
-    assert!(r.safe_for().contains("2 consecutive steps"), "{r}");
-    assert_eq!(r.steps_per_trial, 2);
+    assert!(r.safe_for().contains("8 consecutive steps"), "{r}");
+    assert!(r.safe_for().contains("verification"), "{r}");
+    assert_eq!((r.steps_per_trial, r.verified_steps), (2, 8));
     assert!(r.step_runs() >= r.runs());
     let mut ooms = 0;
     for _ in 0..20 {
@@ -396,9 +408,11 @@ fn the_batch_found_holds_for_consecutive_steps() {
     // and it is close to the largest batch two consecutive steps fit (1024 / 2.1 MiB)
     assert!(r.max_batch >= (0.95 * 487.0) as usize, "{r}");
 
-    // one step per trial (the old behaviour, now an opt-out the report names)
+    // one step per trial and no verification (the old behaviour, now an opt-out the report
+    // names)
     let single = FinderOptions {
         steps_per_trial: 1,
+        verify_steps: 0,
         ..FinderOptions::default()
     };
     oomguard_runtime::source::MemorySource::empty_cache(&pool).unwrap();
@@ -410,4 +424,56 @@ fn the_batch_found_holds_for_consecutive_steps() {
         r1.max_batch
     );
     assert!(ooms1 > 0);
+}
+
+/// Issue 26, point 7b, on a source that fragments over more steps than a trial runs: each step
+/// of a period of 5 asks for another size, all cached apart, so a loop holds 6 MiB a row
+/// (170 rows fit in 1 GiB) while a trial of two steps holds at most 2.5. Without verification
+/// the finder returned about 440 rows and a loop at it ran out of memory; the verification
+/// steps down to the largest batch that ran 8 consecutive steps, and 50 consecutive steps at it
+/// all run.
+#[test]
+fn verification_steps_down_to_a_batch_that_holds_for_a_loop() {
+    let loop_max = 170;
+    let pool = fragmenting::Pool::with_period(1024 << 20, 5);
+    let unverified = FinderOptions {
+        verify_steps: 0,
+        ..FinderOptions::default()
+    };
+    let r0 = find_max_batch(&pool, unverified, |rows| pool.step(rows)).unwrap();
+    let ooms0 = (0..50).filter(|_| pool.step(r0.max_batch).is_err()).count();
+    println!("without verification: {} rows, {ooms0} of 50 OOM", r0.max_batch);
+    assert!(r0.max_batch > loop_max && ooms0 > 0, "{r0}");
+    assert_eq!(r0.verified_steps, 0);
+
+    oomguard_runtime::source::MemorySource::empty_cache(&pool).unwrap();
+    let r = find_max_batch(&pool, FinderOptions::default(), |rows| pool.step(rows)).unwrap();
+    println!("{r}");
+    oomguard_runtime::source::MemorySource::empty_cache(&pool).unwrap();
+    let ooms = (0..50).filter(|_| pool.step(r.max_batch).is_err()).count();
+    assert_eq!(ooms, 0, "50 consecutive steps at {}: {ooms} OOM", r.max_batch);
+    assert!(r.max_batch <= loop_max, "{r}");
+    assert!(r.max_batch as f64 >= 0.95 * loop_max as f64, "{r}");
+    assert_eq!(r.verified_steps, 8);
+    let last = r.verification.last().unwrap();
+    assert_eq!((last.rows, last.steps), (r.max_batch, 8));
+    assert!(last.peak_bytes.is_some());
+    assert!(r.verification.len() <= oomguard_runtime::retry::MAX_VERIFICATIONS);
+    assert!(r.verification[0].peak_bytes.is_none(), "the search's batch failed the loop");
+    assert!(r.safe_for().contains("8 consecutive steps"), "{}", r.safe_for());
+}
+
+/// When not even one row runs a loop, the finder says so instead of returning a batch.
+#[test]
+fn a_loop_that_fits_at_no_size_is_an_error() {
+    // 1 row: a trial of two steps holds 2.1 MiB, 8 consecutive steps 10.8 MiB.
+    let pool = fragmenting::Pool::with_period(8 << 20, 20);
+    let opts = FinderOptions {
+        max: 64,
+        ..FinderOptions::default()
+    };
+    let e = find_max_batch(&pool, opts, |rows| pool.step(rows)).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, oomguard_runtime::retry::FinderError::LoopFails { .. }), "{msg}");
+    assert!(msg.contains("consecutive steps"), "{msg}");
 }

@@ -36,10 +36,22 @@ pub struct FinderOptions {
     /// that ran out of memory on the next step): with 2, the batch found is one that ran two
     /// consecutive steps on the source measured.
     pub steps_per_trial: u32,
+    /// Consecutive steps the batch found must then run, without emptying the cache between
+    /// them, before it is returned (default 8; 0: no verification). A source that fragments
+    /// step after step (the driver's pool: a batch that ran two steps failed on later ones)
+    /// fails here; the finder then steps down (by a fifth, then bisecting between the largest
+    /// batch verified and the smallest that failed, to within 5%) and returns the largest
+    /// batch verified, in at most [`MAX_VERIFICATIONS`] verification runs.
+    pub verify_steps: u32,
 }
 
+/// Most verification runs (of [`FinderOptions::verify_steps`] steps each) after the search;
+/// if none of them ran all its steps, [`find_max_batch`] fails with
+/// [`FinderError::LoopFails`].
+pub const MAX_VERIFICATIONS: usize = 12;
+
 /// The defaults: `start` 1 row, `max` 2^20 rows, `margin` 0.03, `refine` on, `max_trials` 16,
-/// `steps_per_trial` 2.
+/// `steps_per_trial` 2, `verify_steps` 8.
 impl Default for FinderOptions {
     fn default() -> Self {
         Self {
@@ -49,6 +61,7 @@ impl Default for FinderOptions {
             refine: true,
             max_trials: 16,
             steps_per_trial: 2,
+            verify_steps: 8,
         }
     }
 }
@@ -107,13 +120,20 @@ impl LinearFit {
 /// What [`find_max_batch`] found, and how.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FinderReport {
-    /// The largest batch that ran: [`FinderReport::steps_per_trial`] consecutive steps of it ran
-    /// on this source (see [`FinderReport::safe_for`]).
+    /// The batch found: [`FinderReport::verified_steps`] consecutive steps of it ran on this
+    /// source (or, with verification off, [`FinderReport::steps_per_trial`]; see
+    /// [`FinderReport::safe_for`]).
     pub max_batch: usize,
-    /// Every trial, in order.
+    /// Every trial of the search, in order.
     pub trials: Vec<Trial>,
     /// Steps each trial ran back to back ([`FinderOptions::steps_per_trial`]).
     pub steps_per_trial: u32,
+    /// The verification runs after the search, in order ([`FinderOptions::verify_steps`]
+    /// consecutive steps each; empty when verification is off): the last one ran all its
+    /// steps at `max_batch`, the others ran out of memory at larger sizes.
+    pub verification: Vec<Trial>,
+    /// Consecutive steps `max_batch` ran in its verification (0: not verified).
+    pub verified_steps: u32,
     /// The source measured.
     pub source: crate::source::SourceInfo,
     /// The fit used for the jump (the refined one if a refinement ran).
@@ -126,24 +146,33 @@ pub struct FinderReport {
 }
 
 impl FinderReport {
-    /// Number of trials (each of up to [`FinderReport::steps_per_trial`] step runs).
+    /// Number of trials of the search (each of up to [`FinderReport::steps_per_trial`] step
+    /// runs; the verification runs are not counted here).
     pub fn runs(&self) -> usize {
         self.trials.len()
     }
 
-    /// Number of times the step ran, all trials together.
+    /// Number of times the step ran, the search's trials and the verification runs together.
     pub fn step_runs(&self) -> usize {
-        self.trials.iter().map(|t| t.steps as usize).sum()
+        self.trials
+            .iter()
+            .chain(&self.verification)
+            .map(|t| t.steps as usize)
+            .sum()
     }
 
     /// What `max_batch` is safe for, in words: consecutive steps on the measured source, with
     /// nothing else allocating more than when it was measured.
     pub fn safe_for(&self) -> String {
-        let steps = match self.steps_per_trial {
-            1 => "single steps, each from an emptied cache (steps_per_trial 1: a loop of steps \
-                  may run out of memory)"
+        let steps = match (self.verified_steps, self.steps_per_trial) {
+            (v, _) if v > 1 => format!(
+                "a loop of steps: {v} consecutive steps ran at it without emptying the cache \
+                 between them (verification)"
+            ),
+            (_, 1) => "single steps, each from an emptied cache (steps_per_trial 1, no \
+                  verification: a loop of steps may run out of memory)"
                 .to_string(),
-            n => format!(
+            (_, n) => format!(
                 "a loop of steps: {n} consecutive steps ran at it without emptying the cache \
                  between them"
             ),
@@ -180,6 +209,20 @@ impl fmt::Display for FinderReport {
                     t.rows, t.reserved_peak_bytes, t.steps
                 )?,
                 None => write!(f, "\n  {} rows: out of memory at step {}", t.rows, t.steps)?,
+            }
+        }
+        for t in &self.verification {
+            match t.peak_bytes {
+                Some(p) => write!(
+                    f,
+                    "\n  verified {} rows: {} consecutive steps ran, peak {p} B ({} B held)",
+                    t.rows, t.steps, t.reserved_peak_bytes
+                )?,
+                None => write!(
+                    f,
+                    "\n  verification of {} rows: out of memory at step {}",
+                    t.rows, t.steps
+                )?,
             }
         }
         Ok(())
@@ -221,6 +264,20 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
         /// The inner step's report.
         report: Box<super::report::RetryReport>,
     },
+    /// The search found a batch, but no batch down to the smallest verified ran
+    /// [`FinderOptions::verify_steps`] consecutive steps (in [`MAX_VERIFICATIONS`] runs): the
+    /// source fragments over a loop of steps more than the step-down reached.
+    #[error("the search found {found} rows, but no batch down to {smallest} rows ran {steps} consecutive steps ({} verification runs): the memory source fragments over a loop of steps; empty the cache between steps, or use oomguard's allocator", .verification.len())]
+    LoopFails {
+        /// The batch the search found.
+        found: usize,
+        /// The smallest batch verified.
+        smallest: usize,
+        /// Steps each verification ran for.
+        steps: u32,
+        /// The verification runs.
+        verification: Vec<Trial>,
+    },
     /// Every trial that ran measured a peak of 0 bytes: the step's memory comes from
     /// somewhere this source does not see, and a search would return `max` untested.
     #[error("the step's memory is invisible to the {measured}: its peak was 0 bytes at every size tried ({rows:?} rows). The step allocates from another source (candle's CUDA tensors come from the driver pool: pass oomguard_candle's memory_source or a DriverPool, not a Device), or allocates nothing")]
@@ -260,6 +317,10 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 /// fits only when all of them ran, so the batch found holds for consecutive steps on the
 /// source measured, not only for one step from an emptied cache
 /// ([`FinderReport::safe_for`] says so). The cache is emptied before each trial and at the end.
+/// Then the batch found runs [`FinderOptions::verify_steps`] consecutive steps (8 by default;
+/// one more run, not counted in [`FinderReport::runs`]): a source that fragments over a loop
+/// of steps makes it fail there, and the finder steps down to the largest batch that ran the
+/// whole loop ([`FinderReport::verification`]; [`FinderError::LoopFails`] if none did).
 ///
 /// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
 /// largest batch below the smallest one that did not (the 0.95 tolerance; the maximum lies between
@@ -335,7 +396,10 @@ where
 
     let mut trials: Vec<Trial> = Vec::new();
     let steps_per_trial = opts.steps_per_trial;
-    let mut run = |rows: usize, trials: &mut Vec<Trial>| -> Result<Option<u64>, FinderError<E>> {
+    let mut run = |rows: usize,
+                   steps_per_trial: u32,
+                   trials: &mut Vec<Trial>|
+     -> Result<Option<u64>, FinderError<E>> {
         device.empty_cache()?;
         let t0 = Instant::now();
         let mut steps = 0;
@@ -399,15 +463,62 @@ where
             stopped_by_trials = true;
             break;
         }
-        let peak = run(probe.rows, &mut trials)?;
+        let peak = run(probe.rows, steps_per_trial, &mut trials)?;
         state.observe(&search, probe, peak, &trials);
+    }
+    if state.l == 0 {
+        device.empty_cache()?;
+        return Err(FinderError::NothingFits(trials));
+    }
+    // Verification: the batch found must run a loop of steps, not only a trial's few.
+    let mut verification = Vec::new();
+    let mut max_batch = state.l;
+    if opts.verify_steps > 0 {
+        let (mut ok, mut failed): (Option<usize>, Option<usize>) = (None, None);
+        let mut rows = state.l;
+        while verification.len() < MAX_VERIFICATIONS {
+            let mut v = Vec::new();
+            let peak = run(rows, opts.verify_steps, &mut v)?;
+            verification.extend(v);
+            if peak.is_some() {
+                ok = Some(rows);
+            } else {
+                failed = Some(rows);
+            }
+            rows = match (ok, failed) {
+                (Some(_), None) => break,
+                (None, Some(h)) if h > 1 => (h * 4 / 5).min(h - 1),
+                // not even 1 row ran the loop (or nothing ran, which cannot be)
+                (None, _) => break,
+                (Some(l), Some(h)) if settled(l, h) => break,
+                (Some(l), Some(h)) => bisection_point(l, h),
+            };
+        }
+        match ok {
+            Some(l) => max_batch = l,
+            None => {
+                device.empty_cache()?;
+                return Err(FinderError::LoopFails {
+                    found: state.l,
+                    smallest: verification.iter().map(|t| t.rows).min().unwrap_or(state.l),
+                    steps: opts.verify_steps,
+                    verification,
+                });
+            }
+        }
+        if max_batch < state.l {
+            tracing::warn!(
+                target: "oomguard::retry",
+                found = state.l,
+                verified = max_batch,
+                steps = opts.verify_steps,
+                "find_max_batch: the batch the search found ran out of memory within a loop of steps; returning the largest batch verified"
+            );
+        }
     }
     // Leave the source as found: what the last trials cached (the sizes that failed
     // included) would not serve the steps that follow.
     device.empty_cache()?;
-    if state.l == 0 {
-        return Err(FinderError::NothingFits(trials));
-    }
     if stopped_by_trials {
         tracing::warn!(
             target: "oomguard::retry",
@@ -415,10 +526,17 @@ where
             "find_max_batch: stopped by max_trials before the bracket was within 5%"
         );
     }
+    let verified_steps = if verification.is_empty() {
+        0
+    } else {
+        opts.verify_steps
+    };
     Ok(FinderReport {
-        max_batch: state.l,
+        max_batch,
         trials,
         steps_per_trial: opts.steps_per_trial,
+        verification,
+        verified_steps,
         source: device.info(),
         fit: state.fit,
         budget_bytes: budget,

@@ -70,7 +70,9 @@ pub use engine::{
     RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
     MAX_ATTEMPTS,
 };
-pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial};
+pub use finder::{
+    find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial, MAX_VERIFICATIONS,
+};
 pub use gradients::GradientSync;
 pub use memory::{
     DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode, LOCK_WAIT, STALE_LOCK,
