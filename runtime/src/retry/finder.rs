@@ -45,6 +45,10 @@ pub struct FinderOptions {
     pub verify_steps: u32,
 }
 
+/// A verification whose held memory still rises runs up to this many times
+/// [`FinderOptions::verify_steps`] steps (see [`find_max_batch`]).
+pub const VERIFY_EXTENSION: u32 = 4;
+
 /// Most verification runs (of [`FinderOptions::verify_steps`] steps each) after the search;
 /// if none of them ran all its steps, [`find_max_batch`] fails with
 /// [`FinderError::LoopFails`].
@@ -77,8 +81,12 @@ pub struct Trial {
     /// Peak bytes the source held (used plus cached) during the steps, above what it held
     /// before them (how much more than `peak_bytes` the source needed: fragmentation, rounding).
     pub reserved_peak_bytes: u64,
-    /// Step runs the trial made (fewer than `steps_per_trial` when one ran out of memory).
+    /// Step runs the trial made (fewer than `steps_per_trial` when one ran out of memory; more
+    /// in a verification extended while held memory was still rising).
     pub steps: u32,
+    /// Verification runs: how much the most memory the source held rose over the second half
+    /// of the steps (0: the loop had settled; the search's trials leave it 0).
+    pub held_rise_bytes: u64,
     /// How long it took.
     pub elapsed: Duration,
 }
@@ -132,7 +140,9 @@ pub struct FinderReport {
     /// consecutive steps each; empty when verification is off): the last one ran all its
     /// steps at `max_batch`, the others ran out of memory at larger sizes.
     pub verification: Vec<Trial>,
-    /// Consecutive steps `max_batch` ran in its verification (0: not verified).
+    /// Consecutive steps `max_batch` ran in its verification: at least
+    /// [`FinderOptions::verify_steps`], more when the verification was extended (0: not
+    /// verified).
     pub verified_steps: u32,
     /// The source measured.
     pub source: crate::source::SourceInfo,
@@ -215,13 +225,13 @@ impl fmt::Display for FinderReport {
             match t.peak_bytes {
                 Some(p) => write!(
                     f,
-                    "\n  verified {} rows: {} consecutive steps ran, peak {p} B ({} B held)",
-                    t.rows, t.steps, t.reserved_peak_bytes
+                    "\n  verified {} rows: {} consecutive steps ran, peak {p} B ({} B held, {} B more in the second half)",
+                    t.rows, t.steps, t.reserved_peak_bytes, t.held_rise_bytes
                 )?,
                 None => write!(
                     f,
-                    "\n  verification of {} rows: out of memory at step {}",
-                    t.rows, t.steps
+                    "\n  verification of {} rows: out of memory at step {} ({} B held)",
+                    t.rows, t.steps, t.reserved_peak_bytes
                 )?,
             }
         }
@@ -306,6 +316,15 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
     ))
 }
 
+/// How much the running held peak rose over the second half of the steps (`held[k]`: the most
+/// the source held by the end of step `k + 1`).
+fn held_rise(held: &[u64]) -> u64 {
+    match held.len() {
+        0 | 1 => 0,
+        n => held[n - 1].saturating_sub(held[n / 2 - 1]),
+    }
+}
+
 /// Finds the largest batch for which `step(rows)` runs without out-of-memory on `device`.
 ///
 /// Runs the step at `start` and `8 × start` rows while measuring peak memory, fits
@@ -318,9 +337,13 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
 /// source measured, not only for one step from an emptied cache
 /// ([`FinderReport::safe_for`] says so). The cache is emptied before each trial and at the end.
 /// Then the batch found runs [`FinderOptions::verify_steps`] consecutive steps (8 by default;
-/// one more run, not counted in [`FinderReport::runs`]): a source that fragments over a loop
-/// of steps makes it fail there, and the finder steps down to the largest batch that ran the
-/// whole loop ([`FinderReport::verification`]; [`FinderError::LoopFails`] if none did).
+/// one more run, not counted in [`FinderReport::runs`]), and goes on, up to
+/// [`VERIFY_EXTENSION`] times as many, while the most memory the source held still rose over the
+/// second half of the steps (by more than 0.1% of the memory available: the loop has not
+/// settled). A source that fragments over a loop of steps makes it fail there (candle on the
+/// driver's pool on an H100: 20 steps ran at the search's batch, then every step ran out of
+/// memory), and the finder steps down to the largest batch that ran the whole loop
+/// ([`FinderReport::verification`]; [`FinderError::LoopFails`] if none did).
 ///
 /// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
 /// largest batch below the smallest one that did not (the 0.95 tolerance; the maximum lies between
@@ -396,28 +419,50 @@ where
 
     let mut trials: Vec<Trial> = Vec::new();
     let steps_per_trial = opts.steps_per_trial;
+    // A trial: `steps_per_trial` steps back to back; with `extend_to` above it (verification),
+    // more while the source's held peak still rose over the second half of the steps so far.
     let mut run = |rows: usize,
                    steps_per_trial: u32,
+                   extend_to: u32,
                    trials: &mut Vec<Trial>|
      -> Result<Option<u64>, FinderError<E>> {
         device.empty_cache()?;
         let t0 = Instant::now();
         let mut steps = 0;
         let mut inner = None;
+        let mut held: Vec<u64> = Vec::new();
+        let mut rise = 0;
+        let mut usage_error = None;
         // The trial's steps back to back, the cache kept between them, under one peak.
         let (res, peak, reserved_peak) = measure_peak(device, || {
             super::report::watch_steps(true);
             let mut res = Ok(());
-            while steps < steps_per_trial {
+            loop {
+                if steps >= steps_per_trial {
+                    rise = held_rise(&held);
+                    if steps >= extend_to || rise <= budget / 1000 {
+                        break;
+                    }
+                }
                 steps += 1;
                 if let Err(e) = step(rows) {
                     res = Err(e);
                     break;
                 }
+                if extend_to > steps_per_trial {
+                    match device.usage() {
+                        Ok(u) => held.push(u.reserved_peak),
+                        Err(e) => {
+                            usage_error = Some(e);
+                            break;
+                        }
+                    }
+                }
             }
             inner = super::report::watch_steps(false);
-            res
+            usage_error.map_or(Ok(res), Err)
         })?;
+        let res = res?;
         if let Some(r) = inner {
             let report = Box::new(r);
             return Err(
@@ -438,6 +483,7 @@ where
             peak_bytes,
             reserved_peak_bytes: reserved_peak,
             steps,
+            held_rise_bytes: rise,
             elapsed: t0.elapsed(),
         });
         tracing::debug!(target: "oomguard::retry", rows, ?peak_bytes, steps, "batch finder trial");
@@ -463,7 +509,7 @@ where
             stopped_by_trials = true;
             break;
         }
-        let peak = run(probe.rows, steps_per_trial, &mut trials)?;
+        let peak = run(probe.rows, steps_per_trial, steps_per_trial, &mut trials)?;
         state.observe(&search, probe, peak, &trials);
     }
     if state.l == 0 {
@@ -478,7 +524,8 @@ where
         let mut rows = state.l;
         while verification.len() < MAX_VERIFICATIONS {
             let mut v = Vec::new();
-            let peak = run(rows, opts.verify_steps, &mut v)?;
+            let most = opts.verify_steps.saturating_mul(VERIFY_EXTENSION);
+            let peak = run(rows, opts.verify_steps, most, &mut v)?;
             verification.extend(v);
             if peak.is_some() {
                 ok = Some(rows);
@@ -526,11 +573,7 @@ where
             "find_max_batch: stopped by max_trials before the bracket was within 5%"
         );
     }
-    let verified_steps = if verification.is_empty() {
-        0
-    } else {
-        opts.verify_steps
-    };
+    let verified_steps = verification.last().map_or(0, |t| t.steps);
     Ok(FinderReport {
         max_batch,
         trials,

@@ -72,6 +72,7 @@ pub use engine::{
 };
 pub use finder::{
     find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial, MAX_VERIFICATIONS,
+    VERIFY_EXTENSION,
 };
 pub use gradients::GradientSync;
 pub use memory::{
