@@ -37,17 +37,20 @@ pub struct FinderOptions {
     /// consecutive steps on the source measured.
     pub steps_per_trial: u32,
     /// Consecutive steps the batch found must then run, without emptying the cache between
-    /// them, before it is returned (default 8; 0: no verification). A source that fragments
-    /// step after step (the driver's pool: a batch that ran two steps failed on later ones)
-    /// fails here; the finder then steps down (by a fifth, then bisecting between the largest
+    /// them, before it is returned (default 32; 0: no verification). A source that fragments
+    /// step after step fails here: on an H100, candle's GPT-2 loop on the driver's pool ran 20
+    /// steps at the batch the search found (two steps per trial; 8 in a verification), then
+    /// ran out of memory at every step (docs/GPU.md run 15c), so the default covers 32. The
+    /// finder then steps down (by a fifth, then by halves, then bisecting between the largest
     /// batch verified and the smallest that failed, to within 5%) and returns the largest
-    /// batch verified, in at most [`MAX_VERIFICATIONS`] verification runs.
+    /// batch verified, in at most [`MAX_VERIFICATIONS`] verification runs. A loop that fails
+    /// only after more steps than a verification ran is not caught.
     pub verify_steps: u32,
 }
 
 /// A verification whose held memory still rises runs up to this many times
 /// [`FinderOptions::verify_steps`] steps (see [`find_max_batch`]).
-pub const VERIFY_EXTENSION: u32 = 4;
+pub const VERIFY_EXTENSION: u32 = 2;
 
 /// Most verification runs (of [`FinderOptions::verify_steps`] steps each) after the search;
 /// if none of them ran all its steps, [`find_max_batch`] fails with
@@ -55,7 +58,7 @@ pub const VERIFY_EXTENSION: u32 = 4;
 pub const MAX_VERIFICATIONS: usize = 12;
 
 /// The defaults: `start` 1 row, `max` 2^20 rows, `margin` 0.03, `refine` on, `max_trials` 16,
-/// `steps_per_trial` 2, `verify_steps` 8.
+/// `steps_per_trial` 2, `verify_steps` 32.
 impl Default for FinderOptions {
     fn default() -> Self {
         Self {
@@ -65,7 +68,7 @@ impl Default for FinderOptions {
             refine: true,
             max_trials: 16,
             steps_per_trial: 2,
-            verify_steps: 8,
+            verify_steps: 32,
         }
     }
 }
@@ -336,13 +339,13 @@ fn held_rise(held: &[u64]) -> u64 {
 /// fits only when all of them ran, so the batch found holds for consecutive steps on the
 /// source measured, not only for one step from an emptied cache
 /// ([`FinderReport::safe_for`] says so). The cache is emptied before each trial and at the end.
-/// Then the batch found runs [`FinderOptions::verify_steps`] consecutive steps (8 by default;
+/// Then the batch found runs [`FinderOptions::verify_steps`] consecutive steps (32 by default;
 /// one more run, not counted in [`FinderReport::runs`]), and goes on, up to
 /// [`VERIFY_EXTENSION`] times as many, while the most memory the source held still rose over the
 /// second half of the steps (by more than 0.1% of the memory available: the loop has not
 /// settled). A source that fragments over a loop of steps makes it fail there (candle on the
 /// driver's pool on an H100: 20 steps ran at the search's batch, then every step ran out of
-/// memory), and the finder steps down to the largest batch that ran the whole loop
+/// memory, while the held peak of its first 8 steps was flat), and the finder steps down to the largest batch that ran the whole loop
 /// ([`FinderReport::verification`]; [`FinderError::LoopFails`] if none did).
 ///
 /// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
@@ -534,7 +537,9 @@ where
             }
             rows = match (ok, failed) {
                 (Some(_), None) => break,
-                (None, Some(h)) if h > 1 => (h * 4 / 5).min(h - 1),
+                // a fifth down first (the search's batch is usually near), then by halves
+                (None, Some(h)) if h > 1 && verification.len() == 1 => (h * 4 / 5).min(h - 1),
+                (None, Some(h)) if h > 1 => h / 2,
                 // not even 1 row ran the loop (or nothing ran, which cannot be)
                 (None, _) => break,
                 (Some(l), Some(h)) if settled(l, h) => break,
