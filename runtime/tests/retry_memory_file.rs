@@ -23,10 +23,34 @@ fn limits(m: usize) -> Limits {
     }
 }
 
-fn temp(name: &str) -> std::path::PathBuf {
+/// A plan file path in the temporary directory, removed (with its lock) when dropped, so a
+/// failed or interrupted test leaves nothing behind.
+fn temp(name: &str) -> Temp {
     let p = std::env::temp_dir().join(format!("oomguard-{name}-{}.json", std::process::id()));
     let _ = std::fs::remove_file(&p);
-    p
+    Temp(p)
+}
+
+struct Temp(std::path::PathBuf);
+
+impl std::ops::Deref for Temp {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for Temp {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_file(self.0.with_extension("json.lock"));
+    }
 }
 
 #[test]
