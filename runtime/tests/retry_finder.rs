@@ -104,7 +104,7 @@ fn finds_95_percent_in_4_runs() {
         // verification of 32 consecutive steps that passes at once on a source that does not
         // fragment
         assert_eq!(report.verification.len(), 1, "{name}: {report}");
-        assert_eq!(report.verified_steps, 32, "{name}: {report}");
+        assert_eq!(report.verified_steps(), 32, "{name}: {report}");
         assert!(report.step_runs() <= 8 + 32, "{name}: {report}");
         let fit = report.fit.expect("a fit");
         let per_row = (m.layers as u64 * m.act_per_row) as f64;
@@ -393,7 +393,7 @@ fn the_batch_found_holds_for_consecutive_steps() {
     println!("{r}");
     assert!(r.safe_for().contains("32 consecutive steps"), "{r}");
     assert!(r.safe_for().contains("verification"), "{r}");
-    assert_eq!((r.steps_per_trial, r.verified_steps), (2, 32));
+    assert_eq!((r.steps_per_trial, r.verified_steps()), (2, 32));
     assert!(r.step_runs() >= r.runs());
     let mut ooms = 0;
     for _ in 0..20 {
@@ -448,7 +448,7 @@ fn verification_steps_down_to_a_batch_that_holds_for_a_loop() {
         r0.max_batch
     );
     assert!(r0.max_batch > loop_max && ooms0 > 0, "{r0}");
-    assert_eq!(r0.verified_steps, 0);
+    assert_eq!(r0.verified_steps(), 0);
 
     oomguard_runtime::source::MemorySource::empty_cache(&pool).unwrap();
     let r = find_max_batch(&pool, FinderOptions::default(), |rows| pool.step(rows)).unwrap();
@@ -463,7 +463,7 @@ fn verification_steps_down_to_a_batch_that_holds_for_a_loop() {
     assert!(r.max_batch <= loop_max, "{r}");
     assert!(r.max_batch as f64 >= 0.95 * loop_max as f64, "{r}");
     let last = r.verification.last().unwrap();
-    assert_eq!((last.rows, last.steps), (r.max_batch, r.verified_steps));
+    assert_eq!((last.rows, last.steps), (r.max_batch, r.verified_steps()));
     assert!(last.steps >= 32);
     assert!(last.peak_bytes.is_some());
     assert!(r.verification.len() <= oomguard_runtime::retry::MAX_VERIFICATIONS);
@@ -471,7 +471,7 @@ fn verification_steps_down_to_a_batch_that_holds_for_a_loop() {
         r.verification[0].peak_bytes.is_none(),
         "the search's batch failed the loop"
     );
-    let said = format!("{} consecutive steps", r.verified_steps);
+    let said = format!("{} consecutive steps", r.verified_steps());
     assert!(r.safe_for().contains(&said), "{}", r.safe_for());
 }
 

@@ -144,6 +144,36 @@ fn fits(run: &Run, source: &dyn MemorySource, opt: &mut AdamW, rows: usize) -> R
     }
 }
 
+/// `steps` plain steps of `rows` (tokens seeded from `seed`) after emptying the cache, and
+/// before each step too with `trim`: the out-of-memory count, seconds per step, and which steps
+/// failed ('X') or ran ('.').
+fn train_at(
+    run: &Run,
+    source: &dyn MemorySource,
+    opt: &mut AdamW,
+    rows: usize,
+    steps: usize,
+    trim: bool,
+    seed: u64,
+) -> Res<(usize, f64, String)> {
+    source.empty_cache()?;
+    let t0 = Instant::now();
+    let mut pattern = String::new();
+    for s in 0..steps {
+        if trim {
+            source.empty_cache()?;
+        }
+        let t = run.tokens(seed + s as u64, rows)?;
+        match run.plain_step(opt, &t) {
+            Ok(_) => pattern.push('.'),
+            Err(e) if is_oom(&e) => pattern.push('X'),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let ooms = pattern.matches('X').count();
+    Ok((ooms, t0.elapsed().as_secs_f64() / steps as f64, pattern))
+}
+
 fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<usize> {
     candle_core::cuda::set_gemm_reduced_precision_f32(true);
     let mut opt = run.adamw()?;
@@ -172,20 +202,7 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
 
     // The found batch as a loop right after the search (the state the finder leaves), before
     // any step of the bisection below runs out of memory: which steps fail ('X') or run ('.').
-    let mut pattern_loop = |steps: usize, seed: u64| -> Res<(usize, String)> {
-        source.empty_cache()?;
-        let mut pattern = String::new();
-        for s in 0..steps {
-            let t = run.tokens(seed + s as u64, found)?;
-            match run.plain_step(&mut opt, &t) {
-                Ok(_) => pattern.push('.'),
-                Err(e) if is_oom(&e) => pattern.push('X'),
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok((pattern.matches('X').count(), pattern))
-    };
-    let (ooms, pattern) = pattern_loop(30, 500)?;
+    let (ooms, _, pattern) = train_at(run, &**source, &mut opt, found, 30, false, 500)?;
     println!("RESULT find: 30 plain steps at the found batch {found} right after the search: {ooms} OOM [{pattern}]");
 
     // The true maximum: grow from the found batch until a step fails, then bisect.
@@ -239,34 +256,13 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
     // step. The driver's pool does not defragment: near the card's limit a step can fail on the
     // blocks the previous step left (trimmed or not at synchronisation), and a failed step
     // skips the synchronisation that would have released them.
-    let mut train = |steps: usize, trim: bool| -> Res<(usize, f64, String)> {
-        source.empty_cache()?;
-        let t0 = Instant::now();
-        let mut ooms = 0;
-        let mut pattern = String::new();
-        for s in 0..steps {
-            if trim {
-                source.empty_cache()?;
-            }
-            let t = run.tokens(1000 + s as u64, found)?;
-            match run.plain_step(&mut opt, &t) {
-                Ok(_) => pattern.push('.'),
-                Err(e) if is_oom(&e) => {
-                    ooms += 1;
-                    pattern.push('X');
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok((ooms, t0.elapsed().as_secs_f64() / steps as f64, pattern))
-    };
     let plain_steps = steps;
-    let (ooms, per, pattern) = train(plain_steps, false)?;
+    let (ooms, per, pattern) = train_at(run, &**source, &mut opt, found, plain_steps, false, 1000)?;
     println!(
         "RESULT find: {plain_steps} plain steps at the found batch {found} after the bisection: {ooms} OOM ({per:.2} s/step) [{pattern}]"
     );
     let trimmed = steps.min(20);
-    let (ooms, per, _) = train(trimmed, true)?;
+    let (ooms, per, _) = train_at(run, &**source, &mut opt, found, trimmed, true, 1000)?;
     println!(
         "RESULT find: {trimmed} steps at the found batch {found}, cache emptied before each: {ooms} OOM ({per:.2} s/step)"
     );

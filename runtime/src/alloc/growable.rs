@@ -180,14 +180,18 @@ impl State {
     /// Bytes of whole pages in free blocks of growable segments: what
     /// [`State::release_pages`] could unmap.
     fn releasable_pages(&self) -> u64 {
+        self.free_runs().map(|(n, _)| n).sum()
+    }
+
+    /// The free blocks of growable segments that hold whole pages, with those pages' bytes.
+    fn free_runs(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         let g = self.granularity;
         self.free
             .iter()
             .flat_map(|f| f.ids())
-            .map(|id| &self.blocks[id])
-            .filter(|b| self.segs[b.seg].growable)
-            .map(|b| whole_pages(g, b))
-            .sum()
+            .filter(|&id| self.segs[self.blocks[id].seg].growable)
+            .map(move |id| (whole_pages(g, &self.blocks[id]), id))
+            .filter(|&(n, _)| n > 0)
     }
 
     /// Reserves a new address range of `va` bytes: one unmapped free block, indexed.
@@ -247,12 +251,8 @@ impl State {
         }
         let g = self.granularity;
         let mut candidates: Vec<(u64, BlockId)> = self
-            .free
-            .iter()
-            .flat_map(|f| f.ids())
-            .filter(|&id| !keep.contains(&Some(id)) && self.segs[self.blocks[id].seg].growable)
-            .map(|id| (whole_pages(g, &self.blocks[id]), id))
-            .filter(|&(n, _)| n > 0)
+            .free_runs()
+            .filter(|&(_, id)| !keep.contains(&Some(id)))
             .collect();
         if budget != u64::MAX {
             candidates.sort_unstable_by(|a, b| b.cmp(a));

@@ -143,10 +143,6 @@ pub struct FinderReport {
     /// consecutive steps each; empty when verification is off): the last one ran all its
     /// steps at `max_batch`, the others ran out of memory at larger sizes.
     pub verification: Vec<Trial>,
-    /// Consecutive steps `max_batch` ran in its verification: at least
-    /// [`FinderOptions::verify_steps`], more when the verification was extended (0: not
-    /// verified).
-    pub verified_steps: u32,
     /// The source measured.
     pub source: crate::source::SourceInfo,
     /// The fit used for the jump (the refined one if a refinement ran).
@@ -159,6 +155,13 @@ pub struct FinderReport {
 }
 
 impl FinderReport {
+    /// Consecutive steps `max_batch` ran in its verification: at least
+    /// [`FinderOptions::verify_steps`], more when the verification was extended (0: not
+    /// verified).
+    pub fn verified_steps(&self) -> u32 {
+        self.verification.last().map_or(0, |t| t.steps)
+    }
+
     /// Number of trials of the search (each of up to [`FinderReport::steps_per_trial`] step
     /// runs; the verification runs are not counted here).
     pub fn runs(&self) -> usize {
@@ -177,7 +180,7 @@ impl FinderReport {
     /// What `max_batch` is safe for, in words: consecutive steps on the measured source, with
     /// nothing else allocating more than when it was measured.
     pub fn safe_for(&self) -> String {
-        let steps = match (self.verified_steps, self.steps_per_trial) {
+        let steps = match (self.verified_steps(), self.steps_per_trial) {
             (v, _) if v > 1 => format!(
                 "a loop of steps: {v} consecutive steps ran at it without emptying the cache \
                  between them (verification)"
@@ -578,13 +581,11 @@ where
             "find_max_batch: stopped by max_trials before the bracket was within 5%"
         );
     }
-    let verified_steps = verification.last().map_or(0, |t| t.steps);
     Ok(FinderReport {
         max_batch,
         trials,
         steps_per_trial: opts.steps_per_trial,
         verification,
-        verified_steps,
         source: device.info(),
         fit: state.fit,
         budget_bytes: budget,
