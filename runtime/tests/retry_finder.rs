@@ -271,6 +271,8 @@ mod fragmenting {
         cap: u64,
         /// Steps before the sizes repeat (each size is cached apart).
         period: u64,
+        /// Every step asks for a size never asked for before: nothing cached is ever reused.
+        never_reuses: bool,
         s: Mutex<State>,
     }
 
@@ -297,7 +299,17 @@ mod fragmenting {
             Self {
                 cap,
                 period,
+                never_reuses: false,
                 s: Mutex::new(State::default()),
+            }
+        }
+        /// Step `k` asks for `rows` MiB plus `k` × 512 B: the held memory of a loop rises at
+        /// every step and never settles (what candle's steps did on the driver's pool on an
+        /// H100), until the cache is emptied.
+        pub fn never_reusing(cap: u64) -> Self {
+            Self {
+                never_reuses: true,
+                ..Self::with_period(cap, 2)
             }
         }
         fn alloc(&self, size: u64) -> Result<u64, Oom> {
@@ -327,7 +339,11 @@ mod fragmenting {
                 s.steps += 1;
                 s.steps
             };
-            let size = ((rows as u64) << 20) * (10 + k % self.period) / 10;
+            let size = if self.never_reuses {
+                ((rows as u64) << 20) + k * 512
+            } else {
+                ((rows as u64) << 20) * (10 + k % self.period) / 10
+            };
             let a = self.alloc(size)?;
             self.free(a);
             Ok(())
@@ -524,4 +540,64 @@ fn a_loop_that_fits_at_no_size_is_an_error() {
         "{msg}"
     );
     assert!(msg.contains("consecutive steps"), "{msg}");
+}
+
+/// Issue 26, point 7b, on a source whose held memory never settles (candle's GPT-2 on the
+/// driver's pool on an H100, docs/GPU.md run 16: 64 verified steps at 15 rows, the held peak
+/// still 3 GB higher over their second half, and a loop of 100 failed from step 90). Each step
+/// here caches a block no later step reuses, so a loop of `n` steps at `r` rows holds `n × r`
+/// MiB: 64 steps fit 15 rows in 1000 MiB, and any loop fails once it is long enough. The report
+/// names the batch's own verification (not the larger sizes the bisection tried after it), says
+/// the held memory was still rising and how often to empty the cache (every half of the
+/// verified steps); a loop that does so runs 300 steps, one that does not fails.
+#[test]
+fn a_loop_that_never_settles_is_reported_with_how_often_to_empty_the_cache() {
+    let pool = fragmenting::Pool::never_reusing(1000 << 20);
+    let r = find_max_batch(&pool, FinderOptions::default(), |rows| pool.step(rows)).unwrap();
+    println!("{r}");
+    assert_eq!(r.max_batch, 15, "{r}");
+    let v = r.verified().expect("verified");
+    assert_eq!((v.rows, v.steps), (15, 64), "{r}");
+    assert_eq!(r.verified_steps(), 64, "{r}");
+    // the bisection tried a larger size after the batch passed, and that one failed: the
+    // report's step count is the batch's own, not the last run's
+    let last = r.verification.last().unwrap();
+    assert!(last.peak_bytes.is_none() && last.rows > 15, "{r}");
+    assert_ne!(last.steps, 64, "{r}");
+    assert!(r.held_still_rising(), "{r}");
+    assert_eq!(r.empty_cache_every(), Some(32));
+    let said = r.safe_for();
+    assert!(said.contains("64 consecutive steps"), "{said}");
+    assert!(said.contains("still rising"), "{said}");
+    assert!(
+        said.contains("empty the cache at least every 32 steps"),
+        "{said}"
+    );
+
+    use oomguard_runtime::source::MemorySource;
+    pool.empty_cache().unwrap();
+    let mut ooms = 0;
+    for k in 0..300 {
+        if k > 0 && k % 32 == 0 {
+            pool.empty_cache().unwrap();
+        }
+        ooms += pool.step(r.max_batch).is_err() as u32;
+    }
+    assert_eq!(ooms, 0, "300 steps emptying the cache every 32: {ooms} OOM");
+    pool.empty_cache().unwrap();
+    let first_oom = (1..=300).find(|_| pool.step(r.max_batch).is_err());
+    assert!(
+        first_oom.is_some_and(|k| k > 64),
+        "a loop that never empties the cache fails after the verified 64 steps: {first_oom:?}"
+    );
+}
+
+/// A loop that settles within its verification is not flagged.
+#[test]
+fn a_settled_loop_needs_no_emptying() {
+    let pool = fragmenting::Pool::new(1024 << 20);
+    let r = find_max_batch(&pool, FinderOptions::default(), |rows| pool.step(rows)).unwrap();
+    assert!(!r.held_still_rising(), "{r}");
+    assert_eq!(r.empty_cache_every(), None);
+    assert!(!r.safe_for().contains("still rising"), "{}", r.safe_for());
 }

@@ -15,8 +15,10 @@
 //! - `frag`: `--steps` (default 20) plain steps at `--batch` rows: peak reserved / peak used of
 //!   the allocator, OOMs, median step time, and the device memory the allocator does not see
 //!   (`cuMemGetInfo` used minus the allocator's reserved);
-//! - `find`: oomguard's `find_max_batch` on the driver pool (its step runs and found batch), the
-//!   true maximum by bisection over real steps, then 100 steps at the found batch;
+//! - `find`: oomguard's `find_max_batch` on the driver pool (its step runs and found batch);
+//!   `--steps` (default 100) plain steps at the found batch, and as many emptying the cache as
+//!   often as the report says (`FinderReport::empty_cache_every`, where the held memory had not
+//!   settled); the true maximum by bisection over real steps; then the loops again;
 //! - `oom`: a batch larger than the card holds (`--big`, default twice the true maximum found,
 //!   else 1024) survives a real driver OOM by accumulation; 3 more steps start from the
 //!   remembered plan;
@@ -145,22 +147,22 @@ fn fits(run: &Run, source: &dyn MemorySource, opt: &mut AdamW, rows: usize) -> R
 }
 
 /// `steps` plain steps of `rows` (tokens seeded from `seed`) after emptying the cache, and
-/// before each step too with `trim`: the out-of-memory count, seconds per step, and which steps
-/// failed ('X') or ran ('.').
+/// again before every `empty_every`-th step when given (1: before each): the out-of-memory
+/// count, seconds per step, and which steps failed ('X') or ran ('.').
 fn train_at(
     run: &Run,
     source: &dyn MemorySource,
     opt: &mut AdamW,
     rows: usize,
     steps: usize,
-    trim: bool,
+    empty_every: Option<usize>,
     seed: u64,
 ) -> Res<(usize, f64, String)> {
     source.empty_cache()?;
     let t0 = Instant::now();
     let mut pattern = String::new();
     for s in 0..steps {
-        if trim {
+        if empty_every.is_some_and(|n| s > 0 && s % n == 0) {
             source.empty_cache()?;
         }
         let t = run.tokens(seed + s as u64, rows)?;
@@ -202,8 +204,16 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
 
     // The found batch as a loop right after the search (the state the finder leaves), before
     // any step of the bisection below runs out of memory: which steps fail ('X') or run ('.').
-    let (ooms, _, pattern) = train_at(run, &**source, &mut opt, found, 30, false, 500)?;
-    println!("RESULT find: 30 plain steps at the found batch {found} right after the search: {ooms} OOM [{pattern}]");
+    let (ooms, _, pattern) = train_at(run, &**source, &mut opt, found, steps, None, 500)?;
+    println!("RESULT find: {steps} plain steps at the found batch {found} right after the search: {ooms} OOM [{pattern}]");
+    // Where the report says the held memory had not settled: the same loop, emptying the cache
+    // as often as it says.
+    if let Some(every) = report.empty_cache_every() {
+        let every = every as usize;
+        let (ooms, per, pattern) =
+            train_at(run, &**source, &mut opt, found, steps, Some(every), 500)?;
+        println!("RESULT find: {steps} steps at the found batch {found}, cache emptied every {every} as the report says: {ooms} OOM ({per:.2} s/step) [{pattern}]");
+    }
 
     // The true maximum: grow from the found batch until a step fails, then bisect.
     let mut probes = 1; // the found batch itself is checked first
@@ -257,12 +267,12 @@ fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<us
     // blocks the previous step left (trimmed or not at synchronisation), and a failed step
     // skips the synchronisation that would have released them.
     let plain_steps = steps;
-    let (ooms, per, pattern) = train_at(run, &**source, &mut opt, found, plain_steps, false, 1000)?;
+    let (ooms, per, pattern) = train_at(run, &**source, &mut opt, found, plain_steps, None, 1000)?;
     println!(
         "RESULT find: {plain_steps} plain steps at the found batch {found} after the bisection: {ooms} OOM ({per:.2} s/step) [{pattern}]"
     );
     let trimmed = steps.min(20);
-    let (ooms, per, _) = train_at(run, &**source, &mut opt, found, trimmed, true, 1000)?;
+    let (ooms, per, _) = train_at(run, &**source, &mut opt, found, trimmed, Some(1), 1000)?;
     println!(
         "RESULT find: {trimmed} steps at the found batch {found}, cache emptied before each: {ooms} OOM ({per:.2} s/step)"
     );

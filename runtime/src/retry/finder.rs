@@ -140,8 +140,9 @@ pub struct FinderReport {
     /// Steps each trial ran back to back ([`FinderOptions::steps_per_trial`]).
     pub steps_per_trial: u32,
     /// The verification runs after the search, in order ([`FinderOptions::verify_steps`]
-    /// consecutive steps each; empty when verification is off): the last one ran all its
-    /// steps at `max_batch`, the others ran out of memory at larger sizes.
+    /// consecutive steps each, more when extended; empty when verification is off). One of
+    /// them ran all its steps at `max_batch` ([`FinderReport::verified`]); the bisection may
+    /// have tried larger sizes after it, which ran out of memory, so it need not be the last.
     pub verification: Vec<Trial>,
     /// The source measured.
     pub source: crate::source::SourceInfo,
@@ -155,11 +156,42 @@ pub struct FinderReport {
 }
 
 impl FinderReport {
+    /// The verification run that `max_batch` passed (`None`: verification was off).
+    pub fn verified(&self) -> Option<&Trial> {
+        self.verification
+            .iter()
+            .rev()
+            .find(|t| t.rows == self.max_batch && t.peak_bytes.is_some())
+    }
+
     /// Consecutive steps `max_batch` ran in its verification: at least
     /// [`FinderOptions::verify_steps`], more when the verification was extended (0: not
     /// verified).
     pub fn verified_steps(&self) -> u32 {
-        self.verification.last().map_or(0, |t| t.steps)
+        self.verified().map_or(0, |t| t.steps)
+    }
+
+    /// The most memory the source held was still rising at the end of `max_batch`'s
+    /// verification, after its extension: it rose by more than 0.1% of
+    /// [`FinderReport::budget_bytes`] over the second half of the steps. The loop had not
+    /// settled, so a loop longer than [`FinderReport::verified_steps`] may run out of memory
+    /// at `max_batch` (candle on the driver's pool on an H100 did: docs/GPU.md run 16).
+    pub fn held_still_rising(&self) -> bool {
+        self.verified()
+            .is_some_and(|t| t.held_rise_bytes > rise_tolerance(self.budget_bytes))
+    }
+
+    /// How often a loop at `max_batch` should empty the source's cache: every half of
+    /// [`FinderReport::verified_steps`] steps when the held memory was still rising at the end of
+    /// the verification ([`FinderReport::held_still_rising`]), `None` when it had settled or was
+    /// not verified. Each verification starts from an emptied cache, so emptying it every `n`
+    /// steps repeats stretches of the verified loop; half, not all, of the verified steps
+    /// because such a source varies from one loop to the next: on an H100, candle's GPT-2 on
+    /// the driver's pool ran 64 verified steps at 16 rows, and later loops at 16 from an
+    /// emptied cache failed from step 47 and step 68 (docs/GPU.md run 16b).
+    pub fn empty_cache_every(&self) -> Option<u32> {
+        self.held_still_rising()
+            .then(|| (self.verified_steps() / 2).max(1))
     }
 
     /// Number of trials of the search (each of up to [`FinderReport::steps_per_trial`] step
@@ -193,10 +225,20 @@ impl FinderReport {
                  between them"
             ),
         };
-        format!(
+        let mut said = format!(
             "{steps}, on the {} as measured (with other memory use as it was during the search)",
             self.source
-        )
+        );
+        if let (Some(t), Some(n)) = (self.verified(), self.empty_cache_every()) {
+            said.push_str(&format!(
+                "; the memory it held was still rising at the end ({} B more over the second \
+                 half of the steps): the loop had not settled, so a longer one may run out of \
+                 memory; empty the cache at least every {n} steps (half the verified steps: \
+                 such a loop varies from one run to the next)",
+                t.held_rise_bytes
+            ));
+        }
+        said
     }
 }
 
@@ -322,6 +364,12 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
     ))
 }
 
+/// A held-memory rise over the second half of a verification above this (0.1% of the memory
+/// available to the step) means the loop has not settled.
+fn rise_tolerance(budget: u64) -> u64 {
+    budget / 1000
+}
+
 /// How much the running held peak rose over the second half of the steps (`held[k]`: the most
 /// the source held by the end of step `k + 1`).
 fn held_rise(held: &[u64]) -> u64 {
@@ -348,8 +396,12 @@ fn held_rise(held: &[u64]) -> u64 {
 /// second half of the steps (by more than 0.1% of the memory available: the loop has not
 /// settled). A source that fragments over a loop of steps makes it fail there (candle on the
 /// driver's pool on an H100: 20 steps ran at the search's batch, then every step ran out of
-/// memory, while the held peak of its first 8 steps was flat), and the finder steps down to the largest batch that ran the whole loop
-/// ([`FinderReport::verification`]; [`FinderError::LoopFails`] if none did).
+/// memory, while the held peak of its first 8 steps was flat), and the finder steps down to the
+/// largest batch that ran the whole loop ([`FinderReport::verification`];
+/// [`FinderError::LoopFails`] if none did). Where the held peak was still rising at the end of
+/// that batch's verification, the loop never settled and no length of verification makes an
+/// endless loop safe: the report says so ([`FinderReport::held_still_rising`]) and how often to
+/// empty the cache ([`FinderReport::empty_cache_every`]; a warning is logged too).
 ///
 /// Otherwise the search goes on until the largest batch that ran is at least 0.95 of the
 /// largest batch below the smallest one that did not (the 0.95 tolerance; the maximum lies between
@@ -446,7 +498,7 @@ where
             loop {
                 if steps >= steps_per_trial {
                     rise = held_rise(&held);
-                    if steps >= extend_to || rise <= budget / 1000 {
+                    if steps >= extend_to || rise <= rise_tolerance(budget) {
                         break;
                     }
                 }
@@ -581,7 +633,7 @@ where
             "find_max_batch: stopped by max_trials before the bracket was within 5%"
         );
     }
-    Ok(FinderReport {
+    let report = FinderReport {
         max_batch,
         trials,
         steps_per_trial: opts.steps_per_trial,
@@ -590,7 +642,17 @@ where
         fit: state.fit,
         budget_bytes: budget,
         stopped_by_max_trials: stopped_by_trials,
-    })
+    };
+    if let Some(every) = report.empty_cache_every() {
+        tracing::warn!(
+            target: "oomguard::retry",
+            rows = max_batch,
+            every,
+            held_rise_bytes = report.verified().map_or(0, |t| t.held_rise_bytes),
+            "find_max_batch: the memory the source held was still rising at the end of the verification; a longer loop may run out of memory: empty the cache at least every {every} steps"
+        );
+    }
+    Ok(report)
 }
 
 /// Step runs the search aims to stay within after the linear prediction failed: it follows its
