@@ -109,22 +109,40 @@ impl Opened {
     }
 }
 
-/// Opens `spec` for a replay with `capacity` bytes and `config`. A GPU that cannot be opened
-/// (no driver, no such device, a build without the `cuda` feature) is an error in one line.
-pub fn open(spec: &DeviceSpec, capacity: u64, config: &AllocatorConfig) -> Result<Opened, String> {
+/// Opens `spec` for a replay with `capacity` bytes and `config`, the simulated device with
+/// pages of `page_size` bytes when given (2 MiB otherwise). A GPU that cannot be opened (no
+/// driver, no such device, a build without the `cuda` feature), a page size the simulated
+/// device refuses, or a page size for a GPU is an error in one line.
+pub fn open(
+    spec: &DeviceSpec,
+    capacity: u64,
+    config: &AllocatorConfig,
+    page_size: Option<u64>,
+) -> Result<Opened, String> {
+    let sim = |capacity: u64| -> Result<Arc<dyn Backend>, String> {
+        let d = SimDevice::address_only(ByteSize(capacity));
+        let d = match page_size {
+            Some(p) => d
+                .with_page_size(p)
+                .map_err(|e| format!("--page-size: {e}"))?,
+            None => d,
+        };
+        Ok(Arc::new(d))
+    };
     match spec {
         DeviceSpec::Sim => Ok(Opened {
-            backend: Arc::new(SimDevice::address_only(ByteSize(capacity))),
+            backend: sim(capacity)?,
             limit: false,
             streams: Streams::AsIs,
         }),
         DeviceSpec::SimLimit => Ok(Opened {
-            backend: Arc::new(SimDevice::address_only(ByteSize(
-                crate::replay::DEFAULT_CAPACITY,
-            ))),
+            backend: sim(crate::replay::DEFAULT_CAPACITY)?,
             limit: true,
             streams: Streams::AsIs,
         }),
+        DeviceSpec::Cuda(n) if page_size.is_some() => Err(format!(
+            "--page-size applies to the simulated device; cuda:{n} maps pages of its driver's granularity"
+        )),
         DeviceSpec::Cuda(n) => open_cuda(*n, config),
     }
 }

@@ -47,6 +47,11 @@ enum Cmd {
         /// `sim-limit` (the simulated device run the way a GPU is).
         #[arg(long, default_value = "sim")]
         device: String,
+        /// Page size of the simulated device's growable segments, e.g. "512KiB" (a power of two
+        /// from 4 KiB to 1 GiB; default 2 MiB, an H100's): how much of peak reserved is page
+        /// rounding. Not with `cuda:N`.
+        #[arg(long)]
+        page_size: Option<String>,
     },
     /// Replay a trace under several configurations, side by side.
     Compare {
@@ -253,7 +258,7 @@ fn device_spec(s: &str) -> Result<DeviceSpec, Fail> {
 /// Opens the replay's device once, so that a GPU that cannot be used (no driver, no such
 /// device) is one line and exit 2 before anything is replayed.
 fn probe(opts: &ReplayOptions) -> Result<(), Fail> {
-    oomguard_cli::device::open(&opts.device, opts.capacity, &opts.config)
+    oomguard_cli::device::open(&opts.device, opts.capacity, &opts.config, opts.page_size)
         .map(drop)
         .map_err(|e| Fail(e, 2))
 }
@@ -342,11 +347,16 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             capacity: cap,
             json,
             device,
+            page_size,
         } => {
             let opts = ReplayOptions {
                 config: config(&c)?,
                 capacity: capacity(&cap)?,
                 device: device_spec(&device)?,
+                page_size: page_size
+                    .map(|p| p.parse::<ByteSize>().map(|b| b.0))
+                    .transpose()
+                    .map_err(|e| Fail(format!("--page-size: {e}"), 2))?,
                 ..Default::default()
             };
             let trace = load(&file)?;

@@ -131,6 +131,7 @@ pub fn min_capacity_on(
             stop_at_first_failure: true,
             timeline: false,
             device: device.clone(),
+            page_size: None,
         };
         let (r, _) = replay(trace, &opts, &mut |_| {});
         (

@@ -28,6 +28,9 @@ pub struct ReplayOptions {
     pub timeline: bool,
     /// The device: simulated (default) or a GPU.
     pub device: DeviceSpec,
+    /// Page size of the simulated device's growable segments (`None`: 2 MiB, an H100's);
+    /// refused on a GPU, whose page size is its driver's.
+    pub page_size: Option<u64>,
 }
 
 impl Default for ReplayOptions {
@@ -38,6 +41,7 @@ impl Default for ReplayOptions {
             stop_at_first_failure: false,
             timeline: false,
             device: DeviceSpec::Sim,
+            page_size: None,
         }
     }
 }
@@ -237,12 +241,13 @@ fn run(
     snapshot_at: Option<usize>,
     progress: &mut dyn FnMut(usize),
 ) -> RunOutput {
-    let mut device = match crate::device::open(&opts.device, opts.capacity, &opts.config) {
-        Ok(d) => d,
-        // The CLI opens the device first and reports this itself; a library caller gets a
-        // replay that failed at its first event.
-        Err(message) => return unavailable(trace, opts, message),
-    };
+    let mut device =
+        match crate::device::open(&opts.device, opts.capacity, &opts.config, opts.page_size) {
+            Ok(d) => d,
+            // The CLI opens the device first and reports this itself; a library caller gets a
+            // replay that failed at its first event.
+            Err(message) => return unavailable(trace, opts, message),
+        };
     let counting = Arc::new(CountingBackend::new(Arc::clone(&device.backend)));
     let alloc = CachingAllocator::new(counting.clone(), opts.config.clone());
     if device.limit {

@@ -13,8 +13,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
 use crate::ByteSize;
 
-/// Page size of the simulated device's growable segments (as on an H100).
+/// Page size of the simulated device's growable segments (as on an H100), unless
+/// [`SimDevice::with_page_size`] sets another.
 pub const SIM_GRANULARITY: u64 = 2 << 20;
+/// The smallest page size [`SimDevice::with_page_size`] accepts.
+pub const SIM_MIN_PAGE: u64 = 4 << 10;
+/// The largest page size [`SimDevice::with_page_size`] accepts.
+pub const SIM_MAX_PAGE: u64 = 1 << 30;
 /// Alignment of every simulated segment.
 pub const SIM_ALIGNMENT: u64 = 512;
 const CHUNK: u64 = 64 << 10;
@@ -181,6 +186,8 @@ struct Region {
 #[derive(Debug)]
 struct SimState {
     capacity: u64,
+    /// Page size of growable segments (and rounding of address ranges).
+    granularity: u64,
     used: u64,
     next_va: u64,
     // base -> region: segments (fixed) and reserved ranges (growable)
@@ -234,6 +241,7 @@ impl SimDevice {
             faults: Arc::new(FaultPlan::new()),
             state: Arc::new(Mutex::new(SimState {
                 capacity: capacity.0,
+                granularity: SIM_GRANULARITY,
                 used: 0,
                 next_va: VA_START,
                 regions: BTreeMap::new(),
@@ -253,6 +261,39 @@ impl SimDevice {
     pub fn with_pending_events(self) -> Self {
         self.lock().pending_events = true;
         self
+    }
+    /// Growable segments map pages of `bytes` instead of [`SIM_GRANULARITY`] (2 MiB, an H100's
+    /// granularity): to see how much of a replay's reserved memory is page rounding. A power
+    /// of two from [`SIM_MIN_PAGE`] (4 KiB) to [`SIM_MAX_PAGE`] (1 GiB), set before any segment
+    /// or range exists; otherwise an `InvalidArgument` error that says which.
+    ///
+    /// ```
+    /// use oomguard_runtime::{ByteSize, backend::{Backend, sim::SimDevice}};
+    /// let sim = SimDevice::address_only(ByteSize::gib(1)).with_page_size(64 << 10).unwrap();
+    /// assert_eq!(sim.granularity(), 64 << 10);
+    /// assert!(SimDevice::new(ByteSize::gib(1)).with_page_size(3 << 20).is_err());
+    /// ```
+    pub fn with_page_size(self, bytes: u64) -> Result<Self, BackendError> {
+        let invalid =
+            |m: String| BackendError::new(BackendErrorKind::InvalidArgument, "with_page_size", m);
+        if !bytes.is_power_of_two() || !(SIM_MIN_PAGE..=SIM_MAX_PAGE).contains(&bytes) {
+            return Err(invalid(format!(
+                "{bytes} bytes: the simulated device's page size must be a power of two from {} to {}",
+                ByteSize(SIM_MIN_PAGE),
+                ByteSize(SIM_MAX_PAGE)
+            )));
+        }
+        {
+            let mut st = self.lock();
+            if !st.regions.is_empty() {
+                return Err(invalid(
+                    "the page size of a simulated device that already has segments cannot change"
+                        .into(),
+                ));
+            }
+            st.granularity = bytes;
+        }
+        Ok(self)
     }
     /// Completes the work queued on `stream` so far: its recorded events are done.
     pub fn synchronize_stream(&self, stream: StreamId) {
@@ -302,7 +343,7 @@ impl SimDevice {
     fn take_va(st: &mut SimState, bytes: u64) -> Result<u64, BackendError> {
         let base = st.next_va;
         let span = bytes
-            .checked_next_multiple_of(SIM_GRANULARITY)
+            .checked_next_multiple_of(st.granularity)
             .and_then(|s| base.checked_add(s))
             .ok_or_else(|| {
                 BackendError::new(
@@ -385,7 +426,10 @@ impl SimDevice {
 
 impl Backend for SimDevice {
     fn name(&self) -> String {
-        "simulated device".to_string()
+        match self.lock().granularity {
+            SIM_GRANULARITY => "simulated device".to_string(),
+            g => format!("simulated device (pages of {})", ByteSize(g)),
+        }
     }
     fn ordinal(&self) -> usize {
         self.ordinal
@@ -398,7 +442,7 @@ impl Backend for SimDevice {
         })
     }
     fn granularity(&self) -> u64 {
-        SIM_GRANULARITY
+        self.lock().granularity
     }
     fn supports_growable(&self) -> bool {
         true
@@ -450,7 +494,7 @@ impl Backend for SimDevice {
     }
 
     fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError> {
-        if bytes == 0 || bytes % SIM_GRANULARITY != 0 {
+        if bytes == 0 || bytes % self.granularity() != 0 {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
                 "reserve",
@@ -491,7 +535,8 @@ impl Backend for SimDevice {
         self.faults.check_op(SimOp::Map, "map")?;
         let mut st = self.lock();
         let invalid = |m: String| BackendError::new(BackendErrorKind::InvalidArgument, "map", m);
-        if bytes == 0 || addr % SIM_GRANULARITY != 0 || bytes % SIM_GRANULARITY != 0 {
+        let g = st.granularity;
+        if bytes == 0 || addr % g != 0 || bytes % g != 0 {
             return Err(invalid(format!(
                 "{bytes} bytes at {addr:#x} are not whole pages"
             )));
@@ -526,10 +571,9 @@ impl Backend for SimDevice {
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
         let end = addr.checked_add(bytes).unwrap_or(0);
-        let all_mapped = addr % SIM_GRANULARITY == 0
-            && bytes % SIM_GRANULARITY == 0
-            && end > addr
-            && covered(&st.mapped, addr, end);
+        let g = st.granularity;
+        let all_mapped =
+            addr % g == 0 && bytes % g == 0 && end > addr && covered(&st.mapped, addr, end);
         if !all_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
@@ -766,6 +810,24 @@ mod tests {
         sim.release(base, 64 << 20).unwrap();
         assert_eq!(sim.used(), 0);
         assert_eq!(sim.calls().map, 1);
+    }
+
+    #[test]
+    fn page_size_is_checked_and_used() {
+        let sim = SimDevice::address_only(ByteSize::gib(1));
+        for bad in [0, 3 << 20, 1 << 10, 2 << 30, (64 << 10) + 1] {
+            let e = sim.clone().with_page_size(bad).unwrap_err();
+            assert_eq!(e.kind, BackendErrorKind::InvalidArgument, "{bad}: {e}");
+            assert!(e.to_string().contains("power of two"), "{bad}: {e}");
+        }
+        let sim = sim.with_page_size(64 << 10).unwrap();
+        assert_eq!(sim.granularity(), 64 << 10);
+        assert!(sim.name().contains("pages of 64.00 KiB"), "{}", sim.name());
+        let base = sim.reserve(256 << 10).unwrap();
+        sim.map(base, 64 << 10).unwrap();
+        assert!(sim.map(base + (64 << 10), 32 << 10).is_err(), "half a page");
+        let e = sim.clone().with_page_size(2 << 20).unwrap_err();
+        assert!(e.to_string().contains("already has segments"), "{e}");
     }
 
     #[test]
