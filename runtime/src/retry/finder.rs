@@ -189,6 +189,23 @@ impl FinderReport {
     /// because such a source varies from one loop to the next: on an H100, candle's GPT-2 on
     /// the driver's pool ran 64 verified steps at 16 rows, and later loops at 16 from an
     /// emptied cache failed from step 47 and step 68 (docs/GPU.md run 16b).
+    ///
+    /// ```
+    /// use oomguard_runtime::retry::{find_max_batch, FinderOptions};
+    /// use oomguard_runtime::source::MemorySource;
+    /// use oomguard_runtime::{ByteSize, Device};
+    /// let dev = Device::sim(ByteSize::mib(256));
+    /// let step = |rows: usize| dev.alloc::<u8>(rows << 20).map(drop);
+    /// let report = find_max_batch(&dev, FinderOptions::default(), step).unwrap();
+    /// // oomguard's allocator settles (None); the driver's pool under candle did not.
+    /// assert_eq!(report.empty_cache_every(), None);
+    /// for k in 0..100usize {
+    ///     if report.empty_cache_every().is_some_and(|n| k > 0 && k % n as usize == 0) {
+    ///         MemorySource::empty_cache(&dev).unwrap();
+    ///     }
+    ///     step(report.max_batch).unwrap();
+    /// }
+    /// ```
     pub fn empty_cache_every(&self) -> Option<u32> {
         self.held_still_rising()
             .then(|| (self.verified_steps() / 2).max(1))
