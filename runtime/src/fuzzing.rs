@@ -28,6 +28,7 @@ const DICT: &[&[u8]] = &[
     b"max_split_size_mb",
     b"roundup_power2_divisions",
     b"garbage_collection_threshold",
+    b"page_recycle_threshold",
     b"backend",
     b":",
     b",",

@@ -136,42 +136,44 @@ fn growable_segments_reuse_pages_and_unmap_holes() {
     assert_eq!(calls.reserve, calls.release);
 }
 
+/// Steps whose shapes vary: sizes shift every step so old holes rarely fit exactly, and a third
+/// of each step's blocks live on into the next step, splitting the free space. Returns the peak
+/// live bytes.
+fn varying_steps(a: &CachingAllocator) -> u64 {
+    let mut carried = Vec::new();
+    let mut peak_live = 0;
+    for step in 0..20u64 {
+        let xs: Vec<_> = (0..10)
+            .map(|i| {
+                a.allocate((3 + (step * 7 + i) % 11) * MIB + 4096 * step, 0)
+                    .unwrap()
+            })
+            .collect();
+        let live: u64 = xs.iter().chain(&carried).map(|x| x.requested).sum();
+        peak_live = peak_live.max(live);
+        for x in carried.drain(..) {
+            a.free(x).unwrap();
+        }
+        for (i, x) in xs.into_iter().enumerate() {
+            if i % 3 == 0 {
+                carried.push(x);
+            } else {
+                a.free(x).unwrap();
+            }
+        }
+    }
+    for x in carried {
+        a.free(x).unwrap();
+    }
+    peak_live
+}
+
 /// With memory to spare, growable segments still move free pages out of holes rather than pass
 /// their high-water mark: reserved memory follows live memory.
 #[test]
 fn growable_segments_recycle_pages_before_a_new_high_water_mark() {
-    // Steps whose shapes vary: sizes shift every step so old holes rarely fit exactly, and a
-    // third of each step's blocks live on into the next step, splitting the free space.
-    fn run(a: &CachingAllocator) -> u64 {
-        let mut carried = Vec::new();
-        let mut peak_live = 0;
-        for step in 0..20u64 {
-            let xs: Vec<_> = (0..10)
-                .map(|i| {
-                    a.allocate((3 + (step * 7 + i) % 11) * MIB + 4096 * step, 0)
-                        .unwrap()
-                })
-                .collect();
-            let live: u64 = xs.iter().chain(&carried).map(|x| x.requested).sum();
-            peak_live = peak_live.max(live);
-            for x in carried.drain(..) {
-                a.free(x).unwrap();
-            }
-            for (i, x) in xs.into_iter().enumerate() {
-                if i % 3 == 0 {
-                    carried.push(x);
-                } else {
-                    a.free(x).unwrap();
-                }
-            }
-        }
-        for x in carried {
-            a.free(x).unwrap();
-        }
-        peak_live
-    }
     let (_, a) = allocator(ByteSize::gib(80), MODES[1]);
-    let peak_live = run(&a);
+    let peak_live = varying_steps(&a);
     let s = a.stats();
     let ratio = s.reserved_bytes.all.peak as f64 / peak_live as f64;
     eprintln!(
@@ -188,7 +190,7 @@ fn growable_segments_recycle_pages_before_a_new_high_water_mark() {
     a.check_invariants().unwrap();
     // the native allocator on the same sequence keeps whole segments and holds more
     let (_, n) = allocator(ByteSize::gib(80), MODES[0]);
-    assert_eq!(run(&n), peak_live);
+    assert_eq!(varying_steps(&n), peak_live);
     let native_ratio = n.stats().reserved_bytes.all.peak as f64 / peak_live as f64;
     eprintln!("native: {native_ratio}");
     assert!(
@@ -548,4 +550,49 @@ fn pass_through_backend_caches_nothing() {
     assert_eq!(sim.calls().free_segment, 19);
     a.check_invariants().unwrap();
     assert!(a.allocate(2 << 30, 0).unwrap_err().is_oom());
+}
+
+/// `page_recycle_threshold` (opt-in): below that share of the device growable segments map new
+/// pages instead of moving free ones, so the same steps make no unmap and no synchronisation and
+/// hold more; the memory limit, when lower, bounds the share.
+#[test]
+fn page_recycle_threshold_maps_instead_of_moving_below_it() {
+    let (_, tight) = allocator(ByteSize::gib(1), MODES[1]);
+    let peak_live = varying_steps(&tight);
+    let t = tight.stats();
+    assert!(t.num_unmap > 0 && t.num_sync_all_streams > 0, "{t:?}");
+
+    let (_, loose) = allocator(
+        ByteSize::gib(1),
+        "expandable_segments:True,page_recycle_threshold:0.5",
+    );
+    assert_eq!(varying_steps(&loose), peak_live);
+    let l = loose.stats();
+    eprintln!(
+        "peak live {peak_live}: default reserved {} ({} unmaps), threshold 0.5 reserved {} ({} unmaps)",
+        t.reserved_bytes.all.peak, t.num_unmap, l.reserved_bytes.all.peak, l.num_unmap
+    );
+    assert_eq!((l.num_unmap, l.num_sync_all_streams), (0, 0), "{l:?}");
+    assert!(l.reserved_bytes.all.peak > t.reserved_bytes.all.peak);
+    assert!(l.reserved_bytes.all.peak <= 512 * MIB);
+    assert!(loose
+        .config()
+        .to_string()
+        .contains("page_recycle_threshold:0.5"));
+    loose.check_invariants().unwrap();
+
+    // a memory limit below the threshold's share: pages are moved again at the limit, and
+    // every allocation is still served
+    let (_, capped) = allocator(
+        ByteSize::gib(1),
+        "expandable_segments:True,page_recycle_threshold:1",
+    );
+    let limit = t.reserved_bytes.all.peak + 8 * MIB;
+    capped.set_memory_limit(Some(limit));
+    assert_eq!(varying_steps(&capped), peak_live);
+    let c = capped.stats();
+    assert!(c.reserved_bytes.all.peak <= limit, "{c:?}");
+    assert!(c.num_unmap > 0, "{c:?}");
+    assert_eq!(c.num_ooms, 0);
+    capped.check_invariants().unwrap();
 }

@@ -49,22 +49,27 @@ impl State {
                 ),
             )));
         }
-        let mut choice = self.cheapest_hole(pool, stream, size);
         // Recycle before reaching a new high-water mark: move free pages from holes (unmap) to
         // where they are needed (map), so that reserved memory tracks live memory instead of
-        // piling up unused pages. Below the mark, mapping alone is cheaper and costs nothing.
+        // piling up unused pages. Below the mark, mapping alone is cheaper and costs nothing;
+        // with `page_recycle_threshold`, below that share of the device too (the user's trade).
+        let floor = match self.cfg.page_recycle_threshold {
+            Some(t) => {
+                let cap = self.limit.map_or(total, |l| l.min(total));
+                ((cap as f64 * t) as u64).max(self.high_water)
+            }
+            None => self.high_water,
+        };
+        let mut choice = self.cheapest_hole(pool, stream, size, floor);
         let need = choice.map_or(pages, |p| p.cost);
-        let over = self
-            .reserved()
-            .saturating_add(need)
-            .saturating_sub(self.high_water);
+        let over = self.reserved().saturating_add(need).saturating_sub(floor);
         if over > 0 {
             // The free mapped neighbours the placement uses stay mapped: unmapping one (the
             // largest free run is often the hole's neighbour) would make it need more new
             // pages than were released, and the high-water mark would rise for nothing.
             let keep = choice.map_or([None, None], |p| p.uses);
             if self.release_pages(backend, over, keep, false) > 0 {
-                choice = self.cheapest_hole(pool, stream, size);
+                choice = self.cheapest_hole(pool, stream, size, floor);
             }
         }
         let (hole, cost) = match choice {
@@ -115,8 +120,15 @@ impl State {
     /// them may be mapped whole to join them. Below the high-water mark the fewest new pages
     /// win; past it, where reserved memory ends once the free pages the placement does not use
     /// are unmapped (the placement's own neighbours stay mapped, so a cheap-looking hole next to
-    /// the largest free run may end higher than one that lets that run be moved).
-    fn cheapest_hole(&self, pool: PoolKind, stream: StreamId, size: u64) -> Option<Placement> {
+    /// the largest free run may end higher than one that lets that run be moved). `floor`: the
+    /// high-water mark, or the `page_recycle_threshold` share of the device when higher.
+    fn cheapest_hole(
+        &self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        floor: u64,
+    ) -> Option<Placement> {
         let g = self.granularity;
         let mut best: Option<((u64, u64, u64), Placement)> = None;
         let reserved = self.reserved();
@@ -155,8 +167,8 @@ impl State {
             };
             // Past the high-water mark, the pages of free blocks the placement does not use are
             // unmapped first: rank by where reserved memory ends, then by pages mapped.
-            let ends = if reserved + option.cost <= self.high_water {
-                self.high_water
+            let ends = if reserved + option.cost <= floor {
+                floor
             } else {
                 let kept: u64 = option
                     .uses
@@ -167,7 +179,7 @@ impl State {
                 let releasable = *releasable.get_or_insert_with(|| self.releasable_pages());
                 (reserved + option.cost)
                     .saturating_sub(releasable.saturating_sub(kept))
-                    .max(self.high_water)
+                    .max(floor)
             };
             let key = (ends, option.cost, addr);
             if best.as_ref().is_none_or(|&(k, _)| key < k) {
