@@ -625,3 +625,66 @@ fn moved_pages_are_reused_and_hold_data() -> TestResult {
     dev.empty_cache()?;
     Ok(())
 }
+
+/// `page_recycle_threshold` on the GPU: below that share of the card the 3 GiB request of
+/// `moved_pages_are_reused_and_hold_data` maps 1 GiB of new pages next to C's free 2 GiB instead
+/// of moving A's pages (no unmap, 7 GiB reserved, the device holds 1 GiB more), and the data
+/// round-trips; with a memory limit below the threshold's share, pages move at the limit as by
+/// default.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn page_recycle_threshold_maps_new_pages_below_it() -> TestResult {
+    let gib = 1usize << 30;
+    let reserved = |d: &Device| d.stats().reserved_bytes.all.current;
+    let dev = cuda(AllocatorConfig::parse("page_recycle_threshold:0.5")?);
+    let a = dev.alloc::<u8>(2 * gib)?;
+    let b = dev.alloc::<u8>(2 * gib)?;
+    let c = dev.alloc::<u8>(2 * gib)?;
+    drop(a);
+    drop(c);
+    assert_eq!(reserved(&dev), 6 << 30);
+    let used_before = dev.mem_info()?.total - free_now(&dev);
+    let n = 3 * gib / 4;
+    let data: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    let mut grown = dev.alloc::<f32>(n)?;
+    let stats = dev.stats();
+    assert_eq!(
+        stats.num_unmap, 0,
+        "nothing moved below the threshold: {stats:?}"
+    );
+    assert_eq!(reserved(&dev), 7 << 30, "1 GiB mapped after C");
+    let used_after = dev.mem_info()?.total - free_now(&dev);
+    assert!(
+        used_after.abs_diff(used_before + (1 << 30)) <= TOLERANCE,
+        "the device holds 1 GiB more: {} -> {}",
+        ByteSize(used_before),
+        ByteSize(used_after)
+    );
+    grown.copy_from_slice(&data)?;
+    assert_eq!(grown.to_vec()?, data, "data round-trips");
+    drop((b, grown));
+    dev.empty_cache()?;
+    drop(dev);
+
+    // a 6 GiB memory limit under the threshold's share: the request moves A's pages
+    let dev = cuda(AllocatorConfig::parse("page_recycle_threshold:1")?);
+    dev.allocator().set_memory_limit(Some(6 << 30));
+    let a = dev.alloc::<u8>(2 * gib)?;
+    let b = dev.alloc::<u8>(2 * gib)?;
+    let c = dev.alloc::<u8>(2 * gib)?;
+    drop(a);
+    drop(c);
+    let mut moved = dev.alloc::<f32>(n)?;
+    let stats = dev.stats();
+    assert!(stats.num_unmap >= 1, "pages moved at the limit: {stats:?}");
+    assert!(reserved(&dev) <= 6 << 30, "{}", ByteSize(reserved(&dev)));
+    moved.copy_from_slice(&data)?;
+    assert_eq!(
+        moved.to_vec()?,
+        data,
+        "data round-trips through moved pages"
+    );
+    drop((b, moved));
+    dev.empty_cache()?;
+    Ok(())
+}
