@@ -133,7 +133,7 @@ fn compare_prints_one_row_per_config() {
 fn plot_writes_self_contained_svg_and_html() {
     let dir = common::scratch("plot");
     for ext in ["svg", "html"] {
-        let out = dir.join(format!("resnet.{ext}"));
+        let out = dir.path().join(format!("resnet.{ext}"));
         let o = oomguard(&[
             "plot",
             &trace("resnet50.snapshot.pickle"),
@@ -157,7 +157,7 @@ fn plot_writes_self_contained_svg_and_html() {
         "plot",
         &trace("resnet50.trace.csv"),
         "-o",
-        &dir.join("x.png").display().to_string(),
+        &dir.path().join("x.png").display().to_string(),
     ]);
     assert_error(&o, 2, "must end in .svg or .html");
 }
@@ -165,7 +165,7 @@ fn plot_writes_self_contained_svg_and_html() {
 #[test]
 fn gen_then_mincap_on_a_small_trace() {
     let dir = common::scratch("mincap");
-    let file = dir.join("tiny.trace.csv");
+    let file = dir.path().join("tiny.trace.csv");
     let f = file.display().to_string();
     let o = oomguard(&["gen", "training", "--tiny", "--seed", "3", "-o", &f]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -208,7 +208,7 @@ fn gen_then_mincap_on_a_small_trace() {
 fn bad_input_is_one_line_and_status_2() {
     let dir = common::scratch("bad");
     let write = |name: &str, data: &[u8]| {
-        let p = dir.join(name);
+        let p = dir.path().join(name);
         std::fs::write(&p, data).unwrap();
         p.display().to_string()
     };
@@ -231,7 +231,7 @@ fn bad_input_is_one_line_and_status_2() {
     let data = std::fs::read(trace("resnet50.snapshot.pickle")).unwrap();
     let cut = write("cut.pickle", &data[..data.len() / 2]);
     assert_error(&oomguard(&["replay", &cut]), 2, "pickle byte offset");
-    let missing = dir.join("nope.csv").display().to_string();
+    let missing = dir.path().join("nope.csv").display().to_string();
     assert_error(&oomguard(&["replay", &missing]), 2, "nope.csv");
     let real = trace("resnet50.trace.csv");
     assert_error(
@@ -251,7 +251,7 @@ fn bad_input_is_one_line_and_status_2() {
 #[test]
 fn huge_sizes_fail_the_replay_without_panicking() {
     let dir = common::scratch("huge");
-    let p = dir.join("huge.csv");
+    let p = dir.path().join("huge.csv");
     std::fs::write(
         &p,
         format!(
@@ -271,7 +271,7 @@ fn huge_sizes_fail_the_replay_without_panicking() {
 #[test]
 fn rmm_log_replays_and_help_works() {
     let dir = common::scratch("rmm");
-    let p = dir.join("rmm_log.csv");
+    let p = dir.path().join("rmm_log.csv");
     std::fs::write(
         &p,
         "Thread,Time,Action,Pointer,Size,Stream\n\
@@ -389,7 +389,7 @@ fn bert_inference_trace_stays_within_1_02_of_peak_live() {
 #[test]
 fn generated_inference_excess_shrinks_with_the_page_size() {
     let dir = common::scratch("pagesize");
-    let f = dir.join("inf2.csv").display().to_string();
+    let f = dir.path().join("inf2.csv").display().to_string();
     let o = oomguard(&["gen", "inference", "--seed", "2", "-o", &f]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let ratio = |page: Option<&str>| {
@@ -427,7 +427,7 @@ fn generated_inference_excess_shrinks_with_the_page_size() {
 #[test]
 fn bad_page_sizes_are_refused() {
     let dir = common::scratch("badpage");
-    let f = dir.join("t.csv").display().to_string();
+    let f = dir.path().join("t.csv").display().to_string();
     let o = oomguard(&["gen", "inference", "--tiny", "-o", &f]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     for (args, says) in [

@@ -141,13 +141,13 @@ fn deeply_nested_tuples_are_an_error_not_a_stack_overflow() {
     let mut top = b"\x80\x02)".to_vec();
     top.extend(std::iter::repeat_n(0x85u8, 1_000_000));
     top.push(b'.');
-    let top = write(&dir, "nested.pickle", &top);
+    let top = write(dir.path(), "nested.pickle", &top);
     assert_error(&oomguard(&["replay", &top]), 2, "holds a tuple, not a dict");
     // The same inside a snapshot dict, through mincap.
     let mut inner = b"\x80\x02}X\x0d\x00\x00\x00device_traces)".to_vec();
     inner.extend(std::iter::repeat_n(0x85u8, 1_000_000));
     inner.extend_from_slice(b"s.");
-    let inner = write(&dir, "nested_snapshot.pickle", &inner);
+    let inner = write(dir.path(), "nested_snapshot.pickle", &inner);
     assert_error(
         &oomguard(&["mincap", &inner]),
         2,
@@ -165,7 +165,7 @@ fn memo_aliased_snapshot_entries_decode_in_linear_time() {
     for _ in 0..500_000 {
         entries.extend_from_slice(b"h\x03");
     }
-    let f = write(&dir, "alias.pickle", &snapshot_with(&entries));
+    let f = write(dir.path(), "alias.pickle", &snapshot_with(&entries));
     assert!(std::fs::metadata(&f).unwrap().len() > 1_400_000);
     assert_error(
         &oomguard(&["replay", &f]),
@@ -179,7 +179,7 @@ fn memo_aliased_snapshot_entries_decode_in_linear_time() {
     for _ in 0..250_000 {
         entries.extend_from_slice(b"h\x03h\x04");
     }
-    let f = write(&dir, "alias2.pickle", &snapshot_with(&entries));
+    let f = write(dir.path(), "alias2.pickle", &snapshot_with(&entries));
     let r = oomguard(&["replay", &f, "--json"]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
@@ -196,11 +196,11 @@ fn mincap_refuses_what_no_device_holds_before_replaying() {
         1u64 << 63,
         1u64 << 63
     );
-    let huge = write(&dir, "huge.csv", huge.as_bytes());
+    let huge = write(dir.path(), "huge.csv", huge.as_bytes());
     assert_error(&oomguard(&["mincap", &huge]), 2, "more than the 1.00 TiB");
     // 1 PiB: minutes per replay before.
     let pib = format!("op,id,bytes,stream\na,0,{},0\n", 1u64 << 50);
-    let pib = write(&dir, "pib.csv", pib.as_bytes());
+    let pib = write(dir.path(), "pib.csv", pib.as_bytes());
     assert_error(&oomguard(&["mincap", &pib]), 2, "1024.00 TiB live at once");
     assert_error(&oomguard(&["compare", &pib, "--mincap"]), 2, "no device");
     // A capacity beyond the bound is refused too, rather than replayed for minutes.
@@ -241,7 +241,7 @@ fn pickle_memory_is_bounded() {
     for _ in 0..10_000_000 {
         entries.extend_from_slice(b"]\x94");
     }
-    let f = write(&dir, "lists.pickle", &snapshot_with(&entries));
+    let f = write(dir.path(), "lists.pickle", &snapshot_with(&entries));
     assert_error(&oomguard(&["replay", &f]), 2, "bytes of memory");
     // The real snapshot decodes well inside its budget.
     let data = std::fs::read(real("resnet50.snapshot.pickle")).unwrap();
@@ -291,7 +291,7 @@ fn a_csv_cut_at_a_line_boundary_is_reported() {
     // Cut at the line boundary nearest the middle: a valid prefix, and the note says how much
     // it leaves live, far more than the whole file does.
     let mid = data[..data.len() / 2].rfind('\n').unwrap() + 1;
-    let cut = write(&dir, "cut.csv", &data.as_bytes()[..mid]);
+    let cut = write(dir.path(), "cut.csv", &data.as_bytes()[..mid]);
     let r = oomguard(&["replay", &cut, "--json"]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
@@ -317,7 +317,7 @@ fn a_csv_cut_at_a_line_boundary_is_reported() {
         "{note} vs {whole_note}"
     );
     // Cut just before a newline: every field reads, but the missing newline is said.
-    let inside = write(&dir, "inside.csv", &data.as_bytes()[..mid - 1]);
+    let inside = write(dir.path(), "inside.csv", &data.as_bytes()[..mid - 1]);
     let r = oomguard(&["replay", &inside]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert!(r.stdout.contains("no newline at its end"), "{}", r.stdout);
@@ -338,7 +338,7 @@ fn a_lowercase_rmm_header_is_read() {
 #[test]
 fn plot_exits_1_after_a_replay_with_failures() {
     let dir = common::scratch("plot_fail");
-    let out = dir.join("fail.svg");
+    let out = dir.path().join("fail.svg");
     let r = oomguard(&[
         "plot",
         &real("resnet50.trace.csv").display().to_string(),
@@ -370,7 +370,7 @@ fn a_stream_of_u64_max_replays() {
     let mut entries = b"}\x94(\x8c\x06action\x8c\x05alloc\x8c\x04addrK\x00\x8c\x04sizeM\x00\x02\x8c\x06streamJ\xff\xff\xff\xffu".to_vec();
     entries.extend_from_slice(b"}(\x8c\x06action\x8c\x0efree_completed\x8c\x04addrK\x00\x8c\x04sizeM\x00\x02\x8c\x06streamJ\xff\xff\xff\xffu");
     let dir = common::scratch("stream_max");
-    let f = write(&dir, "stream.pickle", &snapshot_with(&entries));
+    let f = write(dir.path(), "stream.pickle", &snapshot_with(&entries));
     let r = oomguard(&["replay", &f]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
 }
@@ -394,7 +394,7 @@ fn frames_lists_aliasing_one_huge_frame_decode_in_linear_time() {
     }
     p.extend_from_slice(b"eas.");
     let dir = common::scratch("frames_alias");
-    let f = write(&dir, "frames.pickle", &p);
+    let f = write(dir.path(), "frames.pickle", &p);
     let r = oomguard(&["replay", &f, "--json"]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
@@ -466,8 +466,8 @@ fn view_of_one_growable_segment_mapping_at_every_event_is_bounded() {
     // page, and each layout read every block of the segment (38 s before, debug build).
     let csv = allocations_csv(38_000, 2 << 20, |_| 0);
     let dir = common::scratch("view_growable");
-    let input = write(&dir, "grow.csv", csv.as_bytes());
-    let page = dir.join("grow.html");
+    let input = write(dir.path(), "grow.csv", csv.as_bytes());
+    let page = dir.path().join("grow.html");
     let r = oomguard(&[
         "view",
         &input,

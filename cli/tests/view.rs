@@ -30,7 +30,7 @@ fn real(name: &str) -> String {
 #[test]
 fn view_writes_one_self_contained_page() {
     let dir = common::scratch("view_page");
-    let out = dir.join("oom.html");
+    let out = dir.path().join("oom.html");
     // resnet50 on 5.5 GiB with fixed segments: out of memory (its smallest card is ~5.6 GiB).
     let o = oomguard(&[
         "view",
@@ -60,7 +60,7 @@ fn view_writes_one_self_contained_page() {
     );
     assert!(page.contains("expandable_segments:False"));
     // Without pressure: no failures, exit 0.
-    let ok = dir.join("ok.html");
+    let ok = dir.path().join("ok.html");
     let o = oomguard(&[
         "view",
         &real("gpt2.trace.csv"),
@@ -84,7 +84,7 @@ fn snapshot_stack_frames_become_allocation_sites() {
     let pickle = dev.memory_snapshot().to_pytorch_pickle();
     drop(b);
     let dir = common::scratch("view_frames");
-    let p = dir.join("frames.pickle");
+    let p = dir.path().join("frames.pickle");
     std::fs::write(&p, &pickle).unwrap();
     let t = detect::read_trace(&p).unwrap();
     assert_eq!(t.alloc_site.len(), 2, "{:?}", t.sites);
@@ -93,7 +93,7 @@ fn snapshot_stack_frames_become_allocation_sites() {
         "{:?}",
         t.sites
     );
-    let out = dir.join("frames.html");
+    let out = dir.path().join("frames.html");
     let o = oomguard(&[
         "view",
         &p.display().to_string(),
@@ -145,7 +145,7 @@ fn dump_dom(browser: &Path, page: &Path, hash: &str) -> String {
             "--disable-sync",
             "--window-size=1400,1100",
         ])
-        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg(format!("--user-data-dir={}", profile.path().display()))
         .arg("--dump-dom")
         .arg(format!("file://{}{hash}", page.display()))
         .stdout(Stdio::piped())
@@ -204,7 +204,7 @@ fn view_page_runs_in_headless_chromium_and_agrees_with_the_replay() {
         ("oom", "5.5GiB", "expandable_segments:False"),
         ("peak", "80GiB", "expandable_segments:True"),
     ] {
-        let out = dir.join(format!("{name}.html"));
+        let out = dir.path().join(format!("{name}.html"));
         let o = oomguard(&[
             "view",
             &trace_path,

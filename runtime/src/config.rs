@@ -203,21 +203,12 @@ impl AllocatorConfig {
                     c.roundup_power2_divisions = parse_divisions(value).map_err(err)?
                 }
                 "garbage_collection_threshold" => {
-                    let t: f64 = value
-                        .parse()
-                        .map_err(|_| err(format!("{value:?} is not a number")))?;
-                    if !(t > 0.0 && t < 1.0) {
-                        return Err(err(format!("{t} is outside (0, 1)")));
-                    }
+                    let t = parse_fraction(value, |t| t > 0.0 && t < 1.0, "(0, 1)").map_err(err)?;
                     c.garbage_collection_threshold = Some(t);
                 }
                 "per_process_memory_fraction" => {
-                    let t: f64 = value
-                        .parse()
-                        .map_err(|_| err(format!("{value:?} is not a number")))?;
-                    if !(0.0..=1.0).contains(&t) {
-                        return Err(err(format!("{t} is outside [0, 1]")));
-                    }
+                    let t = parse_fraction(value, |t| (0.0..=1.0).contains(&t), "[0, 1]")
+                        .map_err(err)?;
                     // 0: no limit, as PyTorch reads the key
                     c.per_process_memory_fraction = (t > 0.0).then_some(t);
                 }
@@ -233,12 +224,8 @@ impl AllocatorConfig {
                         .ok_or_else(|| err(format!("{mb} MiB is too large")))?;
                 }
                 "page_recycle_threshold" => {
-                    let t: f64 = value
-                        .parse()
-                        .map_err(|_| err(format!("{value:?} is not a number")))?;
-                    if !(t > 0.0 && t <= 1.0) {
-                        return Err(err(format!("{t} is outside (0, 1]")));
-                    }
+                    let t =
+                        parse_fraction(value, |t| t > 0.0 && t <= 1.0, "(0, 1]").map_err(err)?;
                     c.page_recycle_threshold = Some(t);
                 }
                 other if IGNORED_KEYS.iter().any(|&(k, _)| k == other) => {
@@ -326,6 +313,18 @@ impl fmt::Display for AllocatorConfig {
             write!(f, ",page_recycle_threshold:{t}")?;
         }
         Ok(())
+    }
+}
+
+/// A number within `range` (`in_range` decides; NaN never is).
+fn parse_fraction(value: &str, in_range: impl Fn(f64) -> bool, range: &str) -> Result<f64, String> {
+    let t: f64 = value
+        .parse()
+        .map_err(|_| format!("{value:?} is not a number"))?;
+    if in_range(t) {
+        Ok(t)
+    } else {
+        Err(format!("{t} is outside {range}"))
     }
 }
 

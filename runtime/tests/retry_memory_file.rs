@@ -23,39 +23,21 @@ fn limits(m: usize) -> Limits {
     }
 }
 
-/// A plan file path in the temporary directory, removed (with its lock) when dropped, so a
-/// failed or interrupted test leaves nothing behind.
-fn temp(name: &str) -> Temp {
-    let p = std::env::temp_dir().join(format!("oomguard-{name}-{}.json", std::process::id()));
-    let _ = std::fs::remove_file(&p);
-    Temp(p)
-}
-
-struct Temp(std::path::PathBuf);
-
-impl std::ops::Deref for Temp {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::path::Path> for Temp {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for Temp {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-        let _ = std::fs::remove_file(self.0.with_extension("json.lock"));
-    }
+/// A plan file path in a temporary directory of its own, removed (with the plan's lock and
+/// anything else left there) when the directory drops, so a failed or interrupted test leaves
+/// nothing behind.
+fn temp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("oomguard-{name}-"))
+        .tempdir()
+        .unwrap();
+    let path = dir.path().join("plans.json");
+    (dir, path)
 }
 
 #[test]
 fn two_writers_keep_each_others_plans() {
-    let path = temp("two-writers");
+    let (_dir, path) = temp("two-writers");
     let mut a = PlanMemory::open(&path).unwrap();
     let mut b = PlanMemory::open(&path).unwrap();
     a.set_limits(&key("a.rs:1 a"), limits(4)).unwrap();
@@ -70,7 +52,7 @@ fn two_writers_keep_each_others_plans() {
 
 #[test]
 fn many_threads_writing_lose_nothing() {
-    let path = temp("threads");
+    let (_dir, path) = temp("threads");
     std::thread::scope(|s| {
         for t in 0..8 {
             let path = &path;
@@ -98,7 +80,7 @@ fn many_threads_writing_lose_nothing() {
 
 #[test]
 fn clear_empties_the_file() {
-    let path = temp("clear");
+    let (_dir, path) = temp("clear");
     let mut a = PlanMemory::open(&path).unwrap();
     a.set_limits(&key("a.rs:1 a"), limits(4)).unwrap();
     a.clear().unwrap();
@@ -108,7 +90,7 @@ fn clear_empties_the_file() {
 
 #[test]
 fn an_unreadable_or_unwritable_file_is_reported() {
-    let path = temp("corrupt");
+    let (_dir, path) = temp("corrupt");
     std::fs::write(&path, "{not json").unwrap();
     let m = PlanMemory::open_or_in_memory(&path);
     assert!(m.path().is_none(), "in memory only");
@@ -144,7 +126,7 @@ fn an_unreadable_or_unwritable_file_is_reported() {
 fn stale_locks_are_taken_over_by_one_writer_and_nothing_is_lost() {
     use oomguard_runtime::retry::STALE_LOCK;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    let path = temp("stale-lock");
+    let (_dir, path) = temp("stale-lock");
     let lock = path.with_extension("json.lock");
     let stale = |f: std::fs::File| {
         std::io::Write::write_all(&mut &f, b"a writer that died").unwrap();

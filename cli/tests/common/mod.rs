@@ -28,32 +28,11 @@ pub fn figures() -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
-/// A scratch directory unique to this test process and `name`, removed (with its contents) when
-/// the guard drops, so repeated runs do not fill the temporary directory.
-pub fn scratch(name: &str) -> Scratch {
-    let d = std::env::temp_dir().join(format!("oomguard-cli-test-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    Scratch(d)
-}
-
-/// A directory removed on drop (see [`scratch`]).
-pub struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::path::Path> for Scratch {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A scratch directory for one test, named after `name`, removed (with its contents) when it
+/// drops, so repeated runs do not fill the temporary directory.
+pub fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("oomguard-cli-test-{name}-"))
+        .tempdir()
+        .unwrap()
 }
