@@ -24,6 +24,10 @@
 //!   at the batch found (no cache trim between them), counting out-of-memory retries.
 //! - `overhead`: `train_step` and the plain step interleaved at batch 8; median step times
 //!   (device synchronised before the clock stops) and their ratio.
+//! - `curve` (only when named): two plain steps at each of `--curve-rows`, in that order, in
+//!   one process, the cache emptied between sizes: the step's peak, what the source still
+//!   holds after `memory_cleanup`, and cubecl's own counters (how memory grows with the batch,
+//!   and what a failed size leaves behind).
 //! - `cubecl`: the plain loop (cubecl's own fallback only) and `train_step` at 1.0, 1.25 and
 //!   2 × max: which survive.
 //!
@@ -59,12 +63,16 @@ type Ad<B> = Autodiff<B>;
 /// Phases in the order `all` runs them.
 const ALL_PHASES: [&str; 7] = ["grads", "max", "equiv", "oom", "cubecl", "overhead", "find"];
 
+/// Phases run only when named (not part of `all`).
+const EXTRA_PHASES: [&str; 1] = ["curve"];
+
 const USAGE: &str = "\
 burn_gpt: oomguard-burn on a GPT-2-small-shaped model (issue 25, item 2)
 
 usage: burn_gpt [--phase NAME]... [options]
 
 phases (repeatable, comma-separated, or `all`): grads max equiv oom cubecl overhead find
+  (and, only when named: curve)
 
 model (defaults: GPT-2 small; with --backend ndarray a tiny model):
   --layers N --width N --heads N --vocab N --seq N
@@ -84,6 +92,7 @@ options:
   --overhead-steps N       timed pairs (default 20, after 2 warm-up pairs)
   --cubecl-factors LIST    (default 1.0,1.25,2.0)
   --cubecl-steps N         steps per cell (default 2)
+  --curve-rows LIST        batches `curve` runs, in order (default 8,16,24,32,40,48,56,64,80,64,48)
   --budget-s S             stop starting work after S seconds (loops are cut, phases skipped)
   --sim-mib N              ndarray: the simulated card (default 256)
   --sim-row-kib N          ndarray: charge per row of a step (default 4096)
@@ -109,6 +118,7 @@ struct Args {
     overhead_steps: usize,
     cubecl_factors: Vec<f64>,
     cubecl_steps: usize,
+    curve_rows: Vec<usize>,
     budget_s: Option<f64>,
     sim_mib: u64,
     sim_row_kib: usize,
@@ -178,6 +188,7 @@ fn parse_args() -> Result<Args, String> {
         overhead_steps: 20,
         cubecl_factors: vec![1.0, 1.25, 2.0],
         cubecl_steps: 2,
+        curve_rows: vec![8, 16, 24, 32, 40, 48, 56, 64, 80, 64, 48],
         budget_s: None,
         sim_mib: 256,
         sim_row_kib: 4096,
@@ -192,7 +203,7 @@ fn parse_args() -> Result<Args, String> {
                 for p in v.split(',').filter(|p| !p.is_empty()) {
                     if p == "all" {
                         a.phases.extend(ALL_PHASES.iter().map(|s| s.to_string()));
-                    } else if ALL_PHASES.contains(&p) {
+                    } else if ALL_PHASES.contains(&p) || EXTRA_PHASES.contains(&p) {
                         a.phases.push(p.to_string());
                     } else {
                         return Err(format!("unknown phase {p:?}"));
@@ -220,6 +231,9 @@ fn parse_args() -> Result<Args, String> {
                 a.cubecl_factors = v.split(',').map(|f| num(k, f)).collect::<Result<_, _>>()?
             }
             "cubecl-steps" => a.cubecl_steps = num(k, v)?,
+            "curve-rows" => {
+                a.curve_rows = v.split(',').map(|r| num(k, r)).collect::<Result<_, _>>()?
+            }
             "budget-s" => a.budget_s = Some(num(k, v)?),
             "sim-mib" => a.sim_mib = num(k, v)?,
             "sim-row-kib" => a.sim_row_kib = num(k, v)?,
@@ -607,6 +621,7 @@ impl<B: Backend> Ctx<B> {
             "find" => self.find(),
             "overhead" => self.overhead(),
             "cubecl" => self.cubecl(),
+            "curve" => self.curve(),
             other => Err(format!("unknown phase {other}")),
         }
     }
@@ -1223,6 +1238,53 @@ impl<B: Backend> Ctx<B> {
 
     // ---- cubecl
 
+    // ---- curve
+
+    fn curve(&mut self) -> PhaseResult {
+        self.cleanup();
+        let (mut model, mut opt) = self.warm_model()?;
+        for &rows in &self.args.curve_rows.clone() {
+            if self.out_of_time() {
+                println!("NOTE phase=curve cut_by_budget rows={rows}");
+                break;
+            }
+            self.cleanup();
+            let before = self.source.usage().map(|u| u.used).unwrap_or(0);
+            let _ = self.source.reset_peak();
+            let t = Instant::now();
+            let mut ok = 0;
+            let mut err = String::new();
+            for _ in 0..2 {
+                match self.plain_caught(&mut model, &mut opt, self.tokens(rows, 91)) {
+                    Ok(_) => ok += 1,
+                    Err(e) => {
+                        err = format!(" kind={}", err_kind(&e));
+                        break;
+                    }
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            let (peak, after_steps) = self
+                .source
+                .usage()
+                .map(|u| (u.used_peak, u.used))
+                .unwrap_or((0, 0));
+            let cubecl_steps = cubecl_line(&*self.source);
+            self.cleanup();
+            let held = self.source.usage().map(|u| u.used).unwrap_or(0);
+            println!(
+                "TRIAL phase=curve rows={rows} steps_ok={ok}{err} secs={secs:.2} \
+                 held_before={before} peak={peak} held_after_steps={after_steps} \
+                 held_after_cleanup={held} gib_peak={:.2} gib_held_after_cleanup={:.2} \
+                 cubecl_after_steps=[{cubecl_steps}] cubecl_after_cleanup=[{}]",
+                peak as f64 / GIB,
+                held as f64 / GIB,
+                cubecl_line(&*self.source)
+            );
+        }
+        Ok(Outcome::Pass)
+    }
+
     fn cubecl(&mut self) -> PhaseResult {
         let max = self.known_max()?;
         self.cleanup();
@@ -1311,4 +1373,18 @@ impl<B: Backend> Ctx<B> {
         }
         Ok(if pass { Outcome::Pass } else { Outcome::Fail })
     }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The `cubecl:` line of a source's memory summary (in use, padding, reserved), or `-`.
+fn cubecl_line(source: &dyn MemorySource) -> String {
+    source
+        .memory_summary()
+        .lines()
+        .find_map(|l| {
+            l.split_once("cubecl:")
+                .map(|(_, r)| r.trim_end_matches('|').trim().to_string())
+        })
+        .unwrap_or_else(|| "-".into())
 }
