@@ -3,6 +3,7 @@
 //! See [`catch_oom`] for the rules.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
@@ -11,6 +12,12 @@ use crate::compat::{CALL_ERROR, INTO_DATA_EXPECT, UNWRAP};
 use crate::Error;
 
 static OOM_PANICS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// How many [`catch_oom`] calls this thread is inside: a panic there is that call's own
+    /// (it reads the payload), so the hook does not count it for the other threads' calls.
+    static INSIDE_CATCH: Cell<u32> = const { Cell::new(0) };
+}
 static LAST_OOM_PANIC: Mutex<String> = Mutex::new(String::new());
 static HOOK: Once = Once::new();
 
@@ -37,7 +44,7 @@ fn install_hook() {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
             if let Some(text) = payload_text(info.payload()) {
-                if panic_message_is_oom(text) {
+                if panic_message_is_oom(text) && INSIDE_CATCH.with(Cell::get) == 0 {
                     *LAST_OOM_PANIC.lock().unwrap_or_else(|e| e.into_inner()) = text.to_string();
                     OOM_PANICS.fetch_add(1, Ordering::SeqCst);
                 }
@@ -47,7 +54,9 @@ fn install_hook() {
     });
 }
 
-/// Out-of-memory panics seen so far on any thread (after the first [`catch_oom`]).
+/// Out-of-memory panics seen so far (after the first [`catch_oom`]) on threads that were not
+/// inside a `catch_oom` call when they panicked (cubecl's device threads; a panic inside
+/// `catch_oom` is that call's own and is not counted).
 pub fn oom_panics() -> u64 {
     OOM_PANICS.load(Ordering::SeqCst)
 }
@@ -80,7 +89,10 @@ fn last_oom_panic() -> String {
 /// - every other panic continues (`resume_unwind`): it is never turned into an error.
 ///
 /// The count is process-wide (cubecl's device threads have no name to tell devices apart): an
-/// out-of-memory on another device during the closure also fails it, as an out-of-memory. The
+/// out-of-memory on another device during the closure also fails it, as an out-of-memory. A
+/// panic on a thread that is itself inside `catch_oom` is not counted: that call reads it from
+/// the payload, so concurrent `catch_oom` calls on other threads (two training loops, parallel
+/// tests) do not fail each other. The
 /// hook is installed by the first call; a panic hook set later without chaining to the one it
 /// replaces (`std::panic::take_hook`) stops the count, and a bare `CallError` then panics on.
 ///
@@ -99,8 +111,17 @@ fn last_oom_panic() -> String {
 /// ```
 pub fn catch_oom<T, E: Into<Error>>(f: impl FnOnce() -> Result<T, E>) -> Result<T, Error> {
     install_hook();
+    struct Inside;
+    impl Drop for Inside {
+        fn drop(&mut self) {
+            INSIDE_CATCH.with(|d| d.set(d.get() - 1));
+        }
+    }
     let before = oom_panics();
+    INSIDE_CATCH.with(|d| d.set(d.get() + 1));
+    let inside = Inside;
     let out = panic::catch_unwind(AssertUnwindSafe(f));
+    drop(inside);
     let device_oom = oom_panics() != before;
     match out {
         Ok(_) if device_oom => Err(Error::DevicePanic {

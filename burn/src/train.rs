@@ -125,8 +125,13 @@ pub enum TrainStepError {
     /// out-of-memory at the smallest plan (the report is inside).
     Retry(RetryError<Error>),
     /// The optimizer update failed (an out-of-memory included). It is not retried: it runs
-    /// once, after every micro-batch of one attempt succeeded; the model keeps its parameters,
-    /// but the optimizer's state (e.g. AdamW's moments) may have advanced.
+    /// once, after every micro-batch of one attempt succeeded. The model keeps its parameters,
+    /// but the optimizer's state may be partly advanced or partly lost: burn 0.21's optimizer
+    /// adaptor takes a parameter's state (e.g. AdamW's moments) out of its map while it updates
+    /// that parameter, so a failure drops the states it had taken (on an H100 a failed step
+    /// left 0.3–0.5 GiB less optimizer state; docs/GPU.md run 19). To resume exactly, keep
+    /// `Optimizer::to_record()` from before the step (it holds the previous state's tensors
+    /// alive, so it costs that much memory) and `load_record` it after this error.
     Update {
         /// The update's error.
         error: Error,
@@ -146,8 +151,9 @@ impl fmt::Display for TrainStepError {
             TrainStepError::Update { error, report } => write!(
                 f,
                 "the optimizer update failed after the micro-batches succeeded ({} retries); it \
-                 was not retried, the model is unchanged, the optimizer's state may have \
-                 advanced: {error}",
+                 was not retried, the model is unchanged, the optimizer's state may be partly \
+                 advanced or lost (restore it from a record taken before the step to resume \
+                 exactly): {error}",
                 report.retries()
             ),
             TrainStepError::Parameters(e) => write!(

@@ -75,6 +75,25 @@ fn panics_are_classified_and_others_continue() {
     });
     assert!(r.is_err());
 
+    // An out-of-memory panic on another thread that is itself inside catch_oom is that call's
+    // own: it does not fail this closure (two loops, or parallel tests, in one process).
+    let before = oom_panics();
+    let r = catch_oom(|| -> Result<u32, Error> {
+        let other = thread::spawn(|| {
+            catch_oom(|| -> Result<(), Error> { Err::<Result<(), Error>, _>(too_big()).unwrap() })
+        })
+        .join()
+        .unwrap();
+        assert!(other.unwrap_err().is_oom());
+        Ok(7)
+    });
+    assert_eq!(r.unwrap(), 7);
+    assert_eq!(
+        oom_panics(),
+        before,
+        "a panic caught by its own catch_oom is not counted"
+    );
+
     // The closure's own result and errors pass through.
     assert_eq!(catch_oom(|| Ok::<_, Error>(3)).unwrap(), 3);
     let e = catch_oom(|| -> Result<(), Error> { Err(Error::Rows("short".into())) }).unwrap_err();

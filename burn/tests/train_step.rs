@@ -412,3 +412,60 @@ fn a_parameter_without_gradient_is_reported() {
     step(&mut model).unwrap();
     assert_eq!(steps.load(Ordering::SeqCst), 1);
 }
+
+/// An optimizer whose update runs out of memory the way cubecl reports it on the device thread
+/// (a panic with its message), after taking nothing: `train_step` reports the update's failure,
+/// does not retry it, leaves the model unchanged and says what may have happened to the
+/// optimizer's state.
+#[derive(Clone)]
+struct UpdateRunsOutOfMemory;
+
+impl<M: AutodiffModule<Bk>, Bk: AutodiffBackend> Optimizer<M, Bk> for UpdateRunsOutOfMemory {
+    type Record = ();
+    fn step(&mut self, _: f64, _: M, _: GradientsParams) -> M {
+        panic!("called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 1328398336")
+    }
+    fn step_multi(&mut self, _: f64, _: M, _: MultiGradientsParams) -> M {
+        panic!("called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: 1328398336")
+    }
+    fn to_record(&self) -> Self::Record {}
+    fn load_record(self, _: Self::Record) -> Self {
+        self
+    }
+}
+
+#[test]
+fn an_update_that_runs_out_of_memory_is_reported_not_retried() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::mib(64));
+    let mut model = Mlp::<B>::new(&dev);
+    let before = params(&model);
+    let calls = AtomicUsize::new(0);
+    let err = train_step(
+        &RetryEngine::new(),
+        &sim,
+        8,
+        &mut model,
+        &mut UpdateRunsOutOfMemory,
+        0.05,
+        |m, chunk| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Ok(mse(m, chunk_rows(&x, chunk)?, chunk_rows(&y, chunk)?))
+        },
+    )
+    .unwrap_err();
+    let TrainStepError::Update { error, report } = &err else {
+        panic!("expected the update's failure, got {err}");
+    };
+    assert!(error.is_oom(), "{error}");
+    assert_eq!(report.retries(), 0, "the update is not retried");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "one micro-batch, run once");
+    assert_eq!(params(&model), before, "the model is unchanged");
+    let text = err.to_string();
+    assert!(
+        text.contains("the model is unchanged")
+            && text.contains("optimizer's state may be partly advanced or lost"),
+        "{text}"
+    );
+}

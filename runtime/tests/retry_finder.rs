@@ -601,3 +601,56 @@ fn a_settled_loop_needs_no_emptying() {
     assert_eq!(r.empty_cache_every(), None);
     assert!(!r.safe_for().contains("still rising"), "{}", r.safe_for());
 }
+
+/// Memory that does not grow with the batch (burn on cubecl 0.10 on an H100, docs/GPU.md run
+/// 19: 44 rows ran, 47–50 failed, 53–64 ran): the finder stays below the smallest size that
+/// failed and its report says so, with that size.
+#[test]
+fn memory_that_does_not_grow_with_the_batch_is_searched_below_the_first_failure() {
+    let dev = Device::new(
+        SimDevice::address_only(ByteSize::mib(1024)),
+        AllocatorConfig::default(),
+    );
+    // 12 MiB per row, but 47..=70 rows need more than the card (a packing gap), and so does
+    // anything above 80; 71..=80 run.
+    let step = |rows: usize| -> Result<(), Error> {
+        let bytes = if (47..=70).contains(&rows) || rows > 80 {
+            2048 * MIB
+        } else {
+            12 * MIB * rows as u64
+        };
+        dev.alloc::<u8>(bytes as usize).map(drop)
+    };
+    let r = find_max_batch(&dev, FinderOptions::default(), step).unwrap();
+    let failed = r.smallest_failed().expect("a size in the gap failed");
+    assert!((47..=70).contains(&failed), "{r}");
+    assert!(r.max_batch < failed && r.max_batch >= 44, "{r}");
+    assert!(
+        r.to_string().contains(&format!(
+            "below {failed} rows, the smallest that ran out of memory"
+        )),
+        "{r}"
+    );
+    // 75 rows (900 MiB) would run: the search never runs a size above one that failed.
+    assert!(step(75).is_ok());
+    assert!(
+        r.trials
+            .iter()
+            .all(|t| t.rows < failed || t.peak_bytes.is_none()),
+        "{r}"
+    );
+}
+
+/// A search in which nothing failed names no failing size.
+#[test]
+fn a_search_where_nothing_failed_names_no_failing_size() {
+    let dev = Device::sim(ByteSize::mib(256));
+    let opts = FinderOptions {
+        max: 4,
+        ..FinderOptions::default()
+    };
+    let r = find_max_batch(&dev, opts, |rows| dev.alloc::<u8>(rows << 20).map(drop)).unwrap();
+    assert_eq!(r.max_batch, 4, "{r}");
+    assert_eq!(r.smallest_failed(), None);
+    assert!(!r.to_string().contains("ran out of memory"), "{r}");
+}

@@ -226,6 +226,21 @@ impl FinderReport {
             .sum()
     }
 
+    /// The smallest batch that ran out of memory in the search or its verification, if any:
+    /// `max_batch` is below it. The search assumes that a step's memory grows with its batch,
+    /// so once a size fails it looks only below it (a larger size it tried earlier failed
+    /// too). Where memory does not grow monotonically, a larger batch above it may still run: burn 0.21 on an H100 ran 44 and 53–64 rows of GPT-2 small
+    /// but not 47–50 (cubecl packs a step's tensors into pages of fixed sizes; docs/GPU.md
+    /// run 19), and the finder returned 44, below 47.
+    pub fn smallest_failed(&self) -> Option<usize> {
+        self.trials
+            .iter()
+            .chain(&self.verification)
+            .filter(|t| t.peak_bytes.is_none())
+            .map(|t| t.rows)
+            .min()
+    }
+
     /// What `max_batch` is safe for, in words: consecutive steps on the measured source, with
     /// nothing else allocating more than when it was measured.
     pub fn safe_for(&self) -> String {
@@ -276,6 +291,14 @@ impl fmt::Display for FinderReport {
             )?;
         }
         write!(f, "\n  safe for {}", self.safe_for())?;
+        if let Some(failed) = self.smallest_failed() {
+            write!(
+                f,
+                "\n  the largest batch found below {failed} rows, the smallest that ran out of \
+                 memory (the search assumes memory grows with the batch and does not look above \
+                 a size that failed)"
+            )?;
+        }
         for t in &self.trials {
             match t.peak_bytes {
                 Some(p) => write!(
