@@ -688,3 +688,41 @@ fn page_recycle_threshold_maps_new_pages_below_it() -> TestResult {
     dev.empty_cache()?;
     Ok(())
 }
+
+/// A ballast leaves only the room asked for free on the device (within a driver page), an
+/// allocator that asks past it runs out of memory, and dropping it gives the memory back.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_ballast_leaves_only_its_room_free() -> TestResult {
+    use oomguard::source::{Ballast, DriverPool, BALLAST_PAGE};
+    let dev = cuda(AllocatorConfig::default());
+    let ctx = DriverPool::current(0)?.context().clone();
+    let free_before = free_now(&dev);
+    let ballast = Ballast::leave_free(&ctx, 8 * GIB)?;
+    let free = ballast.free()?;
+    println!(
+        "ballast: {} taken, {} free (was {})",
+        ByteSize(ballast.bytes()),
+        ByteSize(free),
+        ByteSize(free_before)
+    );
+    assert!(
+        (8 * GIB..8 * GIB + BALLAST_PAGE).contains(&free),
+        "free {free} B, want 8 GiB"
+    );
+    assert!(ballast.bytes() + free + TOLERANCE >= free_before);
+    let err = dev.alloc::<u8>((9 * GIB) as usize).unwrap_err();
+    assert!(matches!(err, Error::Oom(_)), "{err}");
+    let fits = dev.alloc::<u8>((6 * GIB) as usize)?;
+    drop(fits);
+    dev.empty_cache()?;
+    drop(ballast);
+    assert!(free_now(&dev) + TOLERANCE >= free_before);
+    let big = dev.alloc::<u8>((9 * GIB) as usize)?;
+    drop(big);
+    dev.empty_cache()?;
+    // Less free than the room: nothing is taken.
+    let none = Ballast::leave_free(&ctx, free_now(&dev) + GIB)?;
+    assert_eq!(none.bytes(), 0);
+    Ok(())
+}

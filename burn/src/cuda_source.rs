@@ -10,7 +10,9 @@ use burn::backend::Cuda;
 use burn::cubecl::cuda::CudaRuntime;
 use burn::cubecl::Runtime;
 use burn::tensor::backend::Backend;
-use oomguard::source::{DriverPool, MemorySource, MemoryUsage, SourceBudget, SourceInfo};
+use std::sync::Mutex;
+
+use oomguard::source::{Ballast, DriverPool, MemorySource, MemoryUsage, SourceBudget, SourceInfo};
 
 /// The memory of one CUDA device under burn's CUDA backend: cubecl's pools over the driver's
 /// memory pool. Cheap to clone. Made by [`memory_source`](crate::memory_source).
@@ -21,7 +23,8 @@ use oomguard::source::{DriverPool, MemorySource, MemoryUsage, SourceBudget, Sour
 ///   [`CubeCudaSource::cubecl_usage`] and the summary.
 /// - `empty_cache`: `Backend::memory_cleanup` (cubecl frees its unused pages), a sync so that
 ///   the cleanup has run, then the driver pool is trimmed.
-/// - `budget`: refused, see [`MemorySource::budget`] below.
+/// - `budget`: a [`Ballast`] that leaves only the budget free on the device, see
+///   [`MemorySource::budget`] below.
 ///
 /// What is missed: pages cubecl allocates with `cuMemAlloc` after `cuMemAllocAsync` failed (its
 /// fallback) are outside the pool and not counted.
@@ -86,17 +89,53 @@ impl MemorySource for CubeCudaSource {
         }
         s
     }
-    /// Refused: nothing caps cubecl-cuda 0.10's memory at run time. A capped driver pool (what
-    /// [`DriverPool::budget`] installs) does not hold: when `cuMemAllocAsync` fails, cubecl
-    /// retries the page with `cuMemAlloc`, outside every pool; and cubecl's memory
-    /// configuration (page sizes, pools) is read once, when the device's client is created, and
-    /// has no total limit. Use `find_max_batch` and the retry engine instead.
+    /// Caps cubecl's memory on this device at `limit` bytes with a [`Ballast`]: cubecl's unused
+    /// pages are freed and the pool trimmed (as [`MemorySource::empty_cache`]), then the device's
+    /// free memory beyond `limit − held` (`held`: what cubecl still holds, its live tensors'
+    /// pages) is taken outside every pool, until the returned guard is dropped. A reservation
+    /// of cubecl past the limit then fails in the driver (both its `cuMemAllocAsync` and its
+    /// `cuMemAlloc` fallback) and surfaces as cubecl's out-of-memory, which [`crate::catch_oom`],
+    /// `train_step` and the retry engine handle.
+    ///
+    /// Why a ballast: cubecl-cuda 0.10 reads its memory configuration once, when the device's
+    /// client is made, with no total limit, and when a capped driver pool refuses a page it
+    /// retries with `cuMemAlloc`, outside every pool; the device's free memory is the one thing
+    /// both paths draw from.
+    ///
+    /// What it caps is the device's free memory as seen from this process, so:
+    /// - anything else that allocates on the device while the budget lives (other libraries,
+    ///   kernels loaded, another framework, other processes) draws from the same room, and other
+    ///   processes that free memory widen it;
+    /// - the limit holds to within [`BALLAST_PAGE`](oomguard::source::BALLAST_PAGE) (2 MiB, the
+    ///   driver's page);
+    /// - one budget at a time per device: a second while one lives is refused (the ballasts of
+    ///   two could not be dropped in any order and keep the tighter cap);
+    /// - refused: 0 (as on every source), and a limit at or below what cubecl holds after the
+    ///   cleanup.
     fn budget(&self, limit: u64) -> oomguard::Result<SourceBudget> {
-        Err(oomguard::Error::InvalidArgument(format!(
-            "a budget of {limit} bytes cannot be enforced on burn's CUDA backend: cubecl-cuda \
-             0.10 falls back from cuMemAllocAsync to cuMemAlloc, outside any capped pool, and \
-             its memory configuration has no run-time limit"
-        )))
+        if limit == 0 {
+            return Err(oomguard::Error::InvalidArgument(
+                "a budget of 0 bytes: cubecl could not hold even its live tensors".into(),
+            ));
+        }
+        let claim = BudgetClaim::take(self.device.index)?;
+        self.empty_cache()?;
+        let held = self.pool.usage()?.reserved;
+        if limit <= held {
+            return Err(oomguard::Error::InvalidArgument(format!(
+                "a budget of {} on burn's CUDA device {}: cubecl already holds {} (its live \
+                 tensors' pages, after freeing the unused ones)",
+                oomguard::ByteSize(limit),
+                self.device.index,
+                oomguard::ByteSize(held)
+            )));
+        }
+        let ballast = Ballast::leave_free(self.pool.context(), limit - held)?;
+        Ok(SourceBudget::new(
+            limit,
+            self.info(),
+            Box::new((ballast, claim)),
+        ))
     }
     fn source_id(&self) -> usize {
         0x2000_0000 + self.device.index
@@ -104,5 +143,36 @@ impl MemorySource for CubeCudaSource {
     fn synchronize(&self) -> oomguard::Result<()> {
         <Cuda as Backend>::sync(&self.device)
             .map_err(|e| oomguard::Error::InvalidArgument(format!("burn sync: {e}")))
+    }
+}
+
+/// Devices with a live cubecl budget (one at a time per device).
+static BUDGETED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// A device's one budget slot, released on drop (after the ballast it guards: see the tuple's
+/// drop order in `budget`).
+#[derive(Debug)]
+struct BudgetClaim(usize);
+
+impl BudgetClaim {
+    fn take(ordinal: usize) -> oomguard::Result<Self> {
+        let mut set = BUDGETED.lock().unwrap_or_else(|e| e.into_inner());
+        if set.contains(&ordinal) {
+            return Err(oomguard::Error::InvalidArgument(format!(
+                "a budget is already in force on burn's CUDA device {ordinal}: drop it first \
+                 (one budget at a time per device)"
+            )));
+        }
+        set.push(ordinal);
+        Ok(Self(ordinal))
+    }
+}
+
+impl Drop for BudgetClaim {
+    fn drop(&mut self) {
+        BUDGETED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&o| o != self.0);
     }
 }

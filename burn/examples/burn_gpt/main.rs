@@ -28,6 +28,10 @@
 //!   one process, the cache emptied between sizes: the step's peak, what the source still
 //!   holds after `memory_cleanup`, and cubecl's own counters (how memory grows with the batch,
 //!   and what a failed size leaves behind).
+//! - `budget` (only when named): the memory source's budget (`--budget-gib`; on CUDA a ballast
+//!   that leaves only that much for cubecl), then 3 `train_step` steps at `--budget-batch`: the
+//!   plan the budget forces and the peak reserved under it; then one plain step at that batch
+//!   without the budget.
 //! - `cubecl`: the plain loop (cubecl's own fallback only) and `train_step` at 1.0, 1.25 and
 //!   2 × max: which survive.
 //!
@@ -64,7 +68,7 @@ type Ad<B> = Autodiff<B>;
 const ALL_PHASES: [&str; 7] = ["grads", "max", "equiv", "oom", "cubecl", "overhead", "find"];
 
 /// Phases run only when named (not part of `all`).
-const EXTRA_PHASES: [&str; 1] = ["curve"];
+const EXTRA_PHASES: [&str; 2] = ["curve", "budget"];
 
 const USAGE: &str = "\
 burn_gpt: oomguard-burn on a GPT-2-small-shaped model (issue 25, item 2)
@@ -72,7 +76,7 @@ burn_gpt: oomguard-burn on a GPT-2-small-shaped model (issue 25, item 2)
 usage: burn_gpt [--phase NAME]... [options]
 
 phases (repeatable, comma-separated, or `all`): grads max equiv oom cubecl overhead find
-  (and, only when named: curve)
+  (and, only when named: curve budget)
 
 model (defaults: GPT-2 small; with --backend ndarray a tiny model):
   --layers N --width N --heads N --vocab N --seq N
@@ -93,6 +97,8 @@ options:
   --cubecl-factors LIST    (default 1.0,1.25,2.0)
   --cubecl-steps N         steps per cell (default 2)
   --curve-rows LIST        batches `curve` runs, in order (default 8,16,24,32,40,48,56,64,80,64,48)
+  --budget-gib X           the memory source's budget in `budget` (default 40)
+  --budget-batch N         batch of `budget` (default 32)
   --budget-s S             stop starting work after S seconds (loops are cut, phases skipped)
   --sim-mib N              ndarray: the simulated card (default 256)
   --sim-row-kib N          ndarray: charge per row of a step (default 4096)
@@ -119,6 +125,8 @@ struct Args {
     cubecl_factors: Vec<f64>,
     cubecl_steps: usize,
     curve_rows: Vec<usize>,
+    budget_gib: f64,
+    budget_batch: usize,
     budget_s: Option<f64>,
     sim_mib: u64,
     sim_row_kib: usize,
@@ -189,6 +197,8 @@ fn parse_args() -> Result<Args, String> {
         cubecl_factors: vec![1.0, 1.25, 2.0],
         cubecl_steps: 2,
         curve_rows: vec![8, 16, 24, 32, 40, 48, 56, 64, 80, 64, 48],
+        budget_gib: 40.0,
+        budget_batch: 32,
         budget_s: None,
         sim_mib: 256,
         sim_row_kib: 4096,
@@ -231,6 +241,8 @@ fn parse_args() -> Result<Args, String> {
                 a.cubecl_factors = v.split(',').map(|f| num(k, f)).collect::<Result<_, _>>()?
             }
             "cubecl-steps" => a.cubecl_steps = num(k, v)?,
+            "budget-gib" => a.budget_gib = num(k, v)?,
+            "budget-batch" => a.budget_batch = num(k, v)?,
             "curve-rows" => {
                 a.curve_rows = v.split(',').map(|r| num(k, r)).collect::<Result<_, _>>()?
             }
@@ -622,6 +634,7 @@ impl<B: Backend> Ctx<B> {
             "overhead" => self.overhead(),
             "cubecl" => self.cubecl(),
             "curve" => self.curve(),
+            "budget" => self.budget(),
             other => Err(format!("unknown phase {other}")),
         }
     }
@@ -1283,6 +1296,68 @@ impl<B: Backend> Ctx<B> {
             );
         }
         Ok(Outcome::Pass)
+    }
+
+    // ---- budget
+
+    fn budget(&mut self) -> PhaseResult {
+        let limit = (self.args.budget_gib * GIB) as u64;
+        let batch = self.args.budget_batch;
+        self.cleanup();
+        let (mut model, mut opt) = self.warm_model()?;
+        let guard = self
+            .source
+            .budget(limit)
+            .map_err(|e| format!("budget of {limit} B: {e}"))?;
+        println!("NOTE phase=budget limit={limit} {}", self.usage());
+        let _ = self.source.reset_peak();
+        let engine = RetryEngine::new();
+        let tokens = self.tokens(batch, 5);
+        let mut steps_ok = 0;
+        for s in 0..3 {
+            match self.guarded_step(&engine, &mut model, &mut opt, self.args.lr, &tokens) {
+                Ok(d) => {
+                    steps_ok += 1;
+                    println!(
+                        "STEP phase=budget step={} rows={} loss={:.4} {} {}",
+                        s + 1,
+                        d.rows,
+                        d.loss,
+                        report_line(&d.report),
+                        self.usage()
+                    );
+                }
+                Err(e) => {
+                    println!(
+                        "STEP phase=budget step={} failed={}",
+                        s + 1,
+                        one_line(&e.to_string())
+                    );
+                    break;
+                }
+            }
+        }
+        let peak = self.source.usage().map(|u| u.reserved_peak).unwrap_or(0);
+        // Within the limit, give or take the driver's 2 MiB page.
+        let within = peak <= limit + (2 << 20);
+        drop(guard);
+        self.cleanup();
+        let _ = self.source.reset_peak();
+        let plain = self.plain_caught(&mut model, &mut opt, tokens);
+        let plain_peak = self.source.usage().map(|u| u.reserved_peak).unwrap_or(0);
+        println!(
+            "RESULT phase=budget limit={limit} batch={batch} steps_ok={steps_ok} \
+             reserved_peak_under_budget={peak} gib_peak={:.2} within_limit={within} \
+             plain_step_after={} plain_peak={plain_peak} gib_plain_peak={:.2}",
+            peak as f64 / GIB,
+            if plain.is_ok() { "ran" } else { "failed" },
+            plain_peak as f64 / GIB
+        );
+        Ok(if steps_ok == 3 && within {
+            Outcome::Pass
+        } else {
+            Outcome::Fail
+        })
     }
 
     fn cubecl(&mut self) -> PhaseResult {

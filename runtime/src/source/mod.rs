@@ -7,6 +7,10 @@
 //!   tensor on CUDA. oomguard cannot see those allocations one by one; it reads and steers the
 //!   pool (its used/reserved counters, trimming, a pool capped with `maxSize`).
 //!
+//! A source that can be neither configured nor capped from outside (cubecl's pools, which fall
+//! back to `cuMemAlloc` when the pool refuses) can implement its budget with a `Ballast`
+//! (feature `cuda`): device memory taken outside every pool so that only the budget stays free.
+//!
 //! What works over any source: [`MemorySource::usage`] and peaks, `empty_cache`,
 //! `memory_summary`, a device-wide budget ([`MemorySource::budget`]), the coarse leak check and
 //! peak scope of [`guards`] (by counters, not per allocation), and the retry engine
@@ -34,11 +38,15 @@ use crate::guard::MemoryBudget;
 use crate::Device;
 
 #[cfg(feature = "cuda")]
+mod ballast;
+#[cfg(feature = "cuda")]
 mod driver_pool;
 pub mod guards;
 #[cfg(any(feature = "cuda", test))]
 mod pool_state;
 
+#[cfg(feature = "cuda")]
+pub use ballast::{Ballast, BALLAST_PAGE};
 #[cfg(feature = "cuda")]
 pub use driver_pool::{DriverPool, DriverPoolBuilder};
 
