@@ -107,7 +107,9 @@ impl MemorySource for CubeCudaSource {
     ///   kernels loaded, another framework, other processes) draws from the same room, and other
     ///   processes that free memory widen it;
     /// - the limit holds to within [`BALLAST_PAGE`](oomguard::source::BALLAST_PAGE) (2 MiB, the
-    ///   driver's page);
+    ///   driver's page), for what cubecl holds in the pool: pages it took with its `cuMemAlloc`
+    ///   fallback before the budget are outside the pool, not counted in what it holds, and
+    ///   stay on top of the limit until cubecl frees them;
     /// - one budget at a time per device: a second while one lives is refused (the ballasts of
     ///   two could not be dropped in any order and keep the tighter cap);
     /// - refused: 0 (as on every source), and a limit at or below what cubecl holds after the
