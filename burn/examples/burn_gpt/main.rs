@@ -1338,8 +1338,8 @@ impl<B: Backend> Ctx<B> {
             }
         }
         let peak = self.source.usage().map(|u| u.reserved_peak).unwrap_or(0);
-        // Within the limit, give or take the driver's 2 MiB page.
-        let within = peak <= limit + (2 << 20);
+        // Within the limit, give or take the driver's page (the ballast's granularity).
+        let within = peak <= limit + oomguard::source::BALLAST_PAGE;
         drop(guard);
         self.cleanup();
         let _ = self.source.reset_peak();

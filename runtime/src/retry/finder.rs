@@ -229,9 +229,10 @@ impl FinderReport {
     /// The smallest batch that ran out of memory in the search or its verification, if any:
     /// `max_batch` is below it. The search assumes that a step's memory grows with its batch,
     /// so once a size fails it looks only below it (a larger size it tried earlier failed
-    /// too). Where memory does not grow monotonically, a larger batch above it may still run: burn 0.21 on an H100 ran 44 and 53–64 rows of GPT-2 small
-    /// but not 47–50 (cubecl packs a step's tensors into pages of fixed sizes; docs/GPU.md
-    /// run 19), and the finder returned 44, below 47.
+    /// too). Where memory does not grow monotonically, a larger batch above it may still run:
+    /// burn 0.21 on an H100 ran 44 and 53–64 rows of GPT-2 small but not 47–50 (cubecl packs
+    /// a step's tensors into pages of fixed sizes; docs/GPU.md run 19), and the finder
+    /// returned 44, below 47.
     pub fn smallest_failed(&self) -> Option<usize> {
         self.trials
             .iter()
