@@ -88,6 +88,12 @@ impl Backend for CountingBackend {
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         self.count(UNMAP, self.inner.unmap(addr, bytes))
     }
+    fn unmap_keep(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.count(UNMAP, self.inner.unmap_keep(addr, bytes))
+    }
+    fn release_spares(&self) -> Result<u64, BackendError> {
+        self.inner.release_spares()
+    }
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
         self.inner.copy_to_device(dst, src)
     }
@@ -111,6 +117,13 @@ impl Backend for CountingBackend {
     }
     fn synchronize(&self) -> Result<(), BackendError> {
         self.inner.synchronize()
+    }
+    fn synchronize_streams(
+        &self,
+        streams: &[StreamId],
+        calling: StreamId,
+    ) -> Result<bool, BackendError> {
+        self.inner.synchronize_streams(streams, calling)
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         self.inner.as_any()

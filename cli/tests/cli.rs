@@ -346,10 +346,12 @@ fn the_allocator_config_comes_from_the_environment_unless_given() {
 
 /// Issue 26, point 14: a variable-batch BERT-base inference workload (200 requests, batch 1–64,
 /// sequence 16–512, fp16, no grad), captured by this project on the H100 with PyTorch
-/// (`scripts/capture_bert_inference.py`; traces/README.md). Without a memory limit, peak
-/// reserved and the smallest capacity that runs it stay within 1.02 of peak live, below
-/// PyTorch's own expandable segments on the same run (1.3075). Before the placement took the
-/// recycled pages into account, oomguard reserved 1.1328 × peak live here.
+/// (`scripts/capture_bert_inference.py`; traces/README.md). The smallest capacity that runs it
+/// stays within 1.02 of peak live with the default; tight mode (`page_recycle_threshold:0`, pages
+/// moved before passing the high-water mark) also keeps peak reserved without a limit within
+/// 1.02, below PyTorch's own expandable segments on the same run (1.3075). Before the placement
+/// took the recycled pages into account, tight mode reserved 1.1328 × peak live here. (The
+/// default maps instead of moving while the card has room: 1.40 here, docs/BENCHMARKS.md.)
 #[test]
 fn bert_inference_trace_stays_within_1_02_of_peak_live() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../traces");
@@ -363,7 +365,7 @@ fn bert_inference_trace_stays_within_1_02_of_peak_live() {
         "replay",
         &file,
         "--config",
-        "expandable_segments:True",
+        "expandable_segments:True,page_recycle_threshold:0",
         "--json",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -383,8 +385,9 @@ fn bert_inference_trace_stays_within_1_02_of_peak_live() {
 }
 
 /// Issue 26, point 14, on the generated inference workloads (`gen inference`, about 0.85 GB
-/// live): peak reserved is 1.03 × peak live with an H100's 2 MiB pages, and what is over is page
-/// rounding, not placement: the same replay with smaller pages of the simulated device
+/// live), in tight mode (`page_recycle_threshold:0`): peak reserved is 1.03 × peak live with an
+/// H100's 2 MiB pages, and what is over is page rounding, not placement: the same replay with
+/// smaller pages of the simulated device
 /// (`--page-size`) comes down with the page size, to within 1% of peak live at 512 KiB.
 #[test]
 fn generated_inference_excess_shrinks_with_the_page_size() {
@@ -393,7 +396,13 @@ fn generated_inference_excess_shrinks_with_the_page_size() {
     let o = oomguard(&["gen", "inference", "--seed", "2", "-o", &f]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let ratio = |page: Option<&str>| {
-        let mut args = vec!["replay", f.as_str(), "--json"];
+        let mut args = vec![
+            "replay",
+            f.as_str(),
+            "--json",
+            "--config",
+            "page_recycle_threshold:0",
+        ];
         if let Some(p) = page {
             args.extend(["--page-size", p]);
         }

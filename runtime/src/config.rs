@@ -99,17 +99,19 @@ pub struct AllocatorConfig {
     /// this many bytes larger than itself (PyTorch's `max_non_split_rounding_mb`; default and
     /// minimum 20 MiB).
     pub max_non_split_rounding: u64,
-    /// Growable segments: below this fraction of the device's capacity (or of the memory limit,
-    /// when lower) they map new pages for a request instead of moving free pages from holes
-    /// (oomguard's key `page_recycle_threshold`, in (0, 1]). `None` (the default): pages are
-    /// moved from the high-water mark on, so reserved memory follows live memory (peak
-    /// reserved 1.0005–1.014 × peak live on the recorded traces), at the price of unmapping and
-    /// mapping pages at the mark (on an H100, candle's GPT-2 step remapped 5–10 GiB and took
-    /// 1.4–1.6 × the driver pool's time). With a threshold the allocator holds more memory, up
-    /// to the threshold, and moves fewer pages: a speed-for-memory trade the user opts into. On
-    /// an H100, candle's GPT-2 at batch 24 with 0.95: 0.966 × the pool's step time at 1.0688 ×
-    /// peak used (default 1.0007, pool 1.0456; docs/BENCHMARKS.md). On workloads far below the
-    /// card's size it holds more than PyTorch's expandable segments (gpt2 1.14 vs 1.09).
+    /// Growable segments: the share of the memory limit (the device's capacity without one)
+    /// up to which they map new pages for a request rather than move free pages from holes
+    /// (oomguard's key `page_recycle_threshold`, in [0, 1]). `None` (the default) is 1: pages
+    /// move only under pressure (a map that would pass the limit, or that the device refuses),
+    /// so a loop that repeats settles and its steps make no driver call, and reserved memory
+    /// may exceed live memory while the card has room, as PyTorch's expandable segments do.
+    /// Lower values keep reserved memory closer to live memory by moving pages sooner (past
+    /// the higher of that share and the high-water mark of reserved memory); `0` moves them
+    /// before reserved memory passes its high-water mark (the default before issue 31). Figures
+    /// (docs/BENCHMARKS.md, simulated replays of the recorded traces): peak reserved / peak live
+    /// with the default 1.038 / 1.140 / 1.073 (resnet50 / gpt2 / vit_b16), with 0 1.003 / 1.013
+    /// / 1.005; on an H100, candle's GPT-2 step at batch 24 with 0 moved 5–10 GiB of pages per
+    /// step and took 1.4–1.6 × the driver pool's time (GPU.md runs 12, 17).
     pub page_recycle_threshold: Option<f64>,
 }
 
@@ -224,8 +226,8 @@ impl AllocatorConfig {
                         .ok_or_else(|| err(format!("{mb} MiB is too large")))?;
                 }
                 "page_recycle_threshold" => {
-                    let t =
-                        parse_fraction(value, |t| t > 0.0 && t <= 1.0, "(0, 1]").map_err(err)?;
+                    let t = parse_fraction(value, |t| (0.0..=1.0).contains(&t), "[0, 1]")
+                        .map_err(err)?;
                     c.page_recycle_threshold = Some(t);
                 }
                 other if IGNORED_KEYS.iter().any(|&(k, _)| k == other) => {
@@ -493,6 +495,7 @@ mod tests {
             "garbage_collection_threshold:0.5",
             "backend:cudaMallocAsync,expandable_segments:False",
             "page_recycle_threshold:0.9",
+            "page_recycle_threshold:0",
             "expandable_segments:True,page_recycle_threshold:1",
         ] {
             let c = AllocatorConfig::parse(s).unwrap();
@@ -550,9 +553,9 @@ mod tests {
             ("a]", "", "unbalanced"),
             ("backend:cuda", "backend", "not a backend"),
             (
-                "page_recycle_threshold:0",
+                "page_recycle_threshold:-0.5",
                 "page_recycle_threshold",
-                "outside (0, 1]",
+                "outside [0, 1]",
             ),
             (
                 "page_recycle_threshold:1.01",

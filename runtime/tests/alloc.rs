@@ -18,6 +18,8 @@ fn allocator(cap: ByteSize, cfg: &str) -> (SimDevice, CachingAllocator) {
 }
 
 const MODES: [&str; 2] = ["expandable_segments:False", "expandable_segments:True"];
+/// Growable segments that move free pages before passing their high-water mark.
+const TIGHT: &str = "expandable_segments:True,page_recycle_threshold:0";
 
 #[test]
 fn small_requests_share_a_segment() {
@@ -168,11 +170,12 @@ fn varying_steps(a: &CachingAllocator) -> u64 {
     peak_live
 }
 
-/// With memory to spare, growable segments still move free pages out of holes rather than pass
-/// their high-water mark: reserved memory follows live memory.
+/// Tight mode (`page_recycle_threshold:0`): with memory to spare, growable segments still move
+/// free pages out of holes rather than pass their high-water mark, so reserved memory follows
+/// live memory (the default maps instead: runtime/tests/growable_policy.rs).
 #[test]
-fn growable_segments_recycle_pages_before_a_new_high_water_mark() {
-    let (_, a) = allocator(ByteSize::gib(80), MODES[1]);
+fn tight_mode_recycles_pages_before_a_new_high_water_mark() {
+    let (_, a) = allocator(ByteSize::gib(80), TIGHT);
     let peak_live = varying_steps(&a);
     let s = a.stats();
     let ratio = s.reserved_bytes.all.peak as f64 / peak_live as f64;
@@ -552,15 +555,15 @@ fn pass_through_backend_caches_nothing() {
     assert!(a.allocate(2 << 30, 0).unwrap_err().is_oom());
 }
 
-/// `page_recycle_threshold` (opt-in): below that share of the device growable segments map new
-/// pages instead of moving free ones, so the same steps make no unmap and no synchronisation and
-/// hold more; the memory limit, when lower, bounds the share.
+/// `page_recycle_threshold`: below that share of the device growable segments map new pages
+/// instead of moving free ones, so the same steps make no unmap and no synchronisation and
+/// hold more than tight mode (0); the memory limit, when lower, bounds the share.
 #[test]
 fn page_recycle_threshold_maps_instead_of_moving_below_it() {
-    let (_, tight) = allocator(ByteSize::gib(1), MODES[1]);
+    let (_, tight) = allocator(ByteSize::gib(1), TIGHT);
     let peak_live = varying_steps(&tight);
     let t = tight.stats();
-    assert!(t.num_unmap > 0 && t.num_sync_all_streams > 0, "{t:?}");
+    assert!(t.num_unmap > 0 && t.num_stream_syncs > 0, "{t:?}");
 
     let (_, loose) = allocator(
         ByteSize::gib(1),
@@ -572,7 +575,7 @@ fn page_recycle_threshold_maps_instead_of_moving_below_it() {
         "peak live {peak_live}: default reserved {} ({} unmaps), threshold 0.5 reserved {} ({} unmaps)",
         t.reserved_bytes.all.peak, t.num_unmap, l.reserved_bytes.all.peak, l.num_unmap
     );
-    assert_eq!((l.num_unmap, l.num_sync_all_streams), (0, 0), "{l:?}");
+    assert_eq!((l.num_unmap, l.num_stream_syncs), (0, 0), "{l:?}");
     assert!(l.reserved_bytes.all.peak > t.reserved_bytes.all.peak);
     assert!(l.reserved_bytes.all.peak <= 512 * MIB);
     assert!(loose

@@ -22,6 +22,13 @@ struct Placement {
 impl State {
     /// Maps pages so that a free block of at least `size` exists on (`pool`, `stream`), placing
     /// them where the fewest new pages are needed; returns that block split to `size`, not indexed.
+    ///
+    /// Pages move only under pressure: while the map fits under the memory limit (or the
+    /// `page_recycle_threshold` share of it) and the device has the memory, new pages are
+    /// mapped and free ones stay where they are, so a loop whose layout has settled makes no
+    /// driver call. When the map would pass the limit, or the device refuses it, free pages
+    /// are moved from holes to where the request needs them: unmapped with their physical
+    /// handles kept, and mapped again at once (a remap, no release and create).
     pub fn grow_growable(
         &mut self,
         backend: &dyn Backend,
@@ -29,6 +36,27 @@ impl State {
         stream: StreamId,
         size: u64,
         total: u64,
+    ) -> Result<BlockId, GrowError> {
+        let mut spares = false;
+        let r = self.grow_growable_inner(backend, pool, stream, size, total, &mut spares);
+        if spares {
+            // Handles kept for a move that were not mapped again (or that a failed map left):
+            // give them back, so that reserved memory is exactly the mapped pages again.
+            if let Err(e) = backend.release_spares() {
+                tracing::warn!(error = %e, "releasing spare pages failed");
+            }
+        }
+        r
+    }
+
+    fn grow_growable_inner(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        total: u64,
+        spares: &mut bool,
     ) -> Result<BlockId, GrowError> {
         let g = self.granularity;
         // Whole pages must be able to hold the request (within a page of 2^64 they cannot).
@@ -49,46 +77,70 @@ impl State {
                 ),
             )));
         }
-        // Recycle before reaching a new high-water mark: move free pages from holes (unmap) to
-        // where they are needed (map), so that reserved memory tracks live memory instead of
-        // piling up unused pages. Below the mark, mapping alone is cheaper and costs nothing;
-        // with `page_recycle_threshold`, below that share of the device too (the user's trade).
-        let floor = match self.cfg.page_recycle_threshold {
-            Some(t) => {
-                let cap = self.limit.map_or(total, |l| l.min(total));
-                ((cap as f64 * t) as u64).max(self.high_water)
-            }
-            None => self.high_water,
+        // Pages are mapped freely up to the memory limit (the device's capacity without one);
+        // with `page_recycle_threshold`, only up to that share of it (or the high-water mark,
+        // when higher): past it, free pages are moved instead.
+        let cap = match (self.limit, total) {
+            (Some(l), 0) => l,
+            (Some(l), t) => l.min(t),
+            (None, 0) => u64::MAX,
+            (None, t) => t,
         };
-        let mut choice = self.cheapest_hole(pool, stream, size, floor);
-        let need = choice.map_or(pages, |p| p.cost);
-        let over = self.reserved().saturating_add(need).saturating_sub(floor);
-        if over > 0 {
-            // The free mapped neighbours the placement uses stay mapped: unmapping one (the
-            // largest free run is often the hole's neighbour) would make it need more new
-            // pages than were released, and the high-water mark would rise for nothing.
-            let keep = choice.map_or([None, None], |p| p.uses);
-            if self.release_pages(backend, over, keep, false) > 0 {
-                choice = self.cheapest_hole(pool, stream, size, floor);
+        let soft = match self.cfg.page_recycle_threshold {
+            Some(t) => ((cap as f64 * t) as u64).max(self.high_water),
+            None => cap,
+        };
+        // Attempt 0 maps under `soft`; attempt 1 follows a map the device refused (memory
+        // outside this allocator, or a capacity below the reported total): it may hold no more
+        // than it holds now, so every page it needs is moved.
+        for attempt in 0..2 {
+            let floor = if attempt == 0 { soft } else { self.reserved() };
+            let mut choice = self.cheapest_hole(pool, stream, size, floor);
+            let need = choice.map_or(pages, |p| p.cost);
+            let over = self.reserved().saturating_add(need).saturating_sub(floor);
+            if over > 0 {
+                // The free mapped neighbours the placement uses stay mapped: unmapping one (the
+                // largest free run is often the hole's neighbour) would make it need more new
+                // pages than were released.
+                let keep = choice.map_or([None, None], |p| p.uses);
+                *spares = true;
+                let moved = self.release_pages(backend, over, keep, Release::Move(stream));
+                if moved > 0 {
+                    choice = self.cheapest_hole(pool, stream, size, floor);
+                }
+            }
+            let (hole, cost) = match choice {
+                Some(p) => (p.hole, p.cost),
+                None => {
+                    // (a capacity within a page of 2^64: half the address space, whole pages)
+                    let va = pages.max(
+                        total
+                            .checked_next_multiple_of(g)
+                            .unwrap_or(u64::MAX / 2 / g * g),
+                    );
+                    let id = self.reserve_range(backend, pool, stream, va)?;
+                    (id, pages)
+                }
+            };
+            self.check_limit(cost)?;
+            let addr = self.blocks[hole].addr;
+            match backend.map(addr, cost) {
+                Ok(()) => return Ok(self.mapped(hole, cost, size, stream)),
+                Err(e) if e.is_oom() && attempt == 0 && self.releasable_pages() > 0 => {
+                    // a failed map may leave its pages as spares (the CUDA backend does)
+                    *spares = true;
+                }
+                Err(e) => return Err(e.into()),
             }
         }
-        let (hole, cost) = match choice {
-            Some(p) => (p.hole, p.cost),
-            None => {
-                // (a capacity within a page of 2^64: half the address space, whole pages)
-                let va = pages.max(
-                    total
-                        .checked_next_multiple_of(g)
-                        .unwrap_or(u64::MAX / 2 / g * g),
-                );
-                let id = self.reserve_range(backend, pool, stream, va)?;
-                (id, pages)
-            }
-        };
-        self.check_limit(cost)?;
+        unreachable!("the second attempt returns")
+    }
+
+    /// Books `cost` bytes just mapped at the start of the unmapped block `hole` and returns the
+    /// free block of at least `size` they make, split to `size`, not indexed.
+    fn mapped(&mut self, hole: BlockId, cost: u64, size: u64, stream: StreamId) -> BlockId {
         let addr = self.blocks[hole].addr;
-        backend.map(addr, cost)?;
-        let small = pool.is_small();
+        let small = self.blocks[hole].pool.is_small();
         let s = &mut self.stats;
         s.reserved_bytes.add(small, cost);
         s.num_device_alloc += 1;
@@ -112,7 +164,7 @@ impl State {
             "mapped enough for the request"
         );
         self.split_to(id, size);
-        Ok(id)
+        id
     }
 
     /// Where to map pages for a request of `size`: an unmapped free block (hole). A hole right
@@ -247,16 +299,14 @@ impl State {
 
     /// Unmaps pages of growable segments that hold no live byte, the largest free runs first,
     /// until at least `budget` bytes are unmapped (`u64::MAX`: all), leaving the blocks in `keep`
-    /// alone;
-    /// returns the bytes unmapped. The device is synchronised first; that counts in
-    /// `num_sync_all_streams` unless the caller counted its own synchronisation already
-    /// (`sync_counted`), so one `empty_cache` counts one, as in PyTorch.
+    /// alone; returns the bytes unmapped. The work that may still use the pages is waited for
+    /// first (see [`Release`]).
     pub fn release_pages(
         &mut self,
         backend: &dyn Backend,
         budget: u64,
         keep: [Option<BlockId>; 2],
-        sync_counted: bool,
+        how: Release,
     ) -> u64 {
         if !self.free.iter().any(FreeIndex::any_whole_page) {
             return 0;
@@ -279,22 +329,48 @@ impl State {
             candidates.truncate(cut);
         }
         if !candidates.is_empty() {
-            // Another stream's queued work may still touch these pages: wait before unmapping.
-            if let Err(e) = backend.synchronize() {
-                tracing::warn!(error = %e, "synchronize before unmapping failed; keeping pages");
-                return 0;
-            }
-            if !sync_counted {
-                self.stats.num_sync_all_streams += 1;
+            // Queued work may still touch these pages: wait before unmapping. A free block's
+            // pages are used only by its segment's stream (a block used on other streams is
+            // free only once their events completed), so a move waits for those streams alone.
+            let waited = match how {
+                Release::Move(calling) => {
+                    let mut streams: Vec<StreamId> = candidates
+                        .iter()
+                        .map(|&(_, id)| self.segs[self.blocks[id].seg].stream)
+                        .collect();
+                    streams.sort_unstable();
+                    streams.dedup();
+                    backend
+                        .synchronize_streams(&streams, calling)
+                        .map(|all| (all, true))
+                }
+                Release::All { .. } => backend.synchronize().map(|()| (true, false)),
+            };
+            match waited {
+                Err(e) => {
+                    tracing::warn!(error = %e, "synchronize before unmapping failed; keeping pages");
+                    return 0;
+                }
+                Ok((true, _)) if !matches!(how, Release::All { sync_counted: true }) => {
+                    self.stats.num_sync_all_streams += 1;
+                }
+                Ok((false, _)) => self.stats.num_stream_syncs += 1,
+                Ok(_) => {}
             }
         }
+        let keep_handles = matches!(how, Release::Move(_));
         let mut released = 0;
         for (_, id) in candidates {
             let (lo, hi) = {
                 let b = &self.blocks[id];
                 (b.addr.next_multiple_of(g), b.end() / g * g)
             };
-            if let Err(e) = backend.unmap(lo, hi - lo) {
+            let r = if keep_handles {
+                backend.unmap_keep(lo, hi - lo)
+            } else {
+                backend.unmap(lo, hi - lo)
+            };
+            if let Err(e) = r {
                 tracing::warn!(error = %e, "unmapping free pages failed; keeping them");
                 continue;
             }
@@ -355,6 +431,22 @@ impl State {
             self.stats.segment.sub(small, 1);
         }
     }
+}
+
+/// Why [`State::release_pages`] unmaps, which decides what it waits for and what it keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Pages moved to where a request on this stream needs them: the streams of the pages'
+    /// segments are waited for (the device, when the backend cannot name one from this
+    /// thread), and the physical handles are kept for the map that follows.
+    Move(StreamId),
+    /// Memory given back to the device (`empty_cache`, out-of-memory): the device is
+    /// synchronised and the handles released. `sync_counted`: the caller counted that
+    /// synchronisation already (one `empty_cache` counts one, as in PyTorch).
+    All {
+        /// The caller counted the synchronisation.
+        sync_counted: bool,
+    },
 }
 
 /// Bytes of the whole pages (of `g` bytes) inside block `b`.

@@ -504,7 +504,12 @@ impl CachingAllocator {
     /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
     fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
         st.release_fixed(&*self.backend)
-            + st.release_pages(&*self.backend, u64::MAX, [None, None], sync_counted)
+            + st.release_pages(
+                &*self.backend,
+                u64::MAX,
+                [None, None],
+                growable::Release::All { sync_counted },
+            )
     }
 
     /// Whether `a` names a live allocation of this allocator (lent-out copies included).
@@ -691,7 +696,12 @@ impl CachingAllocator {
         self.drain_all_caches(&mut st);
         st.flush_parked();
         st.release_fixed(&*self.backend);
-        st.release_pages(&*self.backend, u64::MAX, [None, None], true);
+        st.release_pages(
+            &*self.backend,
+            u64::MAX,
+            [None, None],
+            growable::Release::All { sync_counted: true },
+        );
         st.release_empty_ranges(&*self.backend);
         self.fold_caches(&mut st);
         Ok(())

@@ -115,6 +115,9 @@ pub struct MemoryStats {
     /// release on out-of-memory (PyTorch's `synchronize_and_free_events`), and before unmapping
     /// free pages under pressure.
     pub num_sync_all_streams: u64,
+    /// Times the allocator waited for the streams of pages it moved (growable segments under
+    /// pressure), rather than for the whole device.
+    pub num_stream_syncs: u64,
     /// Successful backend calls that obtained memory: `alloc_segment` and `map`.
     pub num_device_alloc: u64,
     /// Backend calls that returned memory: `free_segment` and `unmap`.
@@ -176,6 +179,7 @@ impl MemoryStats {
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
         self.num_sync_all_streams = 0;
+        self.num_stream_syncs = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
         self.num_map = 0;

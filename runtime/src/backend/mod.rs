@@ -131,6 +131,19 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// pages mapped by [`Backend::map`], not necessarily with the same boundaries (a backend backs
     /// each page separately so that any subset can be returned).
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+    /// Unmaps `[addr, addr + bytes)` as [`Backend::unmap`] does, but keeps the physical pages
+    /// (their handles) as *spares*: the next [`Backend::map`] backs its range with spares before
+    /// it creates new pages, so moving pages costs an unmap and a map, not a release and a
+    /// create as well. Spares still hold device memory; the allocator gives the unused ones back
+    /// with [`Backend::release_spares`] before it returns. Default: [`Backend::unmap`] (no spare
+    /// is kept).
+    fn unmap_keep(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.unmap(addr, bytes)
+    }
+    /// Frees every spare page kept by [`Backend::unmap_keep`]; returns their bytes.
+    fn release_spares(&self) -> Result<u64, BackendError> {
+        Ok(0)
+    }
 
     /// Copies host bytes to device memory at `dst`.
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError>;
@@ -161,6 +174,17 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Waits for all work on the device (before unmapping pages another stream may still use).
     fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
+    }
+    /// Waits for the work queued so far on each of `streams`, from a thread that allocates on
+    /// `calling` (a per-thread stream id names the calling thread's stream only). Returns `true`
+    /// when the backend synchronised the whole device instead (a stream it cannot wait for from
+    /// this thread). Default: [`Backend::synchronize`], `true`.
+    fn synchronize_streams(
+        &self,
+        _streams: &[StreamId],
+        _calling: StreamId,
+    ) -> Result<bool, BackendError> {
+        self.synchronize().map(|()| true)
     }
 
     /// The backend as [`std::any::Any`], so that code which knows the concrete backend can reach

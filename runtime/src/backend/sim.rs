@@ -175,6 +175,14 @@ pub struct SimCallCounts {
     pub unmap: u64,
     /// Backend calls that failed with out-of-memory.
     pub oom: u64,
+    /// Pages created by `map` (a real device's `cuMemCreate`).
+    pub pages_created: u64,
+    /// Pages `map` backed with spares kept by `unmap_keep` (a remap, no create).
+    pub pages_reused: u64,
+    /// Pages freed (`unmap`, `release_spares`; a real device's `cuMemRelease`).
+    pub pages_released: u64,
+    /// `synchronize_streams` calls (one stream's work waited for, not the device's).
+    pub stream_syncs: u64,
 }
 
 #[derive(Debug)]
@@ -189,6 +197,8 @@ struct SimState {
     /// Page size of growable segments (and rounding of address ranges).
     granularity: u64,
     used: u64,
+    /// Bytes of spare pages kept by `unmap_keep` (counted in `used`).
+    spare: u64,
     next_va: u64,
     // base -> region: segments (fixed) and reserved ranges (growable)
     regions: BTreeMap<u64, Region>,
@@ -243,6 +253,7 @@ impl SimDevice {
                 capacity: capacity.0,
                 granularity: SIM_GRANULARITY,
                 used: 0,
+                spare: 0,
                 next_va: VA_START,
                 regions: BTreeMap::new(),
                 mapped: BTreeMap::new(),
@@ -321,7 +332,48 @@ impl SimDevice {
     pub fn set_capacity(&self, capacity: ByteSize) {
         self.lock().capacity = capacity.0;
     }
-    /// Physical bytes in use (segments plus mapped pages).
+    /// Unmaps whole mapped pages; `keep`: their memory stays as spares for the next `map`.
+    fn unmap_pages(&self, addr: DevicePtr, bytes: u64, keep: bool) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        let end = addr.checked_add(bytes).unwrap_or(0);
+        let g = st.granularity;
+        let all_mapped =
+            addr % g == 0 && bytes % g == 0 && end > addr && covered(&st.mapped, addr, end);
+        if !all_mapped {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "unmap",
+                format!("{bytes} bytes at {addr:#x} are not mapped pages"),
+            ));
+        }
+        // remove the runs overlapping [addr, end), keeping their parts outside it
+        let runs: Vec<(u64, u64)> = st
+            .mapped
+            .range(..end)
+            .rev()
+            .take_while(|(_, &e)| e > addr)
+            .map(|(&s, &e)| (s, e))
+            .collect();
+        for (s, e) in runs {
+            st.mapped.remove(&s);
+            if s < addr {
+                st.mapped.insert(s, addr);
+            }
+            if e > end {
+                st.mapped.insert(end, e);
+            }
+        }
+        if keep {
+            st.spare += bytes;
+        } else {
+            st.used -= bytes;
+            st.calls.pages_released += bytes / g;
+        }
+        st.calls.unmap += 1;
+        Self::drop_chunks(&mut st, addr, bytes);
+        Ok(())
+    }
+    /// Physical bytes in use (segments, mapped pages and spare pages).
     pub fn used(&self) -> u64 {
         self.lock().used
     }
@@ -559,49 +611,35 @@ impl Backend for SimDevice {
                 "a page in {addr:#x}+{bytes} is already mapped"
             )));
         }
-        if st.used.checked_add(bytes).is_none_or(|u| u > st.capacity) {
-            return Err(Self::oom(&mut st, "map", bytes));
+        // spare pages (kept by unmap_keep) back the range first; only the rest is new memory
+        let reused = st.spare.min(bytes);
+        let fresh = bytes - reused;
+        if st.used.checked_add(fresh).is_none_or(|u| u > st.capacity) {
+            return Err(Self::oom(&mut st, "map", fresh));
         }
         st.mapped.insert(addr, end);
-        st.used += bytes;
+        st.spare -= reused;
+        st.used += fresh;
         st.calls.map += 1;
+        st.calls.pages_reused += reused / g;
+        st.calls.pages_created += fresh / g;
         Ok(())
     }
 
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.unmap_pages(addr, bytes, false)
+    }
+
+    fn unmap_keep(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.unmap_pages(addr, bytes, true)
+    }
+
+    fn release_spares(&self) -> Result<u64, BackendError> {
         let mut st = self.lock();
-        let end = addr.checked_add(bytes).unwrap_or(0);
-        let g = st.granularity;
-        let all_mapped =
-            addr % g == 0 && bytes % g == 0 && end > addr && covered(&st.mapped, addr, end);
-        if !all_mapped {
-            return Err(BackendError::new(
-                BackendErrorKind::InvalidArgument,
-                "unmap",
-                format!("{bytes} bytes at {addr:#x} are not mapped pages"),
-            ));
-        }
-        // remove the runs overlapping [addr, end), keeping their parts outside it
-        let runs: Vec<(u64, u64)> = st
-            .mapped
-            .range(..end)
-            .rev()
-            .take_while(|(_, &e)| e > addr)
-            .map(|(&s, &e)| (s, e))
-            .collect();
-        for (s, e) in runs {
-            st.mapped.remove(&s);
-            if s < addr {
-                st.mapped.insert(s, addr);
-            }
-            if e > end {
-                st.mapped.insert(end, e);
-            }
-        }
-        st.used -= bytes;
-        st.calls.unmap += 1;
-        Self::drop_chunks(&mut st, addr, bytes);
-        Ok(())
+        let n = std::mem::take(&mut st.spare);
+        st.used -= n;
+        st.calls.pages_released += n / st.granularity;
+        Ok(n)
     }
 
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
@@ -724,6 +762,18 @@ impl Backend for SimDevice {
             *done = true;
         }
         Ok(())
+    }
+
+    fn synchronize_streams(
+        &self,
+        streams: &[StreamId],
+        _calling: StreamId,
+    ) -> Result<bool, BackendError> {
+        for &s in streams {
+            self.synchronize_stream(s);
+        }
+        self.lock().calls.stream_syncs += 1;
+        Ok(false)
     }
 }
 

@@ -220,6 +220,12 @@ impl CudaBackend {
         self.pages.mapped_pages()
     }
 
+    /// Physical pages of growable segments created (`cuMemCreate`) and pages mapped from kept
+    /// handles instead (a move that reused its pages), over the backend's life.
+    pub fn page_counts(&self) -> (u64, u64) {
+        self.pages.page_counts()
+    }
+
     /// Makes this backend's context current on the calling thread (the allocator may be called
     /// from any thread). Unlike cudarc's `bind_to_thread`, it leaves cudarc's deferred error state
     /// alone.
@@ -389,7 +395,17 @@ impl Backend for CudaBackend {
 
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         self.bind("cuMemUnmap")?;
-        self.pages.unmap(addr, bytes)
+        self.pages.unmap(addr, bytes, false)
+    }
+
+    fn unmap_keep(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind("cuMemUnmap")?;
+        self.pages.unmap(addr, bytes, true)
+    }
+
+    fn release_spares(&self) -> Result<u64, BackendError> {
+        self.bind("cuMemRelease")?;
+        Ok(self.pages.release_spares())
     }
 
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
@@ -458,6 +474,40 @@ impl Backend for CudaBackend {
     fn synchronize(&self) -> Result<(), BackendError> {
         self.bind("cuCtxSynchronize")?;
         self.sync_all("cuCtxSynchronize")
+    }
+
+    fn synchronize_streams(
+        &self,
+        streams: &[StreamId],
+        calling: StreamId,
+    ) -> Result<bool, BackendError> {
+        // A stream is waited for alone when this thread can name it: the legacy stream, a
+        // registered one, or the calling thread's own per-thread stream. Another thread's
+        // per-thread stream, or a raw handle whose owner may have destroyed it, cannot be:
+        // then the whole device.
+        let own = |id: StreamId| {
+            if id & PER_THREAD_STREAM_TAG != 0 {
+                id == calling
+            } else {
+                id & RAW_STREAM_TAG == 0
+            }
+        };
+        if !streams.iter().all(|&id| own(id)) {
+            self.synchronize()?;
+            return Ok(true);
+        }
+        let raws = streams
+            .iter()
+            .map(|&id| self.raw_stream(id))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.bind("cuStreamSynchronize")?;
+        for raw in raws {
+            // SAFETY: `raw` is the legacy stream, a stream kept alive by the registry, or the
+            // calling thread's per-thread default stream (see `raw_stream`).
+            unsafe { result::stream::synchronize(raw) }
+                .map_err(|e| driver_error("cuStreamSynchronize", e))?;
+        }
+        Ok(false)
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {

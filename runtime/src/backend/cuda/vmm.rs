@@ -76,6 +76,12 @@ struct Tables {
     ranges: BTreeMap<DevicePtr, u64>,
     /// Mapped pages: page address -> its allocation handle.
     pages: BTreeMap<DevicePtr, sys::CUmemGenericAllocationHandle>,
+    /// Handles of pages unmapped by `unmap_keep`, mapped nowhere: the next `map` uses them
+    /// before it creates new ones.
+    spare: Vec<sys::CUmemGenericAllocationHandle>,
+    /// Pages created (`cuMemCreate`) and pages mapped from spares, over the table's life.
+    created: u64,
+    reused: u64,
 }
 
 /// Reserved ranges and mapped pages of one device.
@@ -179,10 +185,20 @@ impl PageTable {
             Vec::with_capacity((bytes / g) as usize);
         let mut page = addr;
         while page < addr + bytes {
-            match self.map_page(&prop, page) {
-                Ok(h) => done.push((page, h)),
+            let spare = t.spare.pop();
+            match self.map_page(&prop, page, spare) {
+                Ok(h) => {
+                    done.push((page, h));
+                    if spare.is_some() {
+                        t.reused += 1;
+                    } else {
+                        t.created += 1;
+                    }
+                }
                 Err(e) => {
-                    self.undo(&done);
+                    // the spare (if any) was released by map_page; the pages mapped so far go
+                    // back as spares, so a failed move loses none
+                    self.undo(&done, &mut t.spare);
                     return Err(e);
                 }
             }
@@ -195,40 +211,59 @@ impl PageTable {
         // SAFETY: the whole range is mapped (above); `access` is one valid descriptor.
         let r = unsafe { sys::cuMemSetAccess(addr, bytes as usize, &access, 1) };
         if let Err(e) = check("cuMemSetAccess", r) {
-            self.undo(&done);
+            self.undo(&done, &mut t.spare);
             return Err(e);
         }
         t.pages.extend(done);
         Ok(())
     }
 
+    /// Maps one page at `page`: the `spare` handle when given, else a new one.
     fn map_page(
         &self,
         prop: &sys::CUmemAllocationProp,
         page: DevicePtr,
+        spare: Option<sys::CUmemGenericAllocationHandle>,
     ) -> Result<sys::CUmemGenericAllocationHandle, BackendError> {
         let g = self.page as usize;
-        let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: `h` is valid for the write; `prop` is fully initialised; the size is the
-        // granularity.
-        check("cuMemCreate", unsafe {
-            sys::cuMemCreate(&mut h, g, prop, 0)
-        })?;
+        let h = match spare {
+            Some(h) => h,
+            None => {
+                let mut h: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: `h` is valid for the write; `prop` is fully initialised; the size is
+                // the granularity.
+                check("cuMemCreate", unsafe {
+                    sys::cuMemCreate(&mut h, g, prop, 0)
+                })?;
+                h
+            }
+        };
         // SAFETY: `page` lies in a reserved range and is not mapped (checked by the caller under
-        // the lock); `h` is a fresh handle of exactly one page.
+        // the lock); `h` is a handle of exactly one page (new, or a spare of this table's,
+        // created with the same size) mapped nowhere.
         if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(page, g, 0, h, 0) }) {
-            // SAFETY: `h` was created above and is mapped nowhere.
+            // SAFETY: `h` is mapped nowhere and owned here (a spare was taken off the list).
             let _ = unsafe { sys::cuMemRelease(h) };
             return Err(e);
         }
         Ok(h)
     }
 
-    /// Unmaps and releases pages mapped during a failed `map`; errors are only logged.
-    fn undo(&self, done: &[(DevicePtr, sys::CUmemGenericAllocationHandle)]) {
+    /// Unmaps pages mapped during a failed `map`, keeping their handles as spares; errors are
+    /// only logged.
+    fn undo(
+        &self,
+        done: &[(DevicePtr, sys::CUmemGenericAllocationHandle)],
+        spare: &mut Vec<sys::CUmemGenericAllocationHandle>,
+    ) {
         for &(page, h) in done {
-            if let Err(e) = self.unmap_page(page, h) {
-                tracing::warn!(error = %e, page, "undoing a partial map failed");
+            // SAFETY: `page` was mapped to `h` (one page) by `map_page` in this failed `map`,
+            // and nothing has used it yet.
+            match check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(page, self.page as usize)
+            }) {
+                Ok(()) => spare.push(h),
+                Err(e) => tracing::warn!(error = %e, page, "undoing a partial map failed"),
             }
         }
     }
@@ -247,8 +282,14 @@ impl PageTable {
         check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
     }
 
-    /// Unmaps and frees every page of `[addr, addr + bytes)`; all must be mapped.
-    pub(super) fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+    /// Unmaps every page of `[addr, addr + bytes)`; all must be mapped. `keep`: the handles
+    /// become spares for the next `map`; otherwise they are released (the memory freed).
+    pub(super) fn unmap(
+        &self,
+        addr: DevicePtr,
+        bytes: u64,
+        keep: bool,
+    ) -> Result<(), BackendError> {
         self.whole_pages("cuMemUnmap", addr, bytes)?;
         let g = self.page;
         let mut t = lock(&self.tables);
@@ -263,7 +304,18 @@ impl PageTable {
         let mut page = addr;
         while page < addr + bytes {
             let h = t.pages[&page];
-            match self.unmap_page(page, h) {
+            let r = if keep {
+                // SAFETY: `page` is mapped to `h` with exactly one page (by `map_page`); the
+                // caller guarantees that no work uses it any more (the allocator waits for the
+                // streams that used it before unmapping). The handle stays alive as a spare.
+                check("cuMemUnmap", unsafe {
+                    sys::cuMemUnmap(page, self.page as usize)
+                })
+                .map(|()| t.spare.push(h))
+            } else {
+                self.unmap_page(page, h)
+            };
+            match r {
                 Ok(()) => {
                     t.pages.remove(&page);
                 }
@@ -275,6 +327,26 @@ impl PageTable {
             page += g;
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Releases every spare handle (`cuMemRelease`); returns the bytes freed.
+    pub(super) fn release_spares(&self) -> u64 {
+        let mut t = lock(&self.tables);
+        let mut freed = 0;
+        for h in std::mem::take(&mut t.spare) {
+            // SAFETY: a spare handle is mapped nowhere and owned by this table alone.
+            match check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
+                Ok(()) => freed += self.page,
+                Err(e) => tracing::warn!(error = %e, "releasing a spare page failed"),
+            }
+        }
+        freed
+    }
+
+    /// Pages created and pages mapped from spares so far.
+    pub(super) fn page_counts(&self) -> (u64, u64) {
+        let t = lock(&self.tables);
+        (t.created, t.reused)
     }
 
     /// Runs `f` when every page of `[addr, end)` is mapped (`None` otherwise), holding the page
@@ -294,6 +366,12 @@ impl PageTable {
         for (page, h) in std::mem::take(&mut t.pages) {
             if let Err(e) = self.unmap_page(page, h) {
                 tracing::warn!(error = %e, page, "unmapping a page on drop failed");
+            }
+        }
+        for h in std::mem::take(&mut t.spare) {
+            // SAFETY: a spare handle is mapped nowhere and owned by this table alone.
+            if let Err(e) = check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
+                tracing::warn!(error = %e, "releasing a spare page on drop failed");
             }
         }
         for (base, size) in std::mem::take(&mut t.ranges) {

@@ -1,0 +1,262 @@
+//! When growable segments move pages (issue 31): only under pressure (a memory limit or a device
+//! that refuses a map), with their physical handles reused, and a repeating loop settles so that
+//! its steps make no driver call; a step that deviates is served and the loop settles again.
+
+use std::sync::Arc;
+
+use oomguard_runtime::alloc::{Allocation, CachingAllocator};
+use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::{AllocatorConfig, ByteSize};
+
+const MIB: u64 = 1 << 20;
+
+fn allocator(sim: &SimDevice, cfg: &str) -> CachingAllocator {
+    CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::parse(cfg).unwrap())
+}
+
+/// One training-like step: weights stay; activations of a transformer-like stack are made
+/// layer by layer (forward), then freed in reverse while gradients of each layer are made and
+/// dropped (backward); a logits-sized buffer in the middle. `scale` is the batch. Returns the
+/// peak of live requested bytes during the step (weights included).
+fn step(a: &CachingAllocator, scale: u64, weights: u64) -> u64 {
+    let mut live = weights;
+    let mut peak = live;
+    let mut acts: Vec<Allocation> = Vec::new();
+    for layer in 0..12u64 {
+        for (k, mib) in [(0u64, 3u64), (1, 9), (2, 1), (3, 5)] {
+            let bytes = (mib * MIB + (layer * 4 + k) * 4096) * scale;
+            acts.push(a.allocate(bytes, 0).unwrap());
+            live += bytes;
+        }
+        // a temporary that dies inside the layer
+        let tmp = a.allocate(7 * MIB * scale + 512, 0).unwrap();
+        peak = peak.max(live + tmp.requested);
+        a.free(tmp).unwrap();
+    }
+    let logits = a.allocate(40 * MIB * scale, 0).unwrap();
+    peak = peak.max(live + logits.requested);
+    live += logits.requested;
+    a.free(logits).unwrap();
+    live -= 40 * MIB * scale;
+    // backward: each activation gives way to a gradient that lives until the optimizer step
+    // (smaller, so it lands in freed activations' space and splits it) and a temporary larger
+    // than the activation it replaces
+    let mut grads = Vec::new();
+    while let Some(x) = acts.pop() {
+        let tmp = a.allocate(x.requested * 3 / 2 + 4096, 0).unwrap();
+        let grad = a.allocate(x.requested / 3 + 1024, 0).unwrap();
+        live += grad.requested;
+        peak = peak.max(live + tmp.requested);
+        a.free(tmp).unwrap();
+        live -= x.requested;
+        a.free(x).unwrap();
+        grads.push(grad);
+    }
+    // the optimizer step frees the gradients, oldest first
+    for g in grads {
+        a.free(g).unwrap();
+    }
+    peak
+}
+
+/// Weights of the loop: a few blocks that live for the whole run.
+fn weights(a: &CachingAllocator) -> (Vec<Allocation>, u64) {
+    let ws: Vec<_> = [64, 17, 33, 2, 1]
+        .iter()
+        .map(|m| a.allocate(m * MIB + 300, 0).unwrap())
+        .collect();
+    let bytes = ws.iter().map(|w| w.requested).sum();
+    (ws, bytes)
+}
+
+/// Maps, unmaps and synchronisations of the allocator so far.
+fn moves(a: &CachingAllocator) -> (u64, u64, u64) {
+    let s = a.stats();
+    (
+        s.num_map,
+        s.num_unmap,
+        s.num_sync_all_streams + s.num_stream_syncs,
+    )
+}
+
+/// With room on the card, growable segments map new pages and never move free ones: no unmap,
+/// no synchronisation, whatever the steps do. A memory limit makes them move pages at the limit,
+/// and every allocation is still served within it.
+#[test]
+fn pages_move_only_under_pressure() {
+    let sim = SimDevice::address_only(ByteSize::gib(80));
+    let a = allocator(&sim, "expandable_segments:True");
+    let (ws, wb) = weights(&a);
+    let mut peak_live = 0;
+    for s in 0..10 {
+        peak_live = peak_live.max(step(&a, 1 + s % 3, wb));
+    }
+    let (maps, unmaps, syncs) = moves(&a);
+    assert!(maps > 0);
+    assert_eq!((unmaps, syncs), (0, 0), "pages moved with 80 GiB free");
+    let reserved = a.stats().reserved_bytes.all.peak;
+    assert!(reserved >= peak_live);
+    a.check_invariants().unwrap();
+    drop(ws);
+
+    // the same steps under a limit 3% above their peak: pages move, nothing fails
+    let sim = SimDevice::address_only(ByteSize::gib(80));
+    let a = allocator(&sim, "expandable_segments:True");
+    let limit = (peak_live as f64 * 1.03) as u64;
+    a.set_memory_limit(Some(limit));
+    let (_ws, wb) = weights(&a);
+    for s in 0..10 {
+        step(&a, 1 + s % 3, wb);
+    }
+    let st = a.stats();
+    assert!(st.num_unmap > 0, "pages moved at the limit: {st:?}");
+    assert!(st.reserved_bytes.all.peak <= limit);
+    assert_eq!((st.num_ooms, st.num_alloc_retries), (0, 0), "{st:?}");
+    a.check_invariants().unwrap();
+}
+
+/// A device that refuses a map (its memory taken by something outside the allocator) is
+/// pressure too: free pages move to where the request needs them, with their handles reused,
+/// and the request is served without an out-of-memory retry.
+#[test]
+fn a_refused_map_moves_free_pages_with_their_handles() {
+    let sim = SimDevice::address_only(ByteSize::mib(1024));
+    let a = allocator(&sim, "expandable_segments:True");
+    // fill 600 MiB, free every other 100 MiB block: 300 MiB of free pages in holes
+    let xs: Vec<_> = (0..6).map(|_| a.allocate(100 * MIB, 0).unwrap()).collect();
+    let mut kept = Vec::new();
+    for (i, x) in xs.into_iter().enumerate() {
+        if i % 2 == 0 {
+            a.free(x).unwrap();
+        } else {
+            kept.push(x);
+        }
+    }
+    // the device loses 400 MiB to someone else: 24 MiB left
+    sim.set_capacity(ByteSize::mib(624));
+    let before = sim.calls();
+    let big = a.allocate(250 * MIB, 0).unwrap();
+    let after = sim.calls();
+    let st = a.stats();
+    assert_eq!((st.num_ooms, st.num_alloc_retries), (0, 0), "{st:?}");
+    assert!(st.num_unmap > 0);
+    assert!(
+        after.pages_reused - before.pages_reused >= 100,
+        "the moved pages' handles were mapped again: {before:?} -> {after:?}"
+    );
+    assert!(
+        after.pages_created - before.pages_created <= 12,
+        "at most the 24 MiB left were created anew: {before:?} -> {after:?}"
+    );
+    // no spare is left behind: the device holds exactly what the allocator reserves
+    assert_eq!(sim.used(), st.reserved_bytes.all.current);
+    assert_eq!(
+        after.stream_syncs - before.stream_syncs,
+        1,
+        "one stream waited for"
+    );
+    assert_eq!(st.num_sync_all_streams, 0, "not the whole device");
+    a.free(big).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// A loop that repeats settles: after its first step it makes no map, no unmap and no
+/// synchronisation, with room to spare and at the smallest limit it runs under (its own peak
+/// reserved). The opt-in tight mode (`page_recycle_threshold` near 0: recycle before passing
+/// the high-water mark, the default before issue 31) moves pages in every step of the same
+/// loop.
+#[test]
+fn a_repeating_loop_settles() {
+    let per_step = |cfg: &str, limit: Option<u64>| {
+        let sim = SimDevice::address_only(ByteSize::gib(80));
+        let a = allocator(&sim, cfg);
+        a.set_memory_limit(limit);
+        let (_ws, wb) = weights(&a);
+        // the optimizer's state, made after the first step (AdamW's moments)
+        step(&a, 2, wb);
+        let _state: Vec<_> = (0..3).map(|_| a.allocate(40 * MIB, 0).unwrap()).collect();
+        let mut per_step = Vec::new();
+        for _ in 0..6 {
+            let before = moves(&a);
+            step(&a, 2, wb);
+            let after = moves(&a);
+            per_step.push((after.0 - before.0, after.1 - before.1, after.2 - before.2));
+        }
+        assert_eq!(a.stats().num_ooms, 0);
+        a.check_invariants().unwrap();
+        (per_step, a.stats().reserved_bytes.all.peak)
+    };
+    let (roomy, peak) = per_step("expandable_segments:True", None);
+    eprintln!("with room: maps, unmaps, syncs per step {roomy:?}, peak reserved {peak}");
+    assert!(roomy[1..].iter().all(|&m| m == (0, 0, 0)), "{roomy:?}");
+    let (limited, _) = per_step("expandable_segments:True", Some(peak));
+    eprintln!("at the limit {peak}: {limited:?}");
+    assert!(limited[1..].iter().all(|&m| m == (0, 0, 0)), "{limited:?}");
+
+    let (tight, tight_peak) = per_step("page_recycle_threshold:0.0001", None);
+    eprintln!("tight mode: {tight:?}, peak reserved {tight_peak}");
+    assert!(tight[1..].iter().all(|&(_, u, _)| u > 0), "{tight:?}");
+}
+
+/// A step that deviates (a larger batch) in a settled loop is served (pages move as it needs),
+/// its data is intact, and the loop settles again afterwards.
+#[test]
+fn a_deviating_step_is_served_and_the_loop_settles_again() {
+    let sim = SimDevice::new(ByteSize::gib(2));
+    let a = allocator(&sim, "expandable_segments:True");
+    let (_ws, wb) = weights(&a);
+    for _ in 0..4 {
+        step(&a, 2, wb);
+    }
+    let settled = moves(&a);
+    step(&a, 2, wb);
+    assert_eq!(moves(&a), settled, "settled");
+
+    // the deviating step: 3 × the batch, under a limit that forces moves
+    a.set_memory_limit(Some(a.stats().reserved_bytes.all.current.max(1300 * MIB)));
+    let dev = crate_device_check(&a);
+    step(&a, 3, wb);
+    drop(dev);
+    let after = moves(&a);
+    assert!(after.0 > settled.0, "the larger step mapped pages");
+
+    // back to the usual batch: it settles again
+    for _ in 0..3 {
+        step(&a, 2, wb);
+    }
+    let resettled = moves(&a);
+    step(&a, 2, wb);
+    step(&a, 2, wb);
+    assert_eq!(moves(&a), resettled, "settled again");
+    assert_eq!(a.stats().num_ooms, 0);
+    a.check_invariants().unwrap();
+}
+
+/// A live block's bytes survive every move around it: written before the deviating step,
+/// checked after it (pages that move are free ones only).
+struct DataCheck<'a> {
+    a: &'a CachingAllocator,
+    block: Option<Allocation>,
+    pattern: Vec<u8>,
+}
+
+fn crate_device_check(a: &CachingAllocator) -> DataCheck<'_> {
+    let block = a.allocate(5 * MIB, 0).unwrap();
+    let pattern: Vec<u8> = (0..5 * MIB).map(|i| (i * 31 % 251) as u8).collect();
+    a.backend().copy_to_device(block.ptr, &pattern).unwrap();
+    DataCheck {
+        a,
+        block: Some(block),
+        pattern,
+    }
+}
+
+impl Drop for DataCheck<'_> {
+    fn drop(&mut self) {
+        let block = self.block.take().unwrap();
+        let mut back = vec![0u8; self.pattern.len()];
+        self.a.backend().copy_to_host(&mut back, block.ptr).unwrap();
+        assert!(back == self.pattern, "a live block's bytes changed");
+        self.a.free(block).unwrap();
+    }
+}
