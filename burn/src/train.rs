@@ -195,6 +195,13 @@ impl std::error::Error for TrainStepError {
 /// whose rows are not `batch` ([`Error::Rows`]), a policy whose plan drops rows
 /// ([`Error::DropsRows`]), a loss that is not one value ([`Error::Loss`]), and float parameters
 /// that require a gradient and got none ([`Error::NoGradient`]).
+///
+/// Later steps at this call site start from the plan that worked (remembered per call site and
+/// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)
+/// clean steps in a row at a remembered plan, the engine tries one size up once, so step 101
+/// may run out of memory on purpose: it then falls back to the remembered plan in the same call
+/// (one more attempt; the report's `regrow` says `succeeded: false`), and the wait doubles after
+/// each failed try. `RetryEngine::new().regrow_after(None)` turns this off.
 #[track_caller]
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B, M, O, S>(
