@@ -13,10 +13,14 @@
 //! LLVM bundle, so it cannot be built offline; 0.21.0 (cubecl-cuda 0.10.0, cudarc 0.19.10) builds
 //! offline and ran on the H100 (issue 25).
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId, Parameter};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor};
+
+use crate::Error;
 
 pub use burn::tensor::backend::ExecutionError;
 
@@ -45,34 +49,102 @@ pub(crate) fn weighted_loss<B: Backend>(loss: Tensor<B, 1>, weight: f64) -> Tens
     loss.mul_scalar(weight)
 }
 
-/// Initialises every lazily initialised float parameter of `model` (burn creates a parameter's
-/// tensor on its first use) and waits for the device(s): a parameter whose initialisation runs
-/// out of memory inside a step stays broken for good (its tensor is never allocated; on the
-/// H100 a fresh GPT's first step at twice its maximum batch then trained on NaN), so it must
-/// happen before any attempt, where an out-of-memory is an error of its own.
+/// Initialises every lazily initialised parameter of `model` (burn creates a parameter's tensor
+/// on its first use) and waits for the device(s): a parameter whose initialisation runs out of
+/// memory inside a step stays broken for good (its tensor is never allocated; on the H100 a
+/// fresh GPT's first step at twice its maximum batch then trained on NaN), so it must happen
+/// before any attempt, where an out-of-memory is an error of its own.
+///
+/// burn 0.21's `Param::val` takes the initialiser out of the parameter and holds the
+/// parameter's lock while it runs, so an out-of-memory panic there loses the initialiser and
+/// poisons the lock: every later use of that parameter panics. The initialisers therefore run
+/// on a clone of the model (a clone of a lazy `Param` carries its own copy of the initialiser
+/// and its own lock, and keeps the parameter's id), which replaces `*model` only once every
+/// initialiser and the sync succeeded: after a failure `*model` is as it was, still lazy, and a
+/// later call initialises it. A parameter that an earlier use outside `train_step` broke this
+/// way is refused by name ([`Error::BrokenParameters`]).
 pub(crate) fn materialize<B: Backend, M: burn::module::Module<B>>(
-    model: &M,
-) -> Result<(), ExecutionError> {
-    /// Counts the parameters it initialised.
-    struct Init(usize);
-    impl<B: Backend> ModuleVisitor<B> for Init {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            if !p.is_initialized() {
-                let _ = p.val();
-                self.0 += 1;
-            }
-        }
+    model: &mut M,
+) -> Result<(), Error> {
+    let mut lazy = Lazy::default();
+    model.visit(&mut lazy);
+    if !lazy.broken.is_empty() {
+        return Err(Error::BrokenParameters {
+            params: lazy.broken,
+        });
     }
-    let mut init = Init(0);
-    model.visit(&mut init);
-    // Only a step that initialised something waits for the device (every later step finds
-    // them all initialised and adds no synchronisation).
-    if init.0 > 0 {
-        for d in model.devices() {
-            B::sync(&d)?;
-        }
+    // Every later step finds them all initialised: no clone, no synchronisation.
+    if lazy.count == 0 {
+        return Ok(());
     }
+    let trial = model.clone();
+    trial.visit(&mut Init);
+    for d in trial.devices() {
+        B::sync(&d)?;
+    }
+    *model = trial;
     Ok(())
+}
+
+/// Counts the lazy parameters without initialising them, and names those whose initialiser is
+/// gone (probed with `lazy_device`, which reads the parameter's lock: it panics when the lock is
+/// poisoned, and falls through to the missing initialiser when that was taken).
+#[derive(Default)]
+struct Lazy {
+    count: usize,
+    path: Vec<String>,
+    broken: Vec<String>,
+}
+
+impl Lazy {
+    fn probe<P: Parameter>(&mut self, p: &Param<P>) {
+        if p.is_initialized() {
+            return;
+        }
+        self.count += 1;
+        if catch_unwind(AssertUnwindSafe(|| p.lazy_device())).is_err() {
+            self.broken.push(self.path.join("."));
+        }
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for Lazy {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+        self.probe(p);
+    }
+    fn visit_int<const D: usize>(&mut self, p: &Param<Tensor<B, D, Int>>) {
+        self.probe(p);
+    }
+    fn visit_bool<const D: usize>(&mut self, p: &Param<Tensor<B, D, Bool>>) {
+        self.probe(p);
+    }
+}
+
+/// Initialises every lazy parameter it visits.
+struct Init;
+
+fn init<P: Parameter>(p: &Param<P>) {
+    if !p.is_initialized() {
+        let _ = p.val();
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for Init {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+        init(p);
+    }
+    fn visit_int<const D: usize>(&mut self, p: &Param<Tensor<B, D, Int>>) {
+        init(p);
+    }
+    fn visit_bool<const D: usize>(&mut self, p: &Param<Tensor<B, D, Bool>>) {
+        init(p);
+    }
 }
 
 /// The first element of a tensor as `f64`, read from the device (the read that reveals an

@@ -1,6 +1,6 @@
 //! The error of oomguard-burn's steps: burn's `ExecutionError`, a cubecl out-of-memory seen as a
 //! panic, or a refusal (rows that do not match the batch, a plan that drops rows, parameters
-//! without a gradient).
+//! without a gradient, parameters burn can no longer initialise).
 
 use std::fmt;
 
@@ -44,6 +44,15 @@ pub enum Error {
         /// Their paths in the module (`"blocks.0.attn.query.weight"`).
         params: Vec<String>,
     },
+    /// Lazy parameters whose initialisation failed earlier outside
+    /// [`train_step`](crate::train_step) (an out-of-memory panic in burn's `Param::val`, e.g.
+    /// during a forward inside `find_max_batch`): burn 0.21 lost their initialiser and poisoned
+    /// their lock, so they can never be created; not retried. Build the model again (or load a
+    /// record into a new one).
+    BrokenParameters {
+        /// Their paths in the module (`"fc1.weight"`).
+        params: Vec<String>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -68,6 +77,14 @@ impl fmt::Display for Error {
                 "{} parameter(s) requiring a gradient got none from the backward pass: {}; a \
                  module cut the graph or the loss does not use them (freeze unused ones with \
                  `set_require_grad(false)`); the optimizer did not step",
+                params.len(),
+                params.join(", ")
+            ),
+            Error::BrokenParameters { params } => write!(
+                f,
+                "{} lazy parameter(s) cannot be initialised any more: {}; an earlier \
+                 initialisation outside train_step ran out of memory and burn lost their \
+                 initialiser; build the model again (or load a record into a new one)",
                 params.len(),
                 params.join(", ")
             ),
@@ -109,7 +126,8 @@ impl IsOom for Error {
             Error::Rows(_)
             | Error::Loss(_)
             | Error::DropsRows { .. }
-            | Error::NoGradient { .. } => false,
+            | Error::NoGradient { .. }
+            | Error::BrokenParameters { .. } => false,
         }
     }
 }

@@ -118,7 +118,8 @@ pub struct TrainedStep {
     pub report: RetryReport,
 }
 
-/// Why [`train_step`] failed. The model is unchanged in every case.
+/// Why [`train_step`] failed. The model is unchanged in every case (see each variant for the
+/// optimizer's state and what to do next).
 #[derive(Debug)]
 pub enum TrainStepError {
     /// The micro-batches failed: not an out-of-memory (a refusal of [`Error`] included), or
@@ -140,7 +141,12 @@ pub enum TrainStepError {
     },
     /// The model's parameters could not be initialised before the first attempt (burn creates
     /// a parameter's tensor on its first use; `train_step` does that first, as splitting the
-    /// batch cannot make parameters smaller). Nothing ran; free memory or shrink the model.
+    /// batch cannot make parameters smaller). Nothing ran and `*model` is unchanged: its lazy
+    /// parameters are still lazy (they are initialised on a clone that replaces the model only
+    /// on success), so after an out-of-memory a later call, with memory freed, initialises
+    /// them. [`Error::BrokenParameters`]: an initialisation that ran out of memory *outside*
+    /// `train_step` (a forward in `find_max_batch` or your own code) left parameters burn
+    /// cannot initialise any more; build the model again (or load a record into a new one).
     Parameters(Error),
 }
 
@@ -158,7 +164,8 @@ impl fmt::Display for TrainStepError {
             ),
             TrainStepError::Parameters(e) => write!(
                 f,
-                "the model's parameters could not be initialised before the step (nothing ran): {e}"
+                "the model's parameters could not be initialised before the step (nothing ran, \
+                 the model is unchanged): {e}"
             ),
         }
     }
@@ -188,6 +195,13 @@ impl std::error::Error for TrainStepError {
 /// whose rows are not `batch` ([`Error::Rows`]), a policy whose plan drops rows
 /// ([`Error::DropsRows`]), a loss that is not one value ([`Error::Loss`]), and float parameters
 /// that require a gradient and got none ([`Error::NoGradient`]).
+///
+/// Later steps at this call site start from the plan that worked (remembered per call site and
+/// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)
+/// clean steps in a row at a remembered plan, the engine tries one size up once, so step 101
+/// may run out of memory on purpose: it then falls back to the remembered plan in the same call
+/// (one more attempt; the report's `regrow` says `succeeded: false`), and the wait doubles after
+/// each failed try. `RetryEngine::new().regrow_after(None)` turns this off.
 #[track_caller]
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B, M, O, S>(
@@ -206,8 +220,8 @@ where
     S: MemorySource + Clone,
 {
     // Lazy parameters are created before any attempt (an out-of-memory there would leave them
-    // unallocated for good, whatever the retries).
-    if let Err(error) = catch_oom(|| compat::materialize::<B, M>(model)) {
+    // unallocated for good, whatever the retries), on a clone: see compat::materialize.
+    if let Err(error) = catch_oom(|| compat::materialize::<B, M>(&mut *model)) {
         return Err(TrainStepError::Parameters(error));
     }
     let current: &M = model;

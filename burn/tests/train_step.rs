@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{AutodiffModule, Module};
+use burn::module::{AutodiffModule, Module, Param, ParamId};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -468,4 +468,104 @@ fn an_update_that_runs_out_of_memory_is_reported_not_retried() {
             && text.contains("optimizer's state may be partly advanced or lost"),
         "{text}"
     );
+}
+
+/// A module whose weight burn creates on its first use (a lazy `Param`, as burn-nn's modules
+/// make them). Its initialiser takes the weight's 1 MiB from a simulated card first and, when the
+/// card cannot hold it, panics with cubecl's out-of-memory, as a failed reservation does on a GPU.
+#[derive(Module, Debug)]
+struct LazyLinear<B: Backend> {
+    weight: Param<Tensor<B, 2>>,
+}
+
+fn lazy_linear(card: &oomguard::Device) -> LazyLinear<B> {
+    let card = card.clone();
+    let weight = Param::uninitialized(
+        ParamId::new(),
+        move |device: &burn::tensor::Device<B>, require_grad| {
+            if card.alloc::<u8>(1 << 20).is_err() {
+                panic!(
+                    "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: {}",
+                    1 << 20
+                );
+            }
+            let w = Tensor::from_data(TensorData::new(vec![0.5f32; 4], [4, 1]), device);
+            if require_grad {
+                w.require_grad()
+            } else {
+                w
+            }
+        },
+        Default::default(),
+        true,
+        [4, 1].into(),
+    );
+    LazyLinear { weight }
+}
+
+fn lazy_step(
+    card: &oomguard::Device,
+    model: &mut LazyLinear<B>,
+) -> Result<oomguard_burn::TrainedStep, TrainStepError> {
+    let (x, y) = data(&Default::default());
+    let mut opt = SgdConfig::new().init::<B, LazyLinear<B>>();
+    train_step(
+        &RetryEngine::new(),
+        card,
+        8,
+        model,
+        &mut opt,
+        0.05,
+        |m, c| {
+            let pred = chunk_rows(&x, c)?.matmul(m.weight.val());
+            Ok((pred - chunk_rows(&y, c)?).powi_scalar(2).mean())
+        },
+    )
+}
+
+#[test]
+fn a_parameter_that_runs_out_of_memory_leaves_the_model_as_it_was() {
+    // On the old code the second step panicked: burn's Param::val had taken the initialiser out
+    // and poisoned the parameter's lock during the failed initialisation.
+    let card = oomguard::Device::sim(ByteSize::mib(4));
+    let full = card.alloc::<u8>(4 << 20).unwrap();
+    let mut model = lazy_linear(&card);
+    let err = lazy_step(&card, &mut model).unwrap_err();
+    let TrainStepError::Parameters(e) = &err else {
+        panic!("expected TrainStepError::Parameters, got {err}");
+    };
+    assert!(e.is_oom(), "{e}");
+    assert!(err.to_string().contains("the model is unchanged"), "{err}");
+    assert!(
+        !model.weight.is_initialized(),
+        "the weight is still lazy, as before the step"
+    );
+    drop(full);
+    let done = lazy_step(&card, &mut model).expect("with memory freed the same model trains");
+    assert!(done.loss.is_finite() && done.loss > 0.0, "{}", done.loss);
+    let w: Vec<f32> = model.weight.val().into_data().iter::<f32>().collect();
+    assert!(w.iter().all(|v| (v - 0.5).abs() > 1e-4), "trained: {w:?}");
+}
+
+#[test]
+fn a_parameter_broken_outside_the_step_is_named_not_a_panic() {
+    // On the old code this step panicked with burn's PoisonError (uncaught by catch_oom).
+    let card = oomguard::Device::sim(ByteSize::mib(4));
+    let full = card.alloc::<u8>(4 << 20).unwrap();
+    let model_ = lazy_linear(&card);
+    // The weight's first use, outside train_step (a forward inside find_max_batch, say).
+    let e = oomguard_burn::catch_oom(|| Ok::<_, Error>(model_.weight.val())).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    drop(full);
+    let mut model = model_;
+    let err = lazy_step(&card, &mut model).unwrap_err();
+    let TrainStepError::Parameters(Error::BrokenParameters { params }) = &err else {
+        panic!("expected BrokenParameters, got {err}");
+    };
+    assert_eq!(params, &["weight".to_string()]);
+    let TrainStepError::Parameters(inner) = &err else {
+        unreachable!()
+    };
+    assert!(!inner.is_oom(), "not retried: no memory can mend it");
+    assert!(err.to_string().contains("build the model again"), "{err}");
 }

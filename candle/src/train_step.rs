@@ -190,6 +190,13 @@ fn drops_rows(policy: &dyn RetryPolicy, batch: usize) -> Option<BatchPlan> {
 /// ([`TrainStepError::PolicyDropsRows`]), and any plan with fewer rows a policy still proposes
 /// is refused when proposed (the step gives up). The step always counts as training for the
 /// engine (candle has no grad mode): remembered batch caps never apply.
+///
+/// Later steps at this call site start from the plan that worked (remembered per call site and
+/// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)
+/// clean steps in a row at a remembered plan, the engine tries one size up once, so step 101
+/// may run out of memory on purpose: it then falls back to the remembered plan in the same call
+/// (one more attempt; the report's `regrow` says `succeeded: false`), and the wait doubles after
+/// each failed try. `RetryEngine::new().regrow_after(None)` turns this off.
 #[track_caller]
 pub fn train_step<S, O>(
     engine: &RetryEngine,

@@ -18,7 +18,8 @@ use crate::ByteSize;
 /// their device alive.
 ///
 /// ```
-/// use oomguard_runtime::{Device, ByteSize};
+/// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
+/// use oomguard::{Device, ByteSize};
 /// let dev = Device::sim(ByteSize::gib(8));
 /// let buf = dev.from_slice(&[1.0f32, 2.0, 3.0]).unwrap();
 /// assert_eq!(buf.to_vec().unwrap(), vec![1.0, 2.0, 3.0]);
@@ -154,7 +155,8 @@ impl Device {
     /// holds no device (`#[oom_retry]`) runs on, for remembering its plans per device.
     ///
     /// ```
-    /// use oomguard_runtime::{ByteSize, Device};
+    /// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
+    /// use oomguard::{ByteSize, Device};
     /// let dev = Device::sim(ByteSize::mib(8));
     /// let _b = dev.alloc::<u8>(16).unwrap();
     /// assert_eq!(Device::last_used_on_thread().unwrap().ordinal(), dev.ordinal());

@@ -335,8 +335,26 @@ fn leak_reported_with_file_and_line() {
     let text = r.to_string();
     assert!(text.contains(&format!("{}:{line}:", file!())), "{text}");
     assert!(text.contains("2 buffer(s)"), "{text}");
+    // the line alone may be a shared helper: the report says how to get each caller
+    assert!(text.contains("OOMGUARD_LEAK_BACKTRACE=1"), "{text}");
     drop(kept);
     d.free_raw(raw).unwrap();
+}
+
+#[test]
+fn a_leak_with_backtraces_does_not_ask_for_them() {
+    let d = dev();
+    let check = d.leak_check().with_backtraces();
+    let kept = d.alloc::<u8>(4096).unwrap();
+    let r = check.finish().unwrap_err();
+    let text = r.to_string();
+    if r.leaks[0].backtrace.is_some() {
+        assert!(!text.contains("OOMGUARD_LEAK_BACKTRACE"), "{text}");
+    } else {
+        // a platform without backtraces: the hint stays
+        assert!(text.contains("OOMGUARD_LEAK_BACKTRACE"), "{text}");
+    }
+    drop(kept);
 }
 
 #[test]

@@ -166,6 +166,14 @@ impl fmt::Display for LeakReport {
                 write!(f, "\n    backtrace:\n{bt}")?;
             }
         }
+        // The line alone may be a helper that many callers share: say how to get the callers.
+        if self.leaks.iter().any(|l| l.backtrace.is_none()) {
+            write!(
+                f,
+                "\n  for the backtrace of each allocation, run with OOMGUARD_LEAK_BACKTRACE=1 (or \
+                 use LeakCheck::with_backtraces)"
+            )?;
+        }
         Ok(())
     }
 }
@@ -188,6 +196,7 @@ impl std::error::Error for LeakReport {}
 /// assert_eq!(report.leaks.len(), 1);
 /// assert_eq!(report.leaks[0].location.line(), line);
 /// assert!(report.to_string().contains("1.00 KiB"));
+/// assert!(report.to_string().contains("OOMGUARD_LEAK_BACKTRACE=1"));
 /// # drop(kept);
 /// ```
 #[must_use = "the leak check covers only the guard's lifetime"]

@@ -28,8 +28,9 @@ use crate::Device;
 /// [contract](crate::retry#the-contract).
 ///
 /// ```
-/// use oomguard_runtime::retry::{BatchPlan, Chunk, RetryEngine, Step};
-/// use oomguard_runtime::{ByteSize, Device, Error};
+/// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
+/// use oomguard::retry::{BatchPlan, Chunk, RetryEngine, Step};
+/// use oomguard::{ByteSize, Device, Error};
 ///
 /// struct MeanStep<'a> { data: &'a [f32], dev: Device, acc: f32, param: f32 }
 /// impl Step for MeanStep<'_> {
@@ -105,8 +106,9 @@ type ModeHook = Arc<dyn Fn() -> StepMode + Send + Sync>;
 /// Cheap to clone; clones share the remembered plans.
 ///
 /// ```
-/// use oomguard_runtime::retry::RetryEngine;
-/// use oomguard_runtime::{ByteSize, Device};
+/// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
+/// use oomguard::retry::RetryEngine;
+/// use oomguard::{ByteSize, Device};
 ///
 /// let dev = Device::sim(ByteSize::mib(64));
 /// let engine = RetryEngine::new();
@@ -118,7 +120,7 @@ type ModeHook = Arc<dyn Fn() -> StepMode + Send + Sync>;
 ///         let acts = dev.zeros::<u8>(chunk.len() << 20)?; // freed at the end of the iteration
 ///         grad += chunk.weight_f32() * acts.len() as f32;
 ///     }
-///     Ok::<_, oomguard_runtime::Error>(grad)
+///     Ok::<_, oomguard::Error>(grad)
 /// }, |grad| weight -= grad).unwrap();
 /// assert!(out.report.retries() > 0);
 /// assert_eq!(out.report.final_plan.batch(), 100);
@@ -287,9 +289,10 @@ impl RetryEngine {
     /// [`RetryEngine::run`] and [`RetryEngine::run_step`] are built on it.
     ///
     /// ```
+    /// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
     /// use std::ops::ControlFlow;
-    /// use oomguard_runtime::retry::RetryEngine;
-    /// use oomguard_runtime::{ByteSize, Device, Error};
+    /// use oomguard::retry::RetryEngine;
+    /// use oomguard::{ByteSize, Device, Error};
     ///
     /// let dev = Device::sim(ByteSize::mib(64));
     /// let engine = RetryEngine::new();

@@ -191,9 +191,10 @@ impl FinderReport {
     /// emptied cache failed from step 47 and step 68 (docs/GPU.md run 16b).
     ///
     /// ```
-    /// use oomguard_runtime::retry::{find_max_batch, FinderOptions};
-    /// use oomguard_runtime::source::MemorySource;
-    /// use oomguard_runtime::{ByteSize, Device};
+    /// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
+    /// use oomguard::retry::{find_max_batch, FinderOptions};
+    /// use oomguard::source::MemorySource;
+    /// use oomguard::{ByteSize, Device};
     /// let dev = Device::sim(ByteSize::mib(256));
     /// let step = |rows: usize| dev.alloc::<u8>(rows << 20).map(drop);
     /// let report = find_max_batch(&dev, FinderOptions::default(), step).unwrap();
@@ -468,14 +469,15 @@ fn held_rise(held: &[u64]) -> u64 {
 /// [`FinderOptions::default`].
 ///
 /// ```
-/// use oomguard_runtime::retry::{find_max_batch, FinderOptions};
-/// use oomguard_runtime::{ByteSize, Device};
+/// # extern crate oomguard_runtime as oomguard; // as the facade re-exports it
+/// use oomguard::retry::{find_max_batch, FinderOptions};
+/// use oomguard::{ByteSize, Device};
 /// let dev = Device::sim(ByteSize::mib(256));
 /// // 16 MiB of fixed workspace plus 1 MiB of activations per row: about 240 rows fit.
 /// let report = find_max_batch(&dev, FinderOptions::default(), |rows| {
 ///     let _ws = dev.alloc::<u8>(16 << 20)?;
 ///     let _acts = dev.alloc::<u8>(rows << 20)?;
-///     Ok::<_, oomguard_runtime::Error>(())
+///     Ok::<_, oomguard::Error>(())
 /// }).unwrap();
 /// assert!(report.max_batch >= 228 && report.max_batch <= 240, "{report}");
 /// assert!(report.runs() <= 4); // trials: 8 step runs, two consecutive steps per size

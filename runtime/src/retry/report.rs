@@ -25,7 +25,9 @@ pub struct AttemptRecord {
     pub plan: BatchPlan,
     /// What happened.
     pub outcome: AttemptOutcome,
-    /// The error's message (for [`AttemptOutcome::Oom`]).
+    /// The error's message, in full (for [`AttemptOutcome::Oom`]). Reports print only its
+    /// first line: a candle error made with `bt()` carries a backtrace on
+    /// the lines after it when `RUST_BACKTRACE` is set.
     pub error: Option<String>,
     /// The plan tried next (`None`: the engine gave up).
     pub next: Option<BatchPlan>,
@@ -404,17 +406,24 @@ impl fmt::Display for Headline<'_> {
     }
 }
 
+/// The first line of an error's text: what a report prints for each attempt, one line each
+/// whatever `RUST_BACKTRACE` is (candle's `Error::bt()` appends a backtrace of about 35 lines
+/// after the message; the full text stays in [`AttemptRecord::error`]).
+fn message_line(text: &str) -> &str {
+    text.lines().next().unwrap_or("")
+}
+
 impl fmt::Display for RetryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.headline())?;
         for (i, a) in self.attempts.iter().enumerate() {
             write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;
             if let Some(e) = &a.error {
-                write!(f, ": {e}")?;
+                write!(f, ": {}", message_line(e))?;
             }
         }
         if let Some(e) = &self.failure {
-            write!(f, "\n  error: {e}")?;
+            write!(f, "\n  error: {}", message_line(e))?;
         }
         if let Some(m) = &self.memory_error {
             write!(f, "\n  plan file: {m}")?;
@@ -540,7 +549,7 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
                 for (i, a) in failures.iter().enumerate() {
                     write!(f, "\n  attempt {} ({}): ", i + 1, a.plan)?;
                     match &a.error {
-                        Some(e) => write!(f, "{e}")?,
+                        Some(e) => write!(f, "{}", message_line(&e.to_string()))?,
                         None => write!(f, "another rank ran out of memory")?,
                     }
                 }
