@@ -67,31 +67,68 @@ fn a_second_install_is_refused_with_the_serving_device() {
     ));
 }
 
+/// A tensor made on this thread (a block of this thread's pool), still read by work queued on
+/// another thread's stream when that thread drops it: this thread's next allocation of the
+/// same size must not get the block before that work has finished (the event on the dropping
+/// thread's stream). Without the event, the block goes straight back to this thread's cache,
+/// `u` overwrites it with 7s while the other thread's matmuls still read it, and their result
+/// is no longer all ones.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn tensors_dropped_on_other_threads_stay_correct() {
+    use std::sync::mpsc::channel;
+    const N: usize = 2048;
     let (dev, og) = hooked();
     let before = og.stats().allocated_bytes.all.current;
-    for round in 0..20 {
-        let d = dev.clone();
-        // Made and computed on one thread, dropped on another; meanwhile this thread reuses.
-        let t = std::thread::spawn(move || {
-            Tensor::full(round as f32, (256, 1024), &d)
-                .unwrap()
-                .exp()
-                .unwrap()
-        })
-        .join()
-        .unwrap();
-        let h = std::thread::spawn(move || drop(t));
-        let u = Tensor::full(1f32, (256, 1024), dev).unwrap();
-        let s: f32 = (&u * 2.0).unwrap().sum_all().unwrap().to_scalar().unwrap();
-        assert_eq!(s, 2.0 * 256.0 * 1024.0);
-        h.join().unwrap();
+    for _round in 0..10 {
+        let t = Tensor::ones((N, N), DType::F32, dev).unwrap();
+        dev.synchronize().unwrap();
+        let (dropped_tx, dropped_rx) = channel();
+        let (written_tx, written_rx) = channel::<()>();
+        let h = std::thread::spawn(move || {
+            // Long work on this thread's per-thread stream, every step reading `t`.
+            let mut acc = t.clone();
+            for _ in 0..40 {
+                acc = (acc.matmul(&t).unwrap() * (1.0 / N as f64)).unwrap();
+            }
+            drop(t); // queued work still reads it: freed in this stream's order
+            dropped_tx.send(()).unwrap();
+            written_rx.recv().unwrap();
+            acc.sum_all().unwrap().to_scalar::<f32>().unwrap()
+        });
+        dropped_rx.recv().unwrap();
+        // Same size on this thread: must not be `t`'s block while `h`'s matmuls run.
+        let u = Tensor::full(7f32, (N, N), dev).unwrap();
+        dev.synchronize().unwrap();
+        written_tx.send(()).unwrap();
+        let s = h.join().unwrap();
+        assert_eq!(
+            s,
+            (N * N) as f32,
+            "the dropped tensor's block was reused too early"
+        );
+        drop(u);
     }
     dev.synchronize().unwrap();
     assert_eq!(og.stats().allocated_bytes.all.current, before);
     og.allocator().check_invariants().unwrap();
+}
+
+/// Issue 32, 7: after install, `memory_source` is the installed device, so its budgets cap
+/// candle's tensors.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn memory_source_is_the_installed_device_after_install() {
+    let (dev, og) = hooked();
+    let src = oomguard_candle::memory_source(dev).unwrap();
+    assert_eq!(src.source_id(), oomguard::MemorySource::source_id(og));
+    let budget = src
+        .budget(og.stats().allocated_bytes.all.current + (64 << 20))
+        .unwrap();
+    let e = Tensor::zeros(128 << 20, DType::F32, dev).unwrap_err(); // 512 MiB
+    assert!(e.is_oom(), "{e}");
+    assert!(alloc_hook::take_last_error().unwrap().is_budget_exceeded());
+    drop(budget);
 }
 
 #[test]

@@ -69,8 +69,9 @@
 //! What stays outside (memory on the GPU the hook does not see): cuBLAS's handles, the CUDA
 //! context itself, loaded kernels, candle-kernels' host code that calls the runtime's
 //! `cudaMallocAsync` (the runtime resolves the driver through `cuGetProcAddress`, not the
-//! linker), and anything allocated before install. See the crate README's section "oomguard's
-//! allocator under candle's tensors (feature `allocator-hook`)" for figures measured on an H100.
+//! linker), and anything allocated before install. See the repository README's section
+//! "oomguard's allocator under candle's tensors (feature `allocator-hook`)" for figures measured
+//! on an H100.
 //!
 //! Leak reports name the allocating site as the hook itself (candle's call stack is not known
 //! to the allocator); `Device::allocator().record_history_with` with full backtraces records
@@ -182,7 +183,7 @@ fn abandon<D: interposer::Driver>(
 }
 
 /// Installs oomguard's allocator for `device`'s GPU (feature `allocator-hook`), configured from
-/// `OOMGUARD_ALLOC_CONF` as [`oomguard::Device::cuda`] is, and returns the oomguard `Device`
+/// `OOMGUARD_ALLOC_CONF` as `oomguard::Device::cuda` is, and returns the oomguard `Device`
 /// that then serves every allocation candle (or anything on cudarc) makes on that GPU's
 /// context. See the [module docs](self) for what it proves and what it cannot see.
 ///
