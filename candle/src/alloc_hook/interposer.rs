@@ -62,6 +62,10 @@ pub(crate) struct Served {
     /// Blocks freed while a graph was being captured: the graph may use them whenever it is
     /// launched, so they are never reused (nor freed) while the process runs.
     held: Mutex<Vec<Allocation>>,
+    /// Blocks freed on a stream that did not capture while another (blocking) stream of the
+    /// context did, each with an event recorded on its freeing stream at the free: they go back
+    /// to the allocator, once their event is done, at a later call made with no capture seen.
+    waiting: Mutex<Vec<(Allocation, EventId)>>,
     /// Threads inside a call this device serves (unserving waits for none).
     in_flight: AtomicUsize,
     /// Per-thread stream ids of threads that have exited, for reuse once their event is done.
@@ -86,6 +90,10 @@ pub struct Counts {
     /// Blocks of oomguard's freed while a graph was being captured: kept out of reuse for the
     /// rest of the process (a replay of the graph may use them), and counted as allocated.
     pub held_after_capture: u64,
+    /// Blocks of oomguard's freed on a stream that did not capture while another stream of the
+    /// context did: they wait (counted as allocated) for an event on their freeing stream and
+    /// for a call made with no capture in progress, then go back to the cache.
+    pub waiting_for_capture_end: u64,
 }
 
 /// The hook: the devices it serves, by context.
@@ -163,6 +171,18 @@ pub(crate) fn status_of(e: &oomguard::Error) -> u32 {
         oomguard::Error::InvalidArgument(_) => status::INVALID_VALUE,
         _ => status::UNKNOWN,
     }
+}
+
+/// Where a graph is being captured, as a call sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Capture {
+    /// Nowhere the hook can see.
+    None,
+    /// On the call's own stream (or the call is on the legacy stream while a blocking stream
+    /// captures): nothing may be recorded on it.
+    OnStream,
+    /// On another blocking stream of the context.
+    Elsewhere,
 }
 
 /// A thread inside a call a [`Served`] device serves: unserving is refused until it leaves.
@@ -245,6 +265,7 @@ impl Served {
         self.in_flight.load(SeqCst) == 0
             && self.live.lock().is_empty()
             && self.held.lock().is_empty()
+            && self.waiting.lock().is_empty()
     }
 }
 
@@ -269,6 +290,7 @@ impl<D: Driver> Interposer<D> {
             device,
             live: Mutex::new(HashMap::new()),
             held: Mutex::new(Vec::new()),
+            waiting: Mutex::new(Vec::new()),
             in_flight: AtomicUsize::new(0),
             retired: Mutex::new(Vec::new()),
             allocs: AtomicU64::new(0),
@@ -319,6 +341,7 @@ impl<D: Driver> Interposer<D> {
             served_frees: served.iter().map(|s| s.frees.load(Relaxed)).sum(),
             passed_to_driver: self.passed.load(Relaxed),
             held_after_capture: served.iter().map(|s| s.held.lock().len() as u64).sum(),
+            waiting_for_capture_end: served.iter().map(|s| s.waiting.lock().len() as u64).sum(),
         }
     }
 
@@ -330,8 +353,54 @@ impl<D: Driver> Interposer<D> {
     /// context (the legacy stream's answer), when oomguard must call nothing that would break
     /// it (a served allocation may map pages, synchronize or free segments).
     fn capturing(&self, stream: Option<u64>) -> bool {
-        stream.is_some_and(|st| st != LEGACY_NULL && st != LEGACY && self.driver.is_capturing(st))
-            || self.driver.is_capturing(LEGACY)
+        self.capture(stream) != Capture::None
+    }
+
+    /// Where a graph is being captured, seen from a call on `stream` (`None`: the legacy
+    /// stream, as `cuMemAlloc_v2`/`cuMemFree_v2`).
+    fn capture(&self, stream: Option<u64>) -> Capture {
+        let own = stream.filter(|&st| st != LEGACY_NULL && st != LEGACY);
+        if own.is_some_and(|st| self.driver.is_capturing(st)) {
+            return Capture::OnStream;
+        }
+        if self.driver.is_capturing(LEGACY) {
+            // the legacy stream itself cannot be used while a blocking stream captures
+            return if own.is_some() {
+                Capture::Elsewhere
+            } else {
+                Capture::OnStream
+            };
+        }
+        Capture::None
+    }
+
+    /// Gives the blocks waiting for a capture's end back to the allocator once their event is
+    /// done (called with no capture seen).
+    fn release_waiting(&self, s: &Served) {
+        let mut waiting = s.waiting.lock();
+        if waiting.is_empty() {
+            return;
+        }
+        let backend = s.device.allocator().backend();
+        let mut i = 0;
+        while i < waiting.len() {
+            let (a, ev) = waiting[i];
+            match inside(|| backend.event_done(ev)) {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    waiting.swap_remove(i);
+                    if let Err(e) = inside(|| s.device.free_raw(a)) {
+                        tracing::error!(error = %e, ptr = a.ptr, "oomguard's allocator hook could not free");
+                    }
+                }
+                Err(e) => {
+                    // whether the freeing stream is done is unknown: never reuse the block
+                    tracing::warn!(error = %e, ptr = a.ptr, "an event of a free made during capture failed");
+                    waiting.swap_remove(i);
+                    s.held.lock().push(a);
+                }
+            }
+        }
     }
 
     /// The device to serve a request on `stream` from, or `None`: pass it to the driver.
@@ -346,6 +415,7 @@ impl<D: Driver> Interposer<D> {
         if self.capturing(stream) {
             return None; // graph capture: the driver's graph memory nodes, never our cache
         }
+        self.release_waiting(&s.0);
         Some(s)
     }
 
@@ -394,11 +464,15 @@ impl<D: Driver> Interposer<D> {
     /// `cuMemFreeAsync(ptr, stream)`.
     pub(crate) fn free_async(&self, ptr: u64, stream: u64) -> u32 {
         match self.take_live(ptr) {
-            Some((s, a)) if self.capturing(Some(stream)) => self.hold(&s.0, a),
-            Some((s, a)) => {
-                let id = s.0.stream_id(stream);
-                self.serve_free(&s.0, a, id)
-            }
+            Some((s, a)) => match self.capture(Some(stream)) {
+                Capture::OnStream => self.hold(&s.0, a),
+                Capture::Elsewhere => self.wait_for_capture_end(&s.0, a, stream),
+                Capture::None => {
+                    self.release_waiting(&s.0);
+                    let id = s.0.stream_id(stream);
+                    self.serve_free(&s.0, a, id)
+                }
+            },
             None => {
                 self.pass();
                 self.driver.free_async(ptr, stream)
@@ -413,7 +487,10 @@ impl<D: Driver> Interposer<D> {
     pub(crate) fn free(&self, ptr: u64) -> u32 {
         match self.take_live(ptr) {
             Some((s, a)) if self.capturing(None) => self.hold(&s.0, a),
-            Some((s, a)) => self.serve_free(&s.0, a, 0),
+            Some((s, a)) => {
+                self.release_waiting(&s.0);
+                self.serve_free(&s.0, a, 0)
+            }
             None => {
                 self.pass();
                 self.driver.free(ptr)
@@ -446,6 +523,24 @@ impl<D: Driver> Interposer<D> {
         s.held.lock().push(a);
         s.frees.fetch_add(1, Relaxed);
         status::SUCCESS
+    }
+
+    /// A free on `stream`, which does not capture, while another stream of the context does:
+    /// an event on `stream` now (legal there), the block back to the allocator later (freeing
+    /// may release segments, which a capture forbids).
+    fn wait_for_capture_end(&self, s: &Arc<Served>, a: Allocation, stream: u64) -> u32 {
+        let id = s.stream_id(stream);
+        match inside(|| s.device.allocator().backend().record_event(id)) {
+            Ok(ev) => {
+                s.waiting.lock().push((a, ev));
+                s.frees.fetch_add(1, Relaxed);
+                status::SUCCESS
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, ptr = a.ptr, "no event for a free made during capture");
+                self.hold(s, a)
+            }
+        }
     }
 
     /// Frees `a` in the order of `stream` (the stream the free was queued on): when that is not

@@ -44,9 +44,13 @@
 //!   blocking stream of the context (the driver's answer for the legacy stream), allocations go
 //!   to the driver (the graph's memory nodes, never blocks of the cache, and nothing of
 //!   oomguard's runs that would break a capture: no page mapping, synchronization or segment
-//!   free). A block of oomguard's freed then is kept out of reuse for the rest of the process
-//!   (a replay of the graph may still use it; no event can be recorded on a capturing stream):
-//!   [`HookCounts::held_after_capture`] counts them. A capture in global mode on a
+//!   free). A block of oomguard's freed on the capturing stream (or on the legacy stream, by
+//!   `cuMemFree_v2`) then is kept out of reuse for the rest of the process (a replay of the
+//!   graph may still use it; no event can be recorded on a capturing stream):
+//!   [`HookCounts::held_after_capture`] counts them. One freed on another stream, which does not
+//!   capture, gets an event there and goes back to the cache at a call made after the capture,
+//!   once that event is done ([`HookCounts::waiting_for_capture_end`]). A capture in global
+//!   mode on a
 //!   *non-blocking* stream of another thread cannot be seen: capture such streams in
 //!   thread-local or relaxed mode (`CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`) while other threads
 //!   allocate.

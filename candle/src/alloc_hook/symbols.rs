@@ -182,10 +182,8 @@ mod tests {
         assert_eq!(unsafe { answer(&mut p, Ok(0x1000)) }, status::SUCCESS);
         assert_eq!(p, 0x1000);
         // SAFETY: as above.
-        assert_eq!(
-            unsafe { answer(&mut p, Err(status::OUT_OF_MEMORY)) },
-            status::OUT_OF_MEMORY
-        );
+        let failed = unsafe { answer(&mut p, Err(status::OUT_OF_MEMORY)) };
+        assert_eq!(failed, status::OUT_OF_MEMORY);
         assert_eq!(p, 0x1000, "untouched on failure");
     }
 

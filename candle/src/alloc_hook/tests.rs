@@ -721,3 +721,39 @@ fn driver_failures_keep_the_driver_s_code() {
     assert_eq!(super::codes::code_of("CUDA_ERROR_UNKNOWN"), Some(999));
     assert_eq!(super::codes::code_of("CUDA_ERROR_NOPE"), None);
 }
+
+/// Issue 32, 3: a free on this thread's stream (not capturing) while another thread's blocking
+/// stream captures: an event on the freeing stream now, the block back to the cache only at a
+/// call made after the capture, once that event is done (never held for good, never reused
+/// before).
+#[test]
+fn a_free_beside_a_capture_waits_for_its_end() {
+    let (hook, dev, sim) = hook_with(ByteSize::gib(1));
+    let p = hook.alloc_async(1 << 20, PTDS).unwrap();
+    let own = served(&hook).stream_id(PTDS);
+    hook.driver.capturing.lock().push(LEGACY);
+    assert_eq!(hook.free_async(p, PTDS), status::SUCCESS);
+    assert_eq!(sim.pending_events(), 1, "an event on the freeing stream");
+    let c = hook.counts();
+    assert_eq!((c.held_after_capture, c.waiting_for_capture_end), (0, 1));
+    assert_eq!(dev.stats().allocated_bytes.all.current, 1 << 20);
+    assert!(
+        !hook.unserve_if_idle(CTX),
+        "a waiting block keeps the device served"
+    );
+    hook.driver.capturing.lock().clear();
+    // capture over, event pending: not back yet
+    let q = hook.alloc_async(1 << 20, PTDS).unwrap();
+    assert_ne!(q, p);
+    assert_eq!(hook.counts().waiting_for_capture_end, 1);
+    sim.synchronize_stream(own);
+    let r = hook.alloc_async(4096, PTDS).unwrap(); // any call after the event gives it back
+    assert_eq!(hook.counts().waiting_for_capture_end, 0);
+    assert_eq!(dev.stats().allocated_bytes.all.current, (1 << 20) + 4096);
+    for x in [q, r] {
+        assert_eq!(hook.free_async(x, PTDS), status::SUCCESS);
+    }
+    assert_eq!(dev.stats().allocated_bytes.all.current, 0);
+    assert!(hook.driver.calls().is_empty(), "{:?}", hook.driver.calls());
+    dev.allocator().check_invariants().unwrap();
+}
