@@ -186,3 +186,56 @@ fn memory_outside_the_hook_is_measured() {
     );
     assert!(reserved <= used);
 }
+
+/// Issue 32, 3: while a blocking stream captures a graph in global mode, an allocation candle
+/// makes on another thread is passed to the driver (the hook sees the capture through the
+/// legacy stream's answer, and runs nothing of its own that could break it), and the capture
+/// ends valid.
+#[test]
+#[ignore = "needs a CUDA device"]
+#[allow(unsafe_code)] // FFI: the driver's stream capture calls, which candle does not wrap
+fn an_allocation_beside_a_global_capture_goes_to_the_driver() {
+    use oomguard::cudarc::driver::sys::{self, CUresult};
+    let (dev, _og) = hooked();
+    let Device::Cuda(cuda) = dev else {
+        unreachable!("hooked() makes a CUDA device")
+    };
+    cuda.cuda_stream().context().bind_to_thread().unwrap();
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: `s` is valid for one write; flags 0 make a blocking stream.
+    let created = unsafe { sys::cuStreamCreate(&mut s, 0) };
+    assert_eq!(created, CUresult::CUDA_SUCCESS);
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: `s` is the live stream created above.
+    let begun = unsafe { sys::cuStreamBeginCapture_v2(s, mode) };
+    assert_eq!(begun, CUresult::CUDA_SUCCESS);
+    let c0 = alloc_hook::counts();
+    let d = dev.clone();
+    let made = std::thread::spawn(move || {
+        Tensor::zeros(1 << 20, DType::F32, &d)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .join()
+    .unwrap();
+    let c1 = alloc_hook::counts();
+    let mut g: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: `s` is capturing (begun above); `g` is valid for one write.
+    let end = unsafe { sys::cuStreamEndCapture(s, &mut g) };
+    if !g.is_null() {
+        // SAFETY: `g` is the graph the capture made, destroyed once.
+        unsafe { sys::cuGraphDestroy(g) };
+    }
+    // SAFETY: `s` was created above and is no longer used.
+    unsafe { sys::cuStreamDestroy_v2(s) };
+    println!("tensor beside the capture: {made:?}; counts {c0:?} -> {c1:?}");
+    assert_eq!(
+        c1.served_allocs, c0.served_allocs,
+        "served during a capture"
+    );
+    assert!(
+        c1.passed_to_driver > c0.passed_to_driver,
+        "{c0:?} -> {c1:?}"
+    );
+    assert_eq!(end, CUresult::CUDA_SUCCESS, "the capture was broken");
+}
