@@ -374,6 +374,18 @@ impl<D: Driver> Interposer<D> {
         Capture::None
     }
 
+    /// [`Self::capture`] for a free of a block of `s`: the driver can only be asked in the
+    /// block's context. A thread with another context current (or none: cudarc frees a tensor
+    /// dropped on any thread without binding its context) cannot see a capture there, and its
+    /// free is served as before; counting the driver's error as a capture would keep the block
+    /// out of reuse for good.
+    fn capture_at_free(&self, s: &Served, stream: Option<u64>) -> Capture {
+        if self.driver.current_context() != Some(s.context) {
+            return Capture::None;
+        }
+        self.capture(stream)
+    }
+
     /// Gives the blocks waiting for a capture's end back to the allocator once their event is
     /// done (called with no capture seen).
     fn release_waiting(&self, s: &Served) {
@@ -464,7 +476,7 @@ impl<D: Driver> Interposer<D> {
     /// `cuMemFreeAsync(ptr, stream)`.
     pub(crate) fn free_async(&self, ptr: u64, stream: u64) -> u32 {
         match self.take_live(ptr) {
-            Some((s, a)) => match self.capture(Some(stream)) {
+            Some((s, a)) => match self.capture_at_free(&s.0, Some(stream)) {
                 Capture::OnStream => self.hold(&s.0, a),
                 Capture::Elsewhere => self.wait_for_capture_end(&s.0, a, stream),
                 Capture::None => {
@@ -486,7 +498,7 @@ impl<D: Driver> Interposer<D> {
     /// (`cuMemAlloc_v2`'s blocks are on [`V2_STREAM`], so they always get one).
     pub(crate) fn free(&self, ptr: u64) -> u32 {
         match self.take_live(ptr) {
-            Some((s, a)) if self.capturing(None) => self.hold(&s.0, a),
+            Some((s, a)) if self.capture_at_free(&s.0, None) != Capture::None => self.hold(&s.0, a),
             Some((s, a)) => {
                 self.release_waiting(&s.0);
                 self.serve_free(&s.0, a, 0)

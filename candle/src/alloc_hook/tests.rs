@@ -757,3 +757,19 @@ fn a_free_beside_a_capture_waits_for_its_end() {
     assert!(hook.driver.calls().is_empty(), "{:?}", hook.driver.calls());
     dev.allocator().check_invariants().unwrap();
 }
+
+/// A tensor dropped on a thread without the context current (cudarc frees without binding
+/// it): the hook cannot ask about captures there, so the free is served (not held for good on
+/// the driver's error).
+#[test]
+fn a_free_without_the_context_current_is_served() {
+    let (hook, dev, _sim) = hook_with(ByteSize::gib(1));
+    let p = hook.alloc_async(1 << 20, PTDS).unwrap();
+    hook.driver.capturing.lock().push(LEGACY); // what an error would answer
+    set_context(0);
+    assert_eq!(hook.free_async(p, PTDS), status::SUCCESS);
+    let c = hook.counts();
+    assert_eq!((c.held_after_capture, c.waiting_for_capture_end), (0, 0));
+    assert_eq!(dev.stats().allocated_bytes.all.current, 0);
+    assert!(hook.driver.calls().is_empty());
+}
