@@ -262,10 +262,14 @@ impl Served {
     }
 
     fn idle(&self) -> bool {
-        self.in_flight.load(SeqCst) == 0
-            && self.live.lock().is_empty()
-            && self.held.lock().is_empty()
-            && self.waiting.lock().is_empty()
+        // `in_flight` first: a thread leaving a call has filled the tables before it counted
+        // itself out. Then one lock at a time (`release_waiting` takes `held` inside `waiting`).
+        if self.in_flight.load(SeqCst) != 0 {
+            return false;
+        }
+        let live = self.live.lock().is_empty();
+        let held = self.held.lock().is_empty();
+        live && held && self.waiting.lock().is_empty()
     }
 }
 
