@@ -239,3 +239,39 @@ fn an_allocation_beside_a_global_capture_goes_to_the_driver() {
     );
     assert_eq!(end, CUresult::CUDA_SUCCESS, "the capture was broken");
 }
+
+/// Issue 32, 5: threads that come and go (a data loader, a server's pool) do not strand memory:
+/// each thread's per-thread stream id is retired at its exit with an event, and the next
+/// thread takes it over with the blocks cached for it, so reserved memory does not grow.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn threads_that_come_and_go_do_not_strand_memory() {
+    let (dev, og) = hooked();
+    let Device::Cuda(cuda) = dev else {
+        unreachable!("hooked() makes a CUDA device")
+    };
+    let mut reserved = Vec::new();
+    for _ in 0..8 {
+        let d = dev.clone();
+        std::thread::spawn(move || {
+            let t = Tensor::ones((4096, 4096), DType::F32, &d).unwrap(); // 64 MiB
+            assert_eq!(
+                t.sum_all().unwrap().to_scalar::<f32>().unwrap(),
+                4096. * 4096.
+            );
+        })
+        .join()
+        .unwrap();
+        // the exited thread's event completes with its stream's work
+        cuda.cuda_stream().context().synchronize().unwrap();
+        let st = og.stats();
+        reserved.push((st.reserved_bytes.all.current, st.segment.all.current));
+    }
+    println!("(reserved, segments) after each of 8 threads: {reserved:?}");
+    // Without the reuse, fixed segments keep one cached segment per dead thread (reserved grows
+    // by 64 MiB each) and growable ones an address range each (segments grow).
+    assert!(
+        reserved[7].0 <= reserved[0].0 && reserved[7].1 <= reserved[0].1,
+        "8 threads came and went, reserved memory or segments grew: {reserved:?}"
+    );
+}

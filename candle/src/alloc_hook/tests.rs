@@ -584,8 +584,9 @@ fn a_v2_free_of_a_v2_block_waits_for_the_legacy_stream() {
 }
 
 /// Eight threads, one after the other, allocate and free 20 MiB through the hook and exit.
-/// Returns (reserved bytes, address ranges held) after the first thread and after the last.
-fn threads_come_and_go(config: AllocatorConfig) -> [(u64, u64); 2] {
+/// Returns (reserved bytes, address ranges held, segments) after the first thread and after
+/// the last.
+fn threads_come_and_go(config: AllocatorConfig) -> [(u64, u64, u64); 2] {
     let hook = Arc::new(Interposer::new(FakeDriver::default()));
     let sim = Arc::new(SimDevice::new(ByteSize::gib(4)));
     let dev = Device::from_arc(sim.clone(), config);
@@ -601,9 +602,11 @@ fn threads_come_and_go(config: AllocatorConfig) -> [(u64, u64); 2] {
         .join()
         .unwrap();
         let calls = sim.calls();
+        let st = dev.stats();
         seen.push((
-            dev.stats().reserved_bytes.all.current,
+            st.reserved_bytes.all.current,
             calls.reserve - calls.release,
+            st.segment.all.current,
         ));
     }
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
