@@ -2,13 +2,22 @@
 //! alive through CUDA out-of-memory.
 //!
 //! candle allocates every CUDA tensor from the CUDA driver's stream-ordered memory pool (through
-//! cudarc's `CudaStream::alloc`), not from oomguard's allocator, and has no allocator hook. So
-//! oomguard guards candle code through the pool: it reads the pool's counters, trims it, caps
-//! it, and reruns a step that ran out of memory as exactly-weighted micro-batches.
+//! cudarc's `CudaStream::alloc`). candle itself has no allocator API; this crate offers two
+//! ways in:
+//!
+//! - **oomguard's allocator under candle's tensors** (feature `allocator-hook`):
+//!   [`alloc_hook::install`] makes candle's CUDA tensors blocks of oomguard's caching allocator,
+//!   with no change to candle (see [`alloc_hook`] and the README's section "oomguard's allocator
+//!   under candle's tensors (feature `allocator-hook`)").
+//! - **Through the driver's pool** (feature `cuda`, no hook): oomguard reads the pool's
+//!   counters, trims it and caps it.
+//!
+//! Either way, a step that runs out of memory is rerun as exactly-weighted micro-batches.
 //!
 //! - [`memory_source`]: the [`MemorySource`](oomguard::MemorySource) of a `candle_core::Device`
-//!   (the device's driver pool, feature `cuda`), for the retry engine, `find_max_batch`,
-//!   budgets, leak checks, peak scopes and `memory_summary` ([`oomguard::source`]).
+//!   (the installed oomguard device after [`alloc_hook::install`], otherwise the device's
+//!   driver pool, feature `cuda`), for the retry engine, `find_max_batch`, budgets, leak
+//!   checks, peak scopes and `memory_summary` ([`oomguard::source`]).
 //! - [`train_step`]: one optimizer step over a batch, retried on OOM with a smaller
 //!   micro-batch, the optimizer applied once, after every micro-batch succeeded, on every row.
 //! - [`GradAccumulator`]: sums the gradients of the micro-batches of one attempt, each
@@ -52,7 +61,8 @@
 //! [`charge`] it in the loss closure for the memory the chunk's tensors would take on a GPU
 //! (e.g. bytes per row × `chunk.len()`): the card's OOM comes back as a `candle_core::Error`
 //! that stays classified (and a budget's as a budget's), so the engine splits the batch as it
-//! would on a GPU. The README's "Testing on CPU" has the recipe.
+//! would on a GPU. The README's section "Testing a candle step's out-of-memory on CPU" has
+//! the recipe.
 //!
 //! **Grad mode.** candle has no global grad mode: a graph is recorded whenever an input is a
 //! `Var`, whatever oomguard's thread grad mode says. `#[no_grad]` therefore changes only what

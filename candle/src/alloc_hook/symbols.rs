@@ -157,3 +157,43 @@ pub(crate) fn definitions() -> [usize; 4] {
         cuMemFree_v2 as *const () as usize,
     ]
 }
+
+/// What the entry points do before reaching any driver (no GPU needed; run with the feature).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_null_result_pointer_is_refused_before_any_driver_call() {
+        // SAFETY: a null `dptr` is checked first and never written; no driver call is made.
+        let (a, b) = unsafe {
+            (
+                cuMemAllocAsync(std::ptr::null_mut(), 4096, std::ptr::null_mut()),
+                cuMemAlloc_v2(std::ptr::null_mut(), 4096),
+            )
+        };
+        assert_eq!((a, b), (status::INVALID_VALUE, status::INVALID_VALUE));
+    }
+
+    #[test]
+    fn answer_writes_the_pointer_only_on_success() {
+        let mut p: CUdeviceptr = 7;
+        // SAFETY: `p` is valid for one write.
+        assert_eq!(unsafe { answer(&mut p, Ok(0x1000)) }, status::SUCCESS);
+        assert_eq!(p, 0x1000);
+        // SAFETY: as above.
+        let failed = unsafe { answer(&mut p, Err(status::OUT_OF_MEMORY)) };
+        assert_eq!(failed, status::OUT_OF_MEMORY);
+        assert_eq!(p, 0x1000, "untouched on failure");
+    }
+
+    #[test]
+    fn the_four_definitions_are_distinct_and_linked() {
+        let d = definitions();
+        assert!(d.iter().all(|&a| a != 0));
+        let mut s = d.to_vec();
+        s.sort_unstable();
+        s.dedup();
+        assert_eq!(s.len(), 4);
+    }
+}
