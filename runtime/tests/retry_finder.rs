@@ -728,3 +728,34 @@ fn the_finder_aims_under_a_budget() {
         );
     }
 }
+
+/// Issue 32, point 13: a fit whose fixed part is slightly negative (peaks growing a little
+/// faster than the rows) printed "-2 B + 12784 B/row"; it prints 0 and says why.
+#[test]
+fn a_negative_fixed_cost_is_shown_as_zero_and_explained() {
+    use oomguard_runtime::retry::{FinderReport, LinearFit};
+    use oomguard_runtime::source::MemorySource;
+    let dev = Device::sim(ByteSize::mib(64));
+    let report = |fixed: f64| FinderReport {
+        max_batch: 10,
+        trials: Vec::new(),
+        steps_per_trial: 2,
+        verification: Vec::new(),
+        source: dev.info(),
+        fit: Some(LinearFit {
+            fixed_bytes: fixed,
+            per_row_bytes: 12784.0,
+        }),
+        budget_bytes: 64 * MIB,
+        stopped_by_max_trials: false,
+    };
+    let shown = report(-2.0).to_string();
+    assert!(!shown.contains("-2 B +"), "{shown}");
+    assert!(shown.contains("fit: 0 B + 12784 B/row"), "{shown}");
+    assert!(
+        shown.contains("crosses 0 rows at -2 B, clamped to 0"),
+        "{shown}"
+    );
+    let shown = report(4096.0).to_string();
+    assert!(shown.contains("fit: 4096 B + 12784 B/row)"), "{shown}");
+}
