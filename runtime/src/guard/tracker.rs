@@ -270,8 +270,13 @@ impl Tracker {
     ) -> Result<Allocation> {
         let site = Location::caller();
         if bytes == 0 {
-            // nothing is allocated (a null handle): nothing to charge or record
-            return allocator.allocate(bytes, stream);
+            // Nothing is allocated (a null handle): nothing to charge or record, but counted as
+            // an allocation, as rmm's statistics count one of 0 bytes.
+            let a = allocator.allocate(bytes, stream)?;
+            for s in self.applicable() {
+                s.allocations.fetch_add(1, Relaxed);
+            }
+            return Ok(a);
         }
         let scopes = self.applicable();
         if scopes.is_empty() {
