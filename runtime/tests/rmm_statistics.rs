@@ -45,7 +45,11 @@ fn empty() {
     for (name, a) in allocators() {
         a.push_statistics_scope();
         let s = a.pop_statistics_scope().unwrap();
-        assert_eq!((s.bytes.value, s.bytes.peak, s.bytes.total), (0, 0, 0), "{name}");
+        assert_eq!(
+            (s.bytes.value, s.bytes.peak, s.bytes.total),
+            (0, 0, 0),
+            "{name}"
+        );
         assert_eq!(
             (s.allocations.value, s.allocations.peak, s.allocations.total),
             (0, 0, 0),
@@ -87,7 +91,11 @@ fn peak_allocations() {
         let m = MIB as i64;
         assert_eq!((s.bytes.value, s.allocations.value), (50 * m, 5), "{name}");
         assert_eq!((s.bytes.peak, s.allocations.peak), (100 * m, 10), "{name}");
-        assert_eq!((s.bytes.total, s.allocations.total), (100 * m, 10), "{name}");
+        assert_eq!(
+            (s.bytes.total, s.allocations.total),
+            (100 * m, 10),
+            "{name}"
+        );
         v.extend((0..10).map(|_| a.allocate(TEN_MIB, 0).unwrap()));
         for x in v {
             a.free(x).unwrap();
@@ -95,7 +103,11 @@ fn peak_allocations() {
         let s = a.pop_statistics_scope().unwrap();
         assert_eq!((s.bytes.value, s.allocations.value), (0, 0), "{name}");
         assert_eq!((s.bytes.peak, s.allocations.peak), (150 * m, 15), "{name}");
-        assert_eq!((s.bytes.total, s.allocations.total), (200 * m, 20), "{name}");
+        assert_eq!(
+            (s.bytes.total, s.allocations.total),
+            (200 * m, 20),
+            "{name}"
+        );
     }
 }
 
@@ -109,18 +121,46 @@ fn negative_inner_tracking() {
         a.push_statistics_scope();
         v.extend((0..5).map(|_| a.allocate(TEN_MIB, 0).unwrap()));
         let inner = a.statistics_scope().unwrap();
-        assert_eq!((inner.bytes.value, inner.allocations.value), (50 * m, 5), "{name}");
+        assert_eq!(
+            (inner.bytes.value, inner.allocations.value),
+            (50 * m, 5),
+            "{name}"
+        );
         for x in v {
             a.free(x).unwrap();
         }
         let inner = a.pop_statistics_scope().unwrap();
-        assert_eq!((inner.bytes.value, inner.allocations.value), (-100 * m, -10), "{name}");
-        assert_eq!((inner.bytes.peak, inner.allocations.peak), (50 * m, 5), "{name}");
-        assert_eq!((inner.bytes.total, inner.allocations.total), (50 * m, 5), "{name}");
+        assert_eq!(
+            (inner.bytes.value, inner.allocations.value),
+            (-100 * m, -10),
+            "{name}"
+        );
+        assert_eq!(
+            (inner.bytes.peak, inner.allocations.peak),
+            (50 * m, 5),
+            "{name}"
+        );
+        assert_eq!(
+            (inner.bytes.total, inner.allocations.total),
+            (50 * m, 5),
+            "{name}"
+        );
         let outer = a.pop_statistics_scope().unwrap();
-        assert_eq!((outer.bytes.value, outer.allocations.value), (0, 0), "{name}");
-        assert_eq!((outer.bytes.peak, outer.allocations.peak), (150 * m, 15), "{name}");
-        assert_eq!((outer.bytes.total, outer.allocations.total), (150 * m, 15), "{name}");
+        assert_eq!(
+            (outer.bytes.value, outer.allocations.value),
+            (0, 0),
+            "{name}"
+        );
+        assert_eq!(
+            (outer.bytes.peak, outer.allocations.peak),
+            (150 * m, 15),
+            "{name}"
+        );
+        assert_eq!(
+            (outer.bytes.total, outer.allocations.total),
+            (150 * m, 15),
+            "{name}"
+        );
     }
 }
 
@@ -211,7 +251,11 @@ fn a_peak_scope_counts_zero_byte_allocations() {
         let x = dev.alloc::<u8>(1000).unwrap();
         let y = dev.alloc::<u8>(1000).unwrap();
         assert_eq!(p.allocations(), 3, "{mode}");
-        assert_eq!(p.live_allocations(), 2, "{mode}: nothing of 0 bytes is live");
+        assert_eq!(
+            p.live_allocations(),
+            2,
+            "{mode}: nothing of 0 bytes is live"
+        );
         assert_eq!(p.peak_bytes(), 2048, "{mode}: block sizes");
         drop((z, x, y));
         assert_eq!(p.current_bytes(), 0, "{mode}");
