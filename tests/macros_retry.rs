@@ -5,11 +5,23 @@ use std::cell::Cell;
 
 use oomguard::backend::sim::SimDevice;
 use oomguard::retry::BatchPlan;
-use oomguard::{is_grad_enabled, no_grad, oom_retry, AllocatorConfig, ByteSize, Device, Error};
+use oomguard::{
+    is_grad_enabled, no_grad, oom_retry, AllocatorConfig, ByteSize, Device, DeviceBuffer, Error,
+};
 
 const MIB: usize = 1 << 20;
 
-/// Micro-batches of 2 MiB rows: 100 rows need micro-batches of 25 in 64 MiB.
+/// A 256 MiB card with all but `free_mib` MiB held by a buffer that outlives the steps. The
+/// requests below fit the card but not what is free, so an out-of-memory gets the retry with
+/// the same plan after emptying the cache (a request larger than the whole card skips it,
+/// issue 32.12).
+fn card_with_free(free_mib: usize) -> (Device, DeviceBuffer<u8>) {
+    let dev = Device::sim(ByteSize::mib(256));
+    let held = dev.alloc::<u8>((256 - free_mib) * MIB).unwrap();
+    (dev, held)
+}
+
+/// Micro-batches of 2 MiB rows: 100 rows need micro-batches of 25 in 64 MiB free.
 #[oom_retry(plan = plan)]
 fn train_step(dev: &Device, plan: &BatchPlan, attempts: &Cell<u32>) -> Result<usize, Error> {
     attempts.set(attempts.get() + 1);
@@ -22,7 +34,7 @@ fn train_step(dev: &Device, plan: &BatchPlan, attempts: &Cell<u32>) -> Result<us
 
 #[test]
 fn plan_is_split_and_remembered() {
-    let dev = Device::sim(ByteSize::mib(64));
+    let (dev, held) = card_with_free(64);
     let attempts = Cell::new(0);
     let plan = BatchPlan::whole(100).unwrap();
     assert_eq!(train_step(&dev, &plan, &attempts).unwrap(), 100);
@@ -35,6 +47,8 @@ fn plan_is_split_and_remembered() {
         1,
         "the second call starts from the plan that worked"
     );
+    assert_eq!(dev.stats().allocated_bytes.all.current, 192 * MIB as u64);
+    drop(held);
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
 }
 
@@ -50,7 +64,7 @@ fn infer(dev: &Device, rows: u32, attempts: &Cell<u32>) -> Result<u32, Error> {
 
 #[test]
 fn batch_shrinks_down_to_min_then_gives_up_with_the_oom() {
-    let dev = Device::sim(ByteSize::mib(64));
+    let (dev, _held) = card_with_free(64);
     let attempts = Cell::new(0);
     assert_eq!(infer(&dev, 200, &attempts).unwrap(), 50);
     assert_eq!(
@@ -61,12 +75,20 @@ fn batch_shrinks_down_to_min_then_gives_up_with_the_oom() {
     attempts.set(0);
     assert_eq!(infer(&dev, 200, &attempts).unwrap(), 50);
     assert_eq!(attempts.get(), 4, "remember = false: learns again");
-    let small = Device::sim(ByteSize::mib(4));
+    let (small, _small_held) = card_with_free(4);
     attempts.set(0);
     let e = infer(&small, 200, &attempts).unwrap_err();
     assert!(e.is_oom(), "{e}");
     assert!(e.to_string().contains("Tried to allocate 8.00 MiB"), "{e}");
     assert_eq!(attempts.get(), 7, "200, 200, 100, 50, 25, 12, 8");
+    // On a 4 MiB card the 200 MiB request is larger than the whole card: no retry with the
+    // same plan can help (issue 32.12), so it goes straight to 100 and still ends at the min.
+    let tiny = Device::sim(ByteSize::mib(4));
+    attempts.set(0);
+    let e = infer(&tiny, 200, &attempts).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert!(e.to_string().contains("Tried to allocate 8.00 MiB"), "{e}");
+    assert_eq!(attempts.get(), 6, "200, 100, 50, 25, 12, 8");
 }
 
 #[oom_retry(max_retries = 2)]

@@ -5,9 +5,19 @@ use std::cell::Cell;
 
 use oomguard::backend::{BackendError, BackendErrorKind};
 use oomguard::retry::{last_report, BatchPlan, FnPolicy, PlanError};
-use oomguard::{memory_budget, no_grad, oom_retry, ByteSize, Device, Error};
+use oomguard::{memory_budget, no_grad, oom_retry, ByteSize, Device, DeviceBuffer, Error};
 
 const MIB: usize = 1 << 20;
+
+/// A 256 MiB card with all but `free_mib` MiB held by a buffer that outlives the steps. The
+/// requests below fit the card but not what is free, so an out-of-memory gets the retry with
+/// the same plan after emptying the cache (a request larger than the whole card skips it,
+/// issue 32.12).
+fn card_with_free(free_mib: usize) -> (Device, DeviceBuffer<u8>) {
+    let dev = Device::sim(ByteSize::mib(256));
+    let held = dev.alloc::<u8>((256 - free_mib) * MIB).unwrap();
+    (dev, held)
+}
 
 /// A step's body: 1 MiB per row, one allocation per micro-batch; the rows processed.
 fn rows_of(dev: &Device, plan: &BatchPlan) -> Result<usize, Error> {
@@ -35,7 +45,7 @@ fn eval_rows(dev: &Device, rows: usize, attempts: &Cell<u32>) -> Result<usize, E
 
 #[test]
 fn batch_does_not_shrink_a_training_step() {
-    let dev = Device::sim(ByteSize::mib(64));
+    let (dev, _held) = card_with_free(64);
     let attempts = Cell::new(0);
     let e = train_rows(&dev, 200, &attempts).unwrap_err();
     assert!(e.is_oom(), "{e}");
@@ -86,7 +96,7 @@ fn plain(dev: &Device, bytes: usize, attempts: &Cell<u32>) -> Result<(), Error> 
 
 #[test]
 fn a_bare_retry_is_bounded_and_its_error_carries_the_report() {
-    let dev = Device::sim(ByteSize::mib(64));
+    let (dev, _held) = card_with_free(64);
     let attempts = Cell::new(0);
     let e = plain(&dev, 128 * MIB, &attempts).unwrap_err();
     assert_eq!(
@@ -181,7 +191,7 @@ fn with_anyhow(dev: &Device, plan: &BatchPlan) -> anyhow::Result<usize> {
 
 #[test]
 fn anyhow_results_are_retried_and_carry_the_report() {
-    let dev = Device::sim(ByteSize::mib(64));
+    let (dev, _held) = card_with_free(64);
     assert_eq!(
         with_anyhow(&dev, &BatchPlan::whole(100).unwrap()).unwrap(),
         100
@@ -248,7 +258,7 @@ fn with_io(dev: &Device, plan: &BatchPlan) -> StepResult<usize> {
 
 #[test]
 fn io_errors_and_result_aliases_work() {
-    let dev = Device::sim(ByteSize::mib(64));
+    let (dev, _held) = card_with_free(64);
     assert_eq!(with_io(&dev, &BatchPlan::whole(100).unwrap()).unwrap(), 100);
     assert!(last_report().unwrap().retries() >= 2);
 }

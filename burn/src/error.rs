@@ -118,6 +118,14 @@ impl IsOom for Error {
     fn is_budget_exceeded(&self) -> bool {
         matches!(self, Error::Oomguard(e) if IsOom::is_budget_exceeded(e))
     }
+    /// The failed request against the whole capacity, for oomguard's out-of-memory (cubecl's
+    /// do not say what was requested).
+    fn oom_request(&self) -> Option<oomguard::retry::OomRequest> {
+        match self {
+            Error::Oomguard(e) => IsOom::oom_request(e),
+            _ => None,
+        }
+    }
     fn is_oom(&self) -> bool {
         match self {
             Error::Execution(e) => e.is_oom(),

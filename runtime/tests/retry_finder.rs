@@ -654,3 +654,108 @@ fn a_search_where_nothing_failed_names_no_failing_size() {
     assert_eq!(r.smallest_failed(), None);
     assert!(!r.to_string().contains("ran out of memory"), "{r}");
 }
+
+/// Issue 32, point 10: `available()` is what a budget leaves, not the card's free memory. On a
+/// 64 MiB card holding 6 MiB it was 58 MiB under a 40 MiB `device_budget`, a 40 MiB
+/// `MemorySource::budget` and a 40 MiB thread budget alike (only `set_memory_fraction` lowered
+/// it); now each gives the budget's room.
+#[test]
+fn available_is_capped_by_budgets() {
+    use oomguard_runtime::source::MemorySource;
+    let dev = Device::sim(ByteSize::mib(64));
+    let _held = dev.alloc::<u8>(6 << 20).unwrap();
+    assert_eq!(dev.available().unwrap(), 58 * MIB);
+    {
+        let _b = dev.device_budget(ByteSize::mib(40));
+        assert_eq!(dev.available().unwrap(), 40 * MIB);
+        let _x = dev.alloc::<u8>(10 << 20).unwrap();
+        assert_eq!(
+            dev.available().unwrap(),
+            30 * MIB,
+            "the room left, not the limit"
+        );
+        // nested budgets: the tightest room wins
+        let _t = dev.thread_budget(ByteSize::mib(4));
+        assert_eq!(dev.available().unwrap(), 4 * MIB);
+    }
+    dev.empty_cache().unwrap(); // the 10 MiB block stayed cached
+    {
+        let _b = MemorySource::budget(&dev, 40 * MIB).unwrap();
+        assert_eq!(dev.available().unwrap(), 40 * MIB);
+    }
+    {
+        // a budget looser than the card: the card's free memory
+        let _b = dev.device_budget(ByteSize::mib(100));
+        assert_eq!(dev.available().unwrap(), 58 * MIB);
+    }
+    dev.set_memory_fraction(40.0 / 64.0).unwrap();
+    assert_eq!(
+        dev.available().unwrap(),
+        34 * MIB,
+        "the limit counts what is held"
+    );
+    dev.set_memory_fraction(1.0).unwrap();
+    assert_eq!(dev.available().unwrap(), 58 * MIB, "every cap lifted");
+}
+
+/// Issue 32, point 10: the finder aims under the budget, so an affine step under a budget is
+/// found in at most 4 trials (8 before: it jumped past the budget to the card's free memory).
+#[test]
+fn the_finder_aims_under_a_budget() {
+    use oomguard_runtime::source::MemorySource;
+    for device_wide in [true, false] {
+        let dev = Device::sim(ByteSize::mib(64));
+        let _held = dev.alloc::<u8>(6 << 20).unwrap();
+        let _budget = if device_wide {
+            Err(dev.device_budget(ByteSize::mib(40)))
+        } else {
+            Ok(MemorySource::budget(&dev, 40 * MIB).unwrap())
+        };
+        // 2 MiB fixed + 1 MiB a row: 38 rows fit in the budget, 56 on the card
+        let step = |rows: usize| -> Result<(), Error> {
+            let _ws = dev.alloc::<u8>(2 << 20)?;
+            let _acts = dev.alloc::<u8>(rows << 20)?;
+            Ok(())
+        };
+        let r = find_max_batch(&dev, FinderOptions::default(), step).unwrap();
+        assert_eq!(r.budget_bytes, 40 * MIB, "{r}");
+        assert!(r.runs() <= 4, "{} trials: {r}", r.runs());
+        assert!(r.max_batch <= 38 && r.max_batch >= 36, "{r}");
+        assert_eq!(
+            r.smallest_failed(),
+            None,
+            "nothing jumped past the budget: {r}"
+        );
+    }
+}
+
+/// Issue 32, point 13: a fit whose fixed part is slightly negative (peaks growing a little
+/// faster than the rows) printed "-2 B + 12784 B/row"; it prints 0 and says why.
+#[test]
+fn a_negative_fixed_cost_is_shown_as_zero_and_explained() {
+    use oomguard_runtime::retry::{FinderReport, LinearFit};
+    use oomguard_runtime::source::MemorySource;
+    let dev = Device::sim(ByteSize::mib(64));
+    let report = |fixed: f64| FinderReport {
+        max_batch: 10,
+        trials: Vec::new(),
+        steps_per_trial: 2,
+        verification: Vec::new(),
+        source: dev.info(),
+        fit: Some(LinearFit {
+            fixed_bytes: fixed,
+            per_row_bytes: 12784.0,
+        }),
+        budget_bytes: 64 * MIB,
+        stopped_by_max_trials: false,
+    };
+    let shown = report(-2.0).to_string();
+    assert!(!shown.contains("-2 B +"), "{shown}");
+    assert!(shown.contains("fit: 0 B + 12784 B/row"), "{shown}");
+    assert!(
+        shown.contains("crosses 0 rows at -2 B, clamped to 0"),
+        "{shown}"
+    );
+    let shown = report(4096.0).to_string();
+    assert!(shown.contains("fit: 4096 B + 12784 B/row)"), "{shown}");
+}

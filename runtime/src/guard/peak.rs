@@ -14,6 +14,18 @@ use crate::ByteSize;
 /// Scopes nest as RMM's statistics stack: each sees its own peak, and a parent's figures include
 /// its children's allocations. The figures are readable while the scope is open.
 ///
+/// What differs from rmm's `statistics_resource_adaptor`, on purpose (a peak scope measures the
+/// memory a region takes, as PyTorch's `max_memory_allocated` does):
+/// - bytes are block sizes, not requested bytes: two allocations of 1,000 bytes count 2,048
+///   (each rounded to 512 bytes);
+/// - only this thread's allocations made inside the scope count, and freeing a buffer
+///   allocated before it subtracts nothing (rmm's values can go negative).
+///
+/// An allocation of 0 bytes counts in [`PeakScope::allocations`], as rmm counts it, and takes
+/// no bytes (it is never live). For rmm's exact counters (requested bytes, every thread, frees
+/// of earlier allocations), use the allocator's statistics scopes
+/// ([`CachingAllocator::push_statistics_scope`](crate::CachingAllocator::push_statistics_scope)).
+///
 /// ```
 /// use oomguard_runtime::{ByteSize, Device};
 /// let dev = Device::sim(ByteSize::gib(1));
@@ -47,7 +59,7 @@ impl PeakScope {
         self.guard.scope.live.load(Relaxed)
     }
 
-    /// Allocations made inside the scope.
+    /// Allocations made inside the scope (those of 0 bytes included).
     pub fn allocations(&self) -> u64 {
         self.guard.scope.allocations.load(Relaxed)
     }

@@ -235,6 +235,28 @@ impl Tracker {
         v
     }
 
+    /// Bytes the budgets that apply to an allocation on this thread (its own and device-wide
+    /// ones) still allow, the tightest of them (`None`: no budget applies). `device_total`:
+    /// the device's capacity, for fraction budgets.
+    pub fn budget_room(&self, device_total: u64) -> Option<u64> {
+        if !self.scopes_open() {
+            return None;
+        }
+        let dev = self.id();
+        self.applicable()
+            .iter()
+            .filter_map(|s| {
+                let limit = s.limit(device_total)?;
+                let used = match s.kind.limit {
+                    // a fraction budget counts each device on its own
+                    Some(Limit::Fraction(_)) => lock(&s.per_device).get(&dev).copied().unwrap_or(0),
+                    _ => s.live.load(Relaxed),
+                };
+                Some(limit.saturating_sub(used))
+            })
+            .min()
+    }
+
     /// The slow allocation path, taken while some scope is open on the device: checks budgets
     /// before calling the allocator, charges the scopes, records the allocation. The caller's
     /// location (passed down through `#[track_caller]`) is what a leak check reports, and what
@@ -248,8 +270,13 @@ impl Tracker {
     ) -> Result<Allocation> {
         let site = Location::caller();
         if bytes == 0 {
-            // nothing is allocated (a null handle): nothing to charge or record
-            return allocator.allocate(bytes, stream);
+            // Nothing is allocated (a null handle): nothing to charge or record, but counted as
+            // an allocation, as rmm's statistics count one of 0 bytes.
+            let a = allocator.allocate(bytes, stream)?;
+            for s in self.applicable() {
+                s.allocations.fetch_add(1, Relaxed);
+            }
+            return Ok(a);
         }
         let scopes = self.applicable();
         if scopes.is_empty() {

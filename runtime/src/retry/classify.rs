@@ -54,6 +54,17 @@ pub trait IsOom {
         false
     }
 
+    /// The single request that failed and the most its device (or budget) could ever give,
+    /// when the error knows them: oomguard's [`OomError`] (the device's capacity) and
+    /// [`BudgetExceeded`] (the budget's limit), also inside other errors (a `source()` chain,
+    /// candle's wrappers, `io::Error`). A request larger than the whole capacity cannot be
+    /// served by emptying the cache, whatever else is freed: the retry engine skips the
+    /// same-plan retry for it ([`Pressure::TooLarge`](super::Pressure::TooLarge)) and stops
+    /// when the request does not shrink with the plan. `None` by default.
+    fn oom_request(&self) -> Option<OomRequest> {
+        None
+    }
+
     /// The error a step that gave up returns, with the report of its attempts attached when the
     /// type can carry it: oomguard's [`Error`] becomes [`Error::RetriesExhausted`], an
     /// `anyhow::Error` (feature `anyhow`) gets the report as context, an `io::Error` wraps it.
@@ -83,9 +94,53 @@ pub trait IsOom {
     }
 }
 
+/// One failed request against the most that could ever serve it ([`IsOom::oom_request`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OomRequest {
+    /// Bytes the failed request asked for.
+    pub requested: u64,
+    /// The device's total capacity, or the budget's limit ([`OomRequest::budget`]).
+    pub capacity: u64,
+    /// Whether `capacity` is a memory budget's limit rather than the device's capacity.
+    pub budget: bool,
+}
+
+impl OomRequest {
+    /// Whether the request is larger than the whole capacity: no emptied cache, no freed
+    /// buffer makes it fit; only a smaller request can.
+    pub fn exceeds_capacity(&self) -> bool {
+        self.requested > self.capacity
+    }
+}
+
+impl std::fmt::Display for OomRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = if self.budget {
+            "the budget's whole limit"
+        } else {
+            "the device's whole capacity"
+        };
+        write!(
+            f,
+            "a request of {} against {what} of {}",
+            crate::ByteSize(self.requested),
+            crate::ByteSize(self.capacity)
+        )
+    }
+}
+
 impl IsOom for Error {
     fn is_oom(&self) -> bool {
         Error::is_oom(self)
+    }
+    fn oom_request(&self) -> Option<OomRequest> {
+        match self {
+            Error::Oom(e) => e.oom_request(),
+            Error::BudgetExceeded(e) => e.oom_request(),
+            // the last error of a nested step that gave up
+            Error::RetriesExhausted { error, .. } => error.oom_request(),
+            _ => None,
+        }
     }
     fn is_budget_exceeded(&self) -> bool {
         match self {
@@ -119,6 +174,13 @@ impl IsOom for OomError {
     fn is_oom(&self) -> bool {
         true
     }
+    fn oom_request(&self) -> Option<OomRequest> {
+        Some(OomRequest {
+            requested: self.requested,
+            capacity: self.device_total,
+            budget: false,
+        })
+    }
 }
 
 impl IsOom for BudgetExceeded {
@@ -127,6 +189,13 @@ impl IsOom for BudgetExceeded {
     }
     fn is_budget_exceeded(&self) -> bool {
         true
+    }
+    fn oom_request(&self) -> Option<OomRequest> {
+        Some(OomRequest {
+            requested: self.requested,
+            capacity: self.limit,
+            budget: true,
+        })
     }
 }
 
@@ -138,6 +207,9 @@ impl IsOom for std::io::Error {
     }
     fn is_budget_exceeded(&self) -> bool {
         chain_is_budget(self)
+    }
+    fn oom_request(&self) -> Option<OomRequest> {
+        chain_oom_request(self)
     }
     fn with_retry_report(self, report: &RetryReport) -> Self {
         std::io::Error::new(
@@ -191,6 +263,9 @@ impl IsOom for anyhow::Error {
     fn is_budget_exceeded(&self) -> bool {
         self.downcast_ref::<AfterCommit>().is_none() && chain_is_budget(self.as_ref())
     }
+    fn oom_request(&self) -> Option<OomRequest> {
+        chain_oom_request(self.as_ref())
+    }
     fn with_retry_report(self, report: &RetryReport) -> Self {
         if self.downcast_ref::<AfterCommit>().is_some() {
             return self;
@@ -234,6 +309,9 @@ impl<T: IsOom + ?Sized> IsOom for &T {
     fn is_budget_exceeded(&self) -> bool {
         (**self).is_budget_exceeded()
     }
+    fn oom_request(&self) -> Option<OomRequest> {
+        (**self).oom_request()
+    }
 }
 
 impl<T: IsOom + ?Sized> IsOom for Box<T> {
@@ -243,6 +321,9 @@ impl<T: IsOom + ?Sized> IsOom for Box<T> {
     fn is_budget_exceeded(&self) -> bool {
         (**self).is_budget_exceeded()
     }
+    fn oom_request(&self) -> Option<OomRequest> {
+        (**self).oom_request()
+    }
 }
 
 impl<T: IsOom + ?Sized> IsOom for std::sync::Arc<T> {
@@ -251,6 +332,9 @@ impl<T: IsOom + ?Sized> IsOom for std::sync::Arc<T> {
     }
     fn is_budget_exceeded(&self) -> bool {
         (**self).is_budget_exceeded()
+    }
+    fn oom_request(&self) -> Option<OomRequest> {
+        (**self).oom_request()
     }
 }
 
@@ -262,6 +346,9 @@ macro_rules! dyn_is_oom {
             }
             fn is_budget_exceeded(&self) -> bool {
                 chain_is_budget(self)
+            }
+            fn oom_request(&self) -> Option<OomRequest> {
+                chain_oom_request(self)
             }
         }
     )*};
@@ -308,22 +395,48 @@ pub(super) fn chain_is_budget(err: &(dyn StdError + 'static)) -> bool {
     })
 }
 
+/// The failed request and its capacity ([`IsOom::oom_request`]) of the first oomguard
+/// out-of-memory in `err`'s `source()` chain.
+pub(super) fn chain_oom_request(err: &(dyn StdError + 'static)) -> Option<OomRequest> {
+    chain_find(err, |e| {
+        if let Some(e) = e.downcast_ref::<Error>() {
+            return match e {
+                Error::Oom(_) | Error::BudgetExceeded(_) => e.oom_request(),
+                _ => None,
+            };
+        }
+        if let Some(e) = e.downcast_ref::<OomError>() {
+            return e.oom_request();
+        }
+        e.downcast_ref::<BudgetExceeded>()
+            .and_then(IsOom::oom_request)
+    })
+}
+
 /// Walks the chain: each error, then the error an `io::Error` wraps (its `source()` skips it),
 /// then `source()`.
 fn chain_any(
     err: &(dyn StdError + 'static),
     pred: impl Fn(&(dyn StdError + 'static)) -> bool,
 ) -> bool {
+    chain_find(err, |e| pred(e).then_some(())).is_some()
+}
+
+/// [`chain_any`]'s walk, returning what `find` returns for the first error it answers.
+fn chain_find<T>(
+    err: &(dyn StdError + 'static),
+    find: impl Fn(&(dyn StdError + 'static)) -> Option<T>,
+) -> Option<T> {
     let mut cur = Some(err);
     // Bounded, in case a source chain loops.
     for _ in 0..64 {
-        let Some(e) = cur else { return false };
+        let e = cur?;
         if is_after_commit(e) {
             // an update was applied: nothing below makes it retryable
-            return false;
+            return None;
         }
-        if pred(e) {
-            return true;
+        if let Some(found) = find(e) {
+            return Some(found);
         }
         cur = match e
             .downcast_ref::<std::io::Error>()
@@ -333,7 +446,7 @@ fn chain_any(
             None => e.source(),
         };
     }
-    false
+    None
 }
 
 /// Whether `e` is the mark of an error after a commit ([`IsOom::after_commit`]).

@@ -10,7 +10,7 @@
 
 use std::error::Error as StdError;
 
-use super::classify::{chain_is_budget, chain_is_oom};
+use super::classify::{chain_is_budget, chain_is_oom, chain_oom_request, OomRequest};
 use super::IsOom;
 
 impl IsOom for candle_core::Error {
@@ -20,26 +20,36 @@ impl IsOom for candle_core::Error {
     /// A memory budget's out-of-memory (oomguard's `BudgetExceeded`) carried inside the error:
     /// the retry engine then skips the same-plan retry, as for oomguard's own errors.
     fn is_budget_exceeded(&self) -> bool {
-        candle_is_budget(self, 0)
+        candle_find(self, 0, &|e| chain_is_budget(e).then_some(())).is_some()
+    }
+    /// The failed request and its capacity of an oomguard out-of-memory carried inside the
+    /// error (candle's own CUDA errors do not say what was requested: `None`).
+    fn oom_request(&self) -> Option<OomRequest> {
+        candle_find(self, 0, &chain_oom_request)
     }
 }
 
-/// [`candle_is_oom`]'s walk, for a budget's out-of-memory (candle's own CUDA errors never are).
-fn candle_is_budget(e: &candle_core::Error, depth: usize) -> bool {
+/// [`candle_is_oom`]'s walk, for what `find` answers of an oomguard error inside (a budget's
+/// out-of-memory, the request that failed: candle's own CUDA errors carry neither).
+fn candle_find<T>(
+    e: &candle_core::Error,
+    depth: usize,
+    find: &dyn Fn(&(dyn StdError + 'static)) -> Option<T>,
+) -> Option<T> {
     use candle_core::Error as E;
     if depth > 64 {
-        return false;
+        return None;
     }
     let boxed = |b: &(dyn StdError + Send + Sync + 'static)| match b.downcast_ref::<E>() {
-        Some(inner) => candle_is_budget(inner, depth + 1),
-        None => chain_is_budget(b),
+        Some(inner) => candle_find(inner, depth + 1, find),
+        None => find(b),
     };
     match e {
         E::Cuda(b) | E::WrappedContext { wrapped: b, .. } => boxed(b.as_ref()),
         E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
-            candle_is_budget(inner, depth + 1)
+            candle_find(inner, depth + 1, find)
         }
-        other => other.source().is_some_and(chain_is_budget),
+        other => other.source().and_then(find),
     }
 }
 

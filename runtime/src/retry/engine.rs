@@ -12,13 +12,14 @@ use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use super::classify::IsOom;
+use super::classify::{IsOom, OomRequest};
 use super::consensus::{Consensus, ConsensusError, SingleProcess};
 use super::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
 use super::plan::{BatchPlan, Chunk};
 use super::policy::{training_policy, Pressure, RetryContext, RetryPolicy};
 use super::report::{
     AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+    StopReason,
 };
 use super::thrash::ThrashDetector;
 use crate::source::MemorySource;
@@ -140,6 +141,10 @@ struct EngineParts {
     mode: ModeHook,
     regrow_after: Option<u32>,
     thrash: Option<ThrashDetector>,
+    /// Stop when each attempt starts with more memory allocated than the previous.
+    stop_on_growth: bool,
+    /// The micro-batch a step starts from when nothing is remembered for it.
+    start_from: Option<usize>,
 }
 
 impl fmt::Debug for RetryEngine {
@@ -149,6 +154,8 @@ impl fmt::Debug for RetryEngine {
             .field("consensus", &self.inner.consensus)
             .field("regrow_after", &self.inner.regrow_after)
             .field("thrash", &self.inner.thrash)
+            .field("stop_on_growth", &self.inner.stop_on_growth)
+            .field("start_from", &self.inner.start_from)
             .finish_non_exhaustive()
     }
 }
@@ -178,6 +185,8 @@ impl RetryEngine {
                 mode: Arc::new(StepMode::current),
                 regrow_after: Some(DEFAULT_REGROW_AFTER),
                 thrash: Some(ThrashDetector::new(DEFAULT_THRASH_WINDOW)),
+                stop_on_growth: true,
+                start_from: None,
             }),
         }
     }
@@ -229,6 +238,80 @@ impl RetryEngine {
     pub fn thrash_window(mut self, steps: Option<u32>) -> Self {
         Arc::make_mut(&mut self.inner).thrash = steps.map(ThrashDetector::new);
         self
+    }
+
+    /// Whether a step stops retrying once attempts started with more memory allocated than the
+    /// one before twice ([`RetryReport::held_grew`]; default `true`). Each failed attempt's memory is dropped
+    /// before the next one starts, so what is allocated when an attempt starts should not
+    /// grow; when it does, the step keeps memory across attempts (a tensor pushed into a
+    /// collection outside the attempt, a graph kept alive), every retry starts with less room,
+    /// and shrinking the plan cannot win. The step then fails with
+    /// [`StopReason::HeldGrew`](super::StopReason::HeldGrew), naming the bytes at each start
+    /// ([`RetryReport::held_bytes`]). Other threads allocating on the same source between
+    /// attempts look the same: turn this off (`false`) when they do; the growth is then still
+    /// named in the report.
+    ///
+    /// ```
+    /// use oomguard_runtime::retry::{RetryEngine, StopReason};
+    /// use oomguard_runtime::{ByteSize, Device};
+    /// let dev = Device::sim(ByteSize::mib(64));
+    /// let mut kept = Vec::new(); // outlives the attempts: a leak
+    /// let e = RetryEngine::new().run(&dev, 100, |plan| {
+    ///     for c in plan.chunks() {
+    ///         kept.push(dev.alloc::<u8>(c.len() << 20)?);
+    ///     }
+    ///     Ok::<_, oomguard_runtime::Error>(())
+    /// }, |()| ()).unwrap_err();
+    /// let report = e.report().unwrap();
+    /// assert!(matches!(report.stopped, Some(StopReason::HeldGrew { .. })), "{report}");
+    /// assert!(e.to_string().contains("a leak"), "{e}");
+    /// ```
+    pub fn stop_when_held_grows(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.inner).stop_on_growth = on;
+        self
+    }
+
+    /// Starts every step with nothing remembered for it from `plan`'s micro-batch (at most
+    /// `plan.micro_batch()` rows per chunk) instead of the whole batch: for instance the batch
+    /// [`find_max_batch`](super::find_max_batch) found, so that the first step does not fail
+    /// its way down to it ([`RetryEngine::start_from_finder`]). Opt-in; a step that starts from
+    /// it says so in [`RetryReport::seeded`]. Limits remembered for a step (learned from an
+    /// out-of-memory, or from a plan file) take precedence; a regrow after clean steps grows
+    /// from the seed. `plan.batch()` is not used: every row of a step still runs.
+    ///
+    /// ```
+    /// use oomguard_runtime::retry::{BatchPlan, RetryEngine};
+    /// use oomguard_runtime::{ByteSize, Device};
+    /// let dev = Device::sim(ByteSize::mib(64));
+    /// let engine = RetryEngine::new().start_from(BatchPlan::with_micro_batch(32, 32).unwrap());
+    /// let out = engine.run(&dev, 100, |plan| {
+    ///     for c in plan.chunks() {
+    ///         dev.alloc::<u8>(c.len() << 20)?; // 32 rows fit, 100 do not
+    ///     }
+    ///     Ok::<_, oomguard_runtime::Error>(())
+    /// }, |()| ()).unwrap();
+    /// assert_eq!(out.report.retries(), 0);
+    /// assert_eq!(out.report.seeded, Some(32));
+    /// assert_eq!(out.report.final_plan.num_chunks(), 4); // 100 rows as 4 × 25
+    /// ```
+    pub fn start_from(mut self, plan: BatchPlan) -> Self {
+        Arc::make_mut(&mut self.inner).start_from = Some(plan.micro_batch());
+        self
+    }
+
+    /// [`RetryEngine::start_from`] the batch `found` reports
+    /// ([`FinderReport::max_batch`](super::FinderReport::max_batch)): steps with nothing
+    /// remembered start with micro-batches of at most that many rows. The finder measured the
+    /// step it was given; a step that needs more memory (a larger model, another optimizer)
+    /// still retries from there.
+    pub fn start_from_finder(self, found: &super::FinderReport) -> Self {
+        let rows = found.max_batch.max(1);
+        self.start_from(BatchPlan::whole(rows).expect("rows >= 1 gives a plan"))
+    }
+
+    /// The micro-batch steps with nothing remembered start from ([`RetryEngine::start_from`]).
+    pub fn starts_from(&self) -> Option<usize> {
+        self.inner.start_from
     }
 
     /// The remembered plans.
@@ -378,10 +461,11 @@ impl RetryEngine {
         start: BatchPlan,
         memo: &SiteMemo,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
-        let Some(epoch) = (self.inner.consensus.world_size() == 1)
-            .then(thread_device_epoch)
-            .flatten()
-        else {
+        // a seeded engine's first plan is not the caller's: set the loop up
+        let Some(epoch) = (self.inner.consensus.world_size() == 1
+            && self.inner.start_from.is_none())
+        .then(thread_device_epoch)
+        .flatten() else {
             return self.begin_any(site, start);
         };
         let mode = (self.inner.mode)();
@@ -442,8 +526,9 @@ impl RetryEngine {
         let started = Instant::now();
         let mode = key.mode;
 
-        // Starting plan: remembered limits, or one size up after enough clean steps.
-        let (limits, mut regrow, memory_error) = {
+        // Starting plan: remembered limits (else the engine's seed), or one size up after
+        // enough clean steps.
+        let (limits, from_memory, seeded, mut regrow, memory_error) = {
             let mut mem = self.memory();
             let e = mem.entry(&key);
             let mut limits = e.limits;
@@ -458,6 +543,15 @@ impl RetryEngine {
                 );
                 limits.batch = None;
             }
+            let from_memory = limits != Limits::NONE;
+            // Nothing remembered: the engine's seed stands for what would be.
+            let seeded = self
+                .inner
+                .start_from
+                .filter(|&m| !from_memory && m < batch && micro_cap.is_none_or(|c| m < c));
+            if let Some(m) = seeded {
+                limits.micro_batch = Some(m);
+            }
             let mut regrow = None;
             if let Some(k) = self.inner.regrow_after {
                 let wait = u64::from(k) << e.failed_regrows.min(16);
@@ -466,7 +560,13 @@ impl RetryEngine {
                     regrow = limits.one_up(batch);
                 }
             }
-            (limits, regrow, mem.error().map(str::to_string))
+            (
+                limits,
+                from_memory,
+                seeded,
+                regrow,
+                mem.error().map(str::to_string),
+            )
         };
         let capped = |p: BatchPlan| match micro_cap {
             Some(m) if m < p.micro_batch() => {
@@ -499,7 +599,7 @@ impl RetryEngine {
             mode,
             requested_batch: batch,
             initial_plan: plan,
-            from_memory: limits != Limits::NONE,
+            from_memory,
             final_plan: plan,
             attempts: Vec::new(),
             regrow: None,
@@ -510,6 +610,12 @@ impl RetryEngine {
             failure: None,
             nested_commit: None,
             hint: None,
+            // what the first attempt starts with (not synchronised: a step's start must not
+            // wait for the device)
+            held_bytes: vec![target.bytes().0],
+            stopped: None,
+            // the first plan is the seed's (not a regrow's, nor a smaller one another rank has)
+            seeded: seeded.filter(|_| regrow.is_none() && plan == good),
         };
         Ok(RetryLoop::full(FullLoop {
             device_addr: Device::thread_device_addr(),
@@ -525,6 +631,7 @@ impl RetryEngine {
             report,
             failures: Vec::new(),
             oom_count: 0,
+            last_too_large: None,
             started,
             attempt_started: started,
             commits_before: super::commit::commits(),
@@ -712,6 +819,16 @@ impl Target {
             (a + u.used, r + u.reserved)
         })
     }
+    /// Bytes used now, after the device ran every queued free (each source synchronised; those
+    /// that cannot be read count 0).
+    fn held(&self) -> u64 {
+        self.sources().iter().fold(0, |a, s| {
+            if let Err(e) = s.synchronize() {
+                tracing::warn!(target: "oomguard::retry", error = %e, source = %s.info(), "synchronize failed");
+            }
+            a + s.usage().map_or(0, |u| u.used)
+        })
+    }
     fn empty_cache(&self) {
         for s in self.sources() {
             if let Err(e) = s.empty_cache() {
@@ -745,6 +862,8 @@ struct FullLoop<E> {
     report: RetryReport,
     failures: Vec<FailedAttempt<E>>,
     oom_count: u32,
+    /// The last failed attempt's request larger than the whole capacity, and its plan.
+    last_too_large: Option<(OomRequest, BatchPlan)>,
     started: Instant,
     attempt_started: Instant,
     retries_before: u64,
@@ -815,7 +934,10 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let elapsed = now.saturating_duration_since(self.attempt_started);
         let retries_after = self.target.alloc_retries();
         let plan = self.plan;
-        let mut budget = false;
+        // Set when this rank's out-of-memory was handled here: the bytes right after the
+        // failure (cache emptied after reading them, unless a budget's).
+        let mut at_failure = None;
+        let mut too_large = None;
         // A step nested in the attempt committed: rerunning the attempt would commit it again.
         let nested_commit = result.is_err() && super::commit::commits() != self.commits_before;
         let (status, proposal) = match &result {
@@ -823,8 +945,42 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             Err(_) if nested_commit => (FATAL, plan),
             Err(e) if e.is_oom() => {
                 self.oom_count += 1;
-                budget = e.is_budget_exceeded();
-                let next = if self.regrow.is_some() {
+                let budget = e.is_budget_exceeded();
+                at_failure = Some(self.target.bytes());
+                if !budget {
+                    self.target.empty_cache();
+                }
+                // what the next attempt starts with, its frees run
+                self.report.held_bytes.push(self.target.held());
+                too_large = e.oom_request().filter(OomRequest::exceeds_capacity);
+                let previous_too_large =
+                    std::mem::replace(&mut self.last_too_large, too_large.map(|r| (r, plan)));
+                let rose_now = matches!(self.report.held_bytes.as_slice(), [.., a, b] if b > a);
+                let stop =
+                    if self.engine.inner.stop_on_growth && rose_now && self.report.held_grew() {
+                        Some(StopReason::HeldGrew {
+                            held: self.report.held_bytes.clone(),
+                        })
+                    } else {
+                        match (too_large, previous_too_large) {
+                            (Some(r), Some((prev, prev_plan))) if r.requested >= prev.requested => {
+                                Some(StopReason::TooLarge {
+                                    request: r,
+                                    plans: (prev_plan, plan),
+                                })
+                            }
+                            _ => None,
+                        }
+                    };
+                let next = if let Some(why) = stop {
+                    tracing::error!(
+                        target: "oomguard::retry",
+                        site = %self.report.site,
+                        "out of memory: {why}"
+                    );
+                    self.report.stopped = Some(why);
+                    None
+                } else if self.regrow.is_some() {
                     Some(self.good)
                 } else if self.oom_count > MAX_ATTEMPTS {
                     tracing::error!(
@@ -834,8 +990,11 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                     );
                     None
                 } else {
-                    // A budget is not helped by emptying the cache: the policy skips that retry.
-                    let pressure = if budget {
+                    // A budget, or a request larger than the whole, is not helped by emptying
+                    // the cache: the policy skips that retry.
+                    let pressure = if too_large.is_some() {
+                        Pressure::TooLarge
+                    } else if budget {
                         Pressure::Budget
                     } else {
                         Pressure::Oom
@@ -899,7 +1058,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         }
 
         // The attempt does not count on any rank.
-        let (allocated_bytes, reserved_bytes) = self.target.bytes();
+        let (allocated_bytes, reserved_bytes) = at_failure.unwrap_or_else(|| self.target.bytes());
         let (outcome, error_text, error) = match result {
             Ok(v) => {
                 drop(v);
@@ -956,9 +1115,11 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             allocated_bytes,
             reserved_bytes,
             elapsed,
+            too_large,
         });
         self.failures.push(FailedAttempt { plan, error });
-        if !budget {
+        if at_failure.is_none() {
+            // another rank's out-of-memory: empty this rank's cache too
             self.target.empty_cache();
         }
         if !continuing {
@@ -1065,6 +1226,9 @@ impl LazyLoop {
             failure: None,
             nested_commit: None,
             hint: None,
+            held_bytes: Vec::new(),
+            stopped: None,
+            seeded: None,
         }
     }
 
@@ -1094,6 +1258,7 @@ impl LazyLoop {
             report,
             failures: Vec::new(),
             oom_count: 0,
+            last_too_large: None,
             started: self.started,
             attempt_started: self.started,
             retries_before: self.retries_before,

@@ -1,6 +1,6 @@
 //! A predictive batch-size finder: two small measured runs, a linear fit of peak memory, one jump
 //! to the predicted maximum; a model-aimed, bisection-bounded search only if the prediction
-//! fails.
+//! fails. It runs the step for real: the model it measures is trained by it.
 //!
 //! Lightning doubles then bisects (13 step runs for GPT-2 small on an H100), Accelerate
 //! multiplies by 0.9 from a guess (23 runs, 0.88 of the maximum), toma halves (5 runs, 0.58).
@@ -146,7 +146,9 @@ pub struct FinderReport {
     pub verification: Vec<Trial>,
     /// The source measured.
     pub source: crate::source::SourceInfo,
-    /// The fit used for the jump (the refined one if a refinement ran).
+    /// The fit used for the jump (the refined one if a refinement ran). Its `fixed_bytes` can
+    /// be slightly negative (peaks that grow a little faster than the rows); the report's
+    /// `Display` shows it as 0 and says so.
     pub fit: Option<LinearFit>,
     /// Bytes available to the step's peak (what the device could still give, cache emptied).
     pub budget_bytes: u64,
@@ -286,11 +288,22 @@ impl fmt::Display for FinderReport {
             self.step_runs()
         )?;
         if let Some(fit) = &self.fit {
-            write!(
-                f,
-                " (fit: {:.0} B + {:.0} B/row)",
-                fit.fixed_bytes, fit.per_row_bytes
-            )?;
+            if fit.fixed_bytes < 0.0 {
+                // A negative fixed part means nothing physical: the line through two peaks
+                // that grow slightly faster than the rows (rounding to blocks) crosses below 0.
+                write!(
+                    f,
+                    " (fit: 0 B + {:.0} B/row; the line through the measured peaks crosses 0 \
+                     rows at {:.0} B, clamped to 0: memory grows a little faster than the rows)",
+                    fit.per_row_bytes, fit.fixed_bytes
+                )?;
+            } else {
+                write!(
+                    f,
+                    " (fit: {:.0} B + {:.0} B/row)",
+                    fit.fixed_bytes, fit.per_row_bytes
+                )?;
+            }
         }
         write!(f, "\n  safe for {}", self.safe_for())?;
         if let Some(failed) = self.smallest_failed() {
@@ -459,6 +472,14 @@ fn held_rise(held: &[u64]) -> u64 {
 /// between `8 × start` and the failed jump, and this one takes at most that: 9–10 runs for a
 /// prediction 100–500× the jump, 11 for 2,000×. If `max_trials` ends the search first,
 /// [`FinderReport::stopped_by_max_trials`] says so (and a warning is logged).
+///
+/// **It trains the model it measures.** Every trial runs real steps (forward, backward and the
+/// optimizer's update), so the model and the optimizer's state change with each of them (2 step
+/// runs per trial, then 32 or more in the verification: [`FinderReport::step_runs`]). Measure on
+/// a copy, or save the parameters and the optimizer's state before and restore them after
+/// (or give the step a learning rate of 0 when the update's memory is what matters). To start
+/// training from the batch found, seed the engine with
+/// [`RetryEngine::start_from_finder`](super::RetryEngine::start_from_finder).
 ///
 /// The step should do what a real step does (forward, backward, optimizer), keep nothing
 /// between calls, and not retry out-of-memory itself. Refused with an error that says why:

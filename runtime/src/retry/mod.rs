@@ -61,7 +61,7 @@ mod policy;
 mod report;
 mod thrash;
 
-pub use classify::{chain_is_oom, IsOom};
+pub use classify::{chain_is_oom, IsOom, OomRequest};
 #[cfg(feature = "burn")]
 pub use classify_burn::cubecl_text_is_oom;
 pub use commit::{note_commit, AfterCommit};
@@ -86,5 +86,6 @@ pub use policy::{
 pub use report::{
     clear_last_report, last_report, record_commit_error, record_hint, AttemptOutcome,
     AttemptRecord, CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
+    StopReason,
 };
 pub use thrash::ThrashDetector;

@@ -38,6 +38,10 @@ pub enum Pressure {
     /// The step exceeded a memory budget (`#[memory_budget]`, [`crate::guard::thread_budget`]):
     /// emptying the cache cannot help, so a same-plan retry makes no sense here either.
     Budget,
+    /// One request was larger than the device's whole capacity, or a budget's whole limit
+    /// ([`IsOom::oom_request`](super::IsOom::oom_request)): no emptied cache makes it fit, so a
+    /// same-plan retry makes no sense; a smaller plan may shrink the request.
+    TooLarge,
 }
 
 /// What a policy sees when asked for the next plan.
@@ -117,7 +121,8 @@ impl<P: RetryPolicy + ?Sized> RetryPolicy for Box<P> {
 }
 
 /// Retries the same plan (the engine has emptied the cache) on the first `times` failures of a
-/// step. Only for [`Pressure::Oom`]: never for [`Pressure::Thrash`] or [`Pressure::Budget`].
+/// step. Only for [`Pressure::Oom`]: never for [`Pressure::Thrash`], [`Pressure::Budget`] or
+/// [`Pressure::TooLarge`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EmptyCacheRetry {
     times: u32,

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::classify::IsOom;
+use super::classify::{IsOom, OomRequest};
 use super::consensus::ConsensusError;
 use super::memory::StepMode;
 use super::plan::BatchPlan;
@@ -37,6 +37,60 @@ pub struct AttemptRecord {
     pub reserved_bytes: u64,
     /// Time the attempt took.
     pub elapsed: Duration,
+    /// The attempt failed on a single request larger than the device's whole capacity (or a
+    /// budget's whole limit): the same plan was not retried (emptying the cache cannot help).
+    pub too_large: Option<OomRequest>,
+}
+
+/// Why the engine stopped a step before its policy ran out of plans.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// Attempts started with more memory allocated than the previous one, twice (bytes
+    /// allocated on the source when each attempt started, in order): the step keeps memory
+    /// across attempts (a leak), so a smaller plan cannot help. See
+    /// [`RetryEngine::stop_when_held_grows`](super::RetryEngine::stop_when_held_grows).
+    HeldGrew {
+        /// [`RetryReport::held_bytes`] when the engine stopped.
+        held: Vec<u64>,
+    },
+    /// A request larger than the whole capacity did not shrink when the plan did: it does not
+    /// depend on the batch, so no plan can serve it.
+    TooLarge {
+        /// The request of the last attempt.
+        request: OomRequest,
+        /// The plans of the last two attempts (larger first).
+        plans: (BatchPlan, BatchPlan),
+    },
+}
+
+/// `a -> b -> c` in readable sizes.
+pub(crate) fn held_path(held: &[u64]) -> String {
+    held.iter()
+        .map(|b| crate::ByteSize(*b).to_string())
+        .collect::<Vec<_>>()
+        .join(" -> ")
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StopReason::HeldGrew { held } => write!(
+                f,
+                "allocated grew {} between attempts: the step keeps memory across attempts (a \
+                 leak), so a retry cannot help; drop everything an attempt allocates before it \
+                 returns (tensors kept in a collection outside the closure, a graph held by a \
+                 value that outlives it)",
+                held_path(held)
+            ),
+            StopReason::TooLarge { request, plans } => write!(
+                f,
+                "{request} did not shrink when the plan did ({} -> {}): it does not depend on \
+                 the batch, so no plan can serve it",
+                plans.0, plans.1
+            ),
+        }
+    }
 }
 
 /// A try of one size up after a run of clean steps.
@@ -90,6 +144,19 @@ pub struct RetryReport {
     /// What to change, when the engine can tell (e.g. `batch =` on a training step, which is
     /// never shrunk).
     pub hint: Option<String>,
+    /// Bytes allocated on the source when each attempt started: the first when the step
+    /// started, each later one once the failed attempt's memory was dropped and the cache
+    /// emptied (the device synchronised). Equal values mean each attempt gave back what it
+    /// took; values that rise again and again, that the step keeps memory across attempts (see
+    /// [`RetryReport::held_grew`]). Empty for a step whose first attempt ran without a loop
+    /// set up ([`RetryEngine::begin_any_memo`](super::RetryEngine::begin_any_memo)).
+    pub held_bytes: Vec<u64>,
+    /// Why the engine stopped before the policy ran out of plans (`None`: it did not).
+    pub stopped: Option<StopReason>,
+    /// The micro-batch the first attempt started from because the engine was seeded with it
+    /// ([`RetryEngine::start_from`](super::RetryEngine::start_from)) and nothing was remembered
+    /// for the step (`None`: not seeded, or something remembered took precedence).
+    pub seeded: Option<usize>,
 }
 
 /// A commit phase that failed (see [`RetryReport::commit_error`]).
@@ -295,6 +362,9 @@ pub(crate) fn set_last_clean(
             failure: None,
             nested_commit: None,
             hint: None,
+            held_bytes: Vec::new(),
+            stopped: None,
+            seeded: None,
         });
         if r.site != site {
             r.site.clear();
@@ -314,6 +384,9 @@ pub(crate) fn set_last_clean(
         r.failure = None;
         r.nested_commit = None;
         r.hint = None;
+        r.held_bytes.clear();
+        r.stopped = None;
+        r.seeded = None;
         l.valid = true;
         if plan.num_chunks() > 1 {
             if let Some(None) = l.watch {
@@ -333,6 +406,14 @@ impl RetryReport {
     /// Whether the engine gave up: the last attempt ran out of memory and no plan was left.
     pub fn gave_up(&self) -> bool {
         self.attempts.last().is_some_and(|a| a.next.is_none())
+    }
+
+    /// Whether the bytes allocated when an attempt started ([`RetryReport::held_bytes`]) rose
+    /// above the previous attempt's start at least twice: the step keeps memory across
+    /// attempts. One rise alone is not counted (something made once, on first use, such as
+    /// a library's workspace).
+    pub fn held_grew(&self) -> bool {
+        self.held_bytes.windows(2).filter(|w| w[1] > w[0]).count() >= 2
     }
 }
 
@@ -416,11 +497,34 @@ fn message_line(text: &str) -> &str {
 impl fmt::Display for RetryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.headline())?;
+        if let Some(m) = self.seeded {
+            write!(
+                f,
+                "\n  started from micro-batches of {m} rows (RetryEngine::start_from; nothing \
+                 remembered for this step)"
+            )?;
+        }
         for (i, a) in self.attempts.iter().enumerate() {
             write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;
             if let Some(e) = &a.error {
                 write!(f, ": {}", message_line(e))?;
             }
+            if let Some(r) = &a.too_large {
+                write!(
+                    f,
+                    " [{r}: larger than the whole, so the same plan was not retried]"
+                )?;
+            }
+        }
+        match &self.stopped {
+            Some(s) => write!(f, "\n  stopped: {s}")?,
+            None if self.held_grew() => write!(
+                f,
+                "\n  allocated grew {} between attempts: the step keeps memory across attempts \
+                 (a leak?)",
+                held_path(&self.held_bytes)
+            )?,
+            None => {}
         }
         if let Some(e) = &self.failure {
             write!(f, "\n  error: {}", message_line(e))?;
@@ -540,12 +644,28 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
                 None => write!(f, "step failed: {error}"),
             },
             RetryError::GaveUp { failures, report } => {
-                write!(
-                    f,
-                    "out of memory at {} after {} attempts; the policy allows nothing smaller",
-                    report.site,
-                    failures.len()
-                )?;
+                match &report.stopped {
+                    Some(why) => write!(
+                        f,
+                        "out of memory at {} after {} attempts; stopped: {why}",
+                        report.site,
+                        failures.len()
+                    )?,
+                    None => write!(
+                        f,
+                        "out of memory at {} after {} attempts; the policy allows nothing smaller",
+                        report.site,
+                        failures.len()
+                    )?,
+                }
+                if report.stopped.is_none() && report.held_grew() {
+                    write!(
+                        f,
+                        "\n  allocated grew {} between attempts: the step keeps memory across \
+                         attempts (a leak?)",
+                        held_path(&report.held_bytes)
+                    )?;
+                }
                 for (i, a) in failures.iter().enumerate() {
                     write!(f, "\n  attempt {} ({}): ", i + 1, a.plan)?;
                     match &a.error {

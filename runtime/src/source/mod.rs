@@ -99,7 +99,9 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     /// a free once the device has run it: synchronise first for an exact figure.
     fn usage(&self) -> Result<MemoryUsage>;
     /// Bytes the source could still hand out with its cache empty: the device's free memory,
-    /// capped by the source's own limit (an allocator memory limit, a pool's `maxSize`).
+    /// capped by the source's own limit (an allocator memory limit, a pool's `maxSize`) and by
+    /// the room left in the budgets open on it ([`MemorySource::budget`]). What
+    /// [`find_max_batch`](crate::retry::find_max_batch) aims under.
     fn available(&self) -> Result<u64>;
     /// Resets the peaks of [`MemorySource::usage`] to the current values.
     fn reset_peak(&self) -> Result<()>;
@@ -185,12 +187,20 @@ impl MemorySource for Device {
             reserved_peak: s.reserved_bytes.all.peak,
         })
     }
+    /// The device's free memory, capped by the allocator's memory limit
+    /// ([`Device::set_memory_fraction`]) and by the room left in every budget that applies to
+    /// an allocation of the calling thread: device-wide ones ([`Device::device_budget`],
+    /// [`MemorySource::budget`]) and the thread's own ([`Device::thread_budget`]).
     fn available(&self) -> Result<u64> {
         let free = self.mem_info()?.free;
-        Ok(match self.allocator().memory_limit() {
+        let mut room = match self.allocator().memory_limit() {
             Some(limit) => free.min(limit.saturating_sub(self.usage()?.reserved)),
             None => free,
-        })
+        };
+        if let Some(budget) = self.tracker().budget_room(self.allocator().device_total()) {
+            room = room.min(budget);
+        }
+        Ok(room)
     }
     fn reset_peak(&self) -> Result<()> {
         Device::reset_peak_stats(self);

@@ -1,0 +1,218 @@
+//! Issue 32, points 11 and 12: retries that cannot help are not run (or the report says why):
+//! a step that keeps memory across attempts, and a request larger than the whole card.
+
+use oomguard_runtime::retry::{BatchPlan, IsOom, Pressure, RetryEngine, RetryError, StopReason};
+use oomguard_runtime::{ByteSize, Device, Error};
+
+const MIB: usize = 1 << 20;
+
+/// A step that keeps what each chunk allocated across attempts (a leak behind the retries).
+/// Before: the engine halved down to micro-batches of 1 row (10 attempts) and said only that
+/// the policy allowed nothing smaller; now it stops once the memory held when attempts start
+/// has risen twice, and names the growth.
+#[test]
+fn a_step_that_keeps_memory_across_attempts_is_stopped_and_named() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let mut kept = Vec::new();
+    let e = RetryEngine::new()
+        .run(
+            &dev,
+            100,
+            |plan| {
+                for c in plan.chunks() {
+                    kept.push(dev.alloc::<u8>(c.len() * MIB)?);
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_err();
+    let r = e.report().unwrap().clone();
+    let Some(StopReason::HeldGrew { held }) = &r.stopped else {
+        panic!("not stopped for the growth: {r}");
+    };
+    assert_eq!(held, &r.held_bytes);
+    assert!(r.held_grew(), "{r}");
+    assert!(r.attempts.len() <= 6, "{} attempts: {r}", r.attempts.len());
+    assert!(r.final_plan.micro_batch() > 1, "{r}");
+    let text = e.to_string();
+    assert!(text.contains("allocated grew 0 bytes -> "), "{text}");
+    assert!(
+        text.contains("keeps memory across attempts (a leak)"),
+        "{text}"
+    );
+    assert!(r.to_string().contains("stopped: allocated grew"), "{r}");
+    assert!(matches!(e, RetryError::GaveUp { .. }));
+}
+
+/// With the stop turned off, the engine follows its policy down, and still names the growth.
+#[test]
+fn held_growth_is_named_when_the_stop_is_off() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let mut kept = Vec::new();
+    let e = RetryEngine::new()
+        .stop_when_held_grows(false)
+        .run(
+            &dev,
+            100,
+            |plan| {
+                for c in plan.chunks() {
+                    kept.push(dev.alloc::<u8>(c.len() * MIB)?);
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_err();
+    let r = e.report().unwrap();
+    assert_eq!(r.stopped, None);
+    assert_eq!(r.final_plan.micro_batch(), 1, "{r}");
+    let text = e.to_string();
+    assert!(text.contains("the policy allows nothing smaller"), "{text}");
+    assert!(text.contains("allocated grew"), "{text}");
+    assert!(text.contains("(a leak?)"), "{text}");
+}
+
+/// A step that gives back what it allocates is not stopped, however many retries it takes; its
+/// held bytes stay where they were.
+#[test]
+fn a_clean_step_is_never_stopped_for_growth() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let _weights = dev.alloc::<u8>(40 * MIB).unwrap();
+    let out = RetryEngine::new()
+        .run(
+            &dev,
+            400,
+            |plan| {
+                for c in plan.chunks() {
+                    dev.alloc::<u8>(c.len() * MIB / 4)?;
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap();
+    let r = out.report;
+    assert!(r.retries() >= 3, "{r}");
+    assert!(r.held_bytes.iter().all(|&b| b == 40 * MIB as u64), "{r:?}");
+    assert!(!r.held_grew());
+    assert!(!r.to_string().contains("grew"), "{r}");
+}
+
+/// A request larger than the whole card: the same plan is not retried (emptying the cache
+/// cannot make it fit), and once the request does not shrink with the plan, the step stops
+/// and says why. Before: the engine retried the same plan, then halved down to 1 row (8
+/// attempts for 100 rows).
+#[test]
+fn a_request_larger_than_the_card_is_not_retried_as_it_is() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let e = RetryEngine::new()
+        .run(
+            &dev,
+            100,
+            |_plan| {
+                // a weight-sized buffer that does not depend on the batch
+                dev.alloc::<u8>(128 * MIB)?;
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_err();
+    let r = e.report().unwrap().clone();
+    assert_eq!(r.attempts.len(), 2, "{r}");
+    let (first, second) = (&r.attempts[0], &r.attempts[1]);
+    assert!(first
+        .too_large
+        .is_some_and(|t| t.requested == 128 * MIB as u64
+            && t.capacity == 64 * MIB as u64
+            && !t.budget));
+    assert_ne!(first.plan, second.plan, "the same plan was retried: {r}");
+    assert!(
+        matches!(r.stopped, Some(StopReason::TooLarge { .. })),
+        "{r}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains("a request of 128.00 MiB against the device's whole capacity of 64.00 MiB did not shrink"),
+        "{text}"
+    );
+    assert!(
+        r.to_string().contains("so the same plan was not retried"),
+        "{r}"
+    );
+}
+
+/// A request larger than the card that shrinks with the plan is retried smaller (not as it
+/// was) until it fits; a budget's whole limit counts as the whole.
+#[test]
+fn a_too_large_request_that_shrinks_with_the_plan_is_followed_down() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let out = RetryEngine::new()
+        .run(
+            &dev,
+            100,
+            |plan| {
+                for c in plan.chunks() {
+                    dev.alloc::<u8>(c.len() * MIB)?;
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap();
+    let r = &out.report;
+    assert!(r.attempts.iter().all(|a| a.too_large.is_some()), "{r}");
+    assert!(
+        r.attempts.windows(2).all(|w| w[0].plan != w[1].plan),
+        "a same-plan retry ran: {r}"
+    );
+    assert_eq!(r.final_plan.micro_batch(), 50, "{r}");
+
+    let _budget = dev.thread_budget(ByteSize::mib(8));
+    let e = RetryEngine::new()
+        .run(&dev, 4, |_| dev.alloc::<u8>(16 * MIB).map(drop), |()| ())
+        .unwrap_err();
+    let r = e.report().unwrap();
+    assert!(r.attempts[0].too_large.is_some_and(|t| t.budget), "{r}");
+    assert!(
+        e.to_string()
+            .contains("the budget's whole limit of 8.00 MiB"),
+        "{e}"
+    );
+}
+
+/// The error says what was requested against what: `IsOom::oom_request` through oomguard's
+/// errors, wrappers and `io::Error`; the engine asks the policy with `Pressure::TooLarge`.
+#[test]
+fn oom_requests_are_read_through_wrappers() {
+    let dev = Device::sim(ByteSize::mib(8));
+    let e = dev.alloc::<u8>(16 * MIB).unwrap_err();
+    let r = e.oom_request().unwrap();
+    assert!(r.exceeds_capacity() && !r.budget);
+    let io: std::io::Error = e.into();
+    assert_eq!(io.oom_request(), Some(r));
+    let fits = dev.alloc::<u8>(4 * MIB).unwrap();
+    let e = dev.alloc::<u8>(6 * MIB).unwrap_err();
+    assert!(
+        !e.oom_request().unwrap().exceeds_capacity(),
+        "a request the card could hold"
+    );
+    drop(fits);
+    assert_eq!(Error::InvalidArgument("x".into()).oom_request(), None);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let policy =
+        oomguard_runtime::retry::FnPolicy(move |ctx: &oomguard_runtime::retry::RetryContext| {
+            log.lock().unwrap().push(ctx.pressure);
+            BatchPlan::with_micro_batch(ctx.plan.batch(), 1)
+                .ok()
+                .filter(|p| *p != ctx.plan)
+        });
+    let _ = RetryEngine::new().with_policy(policy).run(
+        &dev,
+        2,
+        |_| dev.alloc::<u8>(16 * MIB).map(drop),
+        |()| (),
+    );
+    assert_eq!(*seen.lock().unwrap(), vec![Pressure::TooLarge]);
+}
