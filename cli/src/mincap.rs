@@ -132,6 +132,7 @@ pub fn min_capacity_on(
             timeline: false,
             device: device.clone(),
             page_size: None,
+            steps: None,
         };
         let (r, _) = replay(trace, &opts, &mut |_| {});
         (

@@ -31,6 +31,10 @@ pub struct ReplayOptions {
     /// Page size of the simulated device's growable segments (`None`: 2 MiB, an H100's);
     /// refused on a GPU, whose page size is its driver's.
     pub page_size: Option<u64>,
+    /// The number of training steps the trace holds (`None`, 0 or 1: no per-step figures): the
+    /// replay then reports what each step mapped, unmapped and waited for
+    /// ([`ReplayReport::per_step`]).
+    pub steps: Option<usize>,
 }
 
 impl Default for ReplayOptions {
@@ -42,6 +46,7 @@ impl Default for ReplayOptions {
             timeline: false,
             device: DeviceSpec::Sim,
             page_size: None,
+            steps: None,
         }
     }
 }
@@ -84,6 +89,9 @@ pub struct BackendCalls {
     /// Device-wide synchronisations (before unmapping, on `empty_cache`); on a GPU each one
     /// waits for all queued work. Not counted in [`BackendCalls::total`].
     pub synchronize: u64,
+    /// Waits for the streams of pages being moved (growable segments under pressure), rather
+    /// than for the whole device. Not counted in [`BackendCalls::total`].
+    pub stream_synchronize: u64,
 }
 
 impl BackendCalls {
@@ -124,6 +132,68 @@ pub struct ReplayReport {
     pub seconds: f64,
     /// Whether every event replayed without a failure.
     pub completed: bool,
+    /// With [`ReplayOptions::steps`]: what each step made the allocator do, in order.
+    pub per_step: Vec<StepMoves>,
+}
+
+/// What one step of a replayed training loop made growable segments do: a settled loop maps
+/// and unmaps nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StepMoves {
+    /// Index of the step's first event.
+    pub first_event: usize,
+    /// Bytes of pages mapped during the step.
+    pub mapped_bytes: u64,
+    /// Bytes of pages unmapped during the step (moved, or given back).
+    pub unmapped_bytes: u64,
+    /// `map` calls.
+    pub maps: u64,
+    /// `unmap` calls.
+    pub unmaps: u64,
+    /// Synchronisations (device-wide and per stream).
+    pub synchronizations: u64,
+}
+
+/// Where `steps` steps of `trace` begin: near each `k / steps` of the events, the event after
+/// which the fewest bytes are live (a step's end: its activations freed), searched within a
+/// quarter step either side. The first step begins at event 0.
+pub fn step_starts(trace: &Trace, steps: usize) -> Vec<usize> {
+    let n = trace.events.len();
+    if steps <= 1 || n == 0 {
+        return vec![0];
+    }
+    let mut live = Vec::with_capacity(n);
+    let mut sizes: HashMap<u64, u64> = HashMap::new();
+    let mut cur = 0u64;
+    for e in &trace.events {
+        match e.op {
+            Op::Alloc => {
+                sizes.insert(e.id, e.bytes);
+                cur = cur.saturating_add(e.bytes);
+            }
+            Op::Free => {
+                if let Some(b) = sizes.remove(&e.id) {
+                    cur = cur.saturating_sub(b);
+                }
+            }
+        }
+        live.push(cur);
+    }
+    let per = n / steps;
+    let mut starts = vec![0];
+    for k in 1..steps {
+        let mid = k * n / steps;
+        let lo = mid
+            .saturating_sub(per / 4)
+            .max(starts[starts.len() - 1] + 1);
+        let hi = (mid + per / 4).min(n - 1);
+        if lo > hi {
+            break;
+        }
+        let end = (lo..=hi).min_by_key(|&i| (live[i], i)).unwrap_or(mid);
+        starts.push(end + 1);
+    }
+    starts
 }
 
 /// One point of a [`Timeline`]: figures after event `event` (maxima over the window since the
@@ -274,8 +344,27 @@ fn run(
     let mut peak_event = 0usize;
     let mut done = 0usize;
     let mut segments = Vec::new();
+    let starts = step_starts(trace, opts.steps.unwrap_or(0));
+    let mut per_step: Vec<StepMoves> = Vec::new();
+    let moves = |a: &CachingAllocator, first_event: usize| {
+        let st = a.stats();
+        StepMoves {
+            first_event,
+            mapped_bytes: st.mapped_bytes_total,
+            unmapped_bytes: st.unmapped_bytes_total,
+            maps: st.num_map,
+            unmaps: st.num_unmap,
+            synchronizations: st.num_sync_all_streams + st.num_stream_syncs,
+        }
+    };
+    let mut at_step_start = moves(&alloc, 0);
     let start = Instant::now();
     for (i, e) in trace.events.iter().enumerate() {
+        if starts.len() > 1 && i > 0 && starts.contains(&i) {
+            let now = moves(&alloc, i);
+            per_step.push(step_delta(at_step_start, now));
+            at_step_start = now;
+        }
         match e.op {
             Op::Alloc => match device
                 .stream(e.stream)
@@ -351,12 +440,16 @@ fn run(
     }
     let seconds = start.elapsed().as_secs_f64();
     progress(done);
+    if starts.len() > 1 && done == n {
+        per_step.push(step_delta(at_step_start, moves(&alloc, n)));
+    }
     let st = alloc.stats();
     // Bytes moved and synchronisations: the allocator's own counters (the same calls).
     let calls = BackendCalls {
         mapped_bytes: st.mapped_bytes_total,
         unmapped_bytes: st.unmapped_bytes_total,
         synchronize: st.num_sync_all_streams,
+        stream_synchronize: st.num_stream_syncs,
         ..counting.calls()
     };
     if device.limit {
@@ -387,8 +480,21 @@ fn run(
         failures,
         backend_calls: calls,
         seconds,
+        per_step,
     };
     (report, samples, peak_event, segments)
+}
+
+/// What happened between two readings of the allocator's counters.
+fn step_delta(from: StepMoves, to: StepMoves) -> StepMoves {
+    StepMoves {
+        first_event: from.first_event,
+        mapped_bytes: to.mapped_bytes - from.mapped_bytes,
+        unmapped_bytes: to.unmapped_bytes - from.unmapped_bytes,
+        maps: to.maps - from.maps,
+        unmaps: to.unmaps - from.unmaps,
+        synchronizations: to.synchronizations - from.synchronizations,
+    }
 }
 
 /// The report of a replay whose device could not be opened.
@@ -415,6 +521,7 @@ fn unavailable(trace: &Trace, opts: &ReplayOptions, message: String) -> RunOutpu
         backend_calls: BackendCalls::default(),
         seconds: 0.0,
         completed: false,
+        per_step: Vec::new(),
     };
     (report, Vec::new(), 0, Vec::new())
 }

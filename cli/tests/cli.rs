@@ -461,3 +461,44 @@ fn bad_page_sizes_are_refused() {
         assert_eq!(e.trim().lines().count(), 1, "{args:?}: {e}");
     }
 }
+
+/// Issue 31: `replay --steps N` prints what each step of a training loop made growable segments
+/// do. candle_gpt's own requests (6 steps at batch 24, recorded on an H100): the default settles
+/// (its later steps map and unmap nothing), tight mode (`page_recycle_threshold:0`) moves pages
+/// in every step. A step count outside 1..=100000 is refused.
+#[test]
+fn replay_reports_the_pages_each_step_moves() {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../traces/candle_gpt24.trace.csv")
+        .display()
+        .to_string();
+    let steps = |config: &str| -> Vec<serde_json::Value> {
+        let o = oomguard(&[
+            "replay", &file, "--steps", "6", "--json", "--config", config,
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        json(&o)["per_step"].as_array().unwrap().clone()
+    };
+    let default = steps("expandable_segments:True");
+    assert_eq!(default.len(), 6, "{default:?}");
+    assert!(default[0]["mapped_bytes"].as_u64().unwrap() > 60 << 30);
+    for s in &default[4..] {
+        assert_eq!(s["mapped_bytes"], 0, "{s}");
+        assert_eq!(s["unmapped_bytes"], 0, "{s}");
+        assert_eq!(s["synchronizations"], 0, "{s}");
+    }
+    let tight = steps("expandable_segments:True,page_recycle_threshold:0");
+    for s in &tight[2..] {
+        assert!(s["unmapped_bytes"].as_u64().unwrap() > 1 << 30, "{s}");
+    }
+    let text = oomguard(&["replay", &file, "--steps", "6"]);
+    assert_eq!(text.status.code(), Some(0), "{}", stderr(&text));
+    let out = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        out.contains("step 5") && out.contains("from event"),
+        "{out}"
+    );
+    let bad = oomguard(&["replay", &file, "--steps", "0"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+    assert!(stderr(&bad).contains("--steps"), "{}", stderr(&bad));
+}

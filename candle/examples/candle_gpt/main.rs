@@ -486,12 +486,13 @@ fn remap_line(run: &Run, step: usize) {
     if let Some(og) = oomguard_candle::alloc_hook::installed_device(&run.dev) {
         let s = og.allocator().stats();
         println!(
-            "RESULT remap: after step {step}: {:.2} GiB mapped in {} calls, {:.2} GiB unmapped in {} calls, {} device synchronisations",
+            "RESULT remap: after step {step}: {:.2} GiB mapped in {} calls, {:.2} GiB unmapped in {} calls, {} device synchronisations, {} stream synchronisations",
             s.mapped_bytes_total as f64 / (1u64 << 30) as f64,
             s.num_map,
             s.unmapped_bytes_total as f64 / (1u64 << 30) as f64,
             s.num_unmap,
-            s.num_sync_all_streams
+            s.num_sync_all_streams,
+            s.num_stream_syncs
         );
     }
 }

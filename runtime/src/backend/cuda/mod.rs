@@ -220,6 +220,20 @@ impl CudaBackend {
         self.pages.mapped_pages()
     }
 
+    /// A diagnostic for the page size of growable segments: maps `bytes` of new device memory
+    /// in physical handles of `handle_bytes` each (a multiple of [`Backend::granularity`]) into
+    /// an address range of its own and unmaps it again, returning the wall times of the two
+    /// halves. The allocator's own pages are not touched. `runtime/benches/page_moves.rs`
+    /// compares 2 MiB and 20 MiB handles with it (issue 31).
+    pub fn measure_map_cost(
+        &self,
+        bytes: u64,
+        handle_bytes: u64,
+    ) -> Result<(std::time::Duration, std::time::Duration), BackendError> {
+        self.bind("measure_map_cost")?;
+        self.pages.time_handles(bytes, handle_bytes)
+    }
+
     /// Physical pages of growable segments created (`cuMemCreate`) and pages mapped from kept
     /// handles instead (a move that reused its pages), over the backend's life.
     pub fn page_counts(&self) -> (u64, u64) {

@@ -329,6 +329,82 @@ impl PageTable {
         first_err.map_or(Ok(()), Err)
     }
 
+    /// Times mapping `bytes` of new memory in handles of `handle` bytes (a multiple of the
+    /// page size) into an address range of its own, then unmapping it: `(map, unmap)` wall
+    /// times, each ending with a context synchronisation. Touches nothing of the page table.
+    pub(super) fn time_handles(
+        &self,
+        bytes: u64,
+        handle: u64,
+    ) -> Result<(std::time::Duration, std::time::Duration), BackendError> {
+        if handle == 0 || handle % self.page != 0 || bytes == 0 || bytes % handle != 0 {
+            return Err(invalid(
+                "measure_map_cost",
+                format!(
+                    "{bytes} bytes in handles of {handle}: both must be positive multiples of the page size ({}), bytes of the handle",
+                    self.page
+                ),
+            ));
+        }
+        let size = usize::try_from(bytes).map_err(|_| invalid("measure_map_cost", "too large"))?;
+        let h = handle as usize;
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: `base` is valid for the write; the driver chooses the address.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut base, size, 0, 0, 0)
+        })?;
+        let prop = alloc_prop(self.device);
+        let access = sys::CUmemAccessDesc {
+            location: device_location(self.device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let mut handles = Vec::with_capacity(size / h);
+        let t0 = std::time::Instant::now();
+        let mut result = Ok(());
+        for i in 0..size / h {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `handle` is valid for the write; `prop` is fully initialised.
+            result = check("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut handle, h, &prop, 0)
+            });
+            if result.is_err() {
+                break;
+            }
+            // SAFETY: the target lies inside the range reserved above and is not mapped.
+            result = check("cuMemMap", unsafe {
+                sys::cuMemMap(base + (i * h) as u64, h, 0, handle, 0)
+            });
+            handles.push(handle);
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() {
+            // SAFETY: the whole range is mapped; `access` is one valid descriptor.
+            result = check("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(base, size, &access, 1)
+            });
+        }
+        // SAFETY: plain context synchronisation.
+        let _ = unsafe { sys::cuCtxSynchronize() };
+        let map = t0.elapsed();
+        let t1 = std::time::Instant::now();
+        for (i, &handle) in handles.iter().enumerate() {
+            // SAFETY: each handle was mapped at its slot above (a failed map is unmapped in
+            // vain, which the driver refuses without effect); nothing uses the memory.
+            unsafe {
+                let _ = sys::cuMemUnmap(base + (i * h) as u64, h);
+                let _ = sys::cuMemRelease(handle);
+            }
+        }
+        // SAFETY: plain context synchronisation.
+        let _ = unsafe { sys::cuCtxSynchronize() };
+        let unmap = t1.elapsed();
+        // SAFETY: the range was reserved above and nothing is mapped in it any more.
+        let _ = unsafe { sys::cuMemAddressFree(base, size) };
+        result.map(|()| (map, unmap))
+    }
+
     /// Releases every spare handle (`cuMemRelease`); returns the bytes freed.
     pub(super) fn release_spares(&self) -> u64 {
         let mut t = lock(&self.tables);
