@@ -192,14 +192,12 @@ impl State {
             // frees reach here only when a thread cache could not take the block
             return self.release_block(id);
         }
-        // A large block is parked only in growable segments and only when it has no free
-        // neighbour it would merge with now: parking it then hides no larger free block from
-        // best fit. (In fixed segments parking large blocks raises PyTorch-mode fragmentation.)
-        if !b.pool.is_small()
-            && (!self.growable
-                || self.merges_with(b.prev, b.mapped)
-                || self.merges_with(b.next, b.mapped))
-        {
+        // Large blocks are never parked: merged at once, they are there for best fit when a
+        // neighbour is freed later. Parked, they kept a training loop's layout from settling
+        // (candle_gpt's requests at the card's limit moved 2.5-5 GiB of pages every step; with
+        // them merged, none after the first step: runtime/benches/page_moves.rs), and in fixed
+        // segments they raise PyTorch-mode fragmentation.
+        if !b.pool.is_small() {
             return self.release_block(id);
         }
         let list = self.quick.entry((b.stream, b.size)).or_default();
@@ -219,13 +217,6 @@ impl State {
         self.stats.active.sub(small, 1);
         // PyTorch records the requested size in alloc and free events
         self.trace(TraceAction::FreeCompleted, addr, requested, stream);
-    }
-
-    fn merges_with(&self, n: Option<BlockId>, mapped: bool) -> bool {
-        n.is_some_and(|n| {
-            let b = &self.blocks[n];
-            b.is_free() && b.mapped == mapped
-        })
     }
 
     /// Merges and indexes every parked block.
