@@ -50,6 +50,7 @@ mod classify;
 mod classify_burn;
 #[cfg(feature = "candle")]
 mod classify_candle;
+mod classify_tch;
 mod commit;
 mod consensus;
 mod engine;
@@ -64,6 +65,7 @@ mod thrash;
 pub use classify::{chain_is_oom, IsOom, OomRequest};
 #[cfg(feature = "burn")]
 pub use classify_burn::cubecl_text_is_oom;
+pub use classify_tch::libtorch_text_is_oom;
 pub use commit::{note_commit, AfterCommit};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{

@@ -1,0 +1,124 @@
+//! A libtorch out-of-memory that surfaces as a panic, turned into an [`Error`].
+//!
+//! See [`catch_oom`] for the rules.
+
+use std::any::Any;
+use std::panic::{self, AssertUnwindSafe};
+
+use oomguard::retry::libtorch_text_is_oom;
+
+use crate::compat::{TORCH_DEBUG, TORCH_DISPLAY, UNWRAP};
+use crate::Error;
+
+/// libtorch's text inside a panic message, when the message is one of the forms a tch
+/// out-of-memory panics with: an `unwrap` of `TchError::Torch` (what tch's plain methods do),
+/// `TchError::Torch`'s display, or libtorch's text itself. `None` for any other message.
+fn libtorch_text(message: &str) -> Option<String> {
+    if let Some(debug) = message.strip_prefix(UNWRAP) {
+        return debug.strip_prefix(TORCH_DEBUG).and_then(unescape_debug);
+    }
+    Some(
+        message
+            .strip_prefix(TORCH_DISPLAY)
+            .unwrap_or(message)
+            .to_string(),
+    )
+}
+
+/// Reverses `str`'s `Debug` escapes for a string whose opening quote is already stripped;
+/// `rest` must end with the closing quote and `)` (the `Torch(..)` variant). `None` when it
+/// is not such a string.
+fn unescape_debug(rest: &str) -> Option<String> {
+    let mut out = String::with_capacity(rest.len());
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return (chars.as_str() == ")").then_some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                'r' => out.push('\r'),
+                't' => out.push('\t'),
+                '0' => out.push('\0'),
+                c @ ('\\' | '"' | '\'') => out.push(c),
+                'u' => {
+                    let hex = chars.as_str().strip_prefix('{')?;
+                    let end = hex.find('}')?;
+                    out.push(char::from_u32(u32::from_str_radix(&hex[..end], 16).ok()?)?);
+                    chars = hex[end + 1..].chars();
+                }
+                _ => return None,
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// Whether a panic message is libtorch's out-of-memory as a tch method panics with it: the
+/// `unwrap` of a `TchError::Torch` whose text is one (tch's plain methods), that error's display,
+/// or libtorch's text itself; the text is read by its shape from the start
+/// ([`oomguard::retry::libtorch_text_is_oom`]), never by a substring search.
+pub fn panic_message_is_oom(message: &str) -> bool {
+    libtorch_text(message).is_some_and(|text| libtorch_text_is_oom(&text))
+}
+
+fn payload_text(payload: &(dyn Any + Send)) -> Option<&str> {
+    payload
+        .downcast_ref::<&'static str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+}
+
+/// Runs `f`, turning a libtorch out-of-memory that surfaces as a panic into
+/// [`Error::OomPanic`]; `f`'s own errors are returned as they are (converted into [`Error`]), and
+/// any other panic continues (`resume_unwind`): it is never turned into an error.
+///
+/// tch's plain methods (`Tensor::matmul`, `Tensor::backward`, `nn::Module::forward` of its
+/// layers) call their `f_*` twin and `unwrap()` the `TchError`, so an out-of-memory inside them
+/// is a panic whose message quotes libtorch's text. A panic is an out-of-memory when its message
+/// is that `unwrap`, `TchError::Torch`'s display, or libtorch's text itself, and the text starts
+/// with one of libtorch's out-of-memory messages ([`panic_message_is_oom`]). libtorch raises
+/// its errors on the calling thread (the autograd engine rethrows a device thread's error in the
+/// caller), so no other thread is watched. The panic hook still runs: the message is printed as
+/// for any panic.
+///
+/// ```
+/// use oomguard::IsOom;
+/// use oomguard_tch::{catch_oom, Error};
+///
+/// // A panic with libtorch's out-of-memory, as `Tensor::zeros` raises it:
+/// let err = catch_oom(|| -> Result<(), Error> {
+///     panic!("called `Result::unwrap()` on an `Err` value: Torch(\"CUDA out of memory. \
+///             Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB\")")
+/// })
+/// .unwrap_err();
+/// assert!(err.is_oom());
+/// // Any other panic is not caught.
+/// assert!(std::panic::catch_unwind(|| catch_oom(|| -> Result<(), Error> { panic!("bug") })).is_err());
+/// ```
+pub fn catch_oom<T, E: Into<Error>>(f: impl FnOnce() -> Result<T, E>) -> Result<T, Error> {
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(Into::into),
+        Err(payload) => match payload_text(payload.as_ref()).and_then(libtorch_text) {
+            Some(text) if libtorch_text_is_oom(&text) => Err(Error::OomPanic { message: text }),
+            _ => panic::resume_unwind(payload),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unescape_reverses_debug() {
+        for s in ["plain", "a\nb\t\"q\" \\ 'x' \0 é \u{7f}", ""] {
+            let debug = format!("{s:?})");
+            assert_eq!(unescape_debug(&debug[1..]).as_deref(), Some(s), "{debug}");
+        }
+        // no closing quote, trailing text, unknown escape
+        assert_eq!(unescape_debug("abc"), None);
+        assert_eq!(unescape_debug("abc\") and more"), None);
+        assert_eq!(unescape_debug("a\\qb\")"), None);
+    }
+}
