@@ -565,10 +565,11 @@ fn copies_and_streams_outside_this_device_are_errors() -> TestResult {
     Ok(())
 }
 
-/// Pages moved out of a hole to where a request needs them (growable segments at their
-/// high-water mark: unmapped there, mapped after the last free block): the data written there
-/// round-trips, the device holds exactly what the allocator reserves afterwards, and the move's
-/// time is printed beside a fresh map of the same size.
+/// Pages moved out of a hole to where a request needs them (growable segments at a memory limit:
+/// unmapped there with their handles kept, mapped again after the last free block): the data
+/// written there round-trips, the handles were reused, the device holds exactly what the
+/// allocator reserves afterwards (no spare left behind), and the move's time is printed beside a
+/// fresh map of the same size.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn moved_pages_are_reused_and_hold_data() -> TestResult {
@@ -583,7 +584,10 @@ fn moved_pages_are_reused_and_hold_data() -> TestResult {
     let reserved = |d: &Device| d.stats().reserved_bytes.all.current;
     assert_eq!(reserved(&dev), 6 << 30);
     let used_before = dev.mem_info()?.total - free_now(&dev);
-    // 3 GiB: C's 2 GiB plus 1 GiB more, which would pass the mark: pages move from A
+    // pages move only under pressure: a limit of what is reserved
+    dev.allocator().set_memory_limit(Some(6 << 30));
+    let (_, reused_before) = dev.cuda_backend().unwrap().page_counts();
+    // 3 GiB: C's 2 GiB plus 1 GiB more, which would pass the limit: pages move from A
     let n = 3 * gib / 4;
     let data: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
     let t0 = std::time::Instant::now();
@@ -596,6 +600,13 @@ fn moved_pages_are_reused_and_hold_data() -> TestResult {
         5 << 30,
         "A's 2 GiB unmapped, 1 GiB mapped after C"
     );
+    let (_, reused) = dev.cuda_backend().unwrap().page_counts();
+    assert_eq!(
+        reused - reused_before,
+        512,
+        "1 GiB of A's 2 MiB pages mapped again"
+    );
+    dev.allocator().set_memory_limit(None);
     let used_after = dev.mem_info()?.total - free_now(&dev);
     assert!(
         used_after.abs_diff(used_before - (1 << 30)) <= TOLERANCE,

@@ -126,11 +126,14 @@ impl State {
             let addr = self.blocks[hole].addr;
             match backend.map(addr, cost) {
                 Ok(()) => return Ok(self.mapped(hole, cost, size, stream)),
-                Err(e) if e.is_oom() && attempt == 0 && self.releasable_pages() > 0 => {
-                    // a failed map may leave its pages as spares (the CUDA backend does)
+                Err(e) => {
+                    // a failed map may leave the pages it had mapped as spares (the CUDA
+                    // backend does): they are released on the way out
                     *spares = true;
+                    if !(e.is_oom() && attempt == 0 && self.releasable_pages() > 0) {
+                        return Err(e.into());
+                    }
                 }
-                Err(e) => return Err(e.into()),
             }
         }
         unreachable!("the second attempt returns")
