@@ -6,15 +6,12 @@ use oomguard_runtime::{ByteSize, Device, Error};
 
 const MIB: usize = 1 << 20;
 
-/// A step that keeps what each chunk allocated across attempts (a leak behind the retries).
-/// Before: the engine halved down to micro-batches of 1 row (10 attempts) and said only that
-/// the policy allowed nothing smaller; now it stops once the memory held when attempts start
-/// has risen twice, and names the growth.
-#[test]
-fn a_step_that_keeps_memory_across_attempts_is_stopped_and_named() {
+/// A step of 100 rows on a 64 MiB card that keeps every chunk's 1 MiB per row alive across
+/// attempts (a leak): each attempt starts with more memory held than the last.
+fn run_a_leaking_step(engine: RetryEngine) -> RetryError<Error> {
     let dev = Device::sim(ByteSize::mib(64));
     let mut kept = Vec::new();
-    let e = RetryEngine::new()
+    engine
         .run(
             &dev,
             100,
@@ -26,7 +23,16 @@ fn a_step_that_keeps_memory_across_attempts_is_stopped_and_named() {
             },
             |()| (),
         )
-        .unwrap_err();
+        .unwrap_err()
+}
+
+/// A step that keeps what each chunk allocated across attempts (a leak behind the retries).
+/// Before: the engine halved down to micro-batches of 1 row (10 attempts) and said only that
+/// the policy allowed nothing smaller; now it stops once the memory held when attempts start
+/// has risen twice, and names the growth.
+#[test]
+fn a_step_that_keeps_memory_across_attempts_is_stopped_and_named() {
+    let e = run_a_leaking_step(RetryEngine::new());
     let r = e.report().unwrap().clone();
     let Some(StopReason::HeldGrew { held }) = &r.stopped else {
         panic!("not stopped for the growth: {r}");
@@ -48,22 +54,7 @@ fn a_step_that_keeps_memory_across_attempts_is_stopped_and_named() {
 /// With the stop turned off, the engine follows its policy down, and still names the growth.
 #[test]
 fn held_growth_is_named_when_the_stop_is_off() {
-    let dev = Device::sim(ByteSize::mib(64));
-    let mut kept = Vec::new();
-    let e = RetryEngine::new()
-        .stop_when_held_grows(false)
-        .run(
-            &dev,
-            100,
-            |plan| {
-                for c in plan.chunks() {
-                    kept.push(dev.alloc::<u8>(c.len() * MIB)?);
-                }
-                Ok::<_, Error>(())
-            },
-            |()| (),
-        )
-        .unwrap_err();
+    let e = run_a_leaking_step(RetryEngine::new().stop_when_held_grows(false));
     let r = e.report().unwrap();
     assert_eq!(r.stopped, None);
     assert_eq!(r.final_plan.micro_batch(), 1, "{r}");
