@@ -25,6 +25,14 @@ usage (PyTorch 2.11, one CUDA device free):
   python3 tch/scripts/oom_messages.py --out oom_messages.json
 The JSON goes to oomguard's tch/tests/fixtures/oom_messages_cuda.json; tch/tests/classify.rs
 reads it (its test is ignored until the file is there).
+
+Time: the C++ extension is compiled once, by this process, into --ext-dir (kept between runs, so
+a second run does not compile again); each case's process loads the built module (about 5-10 s
+for `import torch` and CUDA's start). The first run's compile of a torch/extension.h file (one
+core) takes tens of seconds: give the whole run 5 minutes, or pass --no-ext. The JSON is rewritten after
+every case, so a run stopped early keeps the cases it finished. (The first run on the H100 was
+stopped at 150 s, after 7 of 8 cases, with no JSON written; then each case's process compiled the
+extension again into a fresh directory, the likely cause, and the JSON came only at the end.)
 """
 import argparse
 import json
@@ -32,8 +40,7 @@ import os
 import subprocess
 import sys
 import tempfile
-
-GiB = 1 << 30
+import time
 
 EXT_SRC = r"""
 #include <torch/extension.h>
@@ -47,43 +54,64 @@ std::string matmul_what(at::Tensor a, at::Tensor b) { WHAT(at::matmul(a, b)) }
 """
 
 
-def build_ext():
-    """The C++ extension, or None (with the reason on stderr) when it cannot be built."""
+def build_ext(build_dir):
+    """Compile the C++ extension once (ninja does nothing when build_dir already holds it); its
+    module file's path, or None (with the reason on stderr) when it cannot be built."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(
+        os.makedirs(build_dir, exist_ok=True)
+        t0 = time.monotonic()
+        mod = load_inline(
             name="oom_what",
             cpp_sources=EXT_SRC,
             functions=["empty_what", "matmul_what"],
-            build_directory=tempfile.mkdtemp(prefix="oom_what_"),
+            build_directory=build_dir,
             verbose=False,
         )
+        print(f"C++ extension ready in {time.monotonic() - t0:.1f} s: {mod.__file__}", file=sys.stderr)
+        return mod.__file__
     except Exception as e:  # no compiler / ninja / headers: Python's text only
         print(f"C++ extension not built ({type(e).__name__}: {e}); what() not recorded", file=sys.stderr)
         return None
 
 
-def fill_device(torch, leave_bytes):
-    """Allocate until about `leave_bytes` stay free (torch tensors, then raw cudaMalloc)."""
+def load_ext(path):
+    """The module build_ext compiled (in a case's process, after `import torch`), or None."""
+    if not path:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("oom_what", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fill_device(leave_bytes):
+    """cudaMalloc until about `leave_bytes` stay free: one allocation of all but 64 MiB, then
+    halving chunks. Raw cudaMalloc, not torch tensors: a failed cudaMalloc is a return code,
+    where each failed torch.empty raised an OutOfMemoryError (with its C++ backtrace, under
+    TORCH_SHOW_CPP_STACKTRACES=1), and filling 1 GiB tensor by tensor took about ten of them."""
     import ctypes
 
-    held = []
-    chunk = GiB
-    while chunk >= (2 << 20):
-        try:
-            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
-        except torch.OutOfMemoryError:
-            chunk //= 2
     cudart = ctypes.CDLL("libcudart.so.13")
-    ptr = ctypes.c_void_p()
-    chunk = 1 << 20
-    while chunk >= 4096:
-        free = ctypes.c_size_t()
-        total = ctypes.c_size_t()
+    free = ctypes.c_size_t()
+    total = ctypes.c_size_t()
+
+    def free_now():
         cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
-        if free.value <= leave_bytes:
-            break
+        return free.value
+
+    held = []
+    ptr = ctypes.c_void_p()
+    first = free_now() - (64 << 20)
+    if first > 0 and cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(first)) == 0:
+        held.append(ptr.value)
+    else:
+        cudart.cudaGetLastError()
+    chunk = 32 << 20
+    while chunk >= 4096 and free_now() > leave_bytes:
         if cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(chunk)) != 0:
             cudart.cudaGetLastError()
             chunk //= 2
@@ -92,11 +120,11 @@ def fill_device(torch, leave_bytes):
     return held
 
 
-def run_case(case, use_ext):
+def run_case(case, ext_path):
     """Runs in the child process: raise the case's error, return its texts."""
     import torch
 
-    ext = build_ext() if use_ext else None
+    ext = load_ext(ext_path)
     out = {"case": case, "torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
         out["device"] = torch.cuda.get_device_name(0)
@@ -127,7 +155,8 @@ def run_case(case, use_ext):
     elif case == "cublas":
         a = torch.randn(256, 256, device="cuda")
         b = torch.randn(256, 256, device="cuda")
-        held = fill_device(torch, leave_bytes=int(os.environ.get("OOM_LEAVE", 1 << 20)))
+        torch.cuda.synchronize()
+        held = fill_device(leave_bytes=int(os.environ.get("OOM_LEAVE", 1 << 20)))
         free, _ = torch.cuda.mem_get_info()
         out["free_bytes_before_matmul"] = free
         out["held_allocations"] = len(held)
@@ -175,28 +204,47 @@ def main():
     ap.add_argument("--out", default="oom_messages.json")
     ap.add_argument("--no-ext", action="store_true", help="Python's texts only (no C++ build)")
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--ext-dir", default=os.path.join(tempfile.gettempdir(), "oomguard_oom_what"),
+                    help="where the C++ extension is built (reused by later runs)")
+    ap.add_argument("--case-timeout", type=float, default=120.0,
+                    help="seconds one case's process may take before it is recorded as failed")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--ext-path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(run_case(args.child, not args.no_ext)))
+        print(json.dumps(run_case(args.child, args.ext_path)))
         return
+    for case in args.cases.split(","):
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r} (cases: {', '.join(CASES)})")
+    ext_path = None if args.no_ext else build_ext(args.ext_dir)
     results = []
     for case in args.cases.split(","):
         extra, expect = CASES[case]
         env = dict(os.environ, TORCH_SHOW_CPP_STACKTRACES="1", **extra)
-        cmd = [sys.executable, __file__, "--child", case] + (["--no-ext"] if args.no_ext else [])
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        cmd = [sys.executable, __file__, "--child", case]
+        if ext_path:
+            cmd += ["--ext-path", ext_path]
+        t0 = time.monotonic()
         try:
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            r = {"case": case, "error": f"child failed (exit {p.returncode}): {p.stderr[-2000:]}"}
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                               timeout=args.case_timeout)
+            try:
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+            except (IndexError, json.JSONDecodeError):
+                r = {"case": case, "error": f"child failed (exit {p.returncode}): {p.stderr[-2000:]}"}
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            r = {"case": case, "error": f"child timed out after {args.case_timeout} s: {err[-2000:]}"}
+        r["seconds"] = round(time.monotonic() - t0, 1)
         r["env"] = extra
         r["expect_oom"] = expect
         results.append(r)
         first = (r.get("what") or r.get("python_text") or r.get("error") or "").splitlines()[:1]
-        print(f"[{case}] {r.get('python_type')}: {first}", file=sys.stderr)
-    with open(args.out, "w") as f:
-        json.dump({"generator": "tch/scripts/oom_messages.py", "cases": results}, f, indent=1)
+        print(f"[{case}] {r.get('python_type')}: {first} ({r['seconds']} s)", file=sys.stderr)
+        # after every case: a run stopped early keeps what it recorded
+        with open(args.out, "w") as f:
+            json.dump({"generator": "tch/scripts/oom_messages.py", "cases": results}, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -92,6 +92,149 @@ fn other_panics_continue_and_errors_pass_through() {
     assert!(matches!(err, Error::Torch(_)) && err.is_oom());
 }
 
+/// The cases `tch/tests/fixtures/oom_texts_h100_python.txt` holds: what
+/// `tch/scripts/oom_messages.py` printed on the H100 (PyTorch 2.11.0+cu130) before its run timed
+/// out, one `[case] python.Type: ['first line of the text']` per case.
+const H100_CASES: [&str; 7] = [
+    "caching",
+    "expandable",
+    "fraction",
+    "async",
+    "driver",
+    "cublas",
+    "cpu",
+];
+
+/// c10's backtrace as libtorch's `what()` appends it after a `TORCH_CHECK`'s message (the C++
+/// exception tch keeps); the CPU allocator's `CAFFE_ENFORCE` has the frames only.
+const WHAT_SUFFIXES: [&str; 2] = [
+    "\nException raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1450 (most \
+     recent call first):\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d \
+     (0x7f2b3c6a1e9d in /usr/lib/python3/site-packages/torch/lib/libc10.so)\nframe #1: \
+     <unknown function> + 0x3e4b2 (0x7f2b3c9d84b2 in /usr/lib/python3/site-packages/torch/lib/\
+     libc10_cuda.so)\n",
+    "\nframe #0: c10::ThrowEnforceNotMet(char const*, int, char const*, std::string const&, void \
+     const*) + 0x50 (0x7f2b3c6a2f10 in libc10.so)\n",
+];
+
+/// One line of the fixture: `(case, python type, text)`; the text is Python's `repr` of a string
+/// inside a one-element list (`['...']` or `["..."]`).
+fn parse_fixture_line(line: &str) -> (String, String, String) {
+    let bad = |why: &str| -> ! { panic!("fixture line {line:?}: {why}") };
+    let rest = line.strip_prefix('[').unwrap_or_else(|| bad("no [case]"));
+    let (case, rest) = rest.split_once("] ").unwrap_or_else(|| bad("no [case]"));
+    let (ty, rest) = rest.split_once(": [").unwrap_or_else(|| bad("no `: [`"));
+    let repr = rest
+        .strip_suffix(']')
+        .unwrap_or_else(|| bad("no closing ]"));
+    let quote = repr.chars().next().unwrap_or_else(|| bad("empty text"));
+    if !(quote == '\'' || quote == '"') || repr.len() < 2 || !repr.ends_with(quote) {
+        bad("the text is not a quoted Python string");
+    }
+    let mut text = String::new();
+    let mut chars = repr[1..repr.len() - 1].chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            text.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some(e @ ('\\' | '\'' | '"')) => text.push(e),
+            Some('n') => text.push('\n'),
+            other => bad(&format!("unknown escape \\{other:?}")),
+        }
+    }
+    (case.to_string(), ty.to_string(), text)
+}
+
+fn read_h100_fixture() -> Vec<(String, String, String)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/oom_texts_h100_python.txt"
+    );
+    let file = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    file.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(parse_fixture_line)
+        .collect()
+}
+
+/// The first lines of libtorch's real out-of-memory texts, as the H100 raised them, classify as
+/// out-of-memory through the path a `TchError::Torch(text)` takes, alone and with c10's
+/// backtrace after them; the same texts inside another error's words, and a shape error, do not.
+#[test]
+fn the_texts_recorded_on_the_h100_classify() {
+    let cases = read_h100_fixture();
+    let names: Vec<&str> = cases.iter().map(|(c, _, _)| c.as_str()).collect();
+    assert_eq!(names, H100_CASES, "the fixture's cases");
+    for (case, ty, t) in &cases {
+        // the cases are the errors they claim to be (the fixture is not a stand-in)
+        let want = match case.as_str() {
+            "caching" | "expandable" | "fraction" => "CUDA out of memory. Tried to allocate ",
+            "async" => "Allocation on device 0 would exceed allowed memory. (out of memory)",
+            "driver" => "CUDA error: out of memory",
+            "cublas" => "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(",
+            "cpu" => "[enforce fail at alloc_cpu.cpp:",
+            other => panic!("unexpected case {other}"),
+        };
+        assert!(t.starts_with(want), "{case} ({ty}): {t}");
+        if case == "cpu" {
+            assert!(t.ends_with("Error code 12 (Cannot allocate memory)"), "{t}");
+        }
+        for suffix in std::iter::once("").chain(WHAT_SUFFIXES) {
+            let what = format!("{t}{suffix}");
+            let e = TchError::Torch(what.clone());
+            assert!(tch_error_is_oom(&e), "{case} ({ty}) is an OOM: {what:?}");
+            let panic_msg = format!("called `Result::unwrap()` on an `Err` value: {e:?}");
+            assert!(panic_message_is_oom(&panic_msg), "{case} as a panic");
+            assert!(Error::from(e).is_oom(), "{case} through Error");
+            // the same text inside another message: a prefix, a quote, a TORCH_CHECK's words
+            for other in [
+                format!("model.pt: {what}"),
+                format!("while loading: {what}"),
+                format!("worker 3 failed with '{what}'"),
+                format!("\"{what}\""),
+                format!(" {what}"),
+                format!("Expected all tensors to be on the same device, but got error: {what}"),
+            ] {
+                let e = TchError::Torch(other.clone());
+                assert!(!tch_error_is_oom(&e), "{case} quoted: {other:?}");
+                assert!(!Error::from(e).is_oom(), "{case} quoted, through Error");
+            }
+        }
+    }
+    // a libtorch shape error with the same backtrace is not an out-of-memory
+    for suffix in std::iter::once("").chain(WHAT_SUFFIXES) {
+        let shape = format!("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5){suffix}");
+        assert!(
+            !tch_error_is_oom(&TchError::Torch(shape.clone())),
+            "{shape:?}"
+        );
+        assert!(!Error::from(TchError::Torch(shape)).is_oom());
+    }
+}
+
+#[test]
+fn the_fixture_parser_reads_python_repr_and_rejects_other_lines() {
+    let (case, ty, text) =
+        parse_fixture_line(r#"[cpu] builtins.RuntimeError: ["can't \\ \"x\" \'y\'"]"#);
+    assert_eq!(
+        (case.as_str(), ty.as_str(), text.as_str()),
+        ("cpu", "builtins.RuntimeError", r#"can't \ "x" 'y'"#)
+    );
+    for bad in [
+        "caching torch.OutOfMemoryError: ['x']",
+        "[caching] torch.OutOfMemoryError: 'x'",
+        "[caching] torch.OutOfMemoryError: ['x\"]",
+        r"[caching] torch.OutOfMemoryError: ['\x41']",
+    ] {
+        assert!(
+            panic::catch_unwind(|| parse_fixture_line(bad)).is_err(),
+            "{bad}"
+        );
+    }
+}
+
 /// FIXTURE: the exact texts of libtorch 2.11's CUDA out-of-memory errors, recorded on the H100
 /// by `tch/scripts/oom_messages.py` (PyTorch 2.11, CUDA 13.0) into
 /// `tch/tests/fixtures/oom_messages_cuda.json`. Each case says whether it must be an
