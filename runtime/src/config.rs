@@ -108,10 +108,13 @@ pub struct AllocatorConfig {
     /// Lower values keep reserved memory closer to live memory by moving pages sooner (past
     /// the higher of that share and the high-water mark of reserved memory); `0` moves them
     /// before reserved memory passes its high-water mark (the default before issue 31). Figures
-    /// (docs/BENCHMARKS.md, simulated replays of the recorded traces): peak reserved / peak live
-    /// with the default 1.038 / 1.140 / 1.073 (resnet50 / gpt2 / vit_b16), with 0 1.003 / 1.013
-    /// / 1.005; on an H100, candle's GPT-2 step at batch 24 with 0 moved 5–10 GiB of pages per
-    /// step and took 1.4–1.6 × the driver pool's time (GPU.md runs 12, 17).
+    /// (docs/BENCHMARKS.md, "One default allocator"): without a memory limit, peak reserved /
+    /// peak live on the recorded traces resnet50 / gpt2 / vit_b16 / bert_infer is 1.026 / 1.088 /
+    /// 1.041 / 1.239 by default and 1.003 / 1.013 / 1.005 / 1.022 with 0, while the smallest
+    /// capacity that runs them is 1.003–1.017 × peak live either way; on an H100, candle's
+    /// GPT-2 loop maps no page after its first step by default (0.995–0.997 × the driver pool's
+    /// step time, GPU.md runs 26–27), where the former default, like 0, moved 5–10 GiB of pages
+    /// per step and took 1.4–1.6 × the pool's time (runs 12, 17).
     pub page_recycle_threshold: Option<f64>,
 }
 
