@@ -517,6 +517,7 @@ fn err_kind(e: &Error) -> &'static str {
         Error::Loss(_) => "Loss",
         Error::DropsRows { .. } => "DropsRows",
         Error::NoGradient { .. } => "NoGradient",
+        Error::BrokenParameters { .. } => "BrokenParameters",
     }
 }
 
