@@ -368,6 +368,18 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             };
             let trace = load(&file)?;
             probe(&opts)?;
+            if let Some(n) = opts.steps.filter(|&n| n > 1) {
+                let cut = oomguard_cli::replay::step_starts(&trace, n).len();
+                if cut < n {
+                    return Err(Fail(
+                        format!(
+                            "--steps {n}: the trace's {} events could be cut into {cut} step(s) only",
+                            trace.events.len()
+                        ),
+                        2,
+                    ));
+                }
+            }
             let r = replay_with_progress(&trace, &opts);
             if json {
                 let mut v = serde_json::to_value(&r).map_err(input)?;

@@ -519,4 +519,20 @@ fn replay_reports_the_pages_each_step_moves() {
     let bad = oomguard(&["replay", &file, "--steps", "0"]);
     assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
     assert!(stderr(&bad).contains("--steps"), "{}", stderr(&bad));
+    // more steps than the trace can be cut into: a one-line error, not a silent shorter list
+    let dir = common::scratch("steps");
+    let tiny = dir.path().join("tiny.csv");
+    std::fs::write(
+        &tiny,
+        "op,id,bytes,stream\na,0,100,0\nf,0,100,0\na,1,5000000,0\n",
+    )
+    .unwrap();
+    let few = oomguard(&["replay", tiny.to_str().unwrap(), "--steps", "10"]);
+    assert_eq!(few.status.code(), Some(2), "{}", stderr(&few));
+    assert!(
+        stderr(&few).contains("--steps 10") && stderr(&few).contains("3 events"),
+        "{}",
+        stderr(&few)
+    );
+    assert_eq!(stderr(&few).trim().lines().count(), 1, "{}", stderr(&few));
 }
