@@ -37,14 +37,13 @@ impl State {
         size: u64,
         total: u64,
     ) -> Result<BlockId, GrowError> {
-        let mut spares = false;
-        let r = self.grow_growable_inner(backend, pool, stream, size, total, &mut spares);
-        if spares {
-            // Handles kept for a move that were not mapped again (or that a failed map left):
-            // give them back, so that reserved memory is exactly the mapped pages again.
-            if let Err(e) = backend.release_spares() {
-                tracing::warn!(error = %e, "releasing spare pages failed");
-            }
+        let r = self.grow_growable_inner(backend, pool, stream, size, total);
+        // Handles kept by a move but not mapped again, or left by a map the backend refused
+        // (the CUDA backend keeps the pages it had mapped as spares): give them back, so that
+        // reserved memory is exactly the mapped pages again. (Growing maps pages anyway: one
+        // more backend call here costs nothing that shows.)
+        if let Err(e) = backend.release_spares() {
+            tracing::warn!(error = %e, "releasing spare pages failed");
         }
         r
     }
@@ -56,7 +55,6 @@ impl State {
         stream: StreamId,
         size: u64,
         total: u64,
-        spares: &mut bool,
     ) -> Result<BlockId, GrowError> {
         let g = self.granularity;
         // Whole pages must be able to hold the request (within a page of 2^64 they cannot).
@@ -90,53 +88,64 @@ impl State {
             Some(t) => ((cap as f64 * t) as u64).max(self.high_water),
             None => cap,
         };
-        // Attempt 0 maps under `soft`; attempt 1 follows a map the device refused (memory
-        // outside this allocator, or a capacity below the reported total): it may hold no more
-        // than it holds now, so every page it needs is moved.
-        for attempt in 0..2 {
-            let floor = if attempt == 0 { soft } else { self.reserved() };
-            let mut choice = self.cheapest_hole(pool, stream, size, floor);
-            let need = choice.map_or(pages, |p| p.cost);
-            let over = self.reserved().saturating_add(need).saturating_sub(floor);
-            if over > 0 {
-                // The free mapped neighbours the placement uses stay mapped: unmapping one (the
-                // largest free run is often the hole's neighbour) would make it need more new
-                // pages than were released.
-                let keep = choice.map_or([None, None], |p| p.uses);
-                *spares = true;
-                let moved = self.release_pages(backend, over, keep, Release::Move(stream));
-                if moved > 0 {
-                    choice = self.cheapest_hole(pool, stream, size, floor);
-                }
+        // First under `soft`; after a map the device refused (memory outside this allocator, or
+        // a capacity below the reported total), under what is held now: every page is moved.
+        match self.place_and_map(backend, pool, stream, size, total, soft)? {
+            Ok(id) => Ok(id),
+            Err(e) if e.is_oom() && self.releasable_pages() > 0 => {
+                let now = self.reserved();
+                self.place_and_map(backend, pool, stream, size, total, now)?
+                    .map_err(GrowError::from)
             }
-            let (hole, cost) = match choice {
-                Some(p) => (p.hole, p.cost),
-                None => {
-                    // (a capacity within a page of 2^64: half the address space, whole pages)
-                    let va = pages.max(
-                        total
-                            .checked_next_multiple_of(g)
-                            .unwrap_or(u64::MAX / 2 / g * g),
-                    );
-                    let id = self.reserve_range(backend, pool, stream, va)?;
-                    (id, pages)
-                }
-            };
-            self.check_limit(cost)?;
-            let addr = self.blocks[hole].addr;
-            match backend.map(addr, cost) {
-                Ok(()) => return Ok(self.mapped(hole, cost, size, stream)),
-                Err(e) => {
-                    // a failed map may leave the pages it had mapped as spares (the CUDA
-                    // backend does): they are released on the way out
-                    *spares = true;
-                    if !(e.is_oom() && attempt == 0 && self.releasable_pages() > 0) {
-                        return Err(e.into());
-                    }
-                }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Places `size` bytes in a hole (moving free pages when reserved memory would pass
+    /// `floor`) and maps the pages it needs. The outer error is the allocator's (the limit, an
+    /// address range); the inner one is the backend's refusal of the map.
+    fn place_and_map(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        total: u64,
+        floor: u64,
+    ) -> Result<Result<BlockId, BackendError>, GrowError> {
+        let g = self.granularity;
+        // (the caller checked that whole pages can hold the request)
+        let pages = size.next_multiple_of(g);
+        let mut choice = self.cheapest_hole(pool, stream, size, floor);
+        let need = choice.map_or(pages, |p| p.cost);
+        let over = self.reserved().saturating_add(need).saturating_sub(floor);
+        if over > 0 {
+            // The free mapped neighbours the placement uses stay mapped: unmapping one (the
+            // largest free run is often the hole's neighbour) would make it need more new
+            // pages than were released.
+            let keep = choice.map_or([None, None], |p| p.uses);
+            if self.release_pages(backend, over, keep, Release::Move(stream)) > 0 {
+                choice = self.cheapest_hole(pool, stream, size, floor);
             }
         }
-        unreachable!("the second attempt returns")
+        let (hole, cost) = match choice {
+            Some(p) => (p.hole, p.cost),
+            None => {
+                // (a capacity within a page of 2^64: half the address space, whole pages)
+                let va = pages.max(
+                    total
+                        .checked_next_multiple_of(g)
+                        .unwrap_or(u64::MAX / 2 / g * g),
+                );
+                let id = self.reserve_range(backend, pool, stream, va)?;
+                (id, pages)
+            }
+        };
+        self.check_limit(cost)?;
+        let addr = self.blocks[hole].addr;
+        Ok(backend
+            .map(addr, cost)
+            .map(|()| self.mapped(hole, cost, size, stream)))
     }
 
     /// Books `cost` bytes just mapped at the start of the unmapped block `hole` and returns the
@@ -335,7 +344,7 @@ impl State {
             // Queued work may still touch these pages: wait before unmapping. A free block's
             // pages are used only by its segment's stream (a block used on other streams is
             // free only once their events completed), so a move waits for those streams alone.
-            let waited = match how {
+            let device_wide = match how {
                 Release::Move(calling) => {
                     let mut streams: Vec<StreamId> = candidates
                         .iter()
@@ -343,22 +352,20 @@ impl State {
                         .collect();
                     streams.sort_unstable();
                     streams.dedup();
-                    backend
-                        .synchronize_streams(&streams, calling)
-                        .map(|all| (all, true))
+                    backend.synchronize_streams(&streams, calling)
                 }
-                Release::All { .. } => backend.synchronize().map(|()| (true, false)),
+                Release::All { .. } => backend.synchronize().map(|()| true),
             };
-            match waited {
+            match device_wide {
                 Err(e) => {
                     tracing::warn!(error = %e, "synchronize before unmapping failed; keeping pages");
                     return 0;
                 }
-                Ok((true, _)) if !matches!(how, Release::All { sync_counted: true }) => {
+                Ok(false) => self.stats.num_stream_syncs += 1,
+                Ok(true) if how != (Release::All { sync_counted: true }) => {
                     self.stats.num_sync_all_streams += 1;
                 }
-                Ok((false, _)) => self.stats.num_stream_syncs += 1,
-                Ok(_) => {}
+                Ok(true) => {}
             }
         }
         let keep_handles = matches!(how, Release::Move(_));

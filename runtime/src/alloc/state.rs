@@ -195,7 +195,7 @@ impl State {
         // Large blocks are never parked: merged at once, they are there for best fit when a
         // neighbour is freed later. Parked, they kept a training loop's layout from settling
         // (candle_gpt's requests at the card's limit moved 2.5-5 GiB of pages every step; with
-        // them merged, none after the first step: runtime/benches/page_moves.rs), and in fixed
+        // them merged, none after the first step: cli/benches/page_moves.rs), and in fixed
         // segments they raise PyTorch-mode fragmentation.
         if !b.pool.is_small() {
             return self.release_block(id);

@@ -223,7 +223,7 @@ impl CudaBackend {
     /// A diagnostic for the page size of growable segments: maps `bytes` of new device memory
     /// in physical handles of `handle_bytes` each (a multiple of [`Backend::granularity`]) into
     /// an address range of its own and unmaps it again, returning the wall times of the two
-    /// halves. The allocator's own pages are not touched. `runtime/benches/page_moves.rs`
+    /// halves. The allocator's own pages are not touched. `cli/benches/page_moves.rs`
     /// compares 2 MiB and 20 MiB handles with it (issue 31).
     pub fn measure_map_cost(
         &self,

@@ -257,15 +257,21 @@ impl PageTable {
         spare: &mut Vec<sys::CUmemGenericAllocationHandle>,
     ) {
         for &(page, h) in done {
-            // SAFETY: `page` was mapped to `h` (one page) by `map_page` in this failed `map`,
-            // and nothing has used it yet.
-            match check("cuMemUnmap", unsafe {
-                sys::cuMemUnmap(page, self.page as usize)
-            }) {
+            match self.unmap_only(page) {
                 Ok(()) => spare.push(h),
                 Err(e) => tracing::warn!(error = %e, page, "undoing a partial map failed"),
             }
         }
+    }
+
+    /// Unmaps the one page at `page`, leaving its handle alive.
+    fn unmap_only(&self, page: DevicePtr) -> Result<(), BackendError> {
+        // SAFETY: `page` is mapped with exactly one page (by `map_page`); the caller guarantees
+        // that no work uses it any more (the allocator waits for the streams that used it
+        // before unmapping; a failed `map` undoes pages nothing has used yet).
+        check("cuMemUnmap", unsafe {
+            sys::cuMemUnmap(page, self.page as usize)
+        })
     }
 
     fn unmap_page(
@@ -273,13 +279,22 @@ impl PageTable {
         page: DevicePtr,
         h: sys::CUmemGenericAllocationHandle,
     ) -> Result<(), BackendError> {
-        // SAFETY: `page` is mapped to `h` with exactly one page (by `map_page`); the caller
-        // guarantees that no work uses it any more (the allocator synchronises before unmapping).
-        check("cuMemUnmap", unsafe {
-            sys::cuMemUnmap(page, self.page as usize)
-        })?;
+        self.unmap_only(page)?;
         // SAFETY: `h` is no longer mapped; releasing it frees the physical page.
         check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+    }
+
+    /// Releases spare handles (`cuMemRelease`); returns the bytes freed. Errors are logged.
+    fn release_handles(&self, spare: Vec<sys::CUmemGenericAllocationHandle>) -> u64 {
+        let mut freed = 0;
+        for h in spare {
+            // SAFETY: a spare handle is mapped nowhere and owned by this table alone.
+            match check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
+                Ok(()) => freed += self.page,
+                Err(e) => tracing::warn!(error = %e, "releasing a spare page failed"),
+            }
+        }
+        freed
     }
 
     /// Unmaps every page of `[addr, addr + bytes)`; all must be mapped. `keep`: the handles
@@ -305,13 +320,7 @@ impl PageTable {
         while page < addr + bytes {
             let h = t.pages[&page];
             let r = if keep {
-                // SAFETY: `page` is mapped to `h` with exactly one page (by `map_page`); the
-                // caller guarantees that no work uses it any more (the allocator waits for the
-                // streams that used it before unmapping). The handle stays alive as a spare.
-                check("cuMemUnmap", unsafe {
-                    sys::cuMemUnmap(page, self.page as usize)
-                })
-                .map(|()| t.spare.push(h))
+                self.unmap_only(page).map(|()| t.spare.push(h))
             } else {
                 self.unmap_page(page, h)
             };
@@ -407,16 +416,8 @@ impl PageTable {
 
     /// Releases every spare handle (`cuMemRelease`); returns the bytes freed.
     pub(super) fn release_spares(&self) -> u64 {
-        let mut t = lock(&self.tables);
-        let mut freed = 0;
-        for h in std::mem::take(&mut t.spare) {
-            // SAFETY: a spare handle is mapped nowhere and owned by this table alone.
-            match check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
-                Ok(()) => freed += self.page,
-                Err(e) => tracing::warn!(error = %e, "releasing a spare page failed"),
-            }
-        }
-        freed
+        let spare = std::mem::take(&mut lock(&self.tables).spare);
+        self.release_handles(spare)
     }
 
     /// Pages created and pages mapped from spares so far.
@@ -444,12 +445,7 @@ impl PageTable {
                 tracing::warn!(error = %e, page, "unmapping a page on drop failed");
             }
         }
-        for h in std::mem::take(&mut t.spare) {
-            // SAFETY: a spare handle is mapped nowhere and owned by this table alone.
-            if let Err(e) = check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
-                tracing::warn!(error = %e, "releasing a spare page on drop failed");
-            }
-        }
+        self.release_handles(std::mem::take(&mut t.spare));
         for (base, size) in std::mem::take(&mut t.ranges) {
             // SAFETY: the range was reserved with this size; its pages were just unmapped.
             let r = unsafe { sys::cuMemAddressFree(base, size as usize) };

@@ -4,7 +4,7 @@
 //!    H100 (`traces/candle_gpt24.trace.csv`, `candle_gpt28.trace.csv`; traces/README.md), replayed
 //!    through the allocator on a device the size the allocator had on that card (78,945 MiB:
 //!    the card less the memory outside the allocator and the model's weights, which the trace
-//!    does not hold) and on one with room (80 GiB + the trace's peak). Per step: bytes mapped and
+//!    does not hold) and on one with room (160 GiB). Per step: bytes mapped and
 //!    unmapped, for the default and for tight mode (`page_recycle_threshold:0`). A settled loop
 //!    maps nothing: a regression shows as a figure here.
 //! 2. CUDA device (feature `cuda`, a driver present): the wall time of mapping and unmapping
@@ -12,14 +12,15 @@
 //!    (PyTorch's large pool), and of a 1 GiB move through the allocator (pages unmapped from a
 //!    hole and mapped where a request needs them, handles kept) against a fresh 1 GiB map.
 //!
-//! Run: `cargo bench -p oomguard-runtime --bench page_moves`.
+//! Steps are cut as `oomguard replay --steps` cuts them (where the fewest bytes are live).
+//!
+//! Run: `cargo bench -p oomguard-cli --bench page_moves`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use oomguard_runtime::alloc::{Allocation, CachingAllocator};
-use oomguard_runtime::backend::sim::SimDevice;
-use oomguard_runtime::{AllocatorConfig, ByteSize};
+use oomguard_cli::device::DeviceSpec;
+use oomguard_cli::replay::{replay, ReplayOptions};
+use oomguard_runtime::AllocatorConfig;
 
 const MIB: u64 = 1 << 20;
 const GIB: f64 = (1u64 << 30) as f64;
@@ -28,92 +29,62 @@ const STEPS: usize = 6;
 /// The allocator's room on the H100 the traces were recorded on (GPU.md, issue 31 runs).
 const CARD: u64 = 78_945 * MIB;
 
-struct Event {
-    alloc: bool,
-    id: u64,
-    bytes: u64,
-}
-
-fn read_trace(name: &str) -> Option<Vec<Event>> {
-    let dir = std::env::var_os("OOMGUARD_TRACES_DIR")
+fn traces_dir() -> PathBuf {
+    std::env::var_os("OOMGUARD_TRACES_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces"));
-    let text = std::fs::read_to_string(dir.join(name)).ok()?;
-    let mut out = Vec::new();
-    for line in text.lines().skip(1) {
-        let f: Vec<&str> = line.split(',').collect();
-        if f.len() != 4 {
-            continue;
-        }
-        out.push(Event {
-            alloc: f[0] == "a",
-            id: f[1].parse().ok()?,
-            bytes: f[2].parse().ok()?,
-        });
-    }
-    Some(out)
-}
-
-/// Per step: (GiB mapped, GiB unmapped, synchronisations); `None` when a request failed.
-fn replay(events: &[Event], capacity: u64, cfg: &str) -> Option<Vec<(f64, f64, u64)>> {
-    let sim = SimDevice::address_only(ByteSize(capacity));
-    let a = CachingAllocator::new(Arc::new(sim), AllocatorConfig::parse(cfg).unwrap());
-    let mut live: std::collections::HashMap<u64, Allocation> = Default::default();
-    let per = events.len() / STEPS;
-    let mut out = Vec::new();
-    let mut last = (0u64, 0u64, 0u64);
-    for (i, e) in events.iter().enumerate() {
-        if e.alloc {
-            live.insert(e.id, a.allocate(e.bytes, 0).ok()?);
-        } else if let Some(x) = live.remove(&e.id) {
-            a.free(x).unwrap();
-        }
-        if (i + 1) % per == 0 && out.len() < STEPS {
-            let s = a.stats();
-            let now = (
-                s.mapped_bytes_total,
-                s.unmapped_bytes_total,
-                s.num_sync_all_streams + s.num_stream_syncs,
-            );
-            out.push((
-                (now.0 - last.0) as f64 / GIB,
-                (now.1 - last.1) as f64 / GIB,
-                now.2 - last.2,
-            ));
-            last = now;
-        }
-    }
-    Some(out)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces"))
 }
 
 fn simulated() {
     println!("Pages moved per step, candle_gpt's requests on the simulated device (GiB mapped / unmapped, synchronisations)");
     for batch in [24, 28] {
         let name = format!("candle_gpt{batch}.trace.csv");
-        let Some(events) = read_trace(&name) else {
-            println!("  {name}: not found (OOMGUARD_TRACES_DIR)");
-            continue;
+        let trace = match oomguard_cli::detect::read_trace(&traces_dir().join(&name)) {
+            Ok(t) => t,
+            Err(e) => {
+                println!("  {name}: {e} (OOMGUARD_TRACES_DIR)");
+                continue;
+            }
         };
         for (room, capacity) in [("the card", CARD), ("room", 160 << 30)] {
             for (mode, cfg) in [
                 ("default", "expandable_segments:True"),
                 ("tight", "expandable_segments:True,page_recycle_threshold:0"),
             ] {
-                match replay(&events, capacity, cfg) {
-                    None => println!("  batch {batch}, {room}, {mode}: out of memory"),
-                    Some(steps) => {
-                        let cells: Vec<String> = steps
-                            .iter()
-                            .map(|(m, u, s)| format!("{m:.2}/{u:.2}/{s}"))
-                            .collect();
-                        let steady: f64 = steps[3..].iter().map(|(m, u, _)| m + u).sum::<f64>()
-                            / (steps.len() - 3) as f64;
-                        println!(
-                            "  batch {batch}, {room:<8} {mode:<8} steps {}  | steps 3-5: {steady:.2} GiB mapped + unmapped per step",
-                            cells.join("  ")
-                        );
-                    }
+                let opts = ReplayOptions {
+                    config: AllocatorConfig::parse(cfg).expect("valid config"),
+                    capacity,
+                    device: DeviceSpec::Sim,
+                    steps: Some(STEPS),
+                    ..Default::default()
+                };
+                let (r, _) = replay(&trace, &opts, &mut |_| {});
+                if !r.completed {
+                    println!("  batch {batch}, {room}, {mode}: out of memory");
+                    continue;
                 }
+                let cells: Vec<String> = r
+                    .per_step
+                    .iter()
+                    .map(|m| {
+                        format!(
+                            "{:.2}/{:.2}/{}",
+                            m.mapped_bytes as f64 / GIB,
+                            m.unmapped_bytes as f64 / GIB,
+                            m.synchronizations
+                        )
+                    })
+                    .collect();
+                let later = &r.per_step[3.min(r.per_step.len())..];
+                let steady = later
+                    .iter()
+                    .map(|m| (m.mapped_bytes + m.unmapped_bytes) as f64 / GIB)
+                    .sum::<f64>()
+                    / later.len().max(1) as f64;
+                println!(
+                    "  batch {batch}, {room:<8} {mode:<8} steps {}  | steps 3-5: {steady:.2} GiB mapped + unmapped per step",
+                    cells.join("  ")
+                );
             }
         }
     }
