@@ -9,8 +9,9 @@ use tch::TchError;
 /// Why a tch call, a step or a [`catch_oom`](crate::catch_oom) closure failed.
 ///
 /// It implements [`IsOom`], so `#[oom_retry]` works on functions returning
-/// `Result<_, oomguard_tch::Error>`; `?` converts a `TchError` into it. (`IsOom` cannot be
-/// implemented for `TchError` itself: see `oomguard::retry::libtorch_text_is_oom`'s module.)
+/// `Result<_, oomguard_tch::Error>`; `?` converts a `TchError` into it. (`TchError` implements
+/// [`IsOom`] too, through oomguard's `tch` feature, which this crate turns on: a function that
+/// returns `Result<_, TchError>` needs no conversion.)
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
@@ -65,12 +66,10 @@ impl From<oomguard::Error> for Error {
 }
 
 /// Whether a `TchError` is libtorch's out-of-memory: `TchError::Torch(text)` whose text starts
-/// with one of libtorch 2.11's out-of-memory messages; every other variant is not.
+/// with one of libtorch 2.11's out-of-memory messages; every other variant is not. The same as
+/// [`IsOom::is_oom`] on the error.
 pub fn tch_error_is_oom(e: &TchError) -> bool {
-    match e {
-        TchError::Torch(text) => oomguard::retry::libtorch_text_is_oom(text),
-        _ => false,
-    }
+    IsOom::is_oom(e)
 }
 
 impl IsOom for Error {

@@ -6,10 +6,11 @@
 //! libtorch's out-of-memory in both, by the exact shape of libtorch's message from its start
 //! ([`oomguard::retry::libtorch_text_is_oom`]):
 //!
+//! - `TchError` implements [`oomguard::IsOom`] (oomguard's `tch` feature, which this crate turns
+//!   on), so `#[oom_retry]` works on functions returning `Result<_, TchError>`;
+//!   [`tch_error_is_oom`] is the same test as a function.
 //! - [`Error`]: `TchError`, an out-of-memory panic, or an oomguard error; it implements
-//!   [`oomguard::IsOom`], so `#[oom_retry]` works on functions returning
-//!   `Result<_, oomguard_tch::Error>` (`?` converts `TchError`). [`tch_error_is_oom`] classifies
-//!   a bare `TchError`.
+//!   [`oomguard::IsOom`] too (`?` converts `TchError` into it).
 //! - [`catch_oom`]: runs a closure, turning a libtorch out-of-memory panic into an [`Error`]
 //!   (other panics continue).
 //!
