@@ -140,3 +140,29 @@ pub fn write_snapshot(path: impl AsRef<Path>) -> std::io::Result<()> {
         )
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shim checks the history's strings itself, before looking for a device, and reports
+    /// through its message buffer (no exception crosses the C ABI).
+    #[test]
+    fn the_shim_refuses_unknown_history_options() {
+        let e = raw_record_history(true, Some("bogus"), "python", 1, false).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("context \"bogus\": expected null, \"state\", \"alloc\" or \"all\""),
+            "{e}"
+        );
+        let e = raw_record_history(true, None, "cpp-only", 1, false).unwrap_err();
+        assert!(e.to_string().contains("stacks \"cpp-only\""), "{e}");
+        let e = raw_record_history(true, None, "python", 0, false).unwrap_err();
+        assert!(
+            e.to_string().contains("max_entries must be at least 1"),
+            "{e}"
+        );
+        let e = raw_record_history(true, Some("a\0b"), "python", 1, false).unwrap_err();
+        assert!(e.to_string().contains("NUL byte"), "{e}");
+    }
+}

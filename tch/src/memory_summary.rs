@@ -135,6 +135,61 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_table_has_pytorchs_rows_and_frame() {
+        let mut s = DeviceStats::default();
+        s.allocated_bytes.pools = [
+            Stat {
+                current: 3 << 30,
+                peak: 4 << 30,
+                allocated: 10 << 30,
+                freed: 7 << 30,
+            },
+            Stat {
+                current: 1 << 20,
+                peak: 2 << 20,
+                allocated: 5 << 20,
+                freed: 4 << 20,
+            },
+            Stat {
+                current: (3 << 30) - (1 << 20),
+                peak: 4 << 30,
+                allocated: 0,
+                freed: 0,
+            },
+        ];
+        s.num_ooms = 2;
+        s.num_alloc_retries = 5;
+        let t = format_memory_summary(&s, 1, false, &["allocator: native".into()]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines.iter().all(|l| l.chars().count() == 77), "{t}");
+        assert!(lines[1].contains("device ID 1"), "{t}");
+        assert!(
+            lines[3].contains("CUDA OOMs: 2") && lines[3].contains("retries: 5"),
+            "{t}"
+        );
+        let alloc = lines
+            .iter()
+            .position(|l| l.contains("Allocated memory"))
+            .unwrap();
+        assert_eq!(
+            lines[alloc],
+            "| Allocated memory      |   3072 MiB |   4096 MiB |  10240 MiB |   7168 MiB |"
+        );
+        // the pool rows follow the aggregate row's units
+        assert!(lines[alloc + 2].starts_with("|       from small pool |      1 MiB |      2 MiB |"));
+        assert_eq!(
+            lines
+                .iter()
+                .filter(|l| l.contains("from large pool"))
+                .count(),
+            9
+        );
+        assert!(t.contains("| allocator: native"), "{t}");
+        let short = format_memory_summary(&s, 1, true, &[]);
+        assert!(!short.contains("from large pool"), "{short}");
+    }
+
+    #[test]
     fn units_follow_pytorch() {
         // below 768 KiB of reference: bytes
         assert_eq!(format_size(1000, 1000), "  1000 B  ");
