@@ -33,6 +33,7 @@
 //! assert!(caught.unwrap_err().is_oom());
 //! ```
 
+pub mod allocator;
 mod catch;
 pub mod compat;
 mod error;
