@@ -325,6 +325,32 @@ int32_t oomguard_tch_libtorch_empty_cache(char* err, size_t cap) {
 #endif
 }
 
+// libtorch's getDeviceStats(device) on its current allocator (PyTorch's memory_stats): 0 when it
+// answers (allocated bytes, current, in *allocated), 2 and its message when it throws.
+int32_t oomguard_tch_libtorch_device_stats(int32_t device, int64_t* allocated, char* err,
+                                           size_t cap) {
+#ifdef OOMGUARD_TCH_NO_CUDA
+  (void)device, (void)allocated;
+  copy_message("oomguard-tch was built without CUDA", err, cap);
+  return 3;
+#else
+  try {
+    auto stats = cca::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    *allocated = stats.allocated_bytes[0].current;
+    return 0;
+  } catch (const c10::Error& e) {
+    copy_message(e.what_without_backtrace(), err, cap);
+    return 2;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), err, cap);
+    return 2;
+  } catch (...) {
+    copy_message("unknown C++ exception", err, cap);
+    return 2;
+  }
+#endif
+}
+
 int32_t oomguard_tch_libtorch_set_memory_fraction(double fraction, int32_t device, char* err,
                                                   size_t cap) {
 #ifdef OOMGUARD_TCH_NO_CUDA

@@ -40,22 +40,34 @@
 //! - `setMemoryFraction(f, device)`: oomguard's `set_memory_fraction(f)`.
 //!
 //! What libtorch's own statistics do under a pluggable allocator (libtorch 2.11's
-//! `torch/csrc/cuda/CUDAPluggableAllocator.cpp`; the texts are in `libtorch_cuda.so`): they
-//! throw. `getDeviceStats` (PyTorch's `memory_stats`, `memory_allocated`,
-//! `memory_reserved`), `resetPeakStats`, `resetAccumulatedStats`, `snapshot`,
-//! `recordHistory`, `getMemoryFraction`, `cacheInfo`, `attachOutOfMemoryObserver` and the
-//! checkpoint / IPC calls raise "CUDAPluggableAllocator does not yet support ...". So do
-//! libtorch's allocator statistics read through this crate's other shim functions, and cuDNN's
-//! benchmark mode (it asks `cacheInfo` for the largest free block): with oomguard's allocator
-//! installed, read the statistics from the returned `Device` (`stats`, `memory_summary`,
-//! `snapshot`), and leave cuDNN's benchmark mode off. libtorch's pluggable allocator also keeps
-//! its own table of live pointers (a hash map insert and erase per allocation, under one mutex),
-//! beside oomguard's.
+//! `torch/csrc/cuda/CUDAPluggableAllocator.cpp`; its texts are in `libtorch_cuda.so`): they throw.
+//! `getDeviceStats` (PyTorch's `memory_stats`, `memory_allocated`, `memory_reserved`),
+//! `resetPeakStats`, `resetAccumulatedStats`, `snapshot`, `recordHistory`, `getMemoryFraction`,
+//! `cacheInfo`, `attachOutOfMemoryObserver` and the checkpoint / IPC calls raise
+//! "CUDAPluggableAllocator does not yet support ...". So do libtorch's allocator statistics read
+//! through this crate's other shim functions. cuDNN convolutions whose workspace choice asks
+//! `cacheInfo` for the largest free block (PyTorch's `Conv_v7.cpp` `getMaxWorkspaceSize` in
+//! benchmark mode, `Conv_v8.cpp` `get_available_workspace`) throw the same way (not tried here).
+//! With oomguard's allocator installed, read the statistics from the returned `Device` (`stats`,
+//! `memory_summary`, `snapshot`), not from libtorch. libtorch's pluggable allocator also keeps its
+//! own table of live pointers (a hash map insert and erase per allocation, under one mutex), beside
+//! oomguard's.
+//!
+//! The shim also registers its allocator as c10's allocator for the CUDA device type
+//! (`c10::SetAllocator`; `changeCurrentAllocator` alone leaves c10's registry on libtorch's
+//! own), so `at::accelerator`'s memory calls and `c10::GetAllocator(kCUDA)` reach it too.
+//!
+//! Not supported under oomguard's allocator: CUDA graph capture (libtorch's graph memory pools:
+//! the pluggable interface's `beginAllocateToPool` / `releasePool` are left unset, and an
+//! allocation during a capture would reach oomguard, which may map pages or synchronise),
+//! cuDNN convolutions that ask `cacheInfo` (above), libtorch's IPC sharing of CUDA tensors, and a second GPU in
+//! the process (its allocations are refused by name).
 //!
 //! What stays outside oomguard (GPU memory it does not see): the CUDA context, loaded kernels,
 //! cuBLAS / cuDNN handles, libtorch's pinned host memory, and NCCL's buffers. cuBLAS's
-//! workspace and cuDNN's are allocated through libtorch's allocator, so they are oomguard's
-//! blocks. One GPU per process: the installed one.
+//! workspace is allocated through the current CUDA allocator (libtorch's
+//! `allocateCUDABlasWorkspace`), so it is an oomguard block, live for as long as libtorch keeps
+//! the handle (the process, in practice): a leak check opened before the first matmul sees it.
 //!
 //! ```no_run
 //! use tch::{Device, Kind, Tensor};

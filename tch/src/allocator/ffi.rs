@@ -42,6 +42,13 @@ extern "C" {
     #[cfg(test)]
     fn oomguard_tch_libtorch_empty_cache(err: *mut c_char, cap: usize) -> i32;
     #[cfg(test)]
+    fn oomguard_tch_libtorch_device_stats(
+        device: i32,
+        allocated: *mut i64,
+        err: *mut c_char,
+        cap: usize,
+    ) -> i32;
+    #[cfg(test)]
     fn oomguard_tch_libtorch_set_memory_fraction(
         fraction: f64,
         device: i32,
@@ -158,6 +165,17 @@ pub(crate) fn libtorch_set_memory_fraction(fraction: f64, device: i32) -> Result
         oomguard_tch_libtorch_set_memory_fraction(fraction, device, m, c)
     });
     ok_or(code, text)
+}
+
+/// libtorch's `getDeviceStats(device)` on its current allocator: its current allocated bytes.
+#[cfg(test)]
+pub(crate) fn libtorch_allocated_bytes(device: i32) -> Result<i64, ShimError> {
+    let mut allocated = 0i64;
+    // SAFETY: `allocated` is a valid place for the figure; the buffer is as above.
+    let (code, text) = with_buffer(|m, c| unsafe {
+        oomguard_tch_libtorch_device_stats(device, &mut allocated, m, c)
+    });
+    ok_or(code, text).map(|()| allocated)
 }
 
 /// The installed pluggable allocator's `malloc(size, device, default stream)`, as libtorch calls
@@ -345,6 +363,13 @@ mod tests {
         assert!((dev.allocator().memory_fraction() - 0.25).abs() < 1e-12);
         let (_, text) = libtorch_set_memory_fraction(0.5, 2).unwrap_err();
         assert!(text.contains("GPU 0 only"), "{text}");
+
+        // libtorch's own statistics throw under a pluggable allocator (the module docs say so)
+        let (_, text) = libtorch_allocated_bytes(0).unwrap_err();
+        assert!(
+            text.starts_with("CUDAPluggableAllocator does not yet support getDeviceStats"),
+            "{text}"
+        );
 
         // putting libtorch's allocator back
         uninstall().unwrap();
