@@ -317,6 +317,12 @@ mod tests {
 
     #[test]
     fn libtorch_calls_reach_oomguard_through_the_shim() {
+        if option_env!("OOMGUARD_TCH_SHIM_CUDA") == Some("0") {
+            // a shim built without CUDA (build.rs) says so, and installs nothing
+            assert!(allocator_state().unwrap_err().contains("without CUDA"));
+            assert_eq!(install().unwrap_err().0, code::NO_CUDA);
+            return;
+        }
         let (initialised, name) = allocator_state().expect("this build has CUDA");
         assert!(!initialised, "no CUDA tensor was made in this test binary");
         assert_eq!(name, "native");
