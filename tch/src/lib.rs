@@ -77,6 +77,7 @@
 //! assert!(caught.unwrap_err().is_oom());
 //! ```
 
+pub mod allocator;
 mod catch;
 pub mod compat;
 pub mod cuda_allocator;
