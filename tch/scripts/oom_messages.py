@@ -23,8 +23,8 @@ Cases (each in a fresh process: the allocator reads its settings when CUDA start
 
 usage (PyTorch 2.11, one CUDA device free):
   python3 tch/scripts/oom_messages.py --out oom_messages.json
-The JSON goes to oomguard's tch/tests/fixtures/oom_messages_cuda.json; tch/tests/classify.rs
-reads it (its test is ignored until the file is there).
+Its Python texts are tch/tests/fixtures/oom_texts_h100_python.txt; the same errors raised through
+tch itself are checked on a GPU by tch/tests/oom_texts_gpu.rs.
 
 Time: the C++ extension is compiled once, by this process, into --ext-dir (kept between runs, so
 a second run does not compile again); each case's process loads the built module (about 5-10 s

@@ -25,6 +25,50 @@
 //! [`Error::Oomguard`] when it does not fit): the engine then splits the batch exactly as on a
 //! GPU ([`train_step`]'s example does that).
 //!
+//! ## libtorch's CUDA allocator as a memory source
+//!
+//! A small C++ shim (`shim/*.cpp`, compiled by the build script against the libtorch tch links)
+//! reaches `c10::cuda::CUDACachingAllocator`, which serves every tch CUDA tensor:
+//! - [`LibtorchCudaSource`]: one device's allocator as an [`oomguard::source::MemorySource`], so
+//!   that budgets (libtorch's per-process memory fraction: a cap on what libtorch *reserves*,
+//!   see its `budget`), `oomguard::source::guards` (leak checks, peak scopes),
+//!   `memory_summary` (PyTorch's table), `oomguard::retry::find_max_batch` and the retry engine
+//!   work over tch's memory;
+//! - [`cuda_allocator`]: the allocator's calls one by one (statistics, `empty_cache`, the
+//!   memory fraction, device count and memory), [`DeviceStats`] its figures;
+//! - [`memory_history`]: the allocation history switch and the memory snapshot as PyTorch's
+//!   pickle, which opens in `oomguard view` and in PyTorch's memory_viz.
+//!
+//! Without a CUDA device (no driver, none visible) every call returns an error and nothing
+//! reaches CUDA. libtorch reads `PYTORCH_ALLOC_CONF` (or `PYTORCH_CUDA_ALLOC_CONF`) when CUDA
+//! starts, and the source works under what it sets: with `expandable_segments:True`, reserved
+//! memory is the pages mapped, `empty_cache` unmaps the free ones and the memory fraction caps
+//! the pages mapped; `per_process_memory_fraction:F` is the fraction a budget replaces while it
+//! lives and restores after; with `backend:cudaMallocAsync` libtorch's allocator is CUDA's pool
+//! ([`cuda_allocator::AllocatorInfo::name`] says `"cudaMallocAsync"`), which records no history:
+//! [`memory_history::record_history`] returns libtorch's error. Under a pluggable allocator
+//! (issue 33 item 4) the statistics are that allocator's, or an error where it has none.
+//!
+//! ```no_run
+//! use oomguard::source::{guards::UsageLeakCheck, MemorySource};
+//! use oomguard_tch::LibtorchCudaSource;
+//!
+//! let src = LibtorchCudaSource::new(0)?; // an error, not a panic, without a CUDA device
+//! let _cap = src.budget(8 << 30)?; // libtorch reserves at most 8 GiB on device 0 meanwhile
+//! let check = UsageLeakCheck::new(&src)?;
+//! // ... a tch training step ...
+//! println!("{}", check.finish()?);
+//! println!("{}", src.memory_summary());
+//! # Ok::<(), oomguard::Error>(())
+//! ```
+//!
+//! Building needs CUDA's runtime headers of libtorch's CUDA version (c10's CUDA headers include
+//! them): found beside a PyPI torch (`nvidia/cu13/include`, with `crt/`, which
+//! `scripts/libtorch.sh` adds), in `CUDA_HOME` or `/usr/local/cuda`, or named by
+//! `OOMGUARD_TCH_CUDA_INCLUDE` (`none` builds the shim without CUDA: every call then says so).
+//! The binary then needs `libtorch_cuda.so`, `libc10_cuda.so`, `libtorch_cpu.so` and
+//! `libc10.so` (torch/lib) on the loader's path, as tch does.
+//!
 //! Which versions, and why: [`compat`]. Building needs libtorch 2.11.0: `eval
 //! "$(scripts/libtorch.sh)"` from the repository root installs it from PyPI and sets `LIBTORCH`
 //! and `LD_LIBRARY_PATH`.
@@ -46,14 +90,23 @@
 
 mod catch;
 pub mod compat;
+pub mod cuda_allocator;
+mod device_stats;
 mod error;
 mod finder;
 mod train_step;
+mod libtorch_cuda_source;
+pub mod memory_history;
+mod memory_summary;
+mod shim;
 
 pub use catch::{catch_oom, panic_message_is_oom};
+pub use device_stats::{DeviceStats, Stat, StatArray};
 pub use error::{tch_error_is_oom, Error};
 pub use finder::find_max_batch;
 pub use train_step::{train_step, TrainStepError, TrainedStep};
+pub use libtorch_cuda_source::LibtorchCudaSource;
+pub use memory_summary::format_memory_summary;
 
 pub use oomguard;
 pub use tch;
