@@ -13,6 +13,17 @@
 //!   [`oomguard::IsOom`] too (`?` converts `TchError` into it).
 //! - [`catch_oom`]: runs a closure, turning a libtorch out-of-memory panic into an [`Error`]
 //!   (other panics continue).
+//! - [`train_step`]: one optimizer step over a batch (an `nn::VarStore` and its
+//!   `nn::Optimizer`), retried on out-of-memory as exactly-weighted micro-batches (libtorch
+//!   accumulates the gradients), the optimizer stepped once, after every micro-batch succeeded,
+//!   on every row; a variable that requires a gradient and got none is named.
+//! - [`find_max_batch`]: the largest batch a tch step runs with.
+//!
+//! **Testing your step on CPU.** A CPU device has no memory source: give the retry engine a
+//! simulated card (`oomguard::Device::sim(..)`) and charge it in the loss closure for each
+//! micro-batch's rows (`card.alloc::<u8>(chunk.len() * bytes_per_row)?`, an out-of-memory
+//! [`Error::Oomguard`] when it does not fit): the engine then splits the batch exactly as on a
+//! GPU ([`train_step`]'s example does that).
 //!
 //! ## libtorch's CUDA allocator as a memory source
 //!
@@ -83,6 +94,8 @@ pub mod compat;
 pub mod cuda_allocator;
 mod device_stats;
 mod error;
+mod finder;
+mod train_step;
 mod libtorch_cuda_source;
 pub mod memory_history;
 mod memory_summary;
@@ -91,6 +104,8 @@ mod shim;
 pub use catch::{catch_oom, panic_message_is_oom};
 pub use device_stats::{DeviceStats, Stat, StatArray};
 pub use error::{tch_error_is_oom, Error};
+pub use finder::find_max_batch;
+pub use train_step::{train_step, TrainStepError, TrainedStep};
 pub use libtorch_cuda_source::LibtorchCudaSource;
 pub use memory_summary::format_memory_summary;
 
