@@ -184,6 +184,13 @@ fn main() {
     if cuda_inc.is_some() {
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
         println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        // libtorch's CUDA backend registers itself when libtorch_cuda.so is loaded; a binary
+        // that calls nothing in it directly (a tch program using only `Device::Cuda`) loses it
+        // to the linker's --as-needed, and `tch::Cuda::is_available()` is then false on a GPU.
+        // This keeps it in this crate's own tests and examples; a user's binary needs the same
+        // two lines in its build.rs (README, "With tch"), as tch's own README says.
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo:rustc-link-arg=-ltorch_cuda");
     }
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");

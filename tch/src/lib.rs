@@ -95,19 +95,19 @@ pub mod cuda_allocator;
 mod device_stats;
 mod error;
 mod finder;
-mod train_step;
 mod libtorch_cuda_source;
 pub mod memory_history;
 mod memory_summary;
 mod shim;
+mod train_step;
 
 pub use catch::{catch_oom, panic_message_is_oom};
 pub use device_stats::{DeviceStats, Stat, StatArray};
 pub use error::{tch_error_is_oom, Error};
 pub use finder::find_max_batch;
-pub use train_step::{train_step, TrainStepError, TrainedStep};
 pub use libtorch_cuda_source::LibtorchCudaSource;
 pub use memory_summary::format_memory_summary;
+pub use train_step::{train_step, TrainStepError, TrainedStep};
 
 pub use oomguard;
 pub use tch;
