@@ -4,18 +4,19 @@
 use oomguard::{no_grad, oom_retry};
 use tch::{Device, Kind, TchError, Tensor};
 
-/// Asks libtorch's CPU allocator for 2^40 floats (4 TiB) per row beyond 4 rows: a real ENOMEM
-/// out-of-memory for a batch above 4, a small tensor at 4 rows or fewer. Evaluation
+/// Asks libtorch's CPU allocator for 2^48 bytes (256 TiB) per row beyond 4 rows: more than a
+/// 47-bit address space, so a real ENOMEM out-of-memory for a batch above 4 whatever the host's
+/// overcommit policy, and a small tensor at 4 rows or fewer. Evaluation
 /// (`#[no_grad]`): `batch =` runs fewer rows, which a training step may not.
 #[oom_retry(batch = batch, min = 1)]
 #[no_grad]
 fn rows_with_cap(batch: usize) -> Result<i64, TchError> {
     let rows = if batch > 4 {
-        (batch as i64) << 40
+        (batch as i64) << 48
     } else {
         batch as i64
     };
-    let t = Tensor::f_zeros([rows], (Kind::Float, Device::Cpu))?;
+    let t = Tensor::f_empty([rows], (Kind::Uint8, Device::Cpu))?;
     Ok(t.size()[0])
 }
 

@@ -88,7 +88,9 @@ fn a_budget_is_the_memory_fraction_and_makes_libtorch_run_out() {
         let budget = src.budget(limit).unwrap();
         assert_eq!(budget.limit(), limit);
         let f = alloc::memory_fraction(0).unwrap();
-        assert!((f - limit as f64 / total as f64).abs() < 1e-12, "{f}");
+        // libtorch keeps the cap in whole bytes (fraction × total, truncated) and gives back
+        // cap / total: within a byte or two of the limit, not bit for bit.
+        assert!((f * total as f64 - limit as f64).abs() <= 2.0, "{f}");
         // 512 MiB cannot be reserved under the cap: libtorch's own out-of-memory
         let ooms = src.stats().unwrap().num_ooms;
         let e = mib_tensor(512).unwrap_err();
@@ -103,10 +105,7 @@ fn a_budget_is_the_memory_fraction_and_makes_libtorch_run_out() {
         // the tightest live budget is in force; dropping it restores the outer one
         drop(budget);
         let f = alloc::memory_fraction(0).unwrap();
-        assert!(
-            (f - (1u64 << 30) as f64 / total as f64).abs() < 1e-12,
-            "{f}"
-        );
+        assert!((f * total as f64 - (1u64 << 30) as f64).abs() <= 2.0, "{f}");
         drop(outer);
     }
     assert_eq!(alloc::memory_fraction(0).unwrap(), 1.0);
