@@ -95,8 +95,7 @@ fn attention_is_causal() {
     let input = a.narrow(1, 0, s);
     // The last token changed: the logits of every earlier position stay the same.
     let b = input.copy();
-    let _ = b
-        .narrow(1, s - 1, 1)
+    b.narrow(1, s - 1, 1)
         .copy_(&(input.narrow(1, s - 1, 1) + 1).remainder(cfg.vocab));
     let la = model.forward(&input).unwrap();
     let lb = model.forward(&b).unwrap();
@@ -137,11 +136,13 @@ fn gpt2_small_has_gpt2s_parameter_count_and_bad_shapes_are_errors() {
         heads: 3,
         ..Config::tiny()
     };
-    let err = Gpt::new(&vs, bad).err().expect("width 32 with 3 heads");
+    let Err(err) = Gpt::new(&vs, bad) else {
+        panic!("width 32 with 3 heads built");
+    };
     assert!(err.to_string().contains("not a multiple of heads"), "{err}");
     // Rows longer than the context are an error, not a panic.
     let (_vs, model, cfg) = tiny();
     let long = Tensor::zeros([1, cfg.seq + 2], (Kind::Int64, Device::Cpu));
-    let err = model.loss(&long).err().expect("seq + 2 tokens");
+    let err = model.loss(&long).expect_err("seq + 2 tokens");
     assert!(err.to_string().contains("context"), "{err}");
 }

@@ -213,11 +213,6 @@ impl Gpt {
         })
     }
 
-    /// The shape it was built with.
-    pub fn config(&self) -> Config {
-        self.cfg
-    }
-
     /// Logits `(batch, seq, vocab)` of tokens `(batch, seq)` (int64, `seq` at most the
     /// context).
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor, TchError> {
