@@ -10,21 +10,23 @@ pub const ALL_PHASES: [&str; 7] = [
 ];
 
 /// Phases run only when named: `alloc` starts two child processes.
-pub const EXTRA_PHASES: [&str; 1] = ["alloc"];
+pub const EXTRA_PHASES: [&str; 2] = ["max", "alloc"];
 
 pub const USAGE: &str = "\
 tch_gpt: a GPT-2-small-shaped model in tch (libtorch), plain and under oomguard (issue 33, item 5)
 
 usage: tch_gpt [--phase NAME]... [options]
 
-phases (repeatable, comma-separated, or `all` = grads,plain,max,oom,equiv,finder,overhead):
+phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,overhead):
   grads     one backward: every parameter has a finite non-zero gradient; the loss falls
             over --grads-steps AdamW steps on one batch
   plain     a plain tch loop (forward, backward, step, zero_grad) at --batch: ms/step median
-  max       the largest batch a plain step runs (doubling, then bisection, up to --max-cap)
-  oom       train_step at --oom-factor x max: the OOM survived, later steps from the plan
   equiv     1 x B against 4 x B/4 micro-batches (--equiv-batch), SGD then AdamW
-  finder    find_max_batch on plain steps vs the true max; --find-steps steps at its batch
+  finder    find_max_batch on plain steps; --find-steps plain steps at its batch; then
+            the true max (as `max`) and found / true
+  oom       train_step at --oom-factor x max: the OOM survived, later steps from the plan
+  max       (also run by finder and oom when needed) the largest batch a plain step runs:
+            doubling, then bisection, up to --max-cap
   overhead  train_step vs the plain loop at --batch, alternated: the time ratio
   alloc     (only when named) libtorch's native allocator vs expandable segments: this
             program run twice as child processes (PYTORCH_ALLOC_CONF is read at CUDA init)

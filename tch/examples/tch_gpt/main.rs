@@ -22,6 +22,7 @@ mod charge;
 mod grads;
 mod model;
 mod phase_equiv;
+mod phase_finder;
 mod phase_grads;
 mod phase_max;
 mod phase_plain;
@@ -30,9 +31,10 @@ mod report;
 
 use std::panic::{self, AssertUnwindSafe};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
-use oomguard::ByteSize;
+use oomguard::{ByteSize, MemorySource};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, TchError, Tensor};
 
@@ -58,6 +60,9 @@ pub(crate) struct Ctx {
     pub(crate) dev: Device,
     pub(crate) cfg: Config,
     pub(crate) charge: Charge,
+    /// Where the steps' memory comes from, as oomguard sees it: the simulated card on the CPU;
+    /// on CUDA libtorch's allocator once this crate has it as a memory source (`None` now).
+    pub(crate) source: Option<Arc<dyn MemorySource>>,
     /// The largest batch of a plain step: `--max`, or measured by `max` in this run.
     pub(crate) max: Option<i64>,
 }
@@ -82,6 +87,16 @@ impl Ctx {
         synthetic_tokens(seed, rows, &self.cfg, self.dev)
     }
 
+    /// The memory source, or why a phase cannot run without one.
+    pub fn source(&self, phase: &str) -> Result<Arc<dyn MemorySource>, String> {
+        self.source.clone().ok_or_else(|| {
+            format!(
+                "phase {phase} needs libtorch's CUDA allocator as an oomguard memory source, \
+                 which this build of oomguard-tch does not have yet"
+            )
+        })
+    }
+
     /// Prints a line in the run's format.
     pub fn emit(&self, line: Line) {
         line.emit(self.args.json);
@@ -93,7 +108,8 @@ impl Ctx {
             "plain" => self.plain(),
             "max" => self.max_phase(),
             "equiv" => self.equiv(),
-            "oom" | "finder" | "overhead" | "alloc" => Err(format!(
+            "finder" => self.finder(),
+            "oom" | "overhead" | "alloc" => Err(format!(
                 "phase {name} is not in this build: it needs oomguard_tch::train_step and \
                  libtorch's allocator as a memory source"
             )),
@@ -170,7 +186,11 @@ fn main() -> ExitCode {
         .float("lr", args.lr, 0)
         .text("phases", args.phases.join(","))
         .emit(args.json);
+    let source = charge
+        .card()
+        .map(|c| Arc::new(c.clone()) as Arc<dyn MemorySource>);
     let mut ctx = Ctx {
+        source,
         dev: args.device,
         cfg: args.cfg,
         max: args.max,

@@ -29,6 +29,16 @@ impl Ctx {
         Ok(Outcome::Pass)
     }
 
+    /// `--max`, the `max` phase's, or measured now.
+    pub fn known_max(&mut self) -> Result<i64, String> {
+        if let Some(m) = self.max {
+            return Ok(m);
+        }
+        self.max_phase()?;
+        self.max
+            .ok_or_else(|| "the max phase measured nothing".into())
+    }
+
     /// The largest batch that ran, the trials, and whether the search stopped at `--max-cap`
     /// (every batch up to it ran).
     fn measure_max(&mut self) -> Result<(i64, i64, bool), String> {

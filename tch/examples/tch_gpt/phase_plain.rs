@@ -1,7 +1,9 @@
 //! `plain`: a plain tch training loop at `--batch` (forward, backward, AdamW step, zero_grad),
 //! each step timed from its first op to the device synchronised after it: `--warmup` steps
 //! untimed, then the median (and min, max, mean) of `--steps` steps. Each step trains on its own
-//! seeded batch, made before its clock starts.
+//! seeded batch, made before its clock starts. With a memory source: the peaks of the timed
+//! steps, bytes in use and reserved (on CUDA libtorch's allocated and reserved; on the CPU the
+//! simulated card's charge).
 
 use std::time::Instant;
 
@@ -19,6 +21,11 @@ impl Ctx {
         let mut times = Vec::with_capacity(steps);
         let mut losses = Vec::with_capacity(steps);
         for s in 0..warmup + steps {
+            if s == warmup {
+                if let Some(src) = &self.source {
+                    src.reset_peak().map_err(|e| e.to_string())?;
+                }
+            }
             let tokens = self
                 .tokens(batch, 100 + s as u64)
                 .map_err(|e| e.to_string())?;
@@ -37,20 +44,33 @@ impl Ctx {
             .fold((f64::INFINITY, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
         let med = median(&mut times);
         let finite = losses.iter().all(|l| l.is_finite());
-        self.emit(
-            Line::result("plain")
-                .int("batch", batch)
-                .int("warmup", warmup as i64)
-                .int("steps", steps as i64)
-                .float("median_ms", med * 1e3, 2)
-                .float("min_ms", min * 1e3, 2)
-                .float("max_ms", max * 1e3, 2)
-                .float("mean_ms", mean * 1e3, 2)
-                .float("tokens_per_s", (batch * self.cfg.seq) as f64 / med, 1)
-                .float("loss_first", losses[0], 5)
-                .float("loss_last", losses[losses.len() - 1], 5)
-                .flag("losses_finite", finite),
-        );
+        let mut line = Line::result("plain")
+            .int("batch", batch)
+            .int("warmup", warmup as i64)
+            .int("steps", steps as i64)
+            .float("median_ms", med * 1e3, 2)
+            .float("min_ms", min * 1e3, 2)
+            .float("max_ms", max * 1e3, 2)
+            .float("mean_ms", mean * 1e3, 2)
+            .float("tokens_per_s", (batch * self.cfg.seq) as f64 / med, 1)
+            .float("loss_first", losses[0], 5)
+            .float("loss_last", losses[losses.len() - 1], 5)
+            .flag("losses_finite", finite);
+        line = match &self.source {
+            Some(src) => {
+                let u = src.usage().map_err(|e| e.to_string())?;
+                line.int("peak_used", u.used_peak as i64)
+                    .int("peak_reserved", u.reserved_peak as i64)
+                    .float(
+                        "reserved_over_used",
+                        u.reserved_peak as f64 / u.used_peak.max(1) as f64,
+                        4,
+                    )
+                    .text("source", src.info().to_string())
+            }
+            None => line.text("source", "none"),
+        };
+        self.emit(line);
         Ok(if finite { Outcome::Pass } else { Outcome::Fail })
     }
 }
