@@ -9,8 +9,8 @@ pub const ALL_PHASES: [&str; 7] = [
     "grads", "plain", "max", "oom", "equiv", "finder", "overhead",
 ];
 
-/// Phases run only when named: `alloc` starts two child processes.
-pub const EXTRA_PHASES: [&str; 2] = ["max", "alloc"];
+/// Phases run only when named (`alloc` starts two child processes of `alloc-one`).
+pub const EXTRA_PHASES: [&str; 3] = ["max", "alloc", "alloc-one"];
 
 pub const USAGE: &str = "\
 tch_gpt: a GPT-2-small-shaped model in tch (libtorch), plain and under oomguard (issue 33, item 5)
@@ -30,6 +30,9 @@ phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,ove
   overhead  train_step vs the plain loop at --batch, alternated: the time ratio
   alloc     (only when named) libtorch's native allocator vs expandable segments: this
             program run twice as child processes (PYTORCH_ALLOC_CONF is read at CUDA init)
+            with --phase alloc-one; each prints its RESULT phase=alloc line
+  alloc-one (only when named) the allocator this process has: --steps plain steps at
+            --batch (median ms, peak reserved / peak used), then the largest batch
 
 model (default GPT-2 small: 12 layers, width 768, 12 heads, vocab 50257, seq 1024):
   --tiny                   2 layers, width 32, 2 heads, vocab 64, seq 16 (a CPU run in seconds)

@@ -21,6 +21,7 @@ mod args;
 mod charge;
 mod grads;
 mod model;
+mod phase_alloc;
 mod phase_equiv;
 mod phase_finder;
 mod phase_grads;
@@ -109,7 +110,9 @@ impl Ctx {
             "max" => self.max_phase(),
             "equiv" => self.equiv(),
             "finder" => self.finder(),
-            "oom" | "overhead" | "alloc" => Err(format!(
+            "alloc" => self.alloc(),
+            "alloc-one" => self.alloc_one(),
+            "oom" | "overhead" => Err(format!(
                 "phase {name} is not in this build: it needs oomguard_tch::train_step and \
                  libtorch's allocator as a memory source"
             )),
