@@ -3,19 +3,22 @@
 //!
 //! ```sh
 //! eval "$(scripts/libtorch.sh)"   # from the repository root: LIBTORCH, LD_LIBRARY_PATH
-//! cd tch && cargo run --release --example tch_gpt -- --phase all               # CUDA, GPT-2 small
-//! cd tch && cargo run --release --example tch_gpt -- --tiny --device cpu --phase all
+//! cd tch && cargo run --release --example tch_gpt -- --tiny --device cpu --phase all  # seconds
+//! cd tch && cargo build --release --example tch_gpt   # then, on the GPU machine:
+//! tch_gpt --phase grads,plain,equiv,finder           # GPT-2 small, cuda:0
+//! tch_gpt --phase alloc                               # two child processes
 //! ```
 //!
 //! Every measured figure is one `RESULT phase=NAME key=value ...` line (`--json`: one JSON
 //! object per line); `STEP` and `TRIAL` lines show the work inside a phase, and each phase ends
-//! with `PHASE phase=NAME status=ok|FAIL|error secs=..`. The exit status is 0 when every phase
-//! ran and its checks held, 1 otherwise, 2 when the device cannot be used, 64 on a bad command
-//! line.
+//! with `PHASE phase=NAME status=ok|FAIL|error|panicked secs=..`. The exit status is 0 when
+//! every phase ran and its checks held, 1 otherwise, 2 when the device cannot be used, 64 on a
+//! bad command line.
 //!
-//! On the CPU a simulated card (`charge.rs`: 256 MiB, 3 MiB a row: at most 85 rows) stands in for the
-//! device's memory, so that `max`, `oom` and `finder` meet an out-of-memory there too; on CUDA
-//! nothing is simulated. Float32 throughout; libtorch's default keeps TF32 off for matmuls.
+//! On the CPU a simulated card (`charge.rs`: 256 MiB, 3 MiB a row: at most 85 rows) stands in
+//! for the device's memory and is the memory source, so that `max` and `finder` meet an
+//! out-of-memory there too; on CUDA nothing is simulated. Float32 throughout; libtorch's default
+//! keeps TF32 off for matmuls.
 
 mod args;
 mod charge;
