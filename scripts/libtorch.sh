@@ -43,6 +43,20 @@ if [ ! -e "$prefix/.complete" ]; then
     --target "$prefix" "${pkgs[@]}" >&2
   touch "$prefix/.complete"
 fi
+# CUDA's C runtime headers (crt/, 134 kB): oomguard-tch's C++ shim includes c10's CUDA headers,
+# which include cuda_runtime_api.h, which needs crt/host_defines.h; PyPI's CUDA 13 runtime wheel
+# ships the rest of include/ but not crt/. Added beside the others (own pip target, then copied:
+# `--target` does not merge into an existing nvidia/ folder), for prefixes installed before it.
+inc=$prefix/nvidia/cu13/include
+if [ ! -e "$inc/crt/host_defines.h" ]; then
+  rm -rf "$prefix/.crt"
+  python3 -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+    --only-binary=:all: --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --python-version 3.12 --implementation cp --abi cp312 \
+    --target "$prefix/.crt" nvidia-cuda-crt==13.0.88 >&2
+  cp -r "$prefix/.crt/nvidia/cu13/include/crt" "$inc/"
+  rm -rf "$prefix/.crt"
+fi
 lib=$prefix/torch/lib
 # LIBTORCH: torch-sys takes include/ and lib/ from the wheel's torch/ folder (no Python import,
 # no version file: tch 0.24.0's own check is skipped, the pin above is the check).

@@ -34,10 +34,19 @@
 
 mod catch;
 pub mod compat;
+pub mod cuda_allocator;
+mod device_stats;
 mod error;
+mod libtorch_cuda_source;
+pub mod memory_history;
+mod memory_summary;
+mod shim;
 
 pub use catch::{catch_oom, panic_message_is_oom};
+pub use device_stats::{DeviceStats, Stat, StatArray};
 pub use error::{tch_error_is_oom, Error};
+pub use libtorch_cuda_source::LibtorchCudaSource;
+pub use memory_summary::format_memory_summary;
 
 pub use oomguard;
 pub use tch;
