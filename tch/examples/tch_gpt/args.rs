@@ -5,9 +5,7 @@ use tch::Device;
 use crate::model::Config;
 
 /// Phases in the order `all` runs them.
-pub const ALL_PHASES: [&str; 7] = [
-    "grads", "plain", "max", "oom", "equiv", "finder", "overhead",
-];
+pub const ALL_PHASES: [&str; 6] = ["grads", "plain", "equiv", "finder", "oom", "overhead"];
 
 /// Phases run only when named (`alloc` starts two child processes of `alloc-one`).
 pub const EXTRA_PHASES: [&str; 3] = ["max", "alloc", "alloc-one"];

@@ -3,7 +3,7 @@
 //! activations of a real card would. On CUDA nothing is charged: libtorch's own allocator runs
 //! out.
 
-use oomguard::{ByteSize, DeviceBuffer};
+use oomguard::DeviceBuffer;
 
 /// Bytes charged per row on the simulated card, or nothing.
 pub struct Charge {
@@ -20,10 +20,10 @@ impl Charge {
         }
     }
 
-    /// A simulated card of `capacity`, `per_row` bytes a row.
-    pub fn sim(capacity: ByteSize, per_row: usize) -> Self {
+    /// `per_row` bytes a row on the simulated card `card`.
+    pub fn on(card: oomguard::Device, per_row: usize) -> Self {
         Self {
-            sim: Some(oomguard::Device::sim(capacity)),
+            sim: Some(card),
             per_row,
         }
     }

@@ -42,6 +42,8 @@ use oomguard::{ByteSize, MemorySource};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Device, TchError, Tensor};
 
+use oomguard_tch::LibtorchCudaSource;
+
 use args::Args;
 use charge::Charge;
 use model::{synthetic_tokens, Config, Gpt};
@@ -64,9 +66,9 @@ pub(crate) struct Ctx {
     pub(crate) dev: Device,
     pub(crate) cfg: Config,
     pub(crate) charge: Charge,
-    /// Where the steps' memory comes from, as oomguard sees it: the simulated card on the CPU;
-    /// on CUDA libtorch's allocator once this crate has it as a memory source (`None` now).
-    pub(crate) source: Option<Arc<dyn MemorySource>>,
+    /// Where the steps' memory comes from, as oomguard sees it: libtorch's CUDA caching
+    /// allocator (`LibtorchCudaSource`, registered), or the simulated card on the CPU.
+    pub(crate) source: Arc<dyn MemorySource>,
     /// The largest batch of a plain step: `--max`, or measured by `max` in this run.
     pub(crate) max: Option<i64>,
 }
@@ -91,16 +93,6 @@ impl Ctx {
         synthetic_tokens(seed, rows, &self.cfg, self.dev)
     }
 
-    /// The memory source, or why a phase cannot run without one.
-    pub fn source(&self, phase: &str) -> Result<Arc<dyn MemorySource>, String> {
-        self.source.clone().ok_or_else(|| {
-            format!(
-                "phase {phase} needs libtorch's CUDA allocator as an oomguard memory source, \
-                 which this build of oomguard-tch does not have yet"
-            )
-        })
-    }
-
     /// Prints a line in the run's format.
     pub fn emit(&self, line: Line) {
         line.emit(self.args.json);
@@ -116,8 +108,8 @@ impl Ctx {
             "alloc" => self.alloc(),
             "alloc-one" => self.alloc_one(),
             "oom" | "overhead" => Err(format!(
-                "phase {name} is not in this build: it needs oomguard_tch::train_step and \
-                 libtorch's allocator as a memory source"
+                "phase {name} is not in this build: it needs oomguard_tch::train_step, \
+                 which this build of oomguard-tch does not have yet"
             )),
             other => Err(format!("unknown phase {other}")),
         }
@@ -157,7 +149,7 @@ fn main() -> ExitCode {
         }
     };
     install_panic_hook();
-    let charge = match args.device {
+    let (charge, source) = match args.device {
         Device::Cuda(i) => {
             let n = tch::Cuda::device_count();
             if !tch::Cuda::is_available() || i as i64 >= n {
@@ -166,9 +158,19 @@ fn main() -> ExitCode {
                 );
                 return ExitCode::from(2);
             }
-            Charge::none()
+            match LibtorchCudaSource::new(i) {
+                Ok(s) => (Charge::none(), s.register()),
+                Err(e) => {
+                    println!("tch_gpt: libtorch's CUDA allocator on cuda:{i}: {e}");
+                    return ExitCode::from(2);
+                }
+            }
         }
-        _ => Charge::sim(ByteSize::mib(256), 3 << 20),
+        _ => {
+            let card = oomguard::Device::sim(ByteSize::mib(256));
+            let source: Arc<dyn MemorySource> = Arc::new(card.clone());
+            (Charge::on(card, 3 << 20), source)
+        }
     };
     let c = args.cfg;
     Line::config()
@@ -192,9 +194,6 @@ fn main() -> ExitCode {
         .float("lr", args.lr, 0)
         .text("phases", args.phases.join(","))
         .emit(args.json);
-    let source = charge
-        .card()
-        .map(|c| Arc::new(c.clone()) as Arc<dyn MemorySource>);
     let mut ctx = Ctx {
         source,
         dev: args.device,

@@ -8,10 +8,14 @@
 //! `alloc-one` measures the allocator the process has, as its environment configured it (run it
 //! by hand for another configuration): `--steps` timed plain steps at `--batch` (median
 //! ms/step; peak reserved / peak used of the memory source), then the largest batch of a plain
-//! step (bisection, as `max`, never taken from `--max`).
+//! step (bisection, as `max`, never taken from `--max`). On CUDA the line also says what
+//! libtorch's allocator reports it runs (`allocator_info`: name, expandable segments, the
+//! settings it parsed), so a variable that did not take effect shows.
 
 use std::process::Command;
 use std::time::Instant;
+
+use oomguard_tch::cuda_allocator;
 
 use crate::plain_step::plain_step;
 use crate::report::{median, Line};
@@ -61,8 +65,8 @@ impl Ctx {
     pub fn alloc_one(&mut self) -> PhaseResult {
         let conf = std::env::var("PYTORCH_ALLOC_CONF")
             .or_else(|_| std::env::var("PYTORCH_CUDA_ALLOC_CONF"))
-            .unwrap_or_else(|_| "native".into());
-        let source = self.source("alloc-one")?;
+            .unwrap_or_else(|_| "unset".into());
+        let source = self.source.clone();
         let batch = self.args.batch;
         let (vs, model) = self.model().map_err(|e| e.to_string())?;
         let mut opt = self.adamw(&vs).map_err(|e| e.to_string())?;
@@ -87,10 +91,24 @@ impl Ctx {
         source.empty_cache().map_err(|e| e.to_string())?;
         self.max = None;
         let max = self.known_max()?;
+        let mut line = Line::result("alloc").text("alloc_conf", conf);
+        if self.dev.is_cuda() {
+            // What libtorch's allocator says it runs (the proof the variable took effect).
+            let a = cuda_allocator::allocator_info().map_err(|e| e.to_string())?;
+            line = line
+                .text("allocator", a.name)
+                .flag("expandable_segments", a.expandable_segments)
+                .text(
+                    "settings",
+                    if a.settings.is_empty() {
+                        "-".into()
+                    } else {
+                        a.settings
+                    },
+                );
+        }
         self.emit(
-            Line::result("alloc")
-                .text("alloc_conf", conf)
-                .int("batch", batch)
+            line.int("batch", batch)
                 .int("steps", steps as i64)
                 .float("median_ms", median(&mut times) * 1e3, 2)
                 .int("peak_used", u.used_peak as i64)

@@ -16,7 +16,7 @@ use crate::{Ctx, Outcome, PhaseResult};
 impl Ctx {
     /// The phase (see the module's doc).
     pub fn finder(&mut self) -> PhaseResult {
-        let source = self.source("finder")?;
+        let source = self.source.clone();
         let (vs, model) = self.model().map_err(|e| e.to_string())?;
         let mut opt = self.adamw(&vs).map_err(|e| e.to_string())?;
         let one = self.tokens(1, 999).map_err(|e| e.to_string())?;

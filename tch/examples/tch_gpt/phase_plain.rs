@@ -1,9 +1,10 @@
 //! `plain`: a plain tch training loop at `--batch` (forward, backward, AdamW step, zero_grad),
 //! each step timed from its first op to the device synchronised after it: `--warmup` steps
 //! untimed, then the median (and min, max, mean) of `--steps` steps. Each step trains on its own
-//! seeded batch, made before its clock starts. With a memory source: the peaks of the timed
-//! steps, bytes in use and reserved (on CUDA libtorch's allocated and reserved; on the CPU the
-//! simulated card's charge).
+//! seeded batch, made before its clock starts. The memory source's peaks over the timed steps:
+//! bytes in use and reserved (on CUDA libtorch's allocated and reserved bytes, as
+//! `torch.cuda.max_memory_allocated` / `max_memory_reserved`; on the CPU the simulated card's
+//! charge).
 
 use std::time::Instant;
 
@@ -22,9 +23,7 @@ impl Ctx {
         let mut losses = Vec::with_capacity(steps);
         for s in 0..warmup + steps {
             if s == warmup {
-                if let Some(src) = &self.source {
-                    src.reset_peak().map_err(|e| e.to_string())?;
-                }
+                self.source.reset_peak().map_err(|e| e.to_string())?;
             }
             let tokens = self
                 .tokens(batch, 100 + s as u64)
@@ -56,20 +55,16 @@ impl Ctx {
             .float("loss_first", losses[0], 5)
             .float("loss_last", losses[losses.len() - 1], 5)
             .flag("losses_finite", finite);
-        line = match &self.source {
-            Some(src) => {
-                let u = src.usage().map_err(|e| e.to_string())?;
-                line.int("peak_used", u.used_peak as i64)
-                    .int("peak_reserved", u.reserved_peak as i64)
-                    .float(
-                        "reserved_over_used",
-                        u.reserved_peak as f64 / u.used_peak.max(1) as f64,
-                        4,
-                    )
-                    .text("source", src.info().to_string())
-            }
-            None => line.text("source", "none"),
-        };
+        let u = self.source.usage().map_err(|e| e.to_string())?;
+        line = line
+            .int("peak_used", u.used_peak as i64)
+            .int("peak_reserved", u.reserved_peak as i64)
+            .float(
+                "reserved_over_used",
+                u.reserved_peak as f64 / u.used_peak.max(1) as f64,
+                4,
+            )
+            .text("source", self.source.info().to_string());
         self.emit(line);
         Ok(if finite { Outcome::Pass } else { Outcome::Fail })
     }
