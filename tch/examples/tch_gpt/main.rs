@@ -222,6 +222,11 @@ fn main() -> ExitCode {
             ),
         };
         failed |= status != "ok";
+        // The next phase starts from an emptied cache (what this one held is dropped).
+        if let Err(e) = ctx.source.empty_cache() {
+            ctx.emit(Line::phase(&name).text("empty_cache_error", one_line(&e.to_string())));
+            failed = true;
+        }
         let mut line = Line::phase(&name).text("status", status);
         if let Some(e) = error {
             line = line.text("error", one_line(&e));
