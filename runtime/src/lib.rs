@@ -8,7 +8,9 @@
 //! - [`alloc`]: the caching allocator (pools, best fit, split/merge, growable segments, stats);
 //! - [`Device`] and [`DeviceBuffer`]: what users hold;
 //! - [`guard`]: scoped guards (grad mode, budgets, leak checks, peak scopes, empty-cache);
-//! - [`retry`]: OOM retry (policies, the [`RetryEngine`], remembered plans, batch finder).
+//! - [`retry`]: OOM retry (policies, the [`RetryEngine`], remembered plans, batch finder);
+//! - [`train`]: the framework-free part of the framework crates' training steps (outcome,
+//!   errors, row and loss checks, refusal rules).
 //!
 //! ```
 //! use oomguard_runtime::{Device, ByteSize};
@@ -36,6 +38,7 @@ pub mod nccl;
 pub mod retry;
 mod size;
 pub mod source;
+pub mod train;
 
 pub use alloc::{Allocation, CachingAllocator, MemoryStats};
 pub use buffer::DeviceBuffer;

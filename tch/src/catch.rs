@@ -106,6 +106,33 @@ pub fn catch_oom<T, E: Into<Error>>(f: impl FnOnce() -> Result<T, E>) -> Result<
     }
 }
 
+/// Runs `f` as [`catch_oom`] does, and also turns the panic of a plain tch method over any
+/// other libtorch error (the `unwrap` of a `TchError::Torch`, tch's own form, read strictly:
+/// [`UNWRAP`] then `Torch("...")`) into that error, [`Error::Torch`]; any other panic
+/// continues. For the parts of a step that only call tch (the optimizer's `step`, which
+/// unwraps), so that a libtorch error there is the step's error, not a crash.
+pub(crate) fn catch_torch<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let Some(message) = payload_text(payload.as_ref()) else {
+                panic::resume_unwind(payload)
+            };
+            let unwrapped = message
+                .strip_prefix(UNWRAP)
+                .and_then(|m| m.strip_prefix(TORCH_DEBUG))
+                .and_then(unescape_debug);
+            match (unwrapped, libtorch_text(message)) {
+                (_, Some(text)) if libtorch_text_is_oom(&text) => {
+                    Err(Error::OomPanic { message: text })
+                }
+                (Some(text), _) => Err(Error::Torch(tch::TchError::Torch(text))),
+                _ => panic::resume_unwind(payload),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +147,37 @@ mod tests {
         assert_eq!(unescape_debug("abc"), None);
         assert_eq!(unescape_debug("abc\") and more"), None);
         assert_eq!(unescape_debug("a\\qb\")"), None);
+    }
+
+    #[test]
+    fn catch_torch_turns_unwrapped_torch_errors_into_errors_and_lets_others_panic() {
+        use oomguard::IsOom;
+        let e = catch_torch(|| -> Result<(), Error> {
+            panic!(
+                "{UNWRAP}{:?}",
+                tch::TchError::Torch("shape mismatch\nat x".into())
+            )
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::Torch(tch::TchError::Torch(t)) if t == "shape mismatch\nat x"),
+            "{e:?}"
+        );
+        assert!(!e.is_oom());
+        let oom = catch_torch(|| -> Result<(), Error> {
+            panic!(
+                "{UNWRAP}{:?}",
+                tch::TchError::Torch("CUDA out of memory. Tried to allocate 2.00 GiB".into())
+            )
+        })
+        .unwrap_err();
+        assert!(
+            matches!(oom, Error::OomPanic { .. }) && oom.is_oom(),
+            "{oom:?}"
+        );
+        let other =
+            panic::catch_unwind(|| catch_torch(|| -> Result<(), Error> { panic!("a bug") }));
+        assert!(other.is_err(), "a panic of another kind continues");
+        assert_eq!(catch_torch(|| Ok::<_, Error>(3)).unwrap(), 3);
     }
 }

@@ -1,5 +1,6 @@
-//! The error of oomguard-tch: tch's `TchError`, a libtorch out-of-memory seen as a panic, or an
-//! oomguard error.
+//! The error of oomguard-tch: tch's `TchError`, a libtorch out-of-memory seen as a panic, an
+//! oomguard error, or a refusal of [`train_step`](crate::train_step) (a loss that is not one
+//! value, variables without a gradient, variables the optimizer does not update).
 
 use std::fmt;
 
@@ -9,8 +10,9 @@ use tch::TchError;
 /// Why a tch call, a step or a [`catch_oom`](crate::catch_oom) closure failed.
 ///
 /// It implements [`IsOom`], so `#[oom_retry]` works on functions returning
-/// `Result<_, oomguard_tch::Error>`; `?` converts a `TchError` into it. (`IsOom` cannot be
-/// implemented for `TchError` itself: see `oomguard::retry::libtorch_text_is_oom`'s module.)
+/// `Result<_, oomguard_tch::Error>`; `?` converts a `TchError` into it. (`TchError` implements
+/// [`IsOom`] too, through oomguard's `tch` feature, which this crate turns on: a function that
+/// returns `Result<_, TchError>` needs no conversion.)
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
@@ -27,6 +29,25 @@ pub enum Error {
     /// An oomguard error (e.g. a simulated device's out-of-memory in a CPU test of a step, or a
     /// memory source's error); an out-of-memory when it is one.
     Oomguard(oomguard::Error),
+    /// The chunk's loss is not one value (give the chunk's per-row mean loss, e.g.
+    /// `loss.mean(Kind::Float)`); not retried.
+    Loss(String),
+    /// Variables of the `VarStore` that require a gradient got none from the backward passes of
+    /// a step (the loss does not depend on them, or a `detach()` / `no_grad` cut the graph);
+    /// the optimizer did not step. Freeze one on purpose with `set_requires_grad(false)` (or
+    /// the whole store with `VarStore::freeze`); not retried.
+    NoGradient {
+        /// Their names in the `VarStore` (`"layer1.weight"`), sorted.
+        params: Vec<String>,
+        /// The variables that require a gradient, these included.
+        trained: usize,
+    },
+    /// Variables of the `VarStore` that require a gradient are not among the optimizer's (it was
+    /// built from another `VarStore`): their gradients would never be applied; not retried.
+    NotOptimized {
+        /// Their names in the `VarStore`, sorted.
+        params: Vec<String>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -38,6 +59,23 @@ impl fmt::Display for Error {
                 "libtorch ran out of memory (seen as a panic of a tch method): {message}"
             ),
             Error::Oomguard(e) => write!(f, "{e}"),
+            Error::Loss(m) => f.write_str(m),
+            Error::NoGradient { params, trained } => write!(
+                f,
+                "{}: the loss does not depend on them, or a `detach()`, `no_grad` or an integer \
+                 cast cut the graph; freeze a variable on purpose with \
+                 `set_requires_grad(false)` (`VarStore::freeze` for all). The optimizer did not \
+                 step",
+                oomguard::train::missing_gradients(params, *trained)
+            ),
+            Error::NotOptimized { params } => write!(
+                f,
+                "{} variable(s) of the VarStore require a gradient but are not the optimizer's \
+                 ({}): their gradients would never be applied. Build the optimizer from the \
+                 VarStore given to train_step",
+                params.len(),
+                oomguard::train::name_list(params)
+            ),
         }
     }
 }
@@ -47,7 +85,7 @@ impl std::error::Error for Error {
         match self {
             Error::Torch(e) => Some(e),
             Error::Oomguard(e) => Some(e),
-            Error::OomPanic { .. } => None,
+            _ => None,
         }
     }
 }
@@ -65,12 +103,10 @@ impl From<oomguard::Error> for Error {
 }
 
 /// Whether a `TchError` is libtorch's out-of-memory: `TchError::Torch(text)` whose text starts
-/// with one of libtorch 2.11's out-of-memory messages; every other variant is not.
+/// with one of libtorch 2.11's out-of-memory messages; every other variant is not. The same as
+/// [`IsOom::is_oom`] on the error.
 pub fn tch_error_is_oom(e: &TchError) -> bool {
-    match e {
-        TchError::Torch(text) => oomguard::retry::libtorch_text_is_oom(text),
-        _ => false,
-    }
+    IsOom::is_oom(e)
 }
 
 impl IsOom for Error {
@@ -79,9 +115,18 @@ impl IsOom for Error {
             Error::Torch(e) => tch_error_is_oom(e),
             Error::OomPanic { .. } => true,
             Error::Oomguard(e) => IsOom::is_oom(e),
+            Error::Loss(_) | Error::NoGradient { .. } | Error::NotOptimized { .. } => false,
         }
     }
     fn is_budget_exceeded(&self) -> bool {
         matches!(self, Error::Oomguard(e) if IsOom::is_budget_exceeded(e))
+    }
+    /// The failed request against the whole capacity, for oomguard's out-of-memory (libtorch's
+    /// text is not parsed for it).
+    fn oom_request(&self) -> Option<oomguard::retry::OomRequest> {
+        match self {
+            Error::Oomguard(e) => IsOom::oom_request(e),
+            _ => None,
+        }
     }
 }

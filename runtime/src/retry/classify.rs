@@ -42,7 +42,7 @@ use crate::error::{BudgetExceeded, Error, OomError};
     message = "`{Self}` does not implement `IsOom`: the retry engine cannot tell whether it is an out-of-memory",
     label = "the error type of this step",
     note = "for `anyhow::Error` (`anyhow::Result`), enable oomguard's `anyhow` feature: oomguard = {{ version = \"0.1\", features = [\"anyhow\"] }}",
-    note = "for `candle_core::Error`, enable the `candle` feature (or use oomguard-candle); for an error type of your own, implement `oomguard::retry::IsOom` for it"
+    note = "for `candle_core::Error`, enable the `candle` feature (or use oomguard-candle); for tch's `TchError`, the `tch` feature (or use oomguard-tch); for an error type of your own, implement `oomguard::retry::IsOom` for it"
 )]
 pub trait IsOom {
     /// `true` when the error is an out-of-memory.

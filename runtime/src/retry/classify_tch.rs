@@ -1,11 +1,10 @@
 //! libtorch's out-of-memory, recognised in the text tch keeps of it (libtorch 2.11.0, tch 0.24.0):
-//! [`libtorch_text_is_oom`], which `oomguard-tch` uses for its error type's [`super::IsOom`].
+//! [`libtorch_text_is_oom`], and with the `tch` feature [`IsOom`](super::IsOom) for `tch::TchError`
+//! (`oomguard-tch` turns the feature on and classifies tch's panics with the same function).
 //!
-//! Why no `IsOom for tch::TchError` here (the orphan rule would put it in this crate): this
-//! workspace's lockfile holds burn 0.21, whose optional `burn-tch` pins torch-sys 0.22
-//! (`links = "tch"`, libtorch 2.9); cargo locks every optional dependency, and one lockfile may
-//! hold only one package that links `tch`, so the runtime cannot depend on tch 0.24 (libtorch
-//! 2.11), even optionally. This text function needs no tch at all.
+//! The `tch` feature needs libtorch 2.11 to build (tch links it). burn 0.21's optional `burn-tch`
+//! would put a second package linking `tch` (torch-sys 0.22) in the workspace's lockfile, which
+//! cargo refuses; the root `Cargo.toml` patches it out (vendor/burn-tch-unused).
 //!
 //! tch's C wrapper (`PROTECT` in torch-sys/libtch/torch_api.h) catches libtorch's C++ exception
 //! and keeps only `e.what()`: an out-of-memory reaches Rust as `TchError::Torch(text)`, its type
@@ -80,6 +79,19 @@ pub fn libtorch_text_is_oom(text: &str) -> bool {
             .is_some_and(|tail| tail.starts_with(CPU_ENOMEM));
     }
     false
+}
+
+/// `TchError::Torch(text)` is an out-of-memory when `text` starts with one of libtorch 2.11's
+/// out-of-memory messages ([`libtorch_text_is_oom`]); tch's other variants (its own conversions,
+/// I/O, shapes, `FileFormat`, ...) never are. A per-process memory fraction's out-of-memory is
+/// libtorch's caching allocator's, so it is an out-of-memory, not a budget's
+/// ([`IsOom::is_budget_exceeded`](super::IsOom::is_budget_exceeded) stays `false`): the fraction caps reserved memory, and
+/// emptying the cache can make room under it.
+#[cfg(feature = "tch")]
+impl super::IsOom for tch::TchError {
+    fn is_oom(&self) -> bool {
+        matches!(self, tch::TchError::Torch(text) if libtorch_text_is_oom(text))
+    }
 }
 
 /// `s` after one or more leading ASCII digits; `None` when it does not start with one.

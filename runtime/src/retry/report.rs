@@ -695,4 +695,19 @@ impl<E: IsOom> IsOom for RetryError<E> {
             _ => false,
         }
     }
+    /// A budget's out-of-memory when the last failure that has an error of this rank is one
+    /// (a step that gave up), or the step's own error is one (and nothing committed inside it).
+    fn is_budget_exceeded(&self) -> bool {
+        match self {
+            RetryError::GaveUp { failures, .. } => failures
+                .iter()
+                .rev()
+                .find_map(|f| f.error.as_ref())
+                .is_some_and(IsOom::is_budget_exceeded),
+            RetryError::Step { error, report } => {
+                report.nested_commit.is_none() && error.is_budget_exceeded()
+            }
+            _ => false,
+        }
+    }
 }

@@ -1,0 +1,31 @@
+//! The framework-free part of a training step that survives out-of-memory, shared by
+//! oomguard-candle, oomguard-burn and oomguard-tch.
+//!
+//! Each framework crate's `train_step` reruns a batch as micro-batches after an out-of-memory
+//! (the [`RetryEngine`](crate::retry::RetryEngine) drives the attempts), weights each chunk's
+//! mean loss by its share of the batch, and steps the optimizer once, after every micro-batch
+//! of one attempt succeeded. What does not touch a tensor is here, written once:
+//!
+//! - [`TrainedStep`]: what a step did (the batch's mean loss, its rows, the retry report);
+//! - [`TrainStepError`]: why it failed, and which failures an outer retry may rerun
+//!   ([`IsOom`](crate::retry::IsOom): an update error never);
+//! - [`batch_rows`]: the batch's rows from its tensors' shapes (they must agree on dimension 0);
+//! - [`LossSum`]: the weighted sum of the chunks' mean losses and the rows covered, checked to
+//!   come from one batch; [`one_value`]: the check that a chunk's loss is one value;
+//! - [`keep_rows`]: the refusal rules (an engine whose policy would drop rows is refused before
+//!   anything runs; the step always counts as training);
+//! - [`missing_gradients`] / [`name_list`]: the text naming parameters that got no gradient.
+
+mod batch;
+mod error;
+mod gradients;
+mod loss;
+mod refusal;
+mod trained;
+
+pub use batch::{batch_rows, rows_match};
+pub use error::TrainStepError;
+pub use gradients::{missing_gradients, name_list, NAMED};
+pub use loss::{one_value, LossSum};
+pub use refusal::{drops_rows, keep_rows, DropsRows};
+pub use trained::TrainedStep;

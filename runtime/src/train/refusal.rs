@@ -1,0 +1,153 @@
+//! The refusal rules of a training step: every row is trained, and the step counts as training.
+
+use std::fmt;
+use std::panic::Location;
+use std::time::Duration;
+
+use crate::retry::{
+    BatchPlan, KeepsRows, Pressure, RetryContext, RetryEngine, RetryPolicy, RetryReport, StepMode,
+    MAX_ATTEMPTS,
+};
+
+/// The first plan with fewer rows than `batch` that `policy` proposes after repeated
+/// out-of-memory errors (or budget overruns) starting from the whole batch, as the engine would
+/// follow it. Policies depend only on their context, so this finds a row-dropping policy
+/// (e.g. `inference_policy()`, `Shrink`) before a real out-of-memory does. `None` when every
+/// plan it proposes keeps the batch.
+///
+/// ```
+/// use oomguard_runtime::retry::{inference_policy, training_policy};
+/// use oomguard_runtime::train::drops_rows;
+/// assert!(drops_rows(&training_policy(), 100).is_none());
+/// assert!(drops_rows(&inference_policy(), 100).unwrap().batch() < 100);
+/// ```
+pub fn drops_rows(policy: &dyn RetryPolicy, batch: usize) -> Option<BatchPlan> {
+    let whole = BatchPlan::whole(batch).ok()?;
+    for pressure in [Pressure::Oom, Pressure::Budget] {
+        let mut plan = whole;
+        for attempt in 1..=MAX_ATTEMPTS {
+            let ctx = RetryContext::new(plan, batch, attempt, pressure);
+            let Some(next) = policy.next_plan(&ctx) else {
+                break;
+            };
+            if next.batch() < batch {
+                return Some(next);
+            }
+            if !next.fits_within(&plan) {
+                break; // the engine would give up here too
+            }
+            plan = next;
+        }
+    }
+    None
+}
+
+/// The engine a training step of `batch` rows runs on: `engine` (its remembered plans,
+/// consensus and regrow, shared) with its policy wrapped in [`KeepsRows`] (a plan with fewer
+/// rows, proposed later by a policy that changes its mind, is refused when proposed: the step
+/// gives up, and the log says why with `hint`) and its mode always [`StepMode::Train`] (a
+/// training step is remembered apart from evaluations, and batch caps never apply).
+///
+/// Refused before anything runs ([`DropsRows`]): an engine whose policy would drop rows after
+/// an out-of-memory ([`drops_rows`]). `hint` says what to use instead, in the framework's words.
+///
+/// ```
+/// use oomguard_runtime::retry::{inference_policy, RetryEngine};
+/// use oomguard_runtime::train::keep_rows;
+/// assert!(keep_rows(&RetryEngine::new(), 100, "use training_policy()").is_ok());
+/// let engine = RetryEngine::new().with_policy(inference_policy());
+/// let refused = keep_rows(&engine, 100, "use training_policy()").unwrap_err();
+/// assert_eq!(refused.batch, 100);
+/// assert!(refused.to_string().contains("never drops rows"));
+/// ```
+#[track_caller]
+pub fn keep_rows(
+    engine: &RetryEngine,
+    batch: usize,
+    hint: &'static str,
+) -> Result<RetryEngine, DropsRows> {
+    let policy = engine.policy();
+    if let Some(proposed) = drops_rows(&*policy, batch) {
+        return Err(DropsRows::new(
+            format!("{policy:?}"),
+            proposed,
+            batch,
+            hint,
+            Location::caller(),
+        ));
+    }
+    Ok(engine
+        .clone()
+        .with_policy(KeepsRows::new(policy).hint(hint))
+        .with_mode_hook(|| StepMode::Train))
+}
+
+/// A training step refused before anything ran: the engine's retry policy proposes fewer rows
+/// than the batch after an out-of-memory, so the step would train on part of the batch.
+#[derive(Clone, Debug)]
+pub struct DropsRows {
+    /// The policy, as `Debug` prints it.
+    pub policy: String,
+    /// The plan it proposes after out-of-memory errors, with fewer rows than the batch.
+    pub proposed: BatchPlan,
+    /// The batch's rows.
+    pub batch: usize,
+    /// What to use instead.
+    pub hint: &'static str,
+    /// The report of the refused step: no attempt, its `failure` this refusal.
+    pub report: Box<RetryReport>,
+}
+
+impl DropsRows {
+    fn new(
+        policy: String,
+        proposed: BatchPlan,
+        batch: usize,
+        hint: &'static str,
+        site: &Location<'_>,
+    ) -> Self {
+        let whole = BatchPlan::whole(batch).unwrap_or(proposed);
+        let mut refused = Self {
+            policy,
+            proposed,
+            batch,
+            hint,
+            report: Box::new(RetryReport {
+                site: format!("{}:{}:{}", site.file(), site.line(), site.column()),
+                mode: StepMode::Train,
+                requested_batch: batch,
+                initial_plan: whole,
+                from_memory: false,
+                final_plan: whole,
+                attempts: Vec::new(),
+                regrow: None,
+                thrash_moved_to: None,
+                elapsed: Duration::ZERO,
+                commit_error: None,
+                memory_error: None,
+                failure: None,
+                nested_commit: None,
+                hint: Some(hint.to_string()),
+                held_bytes: Vec::new(),
+                stopped: None,
+                seeded: None,
+            }),
+        };
+        refused.report.failure = Some(refused.to_string());
+        refused
+    }
+}
+
+impl fmt::Display for DropsRows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the engine's retry policy {} proposes {} after an out-of-memory, fewer rows than \
+             the batch of {}: a training step never drops rows (it would train on part of the \
+             batch). {}",
+            self.policy, self.proposed, self.batch, self.hint
+        )
+    }
+}
+
+impl std::error::Error for DropsRows {}

@@ -1,0 +1,264 @@
+//! One optimizer step of a tch model over a batch, kept alive through out-of-memory: the batch
+//! rerun as micro-batches, libtorch accumulating the weighted gradients, one optimizer step.
+
+use std::cell::RefCell;
+use std::collections::HashSet;
+
+use oomguard::retry::{BatchPlan, Chunk, RetryEngine};
+use oomguard::source::MemorySource;
+use oomguard::train::{batch_rows, keep_rows, one_value, LossSum};
+use tch::{nn, Kind, Tensor};
+
+use crate::catch::catch_torch;
+use crate::Error;
+
+pub use oomguard::train::TrainedStep;
+
+/// Why [`train_step`] failed. Nothing was updated, except after
+/// [`TrainStepError::Update`](oomguard::train::TrainStepError::Update) (the optimizer's `step`
+/// failed, perhaps after updating some variables). The gradients (`.grad`) of the `VarStore`'s
+/// variables are reset (undefined) after any failure, so no partial sum is left for a later
+/// `optimizer.step()` to apply.
+///
+/// In-attempt refusals are [`Error`]s inside
+/// [`TrainStepError::Retry`](oomguard::train::TrainStepError::Retry): [`Error::Loss`],
+/// [`Error::NoGradient`], [`Error::NotOptimized`].
+pub type TrainStepError = oomguard::train::TrainStepError<Error>;
+
+/// What the policy's refusal tells the user to use instead.
+const KEEP_ROWS_HINT: &str = "train_step needs a policy that keeps every row: `training_policy()` \
+                              or an `Accumulate` chain";
+
+/// One training step over a batch of tch tensors, kept alive through out-of-memory.
+///
+/// - `batch`: the batch's tensors (inputs, targets, masks, ...), dimension 0 the row; they must
+///   agree on their rows, which is the step's batch.
+/// - `vs`: the `VarStore` of the model; `optimizer` must be built from it
+///   (`nn::Sgd::default().build(&vs, lr)`), else [`Error::NotOptimized`].
+/// - `chunk_loss(chunk, rows)`: the loss of one micro-batch, given its rows of each of `batch`'s
+///   tensors in order (`narrow` on dimension 0). **It must be the chunk's per-row mean loss**
+///   (one value: a sum makes the update depend on the split, and more than one value is
+///   [`Error::Loss`]), and must not use statistics of the whole batch (BatchNorm in training
+///   mode, in-batch negatives), which no split computes exactly. Its error type is this crate's
+///   [`Error`], so that `?` takes both tch's `TchError` and oomguard's errors (a simulated
+///   card's out-of-memory in a CPU test, a budget's) and each stays classified.
+///
+/// Each attempt resets the gradients of the optimizer's variables (libtorch's `zero_grad`,
+/// which sets them to undefined), then for every chunk of the engine's plan (the first attempt:
+/// the plan remembered for this call site and source, else the whole batch) runs `chunk_loss`,
+/// backpropagates `loss × chunk.weight()` (the chunk's share of the batch; a half-precision loss
+/// is cast to `Float` first, so the weight is not rounded to 8 or 11 bits), and reads the loss.
+/// libtorch adds each chunk's gradients into `.grad`, so the sum is the gradient of the batch's
+/// mean loss, equal to one full-batch backward up to floating-point summation order. Then every
+/// variable of `vs` that requires a gradient must have one, else [`Error::NoGradient`] names
+/// them.
+///
+/// **Frozen variables.** A variable needs no gradient when it does not require one: created
+/// with `trainable = false` (`zeros_no_train`, `ones_no_train`, BatchNorm's running
+/// statistics), or frozen on purpose with `set_requires_grad(false)` (one variable) or
+/// `VarStore::freeze` (all). Every other variable of the store must get a gradient.
+///
+/// The attempt runs under [`catch_oom`](crate::catch_oom) (and a libtorch error unwrapped by a
+/// plain tch method is that error): an out-of-memory returned by an `f_*` method or raised as
+/// the panic of a plain one counts. On out-of-memory the attempt's gradients are reset and its
+/// tensors dropped, the source's cache emptied, and the attempt reruns with more, smaller
+/// micro-batches. The optimizer steps once, after every chunk of one attempt succeeded, and
+/// never reruns: its failure is [`TrainStepError::Update`](oomguard::train::TrainStepError::Update),
+/// never an out-of-memory for an outer retry. Every row contributes to the update, whatever the
+/// split: an engine whose policy would drop rows (`inference_policy()`) is refused before
+/// anything runs
+/// ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows)).
+/// The step always counts as training for the engine.
+///
+/// After a successful step the gradients stay in `.grad` (as after a plain
+/// `backward`; the next step resets them); after a failed one they are reset.
+///
+/// Later steps at this call site start from the plan that worked (remembered per call site and
+/// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)
+/// clean steps in a row at a remembered plan, the engine tries one size up once, so step 101
+/// may run out of memory on purpose: it then falls back to the remembered plan in the same call
+/// (one more attempt; the report's `regrow` says `succeeded: false`).
+/// `RetryEngine::new().regrow_after(None)` turns this off.
+///
+/// ```
+/// use oomguard::RetryEngine;
+/// use oomguard_tch::train_step;
+/// use tch::nn::{self, Module, OptimizerConfig};
+/// use tch::{Device, Kind, Tensor};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let model = nn::linear(vs.root() / "fc", 4, 1, Default::default());
+/// let mut sgd = nn::Sgd::default().build(&vs, 0.01)?;
+/// let x = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+/// let y = Tensor::randn([8, 1], (Kind::Float, Device::Cpu));
+/// // A CPU device has no memory source: a simulated 6 MiB card, charged 1 MiB per row.
+/// let card = oomguard::Device::sim(oomguard::ByteSize::mib(6));
+/// let engine = RetryEngine::new();
+/// let done = train_step(&engine, &card, &[&x, &y], &vs, &mut sgd, |chunk, rows| {
+///     let _activations = card.alloc::<u8>(chunk.len() << 20)?;
+///     Ok(model.forward(&rows[0]).f_mse_loss(&rows[1], tch::Reduction::Mean)?)
+/// })?;
+/// assert_eq!(done.rows, 8); // every row, though 8 MiB did not fit
+/// assert!(done.report.retries() >= 1);
+/// # Ok(()) }
+/// ```
+#[track_caller]
+pub fn train_step<S>(
+    engine: &RetryEngine,
+    source: &S,
+    batch: &[&Tensor],
+    vs: &nn::VarStore,
+    optimizer: &mut nn::Optimizer,
+    mut chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
+) -> Result<TrainedStep, TrainStepError>
+where
+    S: MemorySource + Clone,
+{
+    let shapes: Vec<Vec<usize>> = batch.iter().map(|t| dims(t)).collect();
+    let shapes: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
+    let rows = batch_rows(&shapes).map_err(TrainStepError::InvalidBatch)?;
+    let engine = keep_rows(engine, rows, KEEP_ROWS_HINT)?;
+    let trained = trained_variables(vs);
+    // Both phases need the optimizer: the attempt resets its gradients, the commit steps it.
+    let optimizer = RefCell::new(optimizer);
+    let retried = engine.run(
+        source,
+        rows,
+        |plan: &BatchPlan| {
+            let r = catch_torch(|| attempt(plan, batch, &trained, &optimizer, &mut chunk_loss));
+            if r.is_err() {
+                // The failed attempt's partial sums go now, before the engine empties the cache.
+                reset_grads(&optimizer);
+            }
+            r
+        },
+        |sum: LossSum| {
+            let stepped = catch_torch(|| {
+                optimizer.borrow_mut().step();
+                Ok(())
+            });
+            (stepped, sum)
+        },
+    );
+    match retried {
+        Ok(done) => match done.value {
+            (Ok(()), sum) => Ok(TrainedStep {
+                loss: sum.loss(),
+                rows: sum.rows(),
+                report: done.report,
+            }),
+            (Err(error), _) => {
+                reset_grads(&optimizer);
+                Err(TrainStepError::Update {
+                    error,
+                    report: Box::new(done.report),
+                })
+            }
+        },
+        Err(e) => {
+            reset_grads(&optimizer);
+            Err(TrainStepError::Retry(e))
+        }
+    }
+}
+
+/// One attempt: every chunk of `plan` backpropagated into `.grad`, then the gradients checked.
+fn attempt(
+    plan: &BatchPlan,
+    batch: &[&Tensor],
+    trained: &[(String, Tensor)],
+    optimizer: &RefCell<&mut nn::Optimizer>,
+    chunk_loss: &mut impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
+) -> Result<LossSum, Error> {
+    not_optimized(trained, &optimizer.borrow())?;
+    // A failed attempt's partial gradients never reach the next one.
+    optimizer.borrow_mut().zero_grad();
+    let mut sum = LossSum::new();
+    for c in plan.chunks() {
+        let (start, len) = (c.start() as i64, c.len() as i64);
+        let rows = batch
+            .iter()
+            .map(|t| t.f_narrow(0, start, len))
+            .collect::<Result<Vec<_>, _>>()?;
+        let loss = chunk_loss(&c, &rows)?;
+        drop(rows);
+        one_value(
+            loss.numel(),
+            &dims(&loss),
+            c.rows(),
+            "`loss.mean(Kind::Float)`",
+        )
+        .map_err(Error::Loss)?;
+        sum.admit(&c).map_err(Error::Loss)?;
+        let weighted = match loss.kind() {
+            Kind::Half | Kind::BFloat16 => loss.f_to_kind(Kind::Float)?,
+            _ => loss.shallow_clone(),
+        };
+        let weighted = if c.weight() == 1.0 {
+            weighted
+        } else {
+            weighted.f_mul_scalar(c.weight())?
+        };
+        weighted.f_backward()?;
+        // Reading the value waits for the device: this chunk's errors surface here.
+        let value = loss.f_reshape([-1])?.f_double_value(&[0])?;
+        sum.add_mean(&c, value);
+    }
+    sum.covers_batch().map_err(Error::Loss)?;
+    let missing: Vec<String> = trained
+        .iter()
+        .filter(|(_, t)| t.requires_grad() && !t.grad().defined())
+        .map(|(name, _)| name.clone())
+        .collect();
+    if !missing.is_empty() {
+        let trained = trained.iter().filter(|(_, t)| t.requires_grad()).count();
+        return Err(Error::NoGradient {
+            params: missing,
+            trained,
+        });
+    }
+    Ok(sum)
+}
+
+/// The variables of `vs` that require a gradient, with their names, sorted by name.
+fn trained_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut vars: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
+}
+
+/// [`Error::NotOptimized`] when a trained variable is not among the optimizer's (compared by
+/// storage: tch hands out shallow clones of the same tensors).
+fn not_optimized(trained: &[(String, Tensor)], optimizer: &nn::Optimizer) -> Result<(), Error> {
+    let theirs: HashSet<usize> = optimizer
+        .trainable_variables()
+        .iter()
+        .map(|t| t.data_ptr() as usize)
+        .collect();
+    let params: Vec<String> = trained
+        .iter()
+        .filter(|(_, t)| t.numel() > 0 && !theirs.contains(&(t.data_ptr() as usize)))
+        .map(|(name, _)| name.clone())
+        .collect();
+    if params.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::NotOptimized { params })
+    }
+}
+
+/// Sets the optimizer's gradients to undefined (libtorch's `zero_grad(set_to_none = true)`).
+fn reset_grads(optimizer: &RefCell<&mut nn::Optimizer>) {
+    // It frees tensors and allocates nothing: a panic here is a bug, and continues.
+    optimizer.borrow_mut().zero_grad();
+}
+
+/// A tensor's shape as `usize`s (libtorch's sizes are never negative).
+fn dims(t: &Tensor) -> Vec<usize> {
+    t.size().iter().map(|&d| d as usize).collect()
+}
