@@ -5,7 +5,7 @@
 //! eval "$(scripts/libtorch.sh)"   # from the repository root: LIBTORCH, LD_LIBRARY_PATH
 //! cd tch && cargo run --release --example tch_gpt -- --tiny --device cpu --phase all  # seconds
 //! cd tch && cargo build --release --example tch_gpt   # then, on the GPU machine:
-//! tch_gpt --phase grads,plain,equiv,finder           # GPT-2 small, cuda:0
+//! tch_gpt --phase all                                 # GPT-2 small, cuda:0
 //! tch_gpt --phase alloc                               # two child processes
 //! ```
 //!
@@ -16,19 +16,22 @@
 //! bad command line.
 //!
 //! On the CPU a simulated card (`charge.rs`: 256 MiB, 3 MiB a row: at most 85 rows) stands in
-//! for the device's memory and is the memory source, so that `max` and `finder` meet an
-//! out-of-memory there too; on CUDA nothing is simulated. Float32 throughout; libtorch's default
+//! for the device's memory and is the memory source, so that `max`, `finder` and `oom` meet an
+//! out-of-memory there too (`train_step` charges it per micro-batch); on CUDA nothing is simulated. Float32 throughout; libtorch's default
 //! keeps TF32 off for matmuls.
 
 mod args;
 mod charge;
 mod grads;
+mod guarded_step;
 mod model;
 mod phase_alloc;
 mod phase_equiv;
 mod phase_finder;
 mod phase_grads;
 mod phase_max;
+mod phase_oom;
+mod phase_overhead;
 mod phase_plain;
 mod plain_step;
 mod report;
@@ -107,10 +110,8 @@ impl Ctx {
             "finder" => self.finder(),
             "alloc" => self.alloc(),
             "alloc-one" => self.alloc_one(),
-            "oom" | "overhead" => Err(format!(
-                "phase {name} is not in this build: it needs oomguard_tch::train_step, \
-                 which this build of oomguard-tch does not have yet"
-            )),
+            "oom" => self.oom(),
+            "overhead" => self.overhead(),
             other => Err(format!("unknown phase {other}")),
         }
     }

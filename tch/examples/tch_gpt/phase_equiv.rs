@@ -3,12 +3,17 @@
 //! difference of the parameters after them, ‖a − b‖ / ‖a‖ over every parameter (f64 sums).
 //! The goal: SGD ≤ 1e-5.
 //!
-//! The micro-batches accumulate by libtorch's own `backward` (gradients add up in `.grad`),
-//! each chunk's mean loss weighted by its share of the rows; the optimizer steps once per batch.
+//! Both run through `oomguard_tch::train_step`: the whole batch from a fresh engine (which must
+//! run it in one pass), the micro-batches from an engine started at B/4 rows
+//! (`RetryEngine::start_from`, as after an out-of-memory; it must run that plan with no retry).
+//! `train_step` weights each chunk's mean loss by its share of the rows, libtorch's `backward`
+//! adds the gradients up, and the optimizer steps once per batch.
 
+use oomguard::retry::{BatchPlan, RetryEngine};
 use tch::nn::{self, OptimizerConfig};
 use tch::{Kind, TchError, Tensor};
 
+use crate::guarded_step::plan_str;
 use crate::report::Line;
 use crate::{Ctx, Outcome, PhaseResult};
 
@@ -66,7 +71,7 @@ impl Ctx {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
         let mut results = Vec::new();
-        let mut init = None;
+        let mut init: Option<Vec<(String, Tensor)>> = None;
         for rows in [batch, micro] {
             let (vs, model) = self.model().map_err(|e| e.to_string())?;
             let w0 = params(&vs).map_err(|e| e.to_string())?;
@@ -75,31 +80,49 @@ impl Ctx {
                 _ => self.adamw(&vs),
             }
             .map_err(|e| e.to_string())?;
+            let engine = if rows == batch {
+                RetryEngine::new()
+            } else {
+                let plan = BatchPlan::with_micro_batch(batch as usize, rows as usize)
+                    .map_err(|e| e.to_string())?;
+                RetryEngine::new().start_from(plan)
+            };
+            let want = format!("{}x{rows}", batch / rows);
             let mut last = f64::NAN;
             for (s, tokens) in batches.iter().enumerate() {
-                let mut step_loss = 0.0;
-                for start in (0..batch).step_by(rows as usize) {
-                    let n = rows.min(batch - start);
-                    let chunk = tokens.f_narrow(0, start, n).map_err(|e| e.to_string())?;
-                    let loss = model.loss(&chunk).map_err(|e| e.to_string())?;
-                    let share = n as f64 / batch as f64;
-                    let weighted = loss.f_mul_scalar(share).map_err(|e| e.to_string())?;
-                    weighted.f_backward().map_err(|e| e.to_string())?;
-                    step_loss += weighted.f_double_value(&[]).map_err(|e| e.to_string())?;
-                }
-                opt.step();
-                opt.zero_grad();
+                let done = self
+                    .guarded_step(&engine, &vs, &model, &mut opt, tokens)
+                    .map_err(|e| format!("{opt_name} {want} step {}: {e}", s + 1))?;
+                let ran = plan_str(&done.report.final_plan);
                 self.emit(
                     Line::step("equiv")
                         .text("opt", opt_name)
-                        .text("plan", format!("{}x{rows}", batch / rows))
+                        .text("plan", &ran)
                         .int("step", s as i64 + 1)
-                        .float("loss", step_loss, 6),
+                        .float("loss", done.loss, 6)
+                        .int("retries", done.report.retries() as i64),
                 );
-                last = step_loss;
+                if ran != want || done.report.retries() != 0 {
+                    return Err(format!(
+                        "{opt_name}: train_step ran {ran} with {} retries, not {want} with none",
+                        done.report.retries()
+                    ));
+                }
+                last = done.loss;
             }
             results.push((params(&vs).map_err(|e| e.to_string())?, last));
-            init.get_or_insert(w0);
+            match &init {
+                // Both runs must start from the same weights (the seeded initialisation).
+                Some(first) => {
+                    let (d, _) = compare(first, &w0)?;
+                    if d != 0.0 {
+                        return Err(format!(
+                            "the two models started from different weights (relative difference {d:e})"
+                        ));
+                    }
+                }
+                None => init = Some(w0),
+            }
         }
         let (whole, parts) = (&results[0], &results[1]);
         let (rel, max_abs) = compare(&whole.0, &parts.0)?;
@@ -116,7 +139,7 @@ impl Ctx {
                 .int("batch", batch)
                 .text("plans", format!("1x{batch}_vs_4x{micro}"))
                 .int("steps", steps as i64)
-                .text("via", "manual_accumulation")
+                .text("via", "train_step")
                 .float("rel_diff", rel, 0)
                 .float("max_abs_diff", max_abs, 0)
                 .float("params_moved_rel", moved, 0)
