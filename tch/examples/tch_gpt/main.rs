@@ -17,8 +17,8 @@
 //!
 //! On the CPU a simulated card (`charge.rs`: 256 MiB, 3 MiB a row: at most 85 rows) stands in
 //! for the device's memory and is the memory source, so that `max`, `finder` and `oom` meet an
-//! out-of-memory there too (`train_step` charges it per micro-batch); on CUDA nothing is simulated. Float32 throughout; libtorch's default
-//! keeps TF32 off for matmuls.
+//! out-of-memory there too (`train_step` charges it per micro-batch); on CUDA nothing is
+//! simulated. Float32 throughout; libtorch's default keeps TF32 off for matmuls.
 
 mod args;
 mod charge;
