@@ -1,13 +1,13 @@
-//! `finder`: oomguard's `find_max_batch` on the plain tch step (the model and AdamW warm), the
+//! `finder`: `oomguard_tch::find_max_batch` on the plain tch step (the model and AdamW warm), the
 //! batch it returns, then `--find-steps` consecutive plain steps at that batch (each out of
 //! memory caught and counted: which steps failed, `X`, or ran, `.`), then the true largest
 //! batch by bisection over plain steps (`max`, unless known) and found / true.
 
 use std::time::Instant;
 
-use oomguard::retry::{find_max_batch, FinderOptions};
+use oomguard::retry::FinderOptions;
 use oomguard::IsOom;
-use oomguard_tch::Error;
+use oomguard_tch::{find_max_batch, Error};
 
 use crate::plain_step::plain_step;
 use crate::report::{median, one_line, Line};
