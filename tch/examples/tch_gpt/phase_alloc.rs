@@ -1,0 +1,128 @@
+//! `alloc`: the same model under libtorch's native caching allocator and under expandable
+//! segments. libtorch reads `PYTORCH_ALLOC_CONF` once, when CUDA starts, so each configuration
+//! needs its own process: `alloc` runs this program twice as a child process with `--phase
+//! alloc-one` and the same options, first with `PYTORCH_ALLOC_CONF` (and the older
+//! `PYTORCH_CUDA_ALLOC_CONF`) removed, then with `PYTORCH_ALLOC_CONF=expandable_segments:True`;
+//! the children's lines are printed as they come.
+//!
+//! `alloc-one` measures the allocator the process has, as its environment configured it (run it
+//! by hand for another configuration): `--steps` timed plain steps at `--batch` (median
+//! ms/step; peak reserved / peak used of the memory source), then the largest batch of a plain
+//! step (bisection, as `max`, never taken from `--max`). On CUDA the line also says what
+//! libtorch's allocator reports it runs (`allocator_info`: name, expandable segments, the
+//! settings it parsed), so a variable that did not take effect shows.
+
+use std::process::Command;
+use std::time::Instant;
+
+use oomguard_tch::cuda_allocator;
+
+use crate::plain_step::plain_step;
+use crate::report::{median, Line};
+use crate::{Ctx, Outcome, PhaseResult};
+
+/// The configurations `alloc` compares: `None` is the environment without the variable.
+const CONFIGS: [Option<&str>; 2] = [None, Some("expandable_segments:True")];
+
+impl Ctx {
+    /// The phase (see the module's doc): the two child processes.
+    pub fn alloc(&mut self) -> PhaseResult {
+        let exe = std::env::current_exe().map_err(|e| format!("this program's path: {e}"))?;
+        // The same options, `--phase alloc-one` instead of the phases.
+        let mut child_args = Vec::new();
+        let mut raw = std::env::args().skip(1);
+        while let Some(a) = raw.next() {
+            if a == "--phase" {
+                raw.next();
+            } else if !a.starts_with("--phase=") {
+                child_args.push(a);
+            }
+        }
+        child_args.extend(["--phase".to_string(), "alloc-one".to_string()]);
+        let mut pass = true;
+        for conf in CONFIGS {
+            let mut cmd = Command::new(&exe);
+            cmd.args(&child_args)
+                .env_remove("PYTORCH_ALLOC_CONF")
+                .env_remove("PYTORCH_CUDA_ALLOC_CONF");
+            if let Some(c) = conf {
+                cmd.env("PYTORCH_ALLOC_CONF", c);
+            }
+            let status = cmd
+                .status()
+                .map_err(|e| format!("starting {}: {e}", exe.display()))?;
+            self.emit(
+                Line::step("alloc")
+                    .text("alloc_conf", conf.unwrap_or("native"))
+                    .text("child_exit", status.to_string()),
+            );
+            pass &= status.success();
+        }
+        Ok(if pass { Outcome::Pass } else { Outcome::Fail })
+    }
+
+    /// The child's measurement (see the module's doc).
+    pub fn alloc_one(&mut self) -> PhaseResult {
+        let conf = std::env::var("PYTORCH_ALLOC_CONF")
+            .or_else(|_| std::env::var("PYTORCH_CUDA_ALLOC_CONF"))
+            .unwrap_or_else(|_| "unset".into());
+        let source = self.source.clone();
+        let batch = self.args.batch;
+        let (vs, model) = self.model().map_err(|e| e.to_string())?;
+        let mut opt = self.adamw(&vs).map_err(|e| e.to_string())?;
+        let (warmup, steps) = (self.args.warmup, self.args.steps);
+        let mut times = Vec::with_capacity(steps);
+        for s in 0..warmup + steps {
+            if s == warmup {
+                source.reset_peak().map_err(|e| e.to_string())?;
+            }
+            let tokens = self
+                .tokens(batch, 100 + s as u64)
+                .map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            plain_step(&model, &mut opt, &tokens, self.dev, &self.charge)
+                .map_err(|e| format!("plain step {} of batch {batch}: {e}", s + 1))?;
+            if s >= warmup {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let u = source.usage().map_err(|e| e.to_string())?;
+        drop((opt, model, vs));
+        source.empty_cache().map_err(|e| e.to_string())?;
+        self.max = None;
+        let max = self.known_max()?;
+        let mut line = Line::result("alloc").text("alloc_conf", conf);
+        if self.dev.is_cuda() {
+            // What libtorch's allocator says it runs (the proof the variable took effect).
+            let a = cuda_allocator::allocator_info().map_err(|e| e.to_string())?;
+            line = line
+                .text("allocator", a.name)
+                .flag("expandable_segments", a.expandable_segments)
+                .text(
+                    "settings",
+                    if a.settings.is_empty() {
+                        "-".into()
+                    } else {
+                        a.settings
+                    },
+                );
+        }
+        self.emit(
+            line.int("batch", batch)
+                .int("steps", steps as i64)
+                .float("median_ms", median(&mut times) * 1e3, 2)
+                .int("peak_used", u.used_peak as i64)
+                .int("peak_reserved", u.reserved_peak as i64)
+                .float(
+                    "reserved_over_used",
+                    u.reserved_peak as f64 / u.used_peak.max(1) as f64,
+                    4,
+                )
+                .int("max_batch", max)
+                // On the CPU the variable configures nothing: the figures are the simulated card's.
+                .flag("cuda", self.dev.is_cuda())
+                .text("source", source.info().to_string()),
+        );
+        Ok(Outcome::Pass)
+    }
+}

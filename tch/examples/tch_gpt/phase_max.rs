@@ -1,0 +1,103 @@
+//! `max`: the true largest batch of one plain step, by real steps: doubling from 1 until a step
+//! runs out of memory (or `--max-cap` runs), then bisection to one row. The model and AdamW have
+//! taken a step first (the optimizer's state exists, as in training). libtorch's caching
+//! allocator frees its cached blocks and retries before it reports an out-of-memory, so every
+//! trial meets the whole card less what the model and optimizer hold.
+
+use std::time::Instant;
+
+use oomguard::IsOom;
+
+use crate::plain_step::plain_step;
+use crate::report::{one_line, Line};
+use crate::{Ctx, Outcome, PhaseResult};
+
+impl Ctx {
+    /// The phase (see the module's doc); its result is kept for `oom` and `finder`.
+    pub fn max_phase(&mut self) -> PhaseResult {
+        let t = Instant::now();
+        let (max, trials, capped) = self.measure_max()?;
+        self.emit(
+            Line::result("max")
+                .int("max_batch", max)
+                .flag("reached_max_cap", capped)
+                .int("trials", trials)
+                .int("seq", self.cfg.seq)
+                .float("secs", t.elapsed().as_secs_f64(), 1),
+        );
+        self.max = Some(max);
+        Ok(Outcome::Pass)
+    }
+
+    /// `--max`, the `max` phase's, or measured now.
+    pub fn known_max(&mut self) -> Result<i64, String> {
+        if let Some(m) = self.max {
+            return Ok(m);
+        }
+        self.max_phase()?;
+        self.max
+            .ok_or_else(|| "the max phase measured nothing".into())
+    }
+
+    /// The largest batch that ran, the trials, and whether the search stopped at `--max-cap`
+    /// (every batch up to it ran).
+    fn measure_max(&mut self) -> Result<(i64, i64, bool), String> {
+        let (vs, model) = self.model().map_err(|e| e.to_string())?;
+        let mut opt = self.adamw(&vs).map_err(|e| e.to_string())?;
+        let one = self.tokens(1, 999).map_err(|e| e.to_string())?;
+        plain_step(&model, &mut opt, &one, self.dev, &self.charge)
+            .map_err(|e| format!("a warm-up step of one row failed: {e}"))?;
+        let mut trials = 0;
+        let mut trial = |ctx: &Self, rows: i64| -> Result<bool, String> {
+            trials += 1;
+            let tokens = ctx.tokens(rows, rows as u64).map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            let r = plain_step(&model, &mut opt, &tokens, ctx.dev, &ctx.charge);
+            let line = Line::trial("max")
+                .int("rows", rows)
+                .flag("ok", r.is_ok())
+                .float("secs", t.elapsed().as_secs_f64(), 2);
+            match r {
+                Ok(_) => {
+                    ctx.emit(line);
+                    Ok(true)
+                }
+                Err(e) if e.is_oom() => {
+                    ctx.emit(line.text("error", one_line(&e.to_string())));
+                    Ok(false)
+                }
+                Err(e) => Err(format!("a trial of {rows} rows failed (not OOM): {e}")),
+            }
+        };
+        let cap = self.args.max_cap;
+        let (mut lo, mut rows) = (0, 1);
+        let mut hi = None;
+        while rows <= cap {
+            if trial(self, rows)? {
+                lo = rows;
+                if rows == cap {
+                    break;
+                }
+                rows = (rows * 2).min(cap);
+            } else {
+                hi = Some(rows);
+                break;
+            }
+        }
+        let Some(mut hi) = hi else {
+            return Ok((lo, trials, true));
+        };
+        if lo == 0 {
+            return Err("a plain step of one row ran out of memory".into());
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if trial(self, mid)? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Ok((lo, trials, false))
+    }
+}

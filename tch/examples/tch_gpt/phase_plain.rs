@@ -1,0 +1,71 @@
+//! `plain`: a plain tch training loop at `--batch` (forward, backward, AdamW step, zero_grad),
+//! each step timed from its first op to the device synchronised after it: `--warmup` steps
+//! untimed, then the median (and min, max, mean) of `--steps` steps. Each step trains on its own
+//! seeded batch, made before its clock starts. The memory source's peaks over the timed steps:
+//! bytes in use and reserved (on CUDA libtorch's allocated and reserved bytes, as
+//! `torch.cuda.max_memory_allocated` / `max_memory_reserved`; on the CPU the simulated card's
+//! charge).
+
+use std::time::Instant;
+
+use crate::plain_step::plain_step;
+use crate::report::{median, Line};
+use crate::{Ctx, Outcome, PhaseResult};
+
+impl Ctx {
+    /// The phase (see the module's doc).
+    pub fn plain(&mut self) -> PhaseResult {
+        let batch = self.args.batch;
+        let (vs, model) = self.model().map_err(|e| e.to_string())?;
+        let mut opt = self.adamw(&vs).map_err(|e| e.to_string())?;
+        let (warmup, steps) = (self.args.warmup, self.args.steps);
+        let mut times = Vec::with_capacity(steps);
+        let mut losses = Vec::with_capacity(steps);
+        for s in 0..warmup + steps {
+            if s == warmup {
+                self.source.reset_peak().map_err(|e| e.to_string())?;
+            }
+            let tokens = self
+                .tokens(batch, 100 + s as u64)
+                .map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            let loss = plain_step(&model, &mut opt, &tokens, self.dev, &self.charge)
+                .map_err(|e| format!("plain step {} of batch {batch}: {e}", s + 1))?;
+            let secs = t.elapsed().as_secs_f64();
+            if s >= warmup {
+                times.push(secs);
+                losses.push(loss);
+            }
+        }
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        let (min, max) = times
+            .iter()
+            .fold((f64::INFINITY, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+        let med = median(&mut times);
+        let finite = losses.iter().all(|l| l.is_finite());
+        let mut line = Line::result("plain")
+            .int("batch", batch)
+            .int("warmup", warmup as i64)
+            .int("steps", steps as i64)
+            .float("median_ms", med * 1e3, 2)
+            .float("min_ms", min * 1e3, 2)
+            .float("max_ms", max * 1e3, 2)
+            .float("mean_ms", mean * 1e3, 2)
+            .float("tokens_per_s", (batch * self.cfg.seq) as f64 / med, 1)
+            .float("loss_first", losses[0], 5)
+            .float("loss_last", losses[losses.len() - 1], 5)
+            .flag("losses_finite", finite);
+        let u = self.source.usage().map_err(|e| e.to_string())?;
+        line = line
+            .int("peak_used", u.used_peak as i64)
+            .int("peak_reserved", u.reserved_peak as i64)
+            .float(
+                "reserved_over_used",
+                u.reserved_peak as f64 / u.used_peak.max(1) as f64,
+                4,
+            )
+            .text("source", self.source.info().to_string());
+        self.emit(line);
+        Ok(if finite { Outcome::Pass } else { Outcome::Fail })
+    }
+}
