@@ -78,7 +78,7 @@ impl fmt::Display for Error {
                  module cut the graph or the loss does not use them (freeze unused ones with \
                  `set_require_grad(false)`); the optimizer did not step",
                 params.len(),
-                params.join(", ")
+                oomguard::train::name_list(params)
             ),
             Error::BrokenParameters { params } => write!(
                 f,

@@ -25,14 +25,9 @@ where
     K: BasicOps<B>,
 {
     let dims = t.dims();
-    let rows = dims.first().copied().unwrap_or(0);
     let batch = batch_of(chunk);
-    if D == 0 || rows != batch {
-        return Err(Error::Rows(format!(
-            "a tensor of shape {dims:?} has {rows} rows; the plan splits a batch of {batch} \
-             (chunk rows {:?})",
-            chunk.rows()
-        )));
+    if let Err(e) = oomguard::train::rows_match(&dims, batch) {
+        return Err(Error::Rows(format!("{e} (chunk rows {:?})", chunk.rows())));
     }
     Ok(t.clone().narrow(0, chunk.start(), chunk.len()))
 }

@@ -9,6 +9,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use oomguard::retry::{BatchPlan, Chunk, RetryEngine, RetryError, RetryReport};
 use oomguard::source::MemorySource;
+use oomguard::train::{keep_rows, one_value, LossSum};
+use oomguard::IsOom;
 
 use crate::compat;
 use crate::{catch_oom, Error};
@@ -23,8 +25,7 @@ use crate::{catch_oom, Error};
 /// out-of-memory of that micro-batch's forward or backward surfaces there, inside the attempt.
 pub struct GradAccumulator<B: AutodiffBackend, M> {
     sum: compat::Summed<M>,
-    loss: f64,
-    rows: usize,
+    losses: LossSum,
     device: Option<B::Device>,
 }
 
@@ -37,8 +38,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Default for GradAccumulator<B, M>
 impl<B: AutodiffBackend, M> fmt::Debug for GradAccumulator<B, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GradAccumulator")
-            .field("loss", &self.loss)
-            .field("rows", &self.rows)
+            .field("loss", &self.losses.loss())
+            .field("rows", &self.losses.rows())
             .finish_non_exhaustive()
     }
 }
@@ -48,8 +49,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
     pub fn new() -> Self {
         Self {
             sum: compat::Summed::new(),
-            loss: 0.0,
-            rows: 0,
+            losses: LossSum::new(),
             device: None,
         }
     }
@@ -63,15 +63,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         chunk_loss: Tensor<B, 1>,
         chunk: &Chunk,
     ) -> Result<(), Error> {
-        let n = chunk_loss.shape().num_elements();
-        if n != 1 {
-            return Err(Error::Loss(format!(
-                "the loss of chunk {:?} has {n} elements (shape {:?}); give the chunk's mean \
-                 loss, one element (e.g. `loss.mean()`)",
-                chunk.rows(),
-                chunk_loss.dims()
-            )));
-        }
+        one_value(
+            chunk_loss.shape().num_elements(),
+            &chunk_loss.dims(),
+            chunk.rows(),
+            "`loss.mean()`",
+        )
+        .map_err(Error::Loss)?;
+        self.losses.admit(chunk).map_err(Error::Rows)?;
         let device = chunk_loss.device();
         let weighted = compat::weighted_loss(chunk_loss, chunk.weight());
         let grads = compat::backward(&weighted, model);
@@ -79,19 +78,18 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         let value = compat::read_f64(weighted)?;
         compat::sync::<B>(&device)?;
         self.device = Some(device);
-        self.loss += value;
-        self.rows += chunk.len();
+        self.losses.add_weighted(chunk, value);
         Ok(())
     }
 
     /// The batch's mean loss so far (the weighted sum of the chunks' mean losses, in f64).
     pub fn loss(&self) -> f64 {
-        self.loss
+        self.losses.loss()
     }
 
     /// Rows backpropagated so far.
     pub fn rows(&self) -> usize {
-        self.rows
+        self.losses.rows()
     }
 
     /// The summed gradients, for `Optimizer::step`. [`Error::NoGradient`] names every float
@@ -107,16 +105,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
     }
 }
 
-/// What [`train_step`] did.
-#[derive(Debug)]
-pub struct TrainedStep {
-    /// The batch's mean loss (weighted sum of the chunks' mean losses).
-    pub loss: f64,
-    /// Rows that contributed to the update: always the whole batch.
-    pub rows: usize,
-    /// How the step went: plans tried, retries, the plan that worked.
-    pub report: RetryReport,
-}
+pub use oomguard::train::TrainedStep;
 
 /// Why [`train_step`] failed. The model is unchanged in every case (see each variant for the
 /// optimizer's state and what to do next).
@@ -171,6 +160,18 @@ impl fmt::Display for TrainStepError {
     }
 }
 
+/// An outer retry may rerun only a [`TrainStepError::Retry`] that ran out of memory at every plan
+/// (oomguard's shared rule, [`oomguard::train::TrainStepError`]): an update error may have
+/// advanced the optimizer, and a parameter that could not be initialised is not the batch's.
+impl IsOom for TrainStepError {
+    fn is_oom(&self) -> bool {
+        matches!(self, TrainStepError::Retry(e) if e.is_oom())
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        matches!(self, TrainStepError::Retry(e) if e.is_budget_exceeded())
+    }
+}
+
 impl std::error::Error for TrainStepError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
@@ -180,6 +181,10 @@ impl std::error::Error for TrainStepError {
         }
     }
 }
+
+/// What the policy's refusal tells the user to use instead.
+const KEEP_ROWS_HINT: &str = "train_step needs a policy that keeps every row: \
+                              `oomguard::retry::training_policy()` or an `Accumulate` chain";
 
 /// One training step over `batch` rows, kept alive through out-of-memory.
 ///
@@ -192,8 +197,9 @@ impl std::error::Error for TrainStepError {
 /// the optimizer steps on the summed gradients (`lr`), and `*model` becomes the updated model.
 ///
 /// Refused (not retried, no update): a tensor sliced with [`chunk_rows`](crate::chunk_rows)
-/// whose rows are not `batch` ([`Error::Rows`]), a policy whose plan drops rows
-/// ([`Error::DropsRows`]), a loss that is not one value ([`Error::Loss`]), and float parameters
+/// whose rows are not `batch` ([`Error::Rows`]), an engine whose policy would drop rows after an
+/// out-of-memory ([`Error::DropsRows`], before anything runs; a policy that proposes such a plan
+/// only later makes the step give up instead), a loss that is not one value ([`Error::Loss`]), and float parameters
 /// that require a gradient and got none ([`Error::NoGradient`]).
 ///
 /// Later steps at this call site start from the plan that worked (remembered per call site and
@@ -224,6 +230,20 @@ where
     if let Err(error) = catch_oom(|| compat::materialize::<B, M>(&mut *model)) {
         return Err(TrainStepError::Parameters(error));
     }
+    // A policy that would drop rows is refused before anything runs (oomguard's shared rule);
+    // the engine's policy is wrapped so that a later change of mind is refused too.
+    let engine = match keep_rows(engine, batch, KEEP_ROWS_HINT) {
+        Ok(engine) => engine,
+        Err(refused) => {
+            return Err(TrainStepError::Retry(RetryError::Step {
+                error: Error::DropsRows {
+                    batch,
+                    plan_rows: refused.proposed.batch(),
+                },
+                report: refused.report,
+            }))
+        }
+    };
     let current: &M = model;
     let retried = engine
         .run(
@@ -231,19 +251,13 @@ where
             batch,
             |plan: &BatchPlan| {
                 catch_oom(|| {
-                    if plan.batch() != batch {
-                        return Err(Error::DropsRows {
-                            batch,
-                            plan_rows: plan.batch(),
-                        });
-                    }
                     let mut acc = GradAccumulator::<B, M>::new();
                     for c in plan.chunks() {
                         let loss = chunk_loss(current, &c)?;
                         acc.backward(current, loss, &c)?;
                     }
-                    let (loss, rows, device) = (acc.loss, acc.rows, acc.device.clone());
-                    Ok((acc.into_grads(current)?, loss, rows, device))
+                    let (loss, rows, device) = (acc.loss(), acc.rows(), acc.device.clone());
+                    Ok::<_, Error>((acc.into_grads(current)?, loss, rows, device))
                 })
             },
             |(grads, loss, rows, device)| {

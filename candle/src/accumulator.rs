@@ -3,11 +3,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use oomguard::retry::Chunk;
+use oomguard::train::{missing_gradients, name_list, one_value, LossSum};
 
 use crate::params::{Param, Params};
-
-/// At most this many variables are named in one error.
-const NAMED: usize = 8;
 
 /// Sums the gradients of the micro-batches of one attempt into the gradient of the batch's mean
 /// loss.
@@ -35,9 +33,7 @@ const NAMED: usize = 8;
 pub struct GradAccumulator {
     params: Params,
     grads: Vec<Option<Tensor>>,
-    loss: f64,
-    rows: usize,
-    batch: Option<usize>,
+    sum: LossSum,
 }
 
 impl GradAccumulator {
@@ -47,9 +43,7 @@ impl GradAccumulator {
         Self {
             grads: vec![None; params.trained.len()],
             params,
-            loss: 0.0,
-            rows: 0,
-            batch: None,
+            sum: LossSum::new(),
         }
     }
 
@@ -59,21 +53,14 @@ impl GradAccumulator {
     /// Errors: a loss with more than one element; chunks of different batches; a float
     /// variable in the loss's graph that is neither trained nor frozen.
     pub fn backward(&mut self, chunk_loss: &Tensor, chunk: &Chunk) -> candle_core::Result<()> {
-        if chunk_loss.elem_count() != 1 {
-            candle_core::bail!(
-                "the chunk's loss has shape {:?}: give its per-row mean, a scalar (e.g. \
-                 `.mean_all()`); per-row losses or a sum would make the update depend on how \
-                 the batch was split",
-                chunk_loss.dims()
-            );
-        }
-        match self.batch {
-            Some(b) if b != chunk.batch() => candle_core::bail!(
-                "a chunk of a batch of {} rows added to an accumulator of a batch of {b} rows",
-                chunk.batch()
-            ),
-            _ => self.batch = Some(chunk.batch()),
-        }
+        one_value(
+            chunk_loss.elem_count(),
+            chunk_loss.dims(),
+            chunk.rows(),
+            "`.mean_all()`",
+        )
+        .map_err(candle_core::Error::msg)?;
+        self.sum.admit(chunk).map_err(candle_core::Error::msg)?;
         self.check_graph(chunk_loss)?;
 
         // The unweighted loss is backpropagated (its seed, 1, is exact in every dtype) and the
@@ -96,8 +83,7 @@ impl GradAccumulator {
             .to_dtype(DType::F64)?
             .flatten_all()?
             .to_vec1::<f64>()?[0];
-        self.loss += value * w;
-        self.rows += chunk.len();
+        self.sum.add_mean(chunk, value);
         Ok(())
     }
 
@@ -115,28 +101,26 @@ impl GradAccumulator {
         }
         let list: Vec<String> = unknown
             .iter()
-            .take(NAMED)
             .map(|t| format!("{:?} {:?}", t.dims(), t.dtype()))
             .collect();
         candle_core::bail!(
-            "{} variable(s) in the loss's graph are not among the step's parameters ({}{}): the \
+            "{} variable(s) in the loss's graph are not among the step's parameters ({}): the \
              optimizer would never see their gradients and they would stay frozen without anyone \
              deciding so. Pass every variable the optimizer updates (`Params::from_varmap`), or \
              freeze them explicitly (`Params::freeze`)",
             unknown.len(),
-            list.join(", "),
-            if unknown.len() > NAMED { ", ..." } else { "" }
+            name_list(&list)
         )
     }
 
     /// The batch's mean loss so far (the weighted sum of the chunks' mean losses, in `f64`).
     pub fn loss(&self) -> f64 {
-        self.loss
+        self.sum.loss()
     }
 
     /// Rows backpropagated so far.
     pub fn rows(&self) -> usize {
-        self.rows
+        self.sum.rows()
     }
 
     /// The summed gradients, for `Optimizer::step`, each in its variable's dtype.
@@ -144,15 +128,7 @@ impl GradAccumulator {
     /// Errors: a trained variable received no gradient in any chunk (they are named: index
     /// among the trained variables, name, shape, dtype); the chunks did not cover the batch.
     pub fn into_grads(self) -> candle_core::Result<GradStore> {
-        if let Some(batch) = self.batch {
-            if self.rows != batch {
-                candle_core::bail!(
-                    "only {} of the batch's {batch} rows were backpropagated: every chunk of \
-                     the plan must be",
-                    self.rows
-                );
-            }
-        }
+        self.sum.covers_batch().map_err(candle_core::Error::msg)?;
         let missing: Vec<(usize, &Param)> = self
             .params
             .trained
@@ -163,23 +139,15 @@ impl GradAccumulator {
             .map(|(i, (p, _))| (i, p))
             .collect();
         if !missing.is_empty() {
-            let list: Vec<String> = missing
-                .iter()
-                .take(NAMED)
-                .map(|(i, p)| p.describe(*i))
-                .collect();
+            let list: Vec<String> = missing.iter().map(|(i, p)| p.describe(*i)).collect();
             candle_core::bail!(
-                "no gradient reached {} of the {} trained variables in this step: {}{}. The loss \
-                 does not depend on them through differentiable ops: candle-nn 0.11's \
-                 `LayerNorm` module (contiguous input with a bias), `RmsNorm`, \
+                "{}. The loss does not depend on them through differentiable ops: candle-nn \
+                 0.11's `LayerNorm` module (contiguous input with a bias), `RmsNorm`, \
                  `ops::layer_norm`, `ops::rms_norm` and `ops::softmax_last_dim` are forward-only \
                  and cut the graph (use `ops::layer_norm_slow` with the module's weight and \
                  bias, `ops::rms_norm_slow`, `ops::softmax(.., D::Minus1)`), as does \
                  `detach()`. If they are frozen on purpose, say so with `Params::freeze`",
-                missing.len(),
-                self.params.trained.len(),
-                list.join(", "),
-                if missing.len() > NAMED { ", ..." } else { "" }
+                missing_gradients(&list, self.params.trained.len())
             );
         }
         let mut store = GradStore::default();

@@ -25,14 +25,7 @@ pub fn chunk_rows(t: &Tensor, chunk: &Chunk) -> candle_core::Result<Tensor> {
 /// tensor must have exactly `plan.batch()` rows.
 pub fn split_rows(tensors: &[&Tensor], plan: &BatchPlan) -> candle_core::Result<Vec<Vec<Tensor>>> {
     for t in tensors {
-        let rows = t.dims().first().copied().unwrap_or(0);
-        if rows != plan.batch() {
-            candle_core::bail!(
-                "a tensor of shape {:?} has {rows} rows; the plan splits a batch of {}",
-                t.dims(),
-                plan.batch()
-            );
-        }
+        oomguard::train::rows_match(t.dims(), plan.batch()).map_err(candle_core::Error::msg)?;
     }
     plan.chunks()
         .map(|c| tensors.iter().map(|t| chunk_rows(t, &c)).collect())
