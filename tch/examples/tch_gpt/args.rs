@@ -26,9 +26,10 @@ phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,ove
   max       (also run by finder and oom when needed) the largest batch a plain step runs:
             doubling, then bisection, up to --max-cap
   overhead  train_step vs the plain loop at --batch, alternated: the time ratio
-  alloc     (only when named) libtorch's native allocator vs expandable segments: this
-            program run twice as child processes (PYTORCH_ALLOC_CONF is read at CUDA init)
-            with --phase alloc-one; each prints its RESULT phase=alloc line
+  alloc     (only when named) libtorch's native allocator vs expandable segments vs
+            oomguard's allocator under libtorch: this program run three times as child
+            processes (PYTORCH_ALLOC_CONF is read at CUDA init, the allocator is installed
+            before it) with --phase alloc-one; each prints its RESULT phase=alloc line
   alloc-one (only when named) the allocator this process has: --steps plain steps at
             --batch (median ms, peak reserved / peak used), then the largest batch
 
@@ -37,6 +38,9 @@ model (default GPT-2 small: 12 layers, width 768, 12 heads, vocab 50257, seq 102
   --layers N --width N --heads N --vocab N --seq N   (after --tiny, override it)
 options:
   --device cpu|cuda|cuda:N (default cuda)
+  --allocator libtorch|oomguard   who serves the CUDA tensors (default libtorch): oomguard
+                           installs oomguard's caching allocator under libtorch first
+                           (oomguard_tch::allocator::install); its Device is then the source
   --seed N                 weights and tokens (default 1234)
   --lr X                   AdamW learning rate (default 3e-4)
   --sgd-lr X               SGD learning rate of `equiv` (default 0.05)
@@ -78,6 +82,8 @@ pub struct Args {
     pub find_steps: usize,
     pub overhead_rounds: usize,
     pub json: bool,
+    /// `--allocator oomguard`: oomguard's allocator under libtorch.
+    pub oomguard_allocator: bool,
 }
 
 fn parse_device(v: &str) -> Result<Device, String> {
@@ -143,6 +149,7 @@ pub fn parse(raw: &[String]) -> Result<Args, String> {
         find_steps: 100,
         overhead_rounds: 12,
         json: false,
+        oomguard_allocator: false,
     };
     fn num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, String> {
         v.parse().map_err(|_| format!("--{k} {v:?}: not a number"))
@@ -167,6 +174,13 @@ pub fn parse(raw: &[String]) -> Result<Args, String> {
                 }
             }
             "device" => a.device = parse_device(v)?,
+            "allocator" => {
+                a.oomguard_allocator = match v.as_str() {
+                    "libtorch" => false,
+                    "oomguard" => true,
+                    _ => return Err(format!("--allocator {v:?}: libtorch or oomguard")),
+                }
+            }
             "layers" => a.cfg.layers = num(k, v)?,
             "width" => a.cfg.width = num(k, v)?,
             "heads" => a.cfg.heads = num(k, v)?,
@@ -192,6 +206,9 @@ pub fn parse(raw: &[String]) -> Result<Args, String> {
     }
     if a.phases.is_empty() {
         return Err("no --phase given".into());
+    }
+    if a.oomguard_allocator && !a.device.is_cuda() {
+        return Err("--allocator oomguard serves CUDA tensors: it needs --device cuda".into());
     }
     a.cfg.check()?;
     if a.batch < 1 || a.grads_batch < 1 || a.max_cap < 1 || a.max.is_some_and(|m| m < 1) {

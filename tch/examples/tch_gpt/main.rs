@@ -151,6 +151,17 @@ fn main() -> ExitCode {
     };
     install_panic_hook();
     let (charge, source) = match args.device {
+        // Before anything of libtorch's CUDA starts: the allocator can only be changed then.
+        Device::Cuda(i) if args.oomguard_allocator => match oomguard_tch::allocator::install(i) {
+            Ok(dev) => {
+                let source: Arc<dyn MemorySource> = Arc::new(dev);
+                (Charge::none(), source)
+            }
+            Err(e) => {
+                println!("tch_gpt: oomguard's allocator under libtorch on cuda:{i}: {e}");
+                return ExitCode::from(2);
+            }
+        },
         Device::Cuda(i) => {
             let n = tch::Cuda::device_count();
             if !tch::Cuda::is_available() || i as i64 >= n {
@@ -184,6 +195,14 @@ fn main() -> ExitCode {
         )
         .flag("tiny", args.tiny)
         .flag("simulated_card", charge.card().is_some())
+        .text(
+            "allocator",
+            if args.oomguard_allocator {
+                "oomguard"
+            } else {
+                "libtorch"
+            },
+        )
         .int("layers", c.layers)
         .int("width", c.width)
         .int("heads", c.heads)

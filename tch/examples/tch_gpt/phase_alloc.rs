@@ -1,9 +1,12 @@
-//! `alloc`: the same model under libtorch's native caching allocator and under expandable
-//! segments. libtorch reads `PYTORCH_ALLOC_CONF` once, when CUDA starts, so each configuration
-//! needs its own process: `alloc` runs this program twice as a child process with `--phase
-//! alloc-one` and the same options, first with `PYTORCH_ALLOC_CONF` (and the older
-//! `PYTORCH_CUDA_ALLOC_CONF`) removed, then with `PYTORCH_ALLOC_CONF=expandable_segments:True`;
-//! the children's lines are printed as they come.
+//! `alloc`: the same model under libtorch's native caching allocator, under expandable
+//! segments, and under oomguard's allocator (installed under libtorch). libtorch reads
+//! `PYTORCH_ALLOC_CONF` once, when CUDA starts, and the allocator can be changed only before,
+//! so each configuration needs its own process: `alloc` runs this program three times as a
+//! child process with `--phase alloc-one` and the same options: with `PYTORCH_ALLOC_CONF` (and
+//! the older `PYTORCH_CUDA_ALLOC_CONF`) removed, with
+//! `PYTORCH_ALLOC_CONF=expandable_segments:True`, and with `--allocator oomguard` (oomguard's
+//! default configuration; `OOMGUARD_ALLOC_CONF` is passed through); the children's lines are
+//! printed as they come.
 //!
 //! `alloc-one` measures the allocator the process has, as its environment configured it (run it
 //! by hand for another configuration): `--steps` timed plain steps at `--batch` (median
@@ -21,8 +24,13 @@ use crate::plain_step::plain_step;
 use crate::report::{median, Line};
 use crate::{Ctx, Outcome, PhaseResult};
 
-/// The configurations `alloc` compares: `None` is the environment without the variable.
-const CONFIGS: [Option<&str>; 2] = [None, Some("expandable_segments:True")];
+/// The configurations `alloc` compares: libtorch's `PYTORCH_ALLOC_CONF` (`None`: unset), and
+/// whether oomguard's allocator serves instead.
+const CONFIGS: [(Option<&str>, bool); 3] = [
+    (None, false),
+    (Some("expandable_segments:True"), false),
+    (None, true),
+];
 
 impl Ctx {
     /// The phase (see the module's doc): the two child processes.
@@ -32,16 +40,28 @@ impl Ctx {
         let mut child_args = Vec::new();
         let mut raw = std::env::args().skip(1);
         while let Some(a) = raw.next() {
-            if a == "--phase" {
+            if a == "--phase" || a == "--allocator" {
                 raw.next();
-            } else if !a.starts_with("--phase=") {
+            } else if !a.starts_with("--phase=") && !a.starts_with("--allocator=") {
                 child_args.push(a);
             }
         }
         child_args.extend(["--phase".to_string(), "alloc-one".to_string()]);
         let mut pass = true;
-        for conf in CONFIGS {
+        for (conf, oomguard) in CONFIGS {
+            if oomguard && !self.dev.is_cuda() {
+                // oomguard's allocator serves libtorch's CUDA tensors only.
+                self.emit(
+                    Line::step("alloc")
+                        .text("alloc_conf", "oomguard")
+                        .text("skipped", "cpu"),
+                );
+                continue;
+            }
             let mut cmd = Command::new(&exe);
+            if oomguard {
+                cmd.args(["--allocator", "oomguard"]);
+            }
             cmd.args(&child_args)
                 .env_remove("PYTORCH_ALLOC_CONF")
                 .env_remove("PYTORCH_CUDA_ALLOC_CONF");
@@ -53,7 +73,14 @@ impl Ctx {
                 .map_err(|e| format!("starting {}: {e}", exe.display()))?;
             self.emit(
                 Line::step("alloc")
-                    .text("alloc_conf", conf.unwrap_or("native"))
+                    .text(
+                        "alloc_conf",
+                        if oomguard {
+                            "oomguard"
+                        } else {
+                            conf.unwrap_or("native")
+                        },
+                    )
                     .text("child_exit", status.to_string()),
             );
             pass &= status.success();
@@ -63,9 +90,16 @@ impl Ctx {
 
     /// The child's measurement (see the module's doc).
     pub fn alloc_one(&mut self) -> PhaseResult {
-        let conf = std::env::var("PYTORCH_ALLOC_CONF")
-            .or_else(|_| std::env::var("PYTORCH_CUDA_ALLOC_CONF"))
-            .unwrap_or_else(|_| "unset".into());
+        let conf = if self.args.oomguard_allocator {
+            format!(
+                "oomguard:{}",
+                std::env::var("OOMGUARD_ALLOC_CONF").unwrap_or_else(|_| "default".into())
+            )
+        } else {
+            std::env::var("PYTORCH_ALLOC_CONF")
+                .or_else(|_| std::env::var("PYTORCH_CUDA_ALLOC_CONF"))
+                .unwrap_or_else(|_| "unset".into())
+        };
         let source = self.source.clone();
         let batch = self.args.batch;
         let (vs, model) = self.model().map_err(|e| e.to_string())?;
@@ -92,7 +126,7 @@ impl Ctx {
         self.max = None;
         let max = self.known_max()?;
         let mut line = Line::result("alloc").text("alloc_conf", conf);
-        if self.dev.is_cuda() {
+        if self.dev.is_cuda() && !self.args.oomguard_allocator {
             // What libtorch's allocator says it runs (the proof the variable took effect).
             let a = cuda_allocator::allocator_info().map_err(|e| e.to_string())?;
             line = line
