@@ -92,8 +92,12 @@ impl CachingAllocator {
             small: b.pool.is_small(),
             split: st.inactive_split(b),
             oversize: b.size >= st.cfg.max_split_size,
-            // large blocks of fixed segments are merged on free (PyTorch-mode fragmentation)
-            parkable: b.pool.is_small() || st.growable,
+            // Large blocks are merged on free, as in single-thread mode (`park_or_release`):
+            // parked at their exact size they are out of reach of merging and best fit, which
+            // raises fragmentation in fixed segments and kept a loop with its backward on
+            // another thread (libtorch's autograd engine) from settling in growable ones
+            // (2.3 × the one-thread loop's reserved memory; tests/growable_policy.rs).
+            parkable: b.pool.is_small(),
             state: SlotState::Vacant,
             generation: 0,
             requested: 0,

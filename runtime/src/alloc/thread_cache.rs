@@ -11,8 +11,8 @@
 //! - a free goes back to the cache that handed the block out (the owner's or, for a
 //!   cross-thread free, another thread's — locking that cache only), parked there for reuse at
 //!   exactly its size (at most [`CACHE_CAP`] blocks per stream and size); anything else (a full
-//!   list, a block used on other streams, a large block of fixed segments, a thread that has
-//!   exited) returns the block to the shared state under its lock.
+//!   list, a block used on other streams, a large block, which is merged as in one-thread mode,
+//!   a thread that has exited) returns the block to the shared state under its lock.
 //!
 //! Invariants:
 //! - a lent block (`BlockState::Lent`) belongs to exactly one cache slot, which says whether it

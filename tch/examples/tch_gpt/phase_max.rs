@@ -1,8 +1,11 @@
-//! `max`: the true largest batch of one plain step, by real steps: doubling from 1 until a step
-//! runs out of memory (or `--max-cap` runs), then bisection to one row. The model and AdamW have
-//! taken a step first (the optimizer's state exists, as in training). libtorch's caching
-//! allocator frees its cached blocks and retries before it reports an out-of-memory, so every
-//! trial meets the whole card less what the model and optimizer hold.
+//! `max`: the true largest batch of a plain step, by real steps: doubling from 1 until a trial
+//! runs out of memory (or `--max-cap` runs), then bisection to one row. Every trial starts from
+//! the same state: the previous trial's model and optimizer dropped, the cache emptied, a fresh
+//! model and AdamW that have taken a step of one row (the optimizer's state exists, as in
+//! training); then two steps at the trial's batch (the second meets the first's cached blocks).
+//! One model kept across trials measured less than it should on an H100 with libtorch's native
+//! allocator: 37 rows, where 100 steps at 42 ran (docs/GPU.md), as the failed trials' blocks
+//! were left where the next trial's requests could not use them.
 
 use std::time::Instant;
 
@@ -42,21 +45,24 @@ impl Ctx {
     /// The largest batch that ran, the trials, and whether the search stopped at `--max-cap`
     /// (every batch up to it ran).
     fn measure_max(&mut self) -> Result<(i64, i64, bool), String> {
-        let (vs, model) = self.model().map_err(|e| e.to_string())?;
-        let mut opt = self.adamw(&vs).map_err(|e| e.to_string())?;
-        let one = self.tokens(1, 999).map_err(|e| e.to_string())?;
-        plain_step(&model, &mut opt, &one, self.dev, &self.charge)
-            .map_err(|e| format!("a warm-up step of one row failed: {e}"))?;
         let mut trials = 0;
         let mut trial = |ctx: &Self, rows: i64| -> Result<bool, String> {
             trials += 1;
+            ctx.source.empty_cache().map_err(|e| e.to_string())?;
+            let (vs, model) = ctx.model().map_err(|e| e.to_string())?;
+            let mut opt = ctx.adamw(&vs).map_err(|e| e.to_string())?;
+            let one = ctx.tokens(1, 999).map_err(|e| e.to_string())?;
+            plain_step(&model, &mut opt, &one, ctx.dev, &ctx.charge)
+                .map_err(|e| format!("a warm-up step of one row failed: {e}"))?;
             let tokens = ctx.tokens(rows, rows as u64).map_err(|e| e.to_string())?;
             let t = Instant::now();
-            let r = plain_step(&model, &mut opt, &tokens, ctx.dev, &ctx.charge);
+            let r = plain_step(&model, &mut opt, &tokens, ctx.dev, &ctx.charge)
+                .and_then(|_| plain_step(&model, &mut opt, &tokens, ctx.dev, &ctx.charge));
             let line = Line::trial("max")
                 .int("rows", rows)
                 .flag("ok", r.is_ok())
                 .float("secs", t.elapsed().as_secs_f64(), 2);
+            drop((opt, model, vs));
             match r {
                 Ok(_) => {
                     ctx.emit(line);
