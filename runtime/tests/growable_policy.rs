@@ -264,15 +264,16 @@ impl Drop for DataCheck<'_> {
 }
 
 /// The same training-like step with its backward on a second, long-lived thread, as libtorch's
-/// autograd engine runs it (its CUDA worker thread frees the forward's activations and makes
-/// the gradients): the allocator is then in multi-thread mode, with thread caches. Returns the
-/// peak of live requested bytes.
+/// autograd engine runs it (its CUDA worker thread frees the forward's activations, makes the
+/// gradients and its temporaries; the optimizer step frees the gradients on this thread): the
+/// allocator is then in multi-thread mode, with thread caches. Returns the peak of live
+/// requested bytes.
 fn step_backward_elsewhere(
     a: &CachingAllocator,
     scale: u64,
     weights: u64,
     to_backward: &std::sync::mpsc::Sender<(Vec<Allocation>, u64)>,
-    from_backward: &std::sync::mpsc::Receiver<u64>,
+    from_backward: &std::sync::mpsc::Receiver<(Vec<Allocation>, u64)>,
 ) -> u64 {
     let mut live = weights;
     let mut peak = live;
@@ -291,12 +292,22 @@ fn step_backward_elsewhere(
     peak = peak.max(live + logits.requested);
     a.free(logits).unwrap();
     to_backward.send((acts, live)).unwrap();
-    peak.max(from_backward.recv().unwrap())
+    let (grads, backward_peak) = from_backward.recv().unwrap();
+    // the optimizer step frees the gradients, oldest first, on this thread
+    for g in grads {
+        a.free(g).unwrap();
+    }
+    peak.max(backward_peak)
 }
 
 /// The backward half of `step`, on the calling thread: each activation gives way to a gradient
-/// and a temporary; the gradients are freed at the end (the optimizer step). Returns the peak.
-fn backward(a: &CachingAllocator, mut acts: Vec<Allocation>, mut live: u64) -> u64 {
+/// and a temporary. Returns the gradients, which the optimizer step frees on the forward's
+/// thread (libtorch's `zero_grad` runs there), and the peak.
+fn backward(
+    a: &CachingAllocator,
+    mut acts: Vec<Allocation>,
+    mut live: u64,
+) -> (Vec<Allocation>, u64) {
     let mut peak = live;
     let mut grads = Vec::new();
     while let Some(x) = acts.pop() {
@@ -309,18 +320,16 @@ fn backward(a: &CachingAllocator, mut acts: Vec<Allocation>, mut live: u64) -> u
         a.free(x).unwrap();
         grads.push(grad);
     }
-    for g in grads {
-        a.free(g).unwrap();
-    }
-    peak
+    (grads, peak)
 }
 
 /// A loop whose backward runs on another thread (libtorch's autograd engine does; the
 /// allocator is then in multi-thread mode) settles as the one-thread loop does: no map after
-/// its first steps, and it reserves no more than the one-thread loop. Thread caches once parked
-/// large blocks of growable segments at their exact size, out of reach of merging and best fit:
-/// on an H100, GPT-2 small in tch under oomguard's allocator reserved 1.21 × its peak used,
-/// libtorch's expandable segments 1.017 × (docs/GPU.md).
+/// its first four steps, and within 5% of the one-thread loop's reserved memory (3% here).
+/// Thread caches parked large blocks of growable segments at their exact size, out of reach of
+/// merging and best fit, until memory ran out: this loop then reserved 2.3 × the one-thread
+/// loop's memory, and on an H100 GPT-2 small in tch under oomguard's allocator reserved 22.1 GB
+/// where libtorch's expandable segments reserved 16.5 GB (docs/GPU.md).
 #[test]
 fn a_loop_with_its_backward_on_another_thread_settles() {
     let one_thread = {
@@ -336,7 +345,7 @@ fn a_loop_with_its_backward_on_another_thread_settles() {
     let a = allocator(&sim, "expandable_segments:True");
     let (_ws, wb) = weights(&a);
     let (to_backward, backward_rx) = std::sync::mpsc::channel::<(Vec<Allocation>, u64)>();
-    let (backward_tx, from_backward) = std::sync::mpsc::channel::<u64>();
+    let (backward_tx, from_backward) = std::sync::mpsc::channel::<(Vec<Allocation>, u64)>();
     let mut maps = Vec::new();
     std::thread::scope(|s| {
         let a = &a;
@@ -358,9 +367,9 @@ fn a_loop_with_its_backward_on_another_thread_settles() {
         st.reserved_bytes.all.peak
     );
     assert_eq!(st.num_ooms, 0);
-    assert!(maps[3..].iter().all(|&m| m == 0), "maps per step: {maps:?}");
+    assert!(maps[4..].iter().all(|&m| m == 0), "maps per step: {maps:?}");
     assert!(
-        st.reserved_bytes.all.peak as f64 <= one_thread as f64 * 1.01,
+        st.reserved_bytes.all.peak as f64 <= one_thread as f64 * 1.05,
         "peak reserved {} with the backward on another thread, {one_thread} on one",
         st.reserved_bytes.all.peak
     );

@@ -11,8 +11,12 @@
 //! - a free goes back to the cache that handed the block out (the owner's or, for a
 //!   cross-thread free, another thread's — locking that cache only), parked there for reuse at
 //!   exactly its size (at most [`CACHE_CAP`] blocks per stream and size); anything else (a full
-//!   list, a block used on other streams, a large block, which is merged as in one-thread mode,
-//!   a thread that has exited) returns the block to the shared state under its lock.
+//!   list, a block used on other streams, a large block, a thread that has exited) returns the
+//!   block to the shared state under its lock. Large blocks are merged there as in one-thread
+//!   mode: parked at their exact size they were out of reach of merging and best fit, and a
+//!   loop whose blocks are freed on another thread than the one that made them (libtorch's
+//!   autograd engine) reserved 1.2-1.4 × what it did with them merged. Their cost: large
+//!   alloc+free pairs from several threads at once wait for the shared lock (docs/BENCHMARKS.md).
 //!
 //! Invariants:
 //! - a lent block (`BlockState::Lent`) belongs to exactly one cache slot, which says whether it
@@ -27,8 +31,8 @@
 //!   garbage-collection threshold releases memory), on `empty_cache`, when history or
 //!   statistics scopes start, and when their thread exits (collected at the allocator's next
 //!   slow allocation). A cache miss does not flush the thread's cache (single-thread mode
-//!   flushes its quick lists): a thread's cache may so hold up to [`CACHE_CAP`] blocks per
-//!   stream and size that the shared state cannot split or merge until memory runs short.
+//!   flushes its quick lists): a thread's cache may so hold up to [`CACHE_CAP`] small blocks
+//!   per stream and size that the shared state cannot split or merge until memory runs short.
 //!
 //! Peaks (see `peaks`): exact while only one thread allocates between two reads of the
 //! statistics, never below the true peak with several.
