@@ -199,3 +199,30 @@ proptest! {
         }
     }
 }
+
+/// A snapshot libtorch wrote for a tch training step (through oomguard-tch on an H100,
+/// traces/README.md): read as PyTorch's snapshot, replayed, and viewed.
+#[test]
+fn a_tch_training_steps_snapshot_from_libtorch_reads_replays_and_views() {
+    let path = common::traces_dir().join("tch_step.snapshot.pickle");
+    let t = detect::read_trace(&path).unwrap();
+    assert_eq!(t.format, TraceFormat::PytorchSnapshot);
+    let allocs = t.events.iter().filter(|e| e.op == Op::Alloc).count();
+    let frees = t.events.iter().filter(|e| e.op == Op::Free).count();
+    assert!(
+        allocs >= 40 && frees >= 20,
+        "{allocs} allocs, {frees} frees: {:?}",
+        t.notes
+    );
+    assert!(t.peak_live_bytes() > 0);
+    let opts = oomguard_cli::replay::ReplayOptions::default();
+    let (report, _) = oomguard_cli::replay::replay(&t, &opts, &mut |_| {});
+    assert_eq!(report.peak_live_bytes, t.peak_live_bytes());
+    assert!(
+        report.peak_reserved_bytes >= report.peak_live_bytes,
+        "{report:?}"
+    );
+    let data = oomguard_cli::viewdata::ViewData::record(&t, &opts);
+    let page = oomguard_cli::view::html("tch_step.snapshot.pickle", &t, &report, &data);
+    assert!(page.contains("tch_step.snapshot.pickle"));
+}

@@ -19,6 +19,17 @@ fn allocator(sim: &SimDevice, cfg: &str) -> CachingAllocator {
 /// dropped (backward); a logits-sized buffer in the middle. `scale` is the batch. Returns the
 /// peak of live requested bytes during the step (weights included).
 fn step(a: &CachingAllocator, scale: u64, weights: u64) -> u64 {
+    let (acts, live, forward_peak) = forward(a, scale, weights);
+    let (grads, backward_peak) = backward(a, acts, live);
+    // the optimizer step frees the gradients, oldest first
+    for g in grads {
+        a.free(g).unwrap();
+    }
+    forward_peak.max(backward_peak)
+}
+
+/// The forward half of `step`: the activations it keeps, the live bytes and the peak.
+fn forward(a: &CachingAllocator, scale: u64, weights: u64) -> (Vec<Allocation>, u64, u64) {
     let mut live = weights;
     let mut peak = live;
     let mut acts: Vec<Allocation> = Vec::new();
@@ -35,28 +46,8 @@ fn step(a: &CachingAllocator, scale: u64, weights: u64) -> u64 {
     }
     let logits = a.allocate(40 * MIB * scale, 0).unwrap();
     peak = peak.max(live + logits.requested);
-    live += logits.requested;
     a.free(logits).unwrap();
-    live -= 40 * MIB * scale;
-    // backward: each activation gives way to a gradient that lives until the optimizer step
-    // (smaller, so it lands in freed activations' space and splits it) and a temporary larger
-    // than the activation it replaces
-    let mut grads = Vec::new();
-    while let Some(x) = acts.pop() {
-        let tmp = a.allocate(x.requested * 3 / 2 + 4096, 0).unwrap();
-        let grad = a.allocate(x.requested / 3 + 1024, 0).unwrap();
-        live += grad.requested;
-        peak = peak.max(live + tmp.requested);
-        a.free(tmp).unwrap();
-        live -= x.requested;
-        a.free(x).unwrap();
-        grads.push(grad);
-    }
-    // the optimizer step frees the gradients, oldest first
-    for g in grads {
-        a.free(g).unwrap();
-    }
-    peak
+    (acts, live, peak)
 }
 
 /// Weights of the loop: a few blocks that live for the whole run.
@@ -275,22 +266,7 @@ fn step_backward_elsewhere(
     to_backward: &std::sync::mpsc::Sender<(Vec<Allocation>, u64)>,
     from_backward: &std::sync::mpsc::Receiver<(Vec<Allocation>, u64)>,
 ) -> u64 {
-    let mut live = weights;
-    let mut peak = live;
-    let mut acts: Vec<Allocation> = Vec::new();
-    for layer in 0..12u64 {
-        for (k, mib) in [(0u64, 3u64), (1, 9), (2, 1), (3, 5)] {
-            let bytes = (mib * MIB + (layer * 4 + k) * 4096) * scale;
-            acts.push(a.allocate(bytes, 0).unwrap());
-            live += bytes;
-        }
-        let tmp = a.allocate(7 * MIB * scale + 512, 0).unwrap();
-        peak = peak.max(live + tmp.requested);
-        a.free(tmp).unwrap();
-    }
-    let logits = a.allocate(40 * MIB * scale, 0).unwrap();
-    peak = peak.max(live + logits.requested);
-    a.free(logits).unwrap();
+    let (acts, live, peak) = forward(a, scale, weights);
     to_backward.send((acts, live)).unwrap();
     let (grads, backward_peak) = from_backward.recv().unwrap();
     // the optimizer step frees the gradients, oldest first, on this thread
