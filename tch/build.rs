@@ -175,7 +175,7 @@ fn main() {
             build.include(dir);
         }
         None => {
-            build.define("OOMGUARD_TCH_NO_CUDA", None);
+            build.define("OOMGUARD_TCH_WITHOUT_CUDA", None);
         }
     }
     build.compile("oomguard_tch_shim");

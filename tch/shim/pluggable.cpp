@@ -17,7 +17,7 @@
 #include <exception>
 #include <string>
 
-#ifndef OOMGUARD_TCH_NO_CUDA
+#ifndef OOMGUARD_TCH_WITHOUT_CUDA
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -55,7 +55,37 @@ void copy_message(const char* text, char* out, size_t cap) {
   out[n] = '\0';
 }
 
-#ifndef OOMGUARD_TCH_NO_CUDA
+#ifndef OOMGUARD_TCH_WITHOUT_CUDA
+// Runs `body`, which returns the function's code, turning every exception into a code and its
+// message: `oom_code` for c10::OutOfMemoryError, 2 for any other (c10's errors without their
+// backtrace).
+template <typename F>
+int32_t guarded(char* err, size_t cap, F&& body, int32_t oom_code = 2) {
+  try {
+    return body();
+  } catch (const c10::OutOfMemoryError& e) {
+    copy_message(e.what_without_backtrace(), err, cap);
+    return oom_code;
+  } catch (const c10::Error& e) {
+    copy_message(e.what_without_backtrace(), err, cap);
+    return 2;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), err, cap);
+    return 2;
+  } catch (...) {
+    copy_message("unknown C++ exception", err, cap);
+    return 2;
+  }
+}
+
+// The message and code of a call that needs oomguard's allocator installed.
+int32_t not_installed(char* err, size_t cap) {
+  copy_message("oomguard's allocator is not installed", err, cap);
+  return 2;
+}
+#endif
+
+#ifndef OOMGUARD_TCH_WITHOUT_CUDA
 namespace cca = c10::cuda::CUDACachingAllocator;
 namespace plug = torch::cuda::CUDAPluggableAllocator;
 
@@ -82,7 +112,7 @@ extern "C" {
 // Whether libtorch's current CUDA allocator is initialised (1) or not (0), with its name
 // ("native", "cudaMallocAsync", "pluggable") in name; -1 and the message without CUDA.
 int32_t oomguard_tch_cuda_allocator_state(char* name, size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   copy_message("oomguard-tch was built without CUDA (OOMGUARD_TCH_CUDA_INCLUDE=none or a "
                "libtorch without libtorch_cuda)",
                name, cap);
@@ -112,14 +142,14 @@ int32_t oomguard_tch_cuda_allocator_state(char* name, size_t cap) {
 // and c10::GetAllocator(kCUDA) reach; changeCurrentAllocator does not change it).
 int32_t oomguard_tch_pluggable_install(const oomguard_tch_callbacks* cb,
                                        char* err, size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   (void)cb;
   copy_message("oomguard-tch was built without CUDA (OOMGUARD_TCH_CUDA_INCLUDE=none or a "
                "libtorch without libtorch_cuda)",
                err, cap);
   return 3;
 #else
-  try {
+  return guarded(err, cap, [&]() -> int32_t {
     if (g_ours) {
       copy_message("oomguard's allocator is libtorch's CUDA allocator already", err, cap);
       return 4;
@@ -175,28 +205,30 @@ int32_t oomguard_tch_pluggable_install(const oomguard_tch_callbacks* cb,
       }
     });
     c10::Allocator* registered = c10::GetAllocator(c10::DeviceType::CUDA);
-    plug::changeCurrentAllocator(ours);
+    try {
+      plug::changeCurrentAllocator(ours);
+    } catch (const c10::Error& e) {
+      // its own refusal: another thread initialised CUDA meanwhile
+      const char* what = e.what_without_backtrace();
+      if (std::strncmp(what, "Can't swap an already initialized allocator", 43) != 0) {
+        throw;
+      }
+      copy_message(what, err, cap);
+      return 1;
+    }
     c10::SetAllocator(c10::DeviceType::CUDA, ours.get(), UINT8_MAX);
     g_ours = ours;
     g_previous = current;
     g_previous_registered = registered;
     return 0;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    // changeCurrentAllocator's own refusal (another thread initialised CUDA meanwhile)
-    return std::strncmp(e.what(), "Can't swap an already initialized allocator", 43) == 0 ? 1
-                                                                                          : 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  });
 #endif
 }
 
 // 1 when the installed allocator is both libtorch's current CUDA allocator and the one
 // registered for the CUDA device type; 0 otherwise (or not installed).
 int32_t oomguard_tch_pluggable_is_current() {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   return 0;
 #else
   try {
@@ -216,14 +248,13 @@ int32_t oomguard_tch_pluggable_is_current() {
 // Puts back the allocator install replaced (its proof failed, nothing it served is live), and
 // initialises it when libtorch initialised CUDA meanwhile (its init went to ours).
 int32_t oomguard_tch_pluggable_uninstall(char* err, size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   copy_message("oomguard-tch was built without CUDA", err, cap);
   return 3;
 #else
-  try {
+  return guarded(err, cap, [&]() -> int32_t {
     if (!g_ours) {
-      copy_message("oomguard's allocator is not installed", err, cap);
-      return 2;
+      return not_installed(err, cap);
     }
     cca::allocator.store(g_previous);
     c10::SetAllocator(c10::DeviceType::CUDA, g_previous_registered, UINT8_MAX);
@@ -233,13 +264,7 @@ int32_t oomguard_tch_pluggable_uninstall(char* err, size_t cap) {
     // g_ours stays alive (libtorch's pluggable keeps it as its current custom allocator).
     g_ours.reset();
     return 0;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    return 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  });
 #endif
 }
 
@@ -250,78 +275,52 @@ int32_t oomguard_tch_pluggable_uninstall(char* err, size_t cap) {
 // code 1 for c10::OutOfMemoryError, 2 for any other exception.
 int32_t oomguard_tch_pluggable_call_malloc(size_t size, int32_t device, void** out,
                                            char* err, size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   (void)size, (void)device, (void)out;
   copy_message("oomguard-tch was built without CUDA", err, cap);
   return 3;
 #else
-  try {
-    if (!g_ours) {
-      copy_message("oomguard's allocator is not installed", err, cap);
-      return 2;
-    }
-    auto* p = static_cast<plug::CUDAPluggableAllocator*>(g_ours.get());
-    *out = p->malloc(size, static_cast<c10::DeviceIndex>(device), nullptr);
-    return 0;
-  } catch (const c10::OutOfMemoryError& e) {
-    copy_message(e.what_without_backtrace(), err, cap);
-    return 1;
-  } catch (const c10::Error& e) {
-    copy_message(e.what_without_backtrace(), err, cap);
-    return 2;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    return 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  return guarded(
+      err, cap,
+      [&]() -> int32_t {
+        if (!g_ours) {
+          return not_installed(err, cap);
+        }
+        auto* p = static_cast<plug::CUDAPluggableAllocator*>(g_ours.get());
+        *out = p->malloc(size, static_cast<c10::DeviceIndex>(device), nullptr);
+        return 0;
+      },
+      1);
 #endif
 }
 
 int32_t oomguard_tch_pluggable_call_raw_delete(void* ptr, char* err, size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   (void)ptr;
   copy_message("oomguard-tch was built without CUDA", err, cap);
   return 3;
 #else
-  try {
+  return guarded(err, cap, [&]() -> int32_t {
     if (!g_ours) {
-      copy_message("oomguard's allocator is not installed", err, cap);
-      return 2;
+      return not_installed(err, cap);
     }
     g_ours->raw_delete(ptr);
     return 0;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    return 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  });
 #endif
 }
 
 // libtorch's emptyCache and setMemoryFraction through c10::cuda::CUDACachingAllocator (the
 // current allocator, whichever it is).
 int32_t oomguard_tch_libtorch_empty_cache(char* err, size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   copy_message("oomguard-tch was built without CUDA", err, cap);
   return 3;
 #else
-  try {
+  return guarded(err, cap, [&]() -> int32_t {
     cca::emptyCache();
     return 0;
-  } catch (const c10::Error& e) {
-    copy_message(e.what_without_backtrace(), err, cap);
-    return 2;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    return 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  });
 #endif
 }
 
@@ -329,48 +328,30 @@ int32_t oomguard_tch_libtorch_empty_cache(char* err, size_t cap) {
 // answers (allocated bytes, current, in *allocated), 2 and its message when it throws.
 int32_t oomguard_tch_libtorch_device_stats(int32_t device, int64_t* allocated, char* err,
                                            size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   (void)device, (void)allocated;
   copy_message("oomguard-tch was built without CUDA", err, cap);
   return 3;
 #else
-  try {
+  return guarded(err, cap, [&]() -> int32_t {
     auto stats = cca::getDeviceStats(static_cast<c10::DeviceIndex>(device));
     *allocated = stats.allocated_bytes[0].current;
     return 0;
-  } catch (const c10::Error& e) {
-    copy_message(e.what_without_backtrace(), err, cap);
-    return 2;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    return 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  });
 #endif
 }
 
 int32_t oomguard_tch_libtorch_set_memory_fraction(double fraction, int32_t device, char* err,
                                                   size_t cap) {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   (void)fraction, (void)device;
   copy_message("oomguard-tch was built without CUDA", err, cap);
   return 3;
 #else
-  try {
+  return guarded(err, cap, [&]() -> int32_t {
     cca::setMemoryFraction(fraction, static_cast<c10::DeviceIndex>(device));
     return 0;
-  } catch (const c10::Error& e) {
-    copy_message(e.what_without_backtrace(), err, cap);
-    return 2;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, cap);
-    return 2;
-  } catch (...) {
-    copy_message("unknown C++ exception", err, cap);
-    return 2;
-  }
+  });
 #endif
 }
 

@@ -9,7 +9,7 @@
 //   device;
 // - nothing reaches CUDA unless c10 counts at least one device: without a driver, every call
 //   returns OOMGUARD_TCH_NO_CUDA.
-// Built without CUDA headers (a CPU libtorch: build.rs defines OOMGUARD_TCH_NO_CUDA), every call
+// Built without CUDA headers (a CPU libtorch: build.rs defines OOMGUARD_TCH_WITHOUT_CUDA), every call
 // that needs the device returns OOMGUARD_TCH_NO_CUDA saying so.
 
 #include <cmath>
@@ -20,7 +20,7 @@
 
 #include <c10/util/Exception.h>
 
-#ifndef OOMGUARD_TCH_NO_CUDA
+#ifndef OOMGUARD_TCH_WITHOUT_CUDA
 #include <ATen/Context.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -139,7 +139,7 @@ void need(bool ok, OomguardTchStatus status, const std::string& message) {
   }
 }
 
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
 
 int64_t cuda_device_count() {
   return 0;
@@ -207,7 +207,7 @@ int32_t oomguard_tch_cuda_device_count(int64_t* out, char* err, size_t err_len) 
 
 // Whether the shim was built with CUDA (1) or against a CPU-only libtorch (0).
 int32_t oomguard_tch_built_with_cuda() {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
   return 0;
 #else
   return 1;
@@ -223,7 +223,7 @@ int32_t oomguard_tch_device_info(int64_t device, uint64_t* free_bytes, uint64_t*
          "free_bytes or total_bytes is null");
     need(name == nullptr || name_len > 0, OOMGUARD_TCH_INVALID_ARGUMENT,
          "a name buffer of 0 bytes");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     auto d = cuda_device(device);
@@ -241,7 +241,7 @@ int32_t oomguard_tch_device_stats(int64_t device, OomguardTchDeviceStats* out, c
                                   size_t err_len) {
   return guarded(err, err_len, [&] {
     need(out != nullptr, OOMGUARD_TCH_INVALID_ARGUMENT, "out is null");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_device(device));
@@ -268,7 +268,7 @@ int32_t oomguard_tch_device_stats(int64_t device, OomguardTchDeviceStats* out, c
 
 int32_t oomguard_tch_reset_peak_stats(int64_t device, char* err, size_t err_len) {
   return guarded(err, err_len, [&] {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_device(device));
@@ -278,7 +278,7 @@ int32_t oomguard_tch_reset_peak_stats(int64_t device, char* err, size_t err_len)
 
 int32_t oomguard_tch_reset_accumulated_stats(int64_t device, char* err, size_t err_len) {
   return guarded(err, err_len, [&] {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     c10::cuda::CUDACachingAllocator::resetAccumulatedStats(cuda_device(device));
@@ -291,7 +291,7 @@ int32_t oomguard_tch_reset_accumulated_stats(int64_t device, char* err, size_t e
 // only so that nothing reaches CUDA without one.
 int32_t oomguard_tch_empty_cache(int64_t device, char* err, size_t err_len) {
   return guarded(err, err_len, [&] {
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     cuda_device(device);
@@ -303,7 +303,7 @@ int32_t oomguard_tch_empty_cache(int64_t device, char* err, size_t err_len) {
 int32_t oomguard_tch_get_memory_fraction(int64_t device, double* out, char* err, size_t err_len) {
   return guarded(err, err_len, [&] {
     need(out != nullptr, OOMGUARD_TCH_INVALID_ARGUMENT, "out is null");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     *out = c10::cuda::CUDACachingAllocator::getMemoryFraction(cuda_device(device));
@@ -319,7 +319,7 @@ int32_t oomguard_tch_set_memory_fraction(int64_t device, double fraction, char* 
     need(std::isfinite(fraction) && fraction > 0.0 && fraction <= 1.0,
          OOMGUARD_TCH_INVALID_ARGUMENT,
          "a memory fraction of " + std::to_string(fraction) + ": it must be in (0, 1]");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, cuda_device(device));
@@ -345,7 +345,7 @@ int32_t oomguard_tch_record_history(int32_t enabled, const char* context, const 
          OOMGUARD_TCH_INVALID_ARGUMENT,
          "context \"" + ctx + "\": expected null, \"state\", \"alloc\" or \"all\"");
     need(max_entries > 0, OOMGUARD_TCH_INVALID_ARGUMENT, "max_entries must be at least 1");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     cuda_device(0);
@@ -368,7 +368,7 @@ int32_t oomguard_tch_record_history(int32_t enabled, const char* context, const 
 int32_t oomguard_tch_snapshot_pickled(OomguardTchSink sink, void* ctx, char* err, size_t err_len) {
   return guarded(err, err_len, [&] {
     need(sink != nullptr, OOMGUARD_TCH_INVALID_ARGUMENT, "sink is null");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     cuda_device(0);
@@ -381,7 +381,7 @@ int32_t oomguard_tch_snapshot_pickled(OomguardTchSink sink, void* ctx, char* err
 int32_t oomguard_tch_allocator_info(OomguardTchAllocatorInfo* out, char* err, size_t err_len) {
   return guarded(err, err_len, [&] {
     need(out != nullptr, OOMGUARD_TCH_INVALID_ARGUMENT, "out is null");
-#ifdef OOMGUARD_TCH_NO_CUDA
+#ifdef OOMGUARD_TCH_WITHOUT_CUDA
     no_cuda();
 #else
     cuda_device(0);
