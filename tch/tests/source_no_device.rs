@@ -37,6 +37,13 @@ fn without_a_device_every_call_is_a_clear_error() {
     std::env::set_var("CUDA_VISIBLE_DEVICES", "");
 
     assert_eq!(alloc::cuda_device_count(), 0);
+    // CI builds this test a second time with the shim built without CUDA: make sure it was
+    if option_env!("OOMGUARD_TCH_CUDA_INCLUDE") == Some("none") {
+        assert!(
+            !alloc::built_with_cuda(),
+            "OOMGUARD_TCH_CUDA_INCLUDE=none built a CUDA shim"
+        );
+    }
 
     // the source itself
     unavailable(LibtorchCudaSource::new(0), "LibtorchCudaSource::new");
