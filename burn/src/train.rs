@@ -9,7 +9,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use oomguard::retry::{BatchPlan, Chunk, RetryEngine, RetryError, RetryReport};
 use oomguard::source::MemorySource;
-use oomguard::train::{keep_rows, one_value, LossSum};
+use oomguard::train::{keep_rows, one_value, LossSum, KEEP_ROWS_HINT};
 use oomguard::IsOom;
 
 use crate::compat;
@@ -181,10 +181,6 @@ impl std::error::Error for TrainStepError {
         }
     }
 }
-
-/// What the policy's refusal tells the user to use instead.
-const KEEP_ROWS_HINT: &str = "train_step needs a policy that keeps every row: \
-                              `oomguard::retry::training_policy()` or an `Accumulate` chain";
 
 /// One training step over `batch` rows, kept alive through out-of-memory.
 ///

@@ -4,7 +4,7 @@ use candle_core::Tensor;
 use candle_nn::Optimizer;
 use oomguard::retry::{BatchPlan, Chunk, RetryEngine};
 use oomguard::source::MemorySource;
-use oomguard::train::{batch_rows, keep_rows};
+use oomguard::train::{batch_rows, keep_rows, KEEP_ROWS_HINT};
 
 use crate::accumulator::GradAccumulator;
 use crate::params::Params;
@@ -21,10 +21,6 @@ pub use oomguard::train::TrainedStep;
 /// stays a budget's. An update error is never an out-of-memory, whatever its error: the update
 /// may have been applied in part, so an outer retry must not run the step again.
 pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
-
-/// What the policy's refusal tells the user to use instead.
-const KEEP_ROWS_HINT: &str = "train_step needs a policy that keeps every row: `training_policy()` \
-                              or an `Accumulate` chain";
 
 /// One training step over a batch, kept alive through out-of-memory.
 ///

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 
 use oomguard::retry::{BatchPlan, Chunk, RetryEngine};
 use oomguard::source::MemorySource;
-use oomguard::train::{batch_rows, keep_rows, one_value, LossSum};
+use oomguard::train::{batch_rows, keep_rows, one_value, LossSum, KEEP_ROWS_HINT};
 use tch::{nn, Kind, Tensor};
 
 use crate::catch::catch_torch;
@@ -24,10 +24,6 @@ pub use oomguard::train::TrainedStep;
 /// [`TrainStepError::Retry`](oomguard::train::TrainStepError::Retry): [`Error::Loss`],
 /// [`Error::NoGradient`], [`Error::NotOptimized`].
 pub type TrainStepError = oomguard::train::TrainStepError<Error>;
-
-/// What the policy's refusal tells the user to use instead.
-const KEEP_ROWS_HINT: &str = "train_step needs a policy that keeps every row: `training_policy()` \
-                              or an `Accumulate` chain";
 
 /// One training step over a batch of tch tensors, kept alive through out-of-memory.
 ///

@@ -92,13 +92,6 @@ impl CachingAllocator {
             small: b.pool.is_small(),
             split: st.inactive_split(b),
             oversize: b.size >= st.cfg.max_split_size,
-            // Large blocks are merged on free, as in single-thread mode (`park_or_release`):
-            // parked at their exact size they are out of reach of merging and best fit, which
-            // raises fragmentation in fixed segments, and in growable ones kept a loop whose
-            // blocks are freed on another thread (libtorch's autograd engine frees the
-            // forward's activations) from settling: GPT-2 small in tch reserved 20.2-22.1 GB
-            // with them parked, 16.5 GB merged (H100, docs/GPU.md runs 34-36).
-            parkable: b.pool.is_small(),
             state: SlotState::Vacant,
             generation: 0,
             requested: 0,

@@ -595,27 +595,14 @@ impl RetryEngine {
             plan = agreed;
         }
         let report = RetryReport {
-            site: key.site.clone(),
-            mode,
-            requested_batch: batch,
-            initial_plan: plan,
             from_memory,
-            final_plan: plan,
-            attempts: Vec::new(),
-            regrow: None,
-            thrash_moved_to: None,
-            elapsed: Default::default(),
-            commit_error: None,
             memory_error,
-            failure: None,
-            nested_commit: None,
-            hint: None,
             // what the first attempt starts with (not synchronised: a step's start must not
             // wait for the device)
             held_bytes: vec![target.bytes().0],
-            stopped: None,
             // the first plan is the seed's (not a regrow's, nor a smaller one another rank has)
             seeded: seeded.filter(|_| regrow.is_none() && plan == good),
+            ..RetryReport::starting(key.site.clone(), mode, batch, plan)
         };
         Ok(RetryLoop::full(FullLoop {
             device_addr: Device::thread_device_addr(),
@@ -1211,24 +1198,13 @@ struct LazyLoop {
 impl LazyLoop {
     fn make_report(&self) -> RetryReport {
         RetryReport {
-            site: self.site.to_string(),
-            mode: self.mode,
-            requested_batch: self.plan.batch(),
-            initial_plan: self.plan,
-            from_memory: false,
-            final_plan: self.plan,
-            attempts: Vec::new(),
-            regrow: None,
-            thrash_moved_to: None,
             elapsed: self.elapsed.unwrap_or_default(),
-            commit_error: None,
-            memory_error: None,
-            failure: None,
-            nested_commit: None,
-            hint: None,
-            held_bytes: Vec::new(),
-            stopped: None,
-            seeded: None,
+            ..RetryReport::starting(
+                self.site.to_string(),
+                self.mode,
+                self.plan.batch(),
+                self.plan,
+            )
         }
     }
 

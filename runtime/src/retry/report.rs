@@ -347,24 +347,8 @@ pub(crate) fn set_last_clean(
         let mut l = l.borrow_mut();
         l.keep_committed();
         let r = l.report.get_or_insert_with(|| RetryReport {
-            site: String::new(),
-            mode,
-            requested_batch: 0,
-            initial_plan: plan,
-            from_memory: false,
-            final_plan: plan,
-            attempts: Vec::new(),
-            regrow: None,
-            thrash_moved_to: None,
             elapsed,
-            commit_error: None,
-            memory_error: None,
-            failure: None,
-            nested_commit: None,
-            hint: None,
-            held_bytes: Vec::new(),
-            stopped: None,
-            seeded: None,
+            ..RetryReport::starting(String::new(), mode, 0, plan)
         });
         if r.site != site {
             r.site.clear();
@@ -394,6 +378,38 @@ pub(crate) fn set_last_clean(
             }
         }
     });
+}
+
+impl RetryReport {
+    /// The report of a step at `site` that has made no attempt yet: `requested_batch` rows
+    /// planned as `plan`, nothing else recorded.
+    pub(crate) fn starting(
+        site: String,
+        mode: StepMode,
+        requested_batch: usize,
+        plan: BatchPlan,
+    ) -> Self {
+        RetryReport {
+            site,
+            mode,
+            requested_batch,
+            initial_plan: plan,
+            from_memory: false,
+            final_plan: plan,
+            attempts: Vec::new(),
+            regrow: None,
+            thrash_moved_to: None,
+            elapsed: Duration::ZERO,
+            commit_error: None,
+            memory_error: None,
+            failure: None,
+            nested_commit: None,
+            hint: None,
+            held_bytes: Vec::new(),
+            stopped: None,
+            seeded: None,
+        }
+    }
 }
 
 impl RetryReport {

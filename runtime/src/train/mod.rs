@@ -12,8 +12,8 @@
 //! - [`batch_rows`]: the batch's rows from its tensors' shapes (they must agree on dimension 0);
 //! - [`LossSum`]: the weighted sum of the chunks' mean losses and the rows covered, checked to
 //!   come from one batch; [`one_value`]: the check that a chunk's loss is one value;
-//! - [`keep_rows`]: the refusal rules (an engine whose policy would drop rows is refused before
-//!   anything runs; the step always counts as training);
+//! - [`keep_rows`] (with [`KEEP_ROWS_HINT`]): the refusal rules (an engine whose policy would
+//!   drop rows is refused before anything runs; the step always counts as training);
 //! - [`missing_gradients`] / [`name_list`]: the text naming parameters that got no gradient.
 
 mod batch;
@@ -27,5 +27,5 @@ pub use batch::{batch_rows, rows_match};
 pub use error::TrainStepError;
 pub use gradients::{missing_gradients, name_list, NAMED};
 pub use loss::{one_value, LossSum};
-pub use refusal::{drops_rows, keep_rows, DropsRows};
+pub use refusal::{drops_rows, keep_rows, DropsRows, KEEP_ROWS_HINT};
 pub use trained::TrainedStep;

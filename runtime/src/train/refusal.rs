@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::panic::Location;
-use std::time::Duration;
 
 use crate::retry::{
     BatchPlan, KeepsRows, Pressure, RetryContext, RetryEngine, RetryPolicy, RetryReport, StepMode,
@@ -41,6 +40,11 @@ pub fn drops_rows(policy: &dyn RetryPolicy, batch: usize) -> Option<BatchPlan> {
     }
     None
 }
+
+/// The `hint` the framework crates' `train_step`s give [`keep_rows`]: what to use instead of a
+/// policy that drops rows.
+pub const KEEP_ROWS_HINT: &str = "train_step needs a policy that keeps every row: \
+                                  `oomguard::retry::training_policy()` or an `Accumulate` chain";
 
 /// The engine a training step of `batch` rows runs on: `engine` (its remembered plans,
 /// consensus and regrow, shared) with its policy wrapped in [`KeepsRows`] (a plan with fewer
@@ -113,24 +117,13 @@ impl DropsRows {
             batch,
             hint,
             report: Box::new(RetryReport {
-                site: format!("{}:{}:{}", site.file(), site.line(), site.column()),
-                mode: StepMode::Train,
-                requested_batch: batch,
-                initial_plan: whole,
-                from_memory: false,
-                final_plan: whole,
-                attempts: Vec::new(),
-                regrow: None,
-                thrash_moved_to: None,
-                elapsed: Duration::ZERO,
-                commit_error: None,
-                memory_error: None,
-                failure: None,
-                nested_commit: None,
                 hint: Some(hint.to_string()),
-                held_bytes: Vec::new(),
-                stopped: None,
-                seeded: None,
+                ..RetryReport::starting(
+                    format!("{}:{}:{}", site.file(), site.line(), site.column()),
+                    StepMode::Train,
+                    batch,
+                    whole,
+                )
             }),
         };
         refused.report.failure = Some(refused.to_string());
