@@ -78,22 +78,14 @@ impl State {
         // Pages are mapped freely up to the memory limit (the device's capacity without one);
         // with `page_recycle_threshold`, only up to that share of it (or the high-water mark,
         // when higher): past it, free pages are moved instead.
-        let cap = match (self.limit, total) {
-            (Some(l), 0) => l,
-            (Some(l), t) => l.min(t),
-            (None, 0) => u64::MAX,
-            (None, t) => t,
-        };
-        let soft = match self.cfg.page_recycle_threshold {
-            Some(t) => ((cap as f64 * t) as u64).max(self.high_water),
-            None => cap,
-        };
+        let soft = self.soft_cap(total);
         // First under `soft`; after a map the device refused (memory outside this allocator, or
         // a capacity below the reported total), under what is held now: every page is moved.
         match self.place_and_map(backend, pool, stream, size, total, soft)? {
             Ok(id) => Ok(id),
             Err(e) if e.is_oom() && self.releasable_pages() > 0 => {
                 let now = self.reserved();
+                self.refused_at = self.refused_at.min(now);
                 self.place_and_map(backend, pool, stream, size, total, now)?
                     .map_err(GrowError::from)
             }

@@ -66,7 +66,10 @@ impl CachingAllocator {
         // go back before anything fails (`allocate_slow`).
         let id = match st.take_free(pool, stream, size) {
             Some(id) => id,
-            None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+            None => match self.reclaim_under_pressure(&mut st, pool, stream, size) {
+                Some(id) => id,
+                None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
+            },
         };
         if self.caching.load(Relaxed) {
             if let Some(a) = self.lend(&mut st, id, bytes) {
@@ -78,6 +81,27 @@ impl CachingAllocator {
             self.record_alloc(&mut st, id, stream);
         }
         Ok(self.handle(&st, id, bytes, stream))
+    }
+
+    /// A miss under pressure (growing would pass the memory limit or where the device refused
+    /// memory): the blocks every thread's cache holds go back to the shared state, merged, and
+    /// the request is looked up again before any page moves, as one-thread mode flushes its
+    /// quick lists on every miss. Blocks held in caches are out of reach of merging and of
+    /// moving pages: without this, a loop whose frees come from another thread (libtorch's
+    /// autograd engine) ran out of memory once a step, inside the allocator, where the same
+    /// loop on one thread only moved pages.
+    fn reclaim_under_pressure(
+        &self,
+        st: &mut State,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Option<BlockId> {
+        if !st.under_pressure(size, self.total) {
+            return None;
+        }
+        self.drain_all_caches(st);
+        st.take_free(pool, stream, size)
     }
 
     /// Lends taken block `id` to the calling thread's cache, allocated for `bytes` (`None`: the

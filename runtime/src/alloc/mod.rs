@@ -503,6 +503,8 @@ impl CachingAllocator {
 
     /// Gives cached memory back: whole free fixed segments and free pages of growable segments.
     fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
+        // what the device refused is learned again from here
+        st.refused_at = u64::MAX;
         st.release_fixed(&*self.backend)
             + st.release_pages(
                 &*self.backend,

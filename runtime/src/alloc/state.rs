@@ -55,6 +55,9 @@ pub(crate) struct State {
     pub fraction: Option<f64>,
     /// The most bytes ever reserved: growable segments recycle free pages rather than pass it.
     pub high_water: u64,
+    /// Reserved bytes when the device last refused memory (`u64::MAX`: it has not, since the
+    /// cache was last released): past it, growing needs memory the device may not have.
+    pub refused_at: u64,
     /// Quick lists: blocks freed recently, by (stream, size), reused at exactly that size without
     /// a split or a merge. Flushed (merged and indexed) before anything slower happens.
     pub quick: FxHashMap<(StreamId, u64), Vec<BlockId>>,
@@ -104,6 +107,7 @@ impl State {
             limit: None,
             fraction: None,
             high_water: 0,
+            refused_at: u64::MAX,
             quick: FxHashMap::default(),
             parked: 0,
             history: None,
@@ -406,6 +410,29 @@ impl State {
     /// Bytes of device memory held (fixed segments plus mapped pages).
     pub fn reserved(&self) -> u64 {
         self.stats.reserved_bytes.all.current
+    }
+
+    /// Where growing stops being free: the memory limit (the device's capacity `total` without
+    /// one; 0: unknown), lowered to the `page_recycle_threshold` share of it (or the high-water
+    /// mark, when higher). Past it, growable segments move free pages instead of mapping new ones.
+    pub fn soft_cap(&self, total: u64) -> u64 {
+        let cap = match (self.limit, total) {
+            (Some(l), 0) => l,
+            (Some(l), t) => l.min(t),
+            (None, 0) => u64::MAX,
+            (None, t) => t,
+        };
+        match self.cfg.page_recycle_threshold {
+            Some(t) => ((cap as f64 * t) as u64).max(self.high_water),
+            None => cap,
+        }
+    }
+
+    /// Whether serving `size` more bytes from the device would pass the soft cap, or the level
+    /// at which the device last refused memory: the point where memory must be moved or
+    /// released rather than mapped.
+    pub fn under_pressure(&self, size: u64, total: u64) -> bool {
+        self.reserved().saturating_add(size) > self.soft_cap(total).min(self.refused_at)
     }
 
     /// The largest mapped free block.

@@ -31,8 +31,10 @@
 //!   garbage-collection threshold releases memory), on `empty_cache`, when history or
 //!   statistics scopes start, and when their thread exits (collected at the allocator's next
 //!   slow allocation). A cache miss does not flush the thread's cache (single-thread mode
-//!   flushes its quick lists): a thread's cache may so hold up to [`CACHE_CAP`] small blocks
-//!   per stream and size that the shared state cannot split or merge until memory runs short.
+//!   flushes its quick lists) while growing is free: a thread's cache may so hold up to
+//!   [`CACHE_CAP`] small blocks per stream and size that the shared state cannot split or
+//!   merge. A miss under pressure (growing would move or release pages) drains every cache
+//!   first.
 //!
 //! Peaks (see `peaks`): exact while only one thread allocates between two reads of the
 //! statistics, never below the true peak with several.
