@@ -29,6 +29,8 @@ impl CachingAllocator {
             return;
         }
         st.multi = true;
+        let allocated = st.stats.allocated_bytes.all;
+        st.live.start(allocated.current, allocated.peak);
         st.flush_parked();
         self.update_caching(st);
     }
@@ -149,7 +151,11 @@ impl CachingAllocator {
                 .iter()
                 .position(Option::is_none)
                 .unwrap_or(table.len());
-            let c = Arc::new(ThreadCache::new(index as u32, self.orphans.clone()));
+            let c = Arc::new(ThreadCache::new(
+                index as u32,
+                self.orphans.clone(),
+                self.live.clone(),
+            ));
             if !thread_cache::set_thread_cache(self.id, c.clone()) {
                 return None;
             }

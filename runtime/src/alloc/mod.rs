@@ -131,9 +131,10 @@ impl From<BackendError> for GrowError {
 /// lock, and a free on another thread returns the block to the cache that handed it out (on an
 /// H100 host, 8 threads took 1.1–1.6× one thread's time per pair: docs/BENCHMARKS.md). Cached
 /// blocks go back to the shared pool before any allocation can fail, on
-/// [`CachingAllocator::empty_cache`], and when their thread exits. Current statistics stay exact;
-/// peaks stay exact while one thread allocates and frees, and are upper bounds otherwise (see
-/// [`CachingAllocator::stats`]).
+/// [`CachingAllocator::empty_cache`], and when their thread exits. Current statistics stay exact,
+/// and so does the peak of allocated bytes (all pools); the other peaks stay exact while one
+/// thread allocates and frees, and are upper bounds otherwise, never above the reserved peak of
+/// their pool (see [`CachingAllocator::stats`]).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -166,6 +167,9 @@ pub struct CachingAllocator {
     generations: AtomicU64,
     /// Caches whose thread exited and whose blocks are still to be collected.
     orphans: Arc<AtomicUsize>,
+    /// Allocated bytes counted in one order in multi-thread mode (shared with the state and
+    /// every cache; see `peaks`).
+    live: Arc<peaks::LiveBytes>,
 }
 
 /// A function called with every out-of-memory error ([`CachingAllocator::attach_oom_observer`]).
@@ -204,7 +208,9 @@ impl CachingAllocator {
             state.limit = Some((total as f64 * f) as u64);
             state.fraction = Some(f);
         }
+        let live = state.live.clone();
         Self {
+            live,
             cfg: state.cfg.clone(),
             state: Mutex::new(state),
             backend,
@@ -712,15 +718,18 @@ impl CachingAllocator {
     /// A copy of the statistics. Current values and totals are exact at any moment no other
     /// thread allocates or frees. Peaks are exact while one thread allocates and frees (since
     /// the previous call or [`CachingAllocator::reset_peak_stats`]), also after other threads
-    /// have used the allocator (thread caches, see [`CachingAllocator`]); while several threads
-    /// allocate or free between two calls, each `peak` is an upper bound: never below the true
-    /// peak.
+    /// have used the allocator (thread caches, see [`CachingAllocator`]). With any number of
+    /// threads, `allocated_bytes.all.peak` is exact (allocated bytes are counted in one order
+    /// by every thread); while several threads allocate or free between two calls, each other
+    /// `peak` is an upper bound: never below the true peak, never above the reserved peak of
+    /// its pool.
     pub fn stats(&self) -> MemoryStats {
         let mut st = self.lock();
         self.fold_caches(&mut st);
         let mut s = st.stats;
         s.largest_free_block = st.largest_free();
-        st.peaks.apply_floors(&mut s);
+        let live = st.multi.then_some(&*st.live);
+        st.peaks.apply_floors(&mut s, live);
         s
     }
 
@@ -802,6 +811,7 @@ impl CachingAllocator {
         self.fold_caches(&mut st);
         st.stats.reset_peaks();
         st.peaks.reset();
+        st.live.reset_peak();
     }
 
     /// Resets the accumulated totals (`allocated`/`freed` of every statistic) and the event

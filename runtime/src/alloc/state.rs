@@ -7,7 +7,7 @@ use rustc_hash::FxHashMap;
 
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
 use super::history::{History, TraceAction};
-use super::peaks::Peaks;
+use super::peaks::{LiveBytes, Peaks};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::{MemoryStats, ScopeStats};
 use super::thread_cache::CacheState;
@@ -77,6 +77,8 @@ pub(crate) struct State {
     /// Multi-thread mode: the peaks of the statistics the caches change (see `peaks`; each
     /// such statistic's own `peak` then holds the shared state's high since the last sync).
     pub peaks: Peaks,
+    /// Multi-thread mode: allocated bytes counted in one order by every thread (see `peaks`).
+    pub live: std::sync::Arc<LiveBytes>,
 }
 
 /// Most blocks parked per (stream, size).
@@ -116,6 +118,7 @@ impl State {
             owner_thread: 0,
             multi: false,
             peaks: Peaks::default(),
+            live: Default::default(),
         }
     }
 
@@ -289,6 +292,9 @@ impl State {
         b.generation = self.next_generation;
         self.next_generation += 1;
         let (small, size) = (b.pool.is_small(), b.size);
+        if self.multi {
+            self.live.add(size);
+        }
         let s = &mut self.stats;
         s.allocated_bytes.add(small, size);
         s.allocation.add(small, 1);
@@ -307,6 +313,9 @@ impl State {
     pub fn unmark_allocated(&mut self, id: BlockId) {
         let b = &self.blocks[id];
         let (small, size, req) = (b.pool.is_small(), b.size, b.requested);
+        if self.multi {
+            self.live.sub(size);
+        }
         let s = &mut self.stats;
         s.allocated_bytes.sub(small, size);
         s.allocation.sub(small, 1);

@@ -47,6 +47,7 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::block::BlockId;
+use super::peaks::LiveBytes;
 use super::stats::{MemoryStats, Stat};
 use crate::backend::StreamId;
 
@@ -105,6 +106,8 @@ pub(crate) struct CacheState {
     pub stats: DeltaStats,
     /// The highest each delta reached in any window since the last fold (see `peaks`).
     pub highs: [u64; CACHE_STATS],
+    /// The allocator's count of allocated bytes in one order (see `peaks`).
+    pub live_bytes: Arc<LiveBytes>,
     /// The owning thread has exited: frees return blocks to the shared state.
     pub owner_gone: bool,
     /// The allocator has drained this orphan's cached blocks.
@@ -126,10 +129,13 @@ pub(crate) struct ThreadCache {
 }
 
 impl ThreadCache {
-    pub fn new(index: u32, orphans: Arc<AtomicUsize>) -> Self {
+    pub fn new(index: u32, orphans: Arc<AtomicUsize>, live: Arc<LiveBytes>) -> Self {
         Self {
             index,
-            state: Mutex::new(CacheState::default()),
+            state: Mutex::new(CacheState {
+                live_bytes: live,
+                ..CacheState::default()
+            }),
             orphans,
         }
     }
@@ -204,6 +210,7 @@ impl CacheState {
         s.generation = g;
         s.requested = requested;
         let (small, size, oversize) = (s.small, s.size, s.oversize);
+        self.live_bytes.add(size);
         self.stats.allocated(small, size, requested, oversize);
     }
 
@@ -240,6 +247,7 @@ impl CacheState {
         let s = &mut self.slots[i as usize];
         s.state = SlotState::Cached;
         s.requested = 0;
+        self.live_bytes.sub(size);
         self.stats.freed(small, size, req, oversize);
         if split {
             self.stats.inactive_split(small, size, true);
