@@ -25,7 +25,8 @@ pub enum Error {
     /// memory source's error); an out-of-memory when it is one.
     Oomguard(oomguard::Error),
     /// The batch's tensors do not have the rows the plan splits (e.g. a tensor of 16 rows in a
-    /// step of batch 8); not retried.
+    /// step of batch 8), or the chunks backpropagated do not cover the batch's rows exactly once
+    /// (a chunk twice, chunks of two plans, a chunk left out); not retried.
     Rows(String),
     /// The chunk's loss is not one value (the chunk's mean loss, e.g. `loss.mean()`); not
     /// retried.
@@ -123,6 +124,12 @@ impl IsOom for Error {
     fn oom_request(&self) -> Option<oomguard::retry::OomRequest> {
         match self {
             Error::Oomguard(e) => IsOom::oom_request(e),
+            _ => None,
+        }
+    }
+    fn oom_in_use(&self) -> Option<u64> {
+        match self {
+            Error::Oomguard(e) => IsOom::oom_in_use(e),
             _ => None,
         }
     }

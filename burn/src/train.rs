@@ -92,9 +92,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         self.losses.rows()
     }
 
-    /// The summed gradients, for `Optimizer::step`. [`Error::NoGradient`] names every float
-    /// parameter of `model` that requires a gradient and got none.
+    /// The summed gradients, for `Optimizer::step`. [`Error::Rows`]: the chunks backpropagated
+    /// do not cover the batch, every row exactly once (a chunk twice, one left out).
+    /// [`Error::NoGradient`] names every float parameter of `model` that requires a gradient
+    /// and got none.
     pub fn into_grads(self, model: &M) -> Result<GradientsParams, Error> {
+        self.losses.covers_batch().map_err(Error::Rows)?;
         let grads = self.sum.take();
         let missing = compat::missing_gradients(model, &grads);
         if missing.is_empty() {
@@ -163,6 +166,9 @@ impl fmt::Display for TrainStepError {
 /// An outer retry may rerun only a [`TrainStepError::Retry`] that ran out of memory at every plan
 /// (oomguard's shared rule, [`oomguard::train::TrainStepError`]): an update error may have
 /// advanced the optimizer, and a parameter that could not be initialised is not the batch's.
+/// The source of an [`Update`](TrainStepError::Update) is the
+/// [`UpdateApplied`](oomguard::retry::UpdateApplied) mark, so a boxed `dyn Error` (or
+/// `chain_is_oom`) says no too.
 impl IsOom for TrainStepError {
     fn is_oom(&self) -> bool {
         matches!(self, TrainStepError::Retry(e) if e.is_oom())
@@ -176,7 +182,9 @@ impl std::error::Error for TrainStepError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             TrainStepError::Retry(e) => Some(e),
-            TrainStepError::Update { error, .. } => Some(error),
+            // The update's error may be an out-of-memory: a walk of the chain must stop at the
+            // mark, not find it and call the step retryable (the error is in the variant).
+            TrainStepError::Update { .. } => Some(&oomguard::retry::UpdateApplied),
             TrainStepError::Parameters(e) => Some(e),
         }
     }

@@ -569,3 +569,54 @@ fn a_parameter_broken_outside_the_step_is_named_not_a_panic() {
     assert!(!inner.is_oom(), "not retried: no memory can mend it");
     assert!(err.to_string().contains("build the model again"), "{err}");
 }
+
+/// The chunks must cover the batch row by row: a chunk left out is refused by `into_grads`, a
+/// chunk backpropagated twice by `backward`. Before: `into_grads` checked no rows, and the same
+/// chunk twice was summed twice.
+#[test]
+fn the_accumulated_chunks_must_cover_the_batch_exactly_once() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let model = Mlp::<B>::new(&dev);
+    let plan = BatchPlan::new(8, 2).unwrap();
+    let first = plan.chunk(0).unwrap();
+    let loss = || {
+        mse(
+            &model,
+            chunk_rows(&x, &first).unwrap(),
+            chunk_rows(&y, &first).unwrap(),
+        )
+    };
+    let mut acc = GradAccumulator::<B, Mlp<B>>::new();
+    acc.backward(&model, loss(), &first).unwrap();
+    let e = acc.into_grads(&model).unwrap_err();
+    assert!(
+        matches!(&e, Error::Rows(m) if m.contains("rows 4..8 never ran")),
+        "{e}"
+    );
+    let mut acc = GradAccumulator::<B, Mlp<B>>::new();
+    acc.backward(&model, loss(), &first).unwrap();
+    let e = acc.backward(&model, loss(), &first).unwrap_err();
+    assert!(matches!(&e, Error::Rows(m) if m.contains("0..4")), "{e}");
+    assert_eq!(acc.rows(), 4, "the repeated chunk added nothing");
+}
+
+/// An update that ran out of memory on an oomguard device is not an out-of-memory by any route:
+/// its source is the after-update mark, not the update's error. Before: a boxed `dyn Error`
+/// (and `chain_is_oom`) found the update's out-of-memory and called the step retryable.
+#[test]
+fn an_update_error_is_not_an_oom_boxed_either() {
+    let sim = oomguard::Device::sim(ByteSize::mib(1));
+    let report = RetryEngine::new()
+        .run(&sim, 1, |_| Ok::<_, oomguard::Error>(()), |()| ())
+        .unwrap()
+        .report;
+    let err = TrainStepError::Update {
+        error: Error::Oomguard(sim.alloc::<u8>(2 << 20).unwrap_err()),
+        report: Box::new(report),
+    };
+    assert!(!err.is_oom());
+    assert!(!oomguard::retry::chain_is_oom(&err), "{err}");
+    let boxed: Box<dyn std::error::Error> = Box::new(err);
+    assert!(!boxed.is_oom() && !boxed.is_budget_exceeded(), "{boxed}");
+}

@@ -185,6 +185,27 @@ fn chunks_that_miss_rows_or_mix_batches_are_errors() {
     );
 }
 
+/// The same chunk backpropagated twice covers 8 rows of a batch of 8, but rows 4..8 never ran:
+/// refused before its second backward. Before: accepted, and `into_grads` passed (it counted
+/// rows).
+#[test]
+fn a_chunk_backpropagated_twice_is_refused() {
+    let w = Var::ones(4, DType::F32, &Device::Cpu).unwrap();
+    let (x, _) = batch(8);
+    let loss = x.broadcast_mul(w.as_tensor()).unwrap().mean_all().unwrap();
+    let plan = BatchPlan::new(8, 2).unwrap();
+    let mut acc = GradAccumulator::new(&w);
+    acc.backward(&loss, &plan.chunk(0).unwrap()).unwrap();
+    let e = acc
+        .backward(&loss, &plan.chunk(0).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rows 0..4") && e.contains("exactly once"), "{e}");
+    assert_eq!(acc.rows(), 4);
+    let e = acc.into_grads().unwrap_err().to_string();
+    assert!(e.contains("rows 4..8 never ran"), "{e}");
+}
+
 /// 24 rows in 3 chunks of 8 (weights 1/3, which bf16 rounds to 0.333984375), every chunk's
 /// mean loss exactly 1 in bf16: any error comes from how the weights are applied.
 fn bf16_chunks(var_dtype: DType) -> (f64, f64, DType) {

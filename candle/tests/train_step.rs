@@ -450,4 +450,8 @@ fn an_update_that_ran_out_of_memory_is_not_retryable() {
         !err.is_oom(),
         "but the step must not be rerun: it may be partly applied"
     );
+    // nor by a walk of its chain, boxed or not (before: the walk found the optimizer's OOM)
+    assert!(!oomguard::retry::chain_is_oom(&err), "{err}");
+    let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(err);
+    assert!(!boxed.is_oom() && !boxed.is_budget_exceeded(), "{boxed}");
 }

@@ -287,10 +287,21 @@ impl Device {
     }
 
     /// Resets the accumulated statistics and event counters (PyTorch's
-    /// `reset_accumulated_memory_stats`); see
-    /// [`CachingAllocator::reset_accumulated_memory_stats`].
+    /// `reset_accumulated_memory_stats`; see
+    /// [`CachingAllocator::reset_accumulated_memory_stats`]), and
+    /// [`Device::budget_refusals`].
     pub fn reset_accumulated_memory_stats(&self) {
-        self.inner.allocator.reset_accumulated_memory_stats()
+        self.inner.allocator.reset_accumulated_memory_stats();
+        self.inner.tracker.reset_budget_refusals();
+    }
+
+    /// Allocations on this device that a memory budget refused ([`BudgetExceeded`](crate::BudgetExceeded)),
+    /// since the device was made or [`Device::reset_accumulated_memory_stats`]. A refusal never
+    /// reaches the allocator, so [`MemoryStats::num_ooms`] (PyTorch's meaning: out-of-memory
+    /// errors of the allocator) does not count it, while a retry report counts it as an
+    /// out-of-memory; [`Device::memory_summary`] shows both.
+    pub fn budget_refusals(&self) -> u64 {
+        self.inner.tracker.budget_refusals()
     }
 
     /// Returns cached unused memory to the device.
@@ -298,9 +309,13 @@ impl Device {
         self.inner.allocator.empty_cache()
     }
 
-    /// A readable table of the statistics, like `torch.cuda.memory_summary()`.
+    /// A readable table of the statistics, like `torch.cuda.memory_summary()`, with a line for
+    /// the allocations memory budgets refused ([`Device::budget_refusals`]; its `OOMs` counts
+    /// the allocator's out-of-memory errors only, as PyTorch's `num_ooms`).
     pub fn memory_summary(&self) -> String {
-        self.inner.allocator.memory_summary()
+        self.inner
+            .allocator
+            .memory_summary_with(Some(self.budget_refusals()))
     }
 
     /// Segments and blocks of the allocator.

@@ -207,3 +207,106 @@ fn oom_requests_are_read_through_wrappers() {
     );
     assert_eq!(*seen.lock().unwrap(), vec![Pressure::TooLarge]);
 }
+
+/// A step whose second layer is 4 times as wide as its first, 100 rows on a 64 MiB card: the
+/// first attempt fails on the narrow layer (100 MiB), the second (2 × 50 rows) on the wide one
+/// (200 MiB). The two failing requests are two different allocations, so the larger second one
+/// says nothing about a request that does not shrink. Before: the engine stopped there ("no
+/// plan can serve it"); 7-row chunks fit.
+#[test]
+fn a_step_whose_layers_widen_is_split_until_it_fits() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let out = RetryEngine::new()
+        .run(
+            &dev,
+            100,
+            |plan| {
+                for c in plan.chunks() {
+                    let narrow = dev.alloc::<u8>(c.len() * MIB)?;
+                    let wide = dev.alloc::<u8>(c.len() * 4 * MIB)?;
+                    drop((narrow, wide));
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let r = &out.report;
+    let requested: Vec<_> = r
+        .attempts
+        .iter()
+        .map(|a| a.too_large.map(|t| t.requested))
+        .collect();
+    assert_eq!(
+        requested[..2],
+        [Some(100 * MIB as u64), Some(200 * MIB as u64)],
+        "{r}"
+    );
+    assert_eq!(r.stopped, None, "{r}");
+    assert_eq!(r.final_plan.batch(), 100, "{r}");
+    assert!(r.final_plan.micro_batch() <= 12, "{r}");
+}
+
+/// Layers of 1 and 2 MiB per row: the second attempt (2 × 50 rows) fails on the wide layer with
+/// a request of the same size as the first attempt's (100 MiB), but with the narrow layer's
+/// 50 MiB in use: another allocation, not the same one failing again. Before: stopped.
+#[test]
+fn an_equal_request_of_another_layer_is_not_taken_for_a_fixed_one() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let out = RetryEngine::new()
+        .run(
+            &dev,
+            100,
+            |plan| {
+                for c in plan.chunks() {
+                    let narrow = dev.alloc::<u8>(c.len() * MIB)?;
+                    let wide = dev.alloc::<u8>(c.len() * 2 * MIB)?;
+                    drop((narrow, wide));
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let r = &out.report;
+    assert_eq!(
+        r.attempts[0].too_large.map(|t| t.requested),
+        Some(100 * MIB as u64),
+        "{r}"
+    );
+    assert_eq!(
+        r.attempts[1].too_large.map(|t| t.requested),
+        Some(100 * MIB as u64),
+        "{r}"
+    );
+    assert!(r.final_plan.micro_batch() <= 21, "{r}");
+}
+
+/// A weight-sized buffer allocated after the chunk's rows: the same request fails again with
+/// less in use before it (the rows shrank), which is still the same allocation: the step stops
+/// after two attempts.
+#[test]
+fn a_fixed_request_after_the_rows_still_stops() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let e = RetryEngine::new()
+        .run(
+            &dev,
+            100,
+            |plan| {
+                for c in plan.chunks() {
+                    let rows = dev.alloc::<u8>(c.len() * MIB / 8)?;
+                    let weight = dev.alloc::<u8>(128 * MIB)?;
+                    drop((rows, weight));
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_err();
+    let r = e.report().unwrap();
+    assert_eq!(r.attempts.len(), 2, "{r}");
+    assert!(
+        matches!(r.stopped, Some(StopReason::TooLarge { .. })),
+        "{r}"
+    );
+}

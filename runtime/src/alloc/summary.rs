@@ -9,6 +9,13 @@ use crate::ByteSize;
 impl CachingAllocator {
     /// A table of the statistics, in the layout of `torch.cuda.memory_summary()`.
     pub fn memory_summary(&self) -> String {
+        self.memory_summary_with(None)
+    }
+
+    /// [`CachingAllocator::memory_summary`] with a line for the allocations memory budgets
+    /// refused (a `Device`'s table): those never reach the allocator, so its `OOMs` (PyTorch's
+    /// `num_ooms`) does not count them, while a retry report does.
+    pub(crate) fn memory_summary_with(&self, budget_refusals: Option<u64>) -> String {
         let s = self.stats();
         let cfg = self.config();
         format_summary(
@@ -16,11 +23,18 @@ impl CachingAllocator {
             &self.backend().name(),
             self.backend().ordinal(),
             &cfg.to_string(),
+            budget_refusals,
         )
     }
 }
 
-pub(crate) fn format_summary(s: &MemoryStats, name: &str, ordinal: usize, cfg: &str) -> String {
+pub(crate) fn format_summary(
+    s: &MemoryStats,
+    name: &str,
+    ordinal: usize,
+    cfg: &str,
+    budget_refusals: Option<u64>,
+) -> String {
     let line = "|".to_string() + &"=".repeat(91) + "|\n";
     let thin = "|".to_string() + &"-".repeat(91) + "|\n";
     let mut o = String::new();
@@ -39,6 +53,15 @@ pub(crate) fn format_summary(s: &MemoryStats, name: &str, ordinal: usize, cfg: &
             s.num_alloc_retries, s.num_ooms, s.num_device_alloc, s.num_device_free
         )
     );
+    if let Some(n) = budget_refusals {
+        let _ = writeln!(
+            o,
+            "| {:<89} |",
+            format!(
+                "budget refusals: {n:<6} (by memory budgets, before the allocator; not counted in OOMs)"
+            )
+        );
+    }
     o += &line;
     let _ = writeln!(
         o,

@@ -165,6 +165,9 @@ pub(crate) struct Tracker {
     tracked: AtomicUsize,
     wide: Mutex<Vec<Arc<Scope>>>,
     table: Mutex<Table>,
+    /// Allocations a budget refused (they never reach the allocator, whose `num_ooms` does not
+    /// count them).
+    budget_refusals: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -181,6 +184,16 @@ impl Tracker {
     #[inline]
     pub fn scopes_open(&self) -> bool {
         self.open.load(Relaxed) != 0 || ANY_DEVICE_OPEN.load(Relaxed) != 0
+    }
+
+    /// Allocations a budget refused since the device was made (or the count was reset).
+    pub fn budget_refusals(&self) -> u64 {
+        self.budget_refusals.load(Relaxed)
+    }
+
+    /// Sets [`Tracker::budget_refusals`] back to 0.
+    pub fn reset_budget_refusals(&self) {
+        self.budget_refusals.store(0, Relaxed);
     }
 
     /// Whether some live allocation is recorded: the free fast-path test.
@@ -291,7 +304,10 @@ impl Tracker {
             .unwrap_or(0);
         let total = allocator.device_total();
         let dev = self.id();
-        charge(&scopes, estimate, total, dev).map_err(Error::BudgetExceeded)?;
+        if let Err(e) = charge(&scopes, estimate, total, dev) {
+            self.budget_refusals.fetch_add(1, Relaxed);
+            return Err(Error::BudgetExceeded(e));
+        }
         let a = match allocator.allocate(bytes, stream) {
             Ok(a) => a,
             Err(e) => {
@@ -309,6 +325,7 @@ impl Tracker {
                 }
                 e.requested = a.size;
                 e.in_use = e.in_use.saturating_sub(estimate);
+                self.budget_refusals.fetch_add(1, Relaxed);
                 return Err(Error::BudgetExceeded(e));
             }
         } else if a.size < estimate {
@@ -477,6 +494,7 @@ fn charge(
     dev: usize,
 ) -> Result<(), BudgetExceeded> {
     for (i, s) in scopes.iter().enumerate() {
+        // A refusal carries the limit that refused it: only a scope with a limit refuses.
         let r = match (s.kind.limit, s.limit(device_total)) {
             (_, None) => Ok(s.live.fetch_add(n, Relaxed)),
             (Some(Limit::Fraction(_)), Some(limit)) => {
@@ -487,19 +505,22 @@ fn charge(
                         *cur = v;
                         Ok(s.live.fetch_add(n, Relaxed))
                     }
-                    None => Err(*cur),
+                    None => Err((*cur, limit)),
                 }
             }
-            (_, Some(limit)) => s.live.fetch_update(Relaxed, Relaxed, |cur| {
-                cur.checked_add(n).filter(|&v| v <= limit)
-            }),
+            (_, Some(limit)) => s
+                .live
+                .fetch_update(Relaxed, Relaxed, |cur| {
+                    cur.checked_add(n).filter(|&v| v <= limit)
+                })
+                .map_err(|cur| (cur, limit)),
         };
-        if let Err(in_use) = r {
+        if let Err((in_use, limit)) = r {
             uncharge(&scopes[..i], n, dev);
             return Err(BudgetExceeded {
                 requested: n,
                 in_use,
-                limit: s.limit(device_total).unwrap_or(0),
+                limit,
             });
         }
     }

@@ -7,7 +7,7 @@
 
 use std::error::Error as StdError;
 
-use super::commit::{AfterCommit, AfterCommitIo};
+use super::commit::{AfterCommit, AfterCommitIo, UpdateApplied};
 use super::report::RetryReport;
 use crate::backend::BackendError;
 use crate::error::{BudgetExceeded, Error, OomError};
@@ -62,6 +62,16 @@ pub trait IsOom {
     /// same-plan retry for it ([`Pressure::TooLarge`](super::Pressure::TooLarge)) and stops
     /// when the request does not shrink with the plan. `None` by default.
     fn oom_request(&self) -> Option<OomRequest> {
+        None
+    }
+
+    /// Bytes in use against the same capacity as [`IsOom::oom_request`]'s when the request
+    /// failed: the device's allocated bytes ([`OomError::allocated`]) or the budget's
+    /// ([`BudgetExceeded::in_use`]), read through the same wrappers. The retry engine tells
+    /// with it one allocation failing again (same size, no more in use before it) from another
+    /// allocation of the same size that a smaller plan reached (with the first one's memory in
+    /// use). `None` by default (then the size alone is compared).
+    fn oom_in_use(&self) -> Option<u64> {
         None
     }
 
@@ -142,6 +152,14 @@ impl IsOom for Error {
             _ => None,
         }
     }
+    fn oom_in_use(&self) -> Option<u64> {
+        match self {
+            Error::Oom(e) => e.oom_in_use(),
+            Error::BudgetExceeded(e) => e.oom_in_use(),
+            Error::RetriesExhausted { error, .. } => error.oom_in_use(),
+            _ => None,
+        }
+    }
     fn is_budget_exceeded(&self) -> bool {
         match self {
             Error::BudgetExceeded(_) => true,
@@ -181,6 +199,9 @@ impl IsOom for OomError {
             budget: false,
         })
     }
+    fn oom_in_use(&self) -> Option<u64> {
+        Some(self.allocated)
+    }
 }
 
 impl IsOom for BudgetExceeded {
@@ -197,6 +218,9 @@ impl IsOom for BudgetExceeded {
             budget: true,
         })
     }
+    fn oom_in_use(&self) -> Option<u64> {
+        Some(self.in_use)
+    }
 }
 
 /// An `io::Error` is an out-of-memory when the error it wraps is one (its `get_ref`, then that
@@ -210,6 +234,9 @@ impl IsOom for std::io::Error {
     }
     fn oom_request(&self) -> Option<OomRequest> {
         chain_oom_request(self)
+    }
+    fn oom_in_use(&self) -> Option<u64> {
+        chain_oom_in_use(self)
     }
     fn with_retry_report(self, report: &RetryReport) -> Self {
         std::io::Error::new(
@@ -266,6 +293,9 @@ impl IsOom for anyhow::Error {
     fn oom_request(&self) -> Option<OomRequest> {
         chain_oom_request(self.as_ref())
     }
+    fn oom_in_use(&self) -> Option<u64> {
+        chain_oom_in_use(self.as_ref())
+    }
     fn with_retry_report(self, report: &RetryReport) -> Self {
         if self.downcast_ref::<AfterCommit>().is_some() {
             return self;
@@ -312,6 +342,9 @@ impl<T: IsOom + ?Sized> IsOom for &T {
     fn oom_request(&self) -> Option<OomRequest> {
         (**self).oom_request()
     }
+    fn oom_in_use(&self) -> Option<u64> {
+        (**self).oom_in_use()
+    }
 }
 
 impl<T: IsOom + ?Sized> IsOom for Box<T> {
@@ -324,6 +357,9 @@ impl<T: IsOom + ?Sized> IsOom for Box<T> {
     fn oom_request(&self) -> Option<OomRequest> {
         (**self).oom_request()
     }
+    fn oom_in_use(&self) -> Option<u64> {
+        (**self).oom_in_use()
+    }
 }
 
 impl<T: IsOom + ?Sized> IsOom for std::sync::Arc<T> {
@@ -335,6 +371,9 @@ impl<T: IsOom + ?Sized> IsOom for std::sync::Arc<T> {
     }
     fn oom_request(&self) -> Option<OomRequest> {
         (**self).oom_request()
+    }
+    fn oom_in_use(&self) -> Option<u64> {
+        (**self).oom_in_use()
     }
 }
 
@@ -349,6 +388,9 @@ macro_rules! dyn_is_oom {
             }
             fn oom_request(&self) -> Option<OomRequest> {
                 chain_oom_request(self)
+            }
+            fn oom_in_use(&self) -> Option<u64> {
+                chain_oom_in_use(self)
             }
         }
     )*};
@@ -413,6 +455,24 @@ pub(super) fn chain_oom_request(err: &(dyn StdError + 'static)) -> Option<OomReq
     })
 }
 
+/// The bytes in use when it failed ([`IsOom::oom_in_use`]) of the first oomguard
+/// out-of-memory in `err`'s `source()` chain.
+pub(super) fn chain_oom_in_use(err: &(dyn StdError + 'static)) -> Option<u64> {
+    chain_find(err, |e| {
+        if let Some(e) = e.downcast_ref::<Error>() {
+            return match e {
+                Error::Oom(_) | Error::BudgetExceeded(_) => e.oom_in_use(),
+                _ => None,
+            };
+        }
+        if let Some(e) = e.downcast_ref::<OomError>() {
+            return e.oom_in_use();
+        }
+        e.downcast_ref::<BudgetExceeded>()
+            .and_then(IsOom::oom_in_use)
+    })
+}
+
 /// Walks the chain: each error, then the error an `io::Error` wraps (its `source()` skips it),
 /// then `source()`.
 fn chain_any(
@@ -453,6 +513,7 @@ fn chain_find<T>(
 fn is_after_commit(e: &(dyn StdError + 'static)) -> bool {
     e.is::<AfterCommit>()
         || e.is::<AfterCommitIo>()
+        || e.is::<UpdateApplied>()
         || matches!(e.downcast_ref::<Error>(), Some(Error::AfterCommit { .. }))
 }
 

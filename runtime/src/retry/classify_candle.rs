@@ -10,7 +10,9 @@
 
 use std::error::Error as StdError;
 
-use super::classify::{chain_is_budget, chain_is_oom, chain_oom_request, OomRequest};
+use super::classify::{
+    chain_is_budget, chain_is_oom, chain_oom_in_use, chain_oom_request, OomRequest,
+};
 use super::IsOom;
 
 impl IsOom for candle_core::Error {
@@ -26,6 +28,10 @@ impl IsOom for candle_core::Error {
     /// error (candle's own CUDA errors do not say what was requested: `None`).
     fn oom_request(&self) -> Option<OomRequest> {
         candle_find(self, 0, &chain_oom_request)
+    }
+    /// The bytes in use when an oomguard out-of-memory carried inside the error failed.
+    fn oom_in_use(&self) -> Option<u64> {
+        candle_find(self, 0, &chain_oom_in_use)
     }
 }
 

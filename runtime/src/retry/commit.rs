@@ -66,6 +66,31 @@ impl fmt::Display for AfterCommit {
 
 impl std::error::Error for AfterCommit {}
 
+/// The mark in the `source()` chain of an error whose update was (maybe in part) applied, for
+/// an error that holds the update's own error in a field rather than marked: a `train_step`'s
+/// `TrainStepError::Update` reports it as its source, so that a walk of the chain
+/// ([`chain_is_oom`](super::chain_is_oom), a boxed `dyn Error`, an `anyhow::Error`) stops there
+/// instead of finding the optimizer's out-of-memory and calling the step retryable. The
+/// update's error is in the variant (and its message).
+///
+/// ```
+/// use oomguard_runtime::retry::{chain_is_oom, UpdateApplied};
+/// assert!(!chain_is_oom(&UpdateApplied));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UpdateApplied;
+
+impl fmt::Display for UpdateApplied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "an update was already applied, maybe in part: not retryable (the update's own \
+             error is in the error that holds this mark)",
+        )
+    }
+}
+
+impl std::error::Error for UpdateApplied {}
+
 /// An `io::Error` marked as coming after a commit (see [`IsOom::after_commit`]); its source is
 /// the original error.
 ///

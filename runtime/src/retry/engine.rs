@@ -849,8 +849,9 @@ struct FullLoop<E> {
     report: RetryReport,
     failures: Vec<FailedAttempt<E>>,
     oom_count: u32,
-    /// The last failed attempt's request larger than the whole capacity, and its plan.
-    last_too_large: Option<(OomRequest, BatchPlan)>,
+    /// The last failed attempt's request larger than the whole capacity, the bytes in use when
+    /// it failed, and its plan.
+    last_too_large: Option<(OomRequest, Option<u64>, BatchPlan)>,
     started: Instant,
     attempt_started: Instant,
     retries_before: u64,
@@ -940,8 +941,11 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 // what the next attempt starts with, its frees run
                 self.report.held_bytes.push(self.target.held());
                 too_large = e.oom_request().filter(OomRequest::exceeds_capacity);
-                let previous_too_large =
-                    std::mem::replace(&mut self.last_too_large, too_large.map(|r| (r, plan)));
+                let in_use = e.oom_in_use();
+                let previous_too_large = std::mem::replace(
+                    &mut self.last_too_large,
+                    too_large.map(|r| (r, in_use, plan)),
+                );
                 let rose_now = matches!(self.report.held_bytes.as_slice(), [.., a, b] if b > a);
                 let stop =
                     if self.engine.inner.stop_on_growth && rose_now && self.report.held_grew() {
@@ -950,7 +954,12 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                         })
                     } else {
                         match (too_large, previous_too_large) {
-                            (Some(r), Some((prev, prev_plan))) if r.requested >= prev.requested => {
+                            (Some(r), Some((prev, prev_in_use, prev_plan)))
+                                if same_allocation_again(
+                                    (r.requested, in_use),
+                                    (prev.requested, prev_in_use),
+                                ) =>
+                            {
                                 Some(StopReason::TooLarge {
                                     request: r,
                                     plans: (prev_plan, plan),
@@ -1394,6 +1403,27 @@ impl RetryEngine {
             report.memory_error = Some(err.to_string());
         }
     }
+}
+
+/// Whether a request larger than the whole capacity that failed after a smaller plan
+/// (`(bytes, in use when it failed)`) is the one that failed before it, failing again: then it
+/// does not depend on the plan, and no plan can serve it.
+///
+/// The two failing requests need not be the same allocation: a step whose layers widen fails
+/// first on a narrow layer, then, its chunk halved, on a wider one. A larger request proves
+/// they differ (the allocation that failed before got past, so it shrank with the plan: keep
+/// splitting); a smaller one shrank. The same size is the same allocation unless another one
+/// happens to be exactly that much wider than the chunk is smaller; that one is reached only
+/// after the first got past, with its memory (or what followed it) in use, so the same size
+/// counts as the same allocation only with no more in use than at the first failure (the rows
+/// before a fixed weight shrink with the chunk; unknown in-use figures compare as equal).
+/// Keeping on splitting is bounded by the policy and [`MAX_ATTEMPTS`].
+fn same_allocation_again(now: (u64, Option<u64>), before: (u64, Option<u64>)) -> bool {
+    now.0 == before.0
+        && match (now.1, before.1) {
+            (Some(now), Some(before)) => now <= before,
+            _ => true,
+        }
 }
 
 /// `[status, u64::MAX - micro_batch, rows dropped]`: the max over ranks is the worst status and

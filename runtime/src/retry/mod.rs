@@ -66,7 +66,7 @@ pub use classify::{chain_is_oom, IsOom, OomRequest};
 #[cfg(feature = "burn")]
 pub use classify_burn::cubecl_text_is_oom;
 pub use classify_tch::libtorch_text_is_oom;
-pub use commit::{note_commit, AfterCommit};
+pub use commit::{note_commit, AfterCommit, UpdateApplied};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{
     RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::DropsRows;
-use crate::retry::{BatchPlan, IsOom, RetryError, RetryReport};
+use crate::retry::{BatchPlan, IsOom, RetryError, RetryReport, UpdateApplied};
 
 /// Why a `train_step` failed (oomguard-candle's and oomguard-tch's, with `E` the framework's
 /// error). Nothing was updated, except after [`TrainStepError::Update`].
@@ -11,7 +11,10 @@ use crate::retry::{BatchPlan, IsOom, RetryError, RetryReport};
 /// [`IsOom`]: an out-of-memory is [`TrainStepError::Retry`] with every plan the policy allows
 /// failed ([`RetryError::GaveUp`]); a budget's one stays a budget's (the last failure's). An
 /// [`Update`](TrainStepError::Update) is never an out-of-memory, whatever its error: the update
-/// may have been applied in part, so an outer retry must not run the step again.
+/// may have been applied in part, so an outer retry must not run the step again. Every route
+/// agrees: its `source()` is the [`UpdateApplied`] mark (not the optimizer's error, which is in
+/// the variant and the message), so [`chain_is_oom`](crate::retry::chain_is_oom), a boxed
+/// `dyn Error` and an `anyhow::Error` say no too.
 #[derive(Debug)]
 pub enum TrainStepError<E> {
     /// The batch's tensors are not a batch: none given, a scalar, or different numbers of rows.
@@ -80,7 +83,9 @@ impl<E: std::error::Error + 'static> std::error::Error for TrainStepError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             TrainStepError::Retry(e) => Some(e),
-            TrainStepError::Update { error, .. } => Some(error),
+            // The optimizer's error may be an out-of-memory: a walk of the chain must stop at
+            // the mark, not find it and call the step retryable.
+            TrainStepError::Update { .. } => Some(&UpdateApplied),
             _ => None,
         }
     }

@@ -34,7 +34,8 @@ pub fn one_value(
 }
 
 /// The weighted sum of the chunks' mean losses of one attempt (the batch's mean loss, in `f64`)
-/// and the rows they cover, checked to come from one batch and, at the end, to cover it.
+/// and the row ranges they cover, checked to come from one batch and, at the end, to cover it:
+/// every row exactly once.
 ///
 /// ```
 /// use oomguard_runtime::retry::BatchPlan;
@@ -48,6 +49,8 @@ pub fn one_value(
 /// sum.covers_batch()?;
 /// assert!((sum.loss() - (4.0 * 1.0 + 3.0 * 2.0 + 3.0 * 3.0) / 10.0).abs() < 1e-12);
 /// assert_eq!(sum.rows(), 10);
+/// // a chunk that ran already is refused before its backward
+/// assert!(sum.admit(&plan.chunk(0).unwrap()).is_err());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -55,6 +58,11 @@ pub struct LossSum {
     loss: f64,
     rows: usize,
     batch: Option<usize>,
+    /// The row ranges added, in the order added (a chunk carries its range, so the check is by
+    /// rows, not by their count: the same chunk twice is not two chunks).
+    ranges: Vec<Range<usize>>,
+    /// The batch of a chunk added (without [`LossSum::admit`]) to a sum of another batch.
+    other_batch: Option<usize>,
 }
 
 impl LossSum {
@@ -63,8 +71,10 @@ impl LossSum {
         Self::default()
     }
 
-    /// Checks that `chunk` belongs to the batch of the chunks admitted before (the first one
-    /// sets it). Call it before the chunk's backward, so that a foreign chunk adds nothing.
+    /// Checks that `chunk` belongs to the batch of the chunks admitted or added before (the
+    /// first one sets it) and that none of its rows was added already (the same chunk twice, or
+    /// chunks of two plans that overlap). Call it before the chunk's backward, so that a foreign
+    /// or repeated chunk adds nothing.
     pub fn admit(&mut self, chunk: &Chunk) -> Result<(), String> {
         match self.batch {
             Some(b) if b != chunk.batch() => Err(format!(
@@ -72,6 +82,18 @@ impl LossSum {
                 chunk.batch()
             )),
             _ => {
+                let rows = chunk.rows();
+                if let Some(r) = self
+                    .ranges
+                    .iter()
+                    .find(|r| r.start < rows.end && rows.start < r.end)
+                {
+                    return Err(format!(
+                        "the chunk of rows {rows:?} overlaps rows {r:?}, added already: each \
+                         row of the batch must be backpropagated exactly once (the same chunk \
+                         twice, or chunks of two plans?)"
+                    ));
+                }
                 self.batch = Some(chunk.batch());
                 Ok(())
             }
@@ -85,10 +107,17 @@ impl LossSum {
     }
 
     /// Adds a loss already weighted by the chunk's share (read from the weighted loss the
-    /// backward ran on), and the chunk's rows.
+    /// backward ran on), and the chunk's rows (its range: [`LossSum::covers_batch`] checks
+    /// them).
     pub fn add_weighted(&mut self, chunk: &Chunk, weighted_loss: f64) {
         self.loss += weighted_loss;
         self.rows += chunk.len();
+        // a chunk of another batch is refused by `admit`; one added without it, by
+        // `covers_batch`
+        if *self.batch.get_or_insert(chunk.batch()) != chunk.batch() {
+            self.other_batch = Some(chunk.batch());
+        }
+        self.ranges.push(chunk.rows());
     }
 
     /// The batch's mean loss so far.
@@ -96,7 +125,7 @@ impl LossSum {
         self.loss
     }
 
-    /// Rows added so far.
+    /// Rows added so far (a row added twice counts twice).
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -106,15 +135,66 @@ impl LossSum {
         self.batch
     }
 
-    /// Checks that the chunks added cover their whole batch (every chunk of the plan ran).
+    /// Checks that the chunks added cover their whole batch, every row exactly once (every chunk
+    /// of the plan ran, none twice). The error names the rows added more than once and the rows
+    /// that never ran.
     pub fn covers_batch(&self) -> Result<(), String> {
-        match self.batch {
-            Some(batch) if self.rows != batch => Err(format!(
-                "only {} of the batch's {batch} rows were backpropagated: every chunk of the \
-                 plan must be",
-                self.rows
-            )),
-            _ => Ok(()),
+        let Some(batch) = self.batch else {
+            return Ok(());
+        };
+        if let Some(other) = self.other_batch {
+            return Err(format!(
+                "a chunk of a batch of {other} rows was added to the losses of a batch of \
+                 {batch} rows"
+            ));
         }
+        let mut ranges = self.ranges.clone();
+        ranges.sort_by_key(|r| (r.start, r.end));
+        let (mut twice, mut never): (Vec<Range<usize>>, Vec<Range<usize>>) =
+            (Vec::new(), Vec::new());
+        // rows 0..covered are added at least once
+        let mut covered = 0;
+        for r in &ranges {
+            if r.start > covered {
+                never.push(covered..r.start);
+            }
+            if r.start < covered {
+                let again = r.start..r.end.min(covered);
+                // sorted by start: a range added three times meets the last one
+                match twice.last_mut() {
+                    Some(last) if again.start <= last.end => {
+                        last.end = last.end.max(again.end);
+                    }
+                    _ => twice.push(again),
+                }
+            }
+            covered = covered.max(r.end);
+        }
+        if covered < batch {
+            never.push(covered..batch);
+        }
+        if twice.is_empty() && never.is_empty() {
+            return Ok(());
+        }
+        let list = |v: &[Range<usize>]| {
+            v.iter()
+                .map(|r| format!("{r:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut problems = Vec::new();
+        if !twice.is_empty() {
+            problems.push(format!("rows {} were added more than once", list(&twice)));
+        }
+        if !never.is_empty() {
+            problems.push(format!("rows {} never ran", list(&never)));
+        }
+        let off: usize = twice.iter().chain(&never).map(|r| r.len()).sum();
+        Err(format!(
+            "only {} of the batch's {batch} rows were backpropagated exactly once: {}; every \
+             chunk of the plan must be, once",
+            batch.saturating_sub(off),
+            problems.join("; ")
+        ))
     }
 }

@@ -8,11 +8,12 @@ use crate::retry::{
     MAX_ATTEMPTS,
 };
 
-/// The first plan with fewer rows than `batch` that `policy` proposes after repeated
-/// out-of-memory errors (or budget overruns) starting from the whole batch, as the engine would
-/// follow it. Policies depend only on their context, so this finds a row-dropping policy
-/// (e.g. `inference_policy()`, `Shrink`) before a real out-of-memory does. `None` when every
-/// plan it proposes keeps the batch.
+/// The first plan with fewer rows than `batch` that `policy` proposes under repeated pressure
+/// of any kind ([`Pressure`]: out-of-memory, a budget's overrun, a request larger than the
+/// whole card, allocator thrashing) starting from the whole batch, as the engine would follow
+/// it. Policies depend only on their context, so this finds a row-dropping policy (e.g.
+/// `inference_policy()`, `Shrink`, or one that drops rows under one pressure only) before a
+/// real out-of-memory does. `None` when every plan it proposes keeps the batch.
 ///
 /// ```
 /// use oomguard_runtime::retry::{inference_policy, training_policy};
@@ -22,7 +23,13 @@ use crate::retry::{
 /// ```
 pub fn drops_rows(policy: &dyn RetryPolicy, batch: usize) -> Option<BatchPlan> {
     let whole = BatchPlan::whole(batch).ok()?;
-    for pressure in [Pressure::Oom, Pressure::Budget] {
+    // Every pressure the engine asks under: a policy may drop rows under one of them only.
+    for pressure in [
+        Pressure::Oom,
+        Pressure::Budget,
+        Pressure::TooLarge,
+        Pressure::Thrash,
+    ] {
         let mut plan = whole;
         for attempt in 1..=MAX_ATTEMPTS {
             let ctx = RetryContext::new(plan, batch, attempt, pressure);

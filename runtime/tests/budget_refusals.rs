@@ -1,0 +1,76 @@
+//! What a memory budget's refusal says: the budget's limit in the error, and a count of its
+//! own in `memory_summary` (the allocator's `OOMs` keeps PyTorch's meaning).
+
+use oomguard_runtime::guard::{thread_budget, thread_budget_fraction};
+use oomguard_runtime::retry::RetryEngine;
+use oomguard_runtime::{ByteSize, Device, Error};
+
+const MIB: u64 = 1 << 20;
+
+fn budget_error(e: Error) -> oomguard_runtime::BudgetExceeded {
+    match e {
+        Error::BudgetExceeded(b) => b,
+        other => panic!("not a budget's refusal: {other}"),
+    }
+}
+
+/// A refusal names the limit of the budget that refused, whichever kind it is: a budget's
+/// limit is known whenever it refuses (a scope without a limit never refuses), so the limit
+/// is never reported as 0. This held before too (checked, not a fix): the error path was
+/// reached only with a limit.
+#[test]
+fn a_refusal_names_the_limit_of_the_budget_that_refused() {
+    let dev = Device::sim(ByteSize::mib(64));
+    // a scope without a limit (a peak scope) below a byte budget
+    let _peak = dev.peak_scope();
+    {
+        let _b = dev.thread_budget(ByteSize::mib(8));
+        let e = budget_error(dev.alloc::<u8>(16 << 20).unwrap_err());
+        assert_eq!((e.requested, e.limit), (16 * MIB, 8 * MIB), "{e}");
+    }
+    {
+        let _b = thread_budget(ByteSize::mib(4));
+        let e = budget_error(dev.alloc::<u8>(5 << 20).unwrap_err());
+        assert_eq!(e.limit, 4 * MIB, "{e}");
+    }
+    {
+        let _b = thread_budget_fraction(0.25).unwrap();
+        let e = budget_error(dev.alloc::<u8>(17 << 20).unwrap_err());
+        assert_eq!(e.limit, 16 * MIB, "{e}");
+    }
+}
+
+/// A budget refused two allocations that the retry engine's report counts as out-of-memory;
+/// the summary says so on a line of its own, and `OOMs` stays the allocator's count (0 here:
+/// the allocator never failed). Before: the table said only `OOMs: 0`.
+#[test]
+fn the_summary_counts_budget_refusals() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let _budget = dev.thread_budget(ByteSize::mib(6));
+    let out = RetryEngine::new()
+        .run(
+            &dev,
+            16,
+            |plan| {
+                for c in plan.chunks() {
+                    dev.alloc::<u8>(c.len() << 20)?;
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap();
+    let ooms = out.report.attempts.len();
+    assert_eq!(ooms, 2, "{}", out.report); // 16 rows, 2 × 8 refused; 4 × 4 fit
+    assert_eq!(dev.stats().num_ooms, 0);
+    assert_eq!(dev.budget_refusals(), ooms as u64);
+    let s = dev.memory_summary();
+    assert!(s.contains("OOMs: 0"), "{s}");
+    assert!(s.contains(&format!("budget refusals: {ooms} ")), "{s}");
+    assert!(s.contains("not counted in OOMs"), "{s}");
+    // every line keeps the table's width
+    assert!(s.lines().all(|l| l.chars().count() == 93), "{s}");
+    dev.reset_accumulated_memory_stats();
+    assert_eq!(dev.budget_refusals(), 0);
+    assert!(dev.memory_summary().contains("budget refusals: 0 "));
+}
