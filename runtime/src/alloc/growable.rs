@@ -256,6 +256,9 @@ impl State {
     /// Bytes of whole pages in free blocks of growable segments: what
     /// [`State::release_pages`] could unmap.
     fn releasable_pages(&self) -> u64 {
+        if !self.free.iter().any(FreeIndex::any_whole_page) {
+            return 0; // (without a scan: a run of failures asks once per attempt)
+        }
         self.free_runs().map(|(n, _)| n).sum()
     }
 
@@ -416,6 +419,7 @@ impl State {
 
     /// Releases growable address ranges that hold no block and no mapped page.
     pub fn release_empty_ranges(&mut self, backend: &dyn Backend) {
+        self.segments_scanned = self.segments_scanned.wrapping_add(self.segs.len() as u64);
         let empty: Vec<(u32, BlockId)> = self
             .segs
             .iter()
@@ -426,6 +430,31 @@ impl State {
             })
             .map(|(i, s)| (i, s.first))
             .collect();
+        self.release_ranges(backend, empty);
+    }
+
+    /// [`State::release_empty_ranges`] for the ranges of one pool and stream only (those a
+    /// failed request may have reserved), without a look at every segment.
+    pub fn release_empty_ranges_of(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+    ) {
+        let stream_blocks = (stream, 0, 0)..=(stream, u64::MAX, BlockId::MAX);
+        let empty: Vec<(u32, BlockId)> = self.unmapped[pool as usize]
+            .range(stream_blocks)
+            .map(|&(_, _, id)| (self.blocks[id].seg, id))
+            .filter(|&(seg, id)| {
+                let b = &self.blocks[id];
+                b.prev.is_none() && b.next.is_none() && self.segs[seg].mapped == 0
+            })
+            .collect();
+        self.release_ranges(backend, empty);
+    }
+
+    /// Releases the empty ranges `empty` (segment, its one block).
+    fn release_ranges(&mut self, backend: &dyn Backend, empty: Vec<(u32, BlockId)>) {
         for (seg, first) in empty {
             let (base, size, small) = {
                 let s = &self.segs[seg];
