@@ -89,11 +89,15 @@ impl State {
             None => cap,
         };
         // First under `soft`; after a map the device refused (memory outside this allocator, or
-        // a capacity below the reported total), under what is held now: every page is moved.
+        // a capacity below the reported total), under what is held now and the pages already
+        // moved: every page the request needs is moved.
+        let unmapped = self.stats.unmapped_bytes_total;
         match self.place_and_map(backend, pool, stream, size, total, soft)? {
             Ok(id) => Ok(id),
             Err(e) if e.is_oom() && self.releasable_pages() > 0 => {
-                let now = self.reserved();
+                // pages the first attempt moved are spares the backend still holds for the map
+                let moved = self.stats.unmapped_bytes_total.wrapping_sub(unmapped);
+                let now = self.reserved().saturating_add(moved);
                 self.place_and_map(backend, pool, stream, size, total, now)?
                     .map_err(GrowError::from)
             }
