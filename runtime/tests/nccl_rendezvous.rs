@@ -111,6 +111,10 @@ fn message(r: &Result<Rendezvous, Error>) -> String {
     m
 }
 
+/// A hang guard, not a speed goal: far above what a loaded 2-core machine takes (waits poll
+/// and return as soon as what they wait for happens).
+const HANG: Duration = Duration::from_secs(120);
+
 fn wait_for(mut f: impl FnMut() -> Option<String>, within: Duration) -> Option<String> {
     let t0 = Instant::now();
     while t0.elapsed() < within {
@@ -124,7 +128,7 @@ fn wait_for(mut f: impl FnMut() -> Option<String>, within: Duration) -> Option<S
 
 #[test]
 fn four_ranks_get_rank_0s_id() {
-    let t0 = Instant::now();
+    // (every rank joining proves none waited out its 10 s: no clock here)
     let (out, made) = group(free_port(), &[4, 4, 4, 4], 10_000);
     assert_eq!(made, 1, "only rank 0 makes the id");
     for (rank, r) in out.iter().enumerate() {
@@ -133,7 +137,6 @@ fn four_ranks_get_rank_0s_id() {
         assert_eq!(r.links.rank(), rank);
         assert_eq!(r.links.peer_failure(), None, "rank {rank}");
     }
-    assert!(t0.elapsed() < Duration::from_secs(5));
 }
 
 #[test]
@@ -380,15 +383,17 @@ fn rank_0_never_coming_is_a_timeout_not_a_hang() {
     let m = message(&r);
     assert!(m.contains("rank 0 never answered at 127.0.0.1:"), "{m}");
     assert!(m.contains("OOMGUARD_RENDEZVOUS_PORT"), "{m}");
+    // at least the timeout; the upper bound only tells "ends" from "hangs" (a loaded
+    // machine may be slow)
     assert!(
-        took >= Duration::from_millis(600) && took < Duration::from_secs(4),
+        took >= Duration::from_millis(600) && took < HANG,
         "{took:?}"
     );
     // Rank 0 alone waiting for rank 1 also ends.
     let t0 = Instant::now();
     let m = message(&rendezvous(&cfg(free_port(), 0, 2, 400), || Ok(id_of(0))));
     assert!(m.contains("1 of 2 ranks joined, missing rank(s) 1"), "{m}");
-    assert!(t0.elapsed() < Duration::from_secs(3));
+    assert!(t0.elapsed() < HANG);
 }
 
 #[test]
@@ -440,7 +445,7 @@ fn a_rank_that_leaves_is_reported_to_every_rank() {
     let r0 = out.pop().unwrap().unwrap();
     assert_eq!(r0.links.peer_failure(), None);
     drop(r2); // rank 2 drops its communicator: it says goodbye
-    let within = Duration::from_secs(3);
+    let within = HANG;
     let m0 = wait_for(|| r0.links.peer_failure(), within).expect("rank 0 hears of rank 2");
     assert!(m0.contains("rank 2 left the group"), "{m0}");
     // Rank 1 is connected to rank 0 only; rank 0 tells it.
@@ -488,8 +493,7 @@ fn a_killed_rank_is_reported() {
     assert_eq!(r0.links.peer_failure(), None);
     child.kill().unwrap(); // SIGKILL: no goodbye, the kernel closes the socket
     child.wait().unwrap();
-    let m = wait_for(|| r0.links.peer_failure(), Duration::from_secs(3))
-        .expect("rank 0 hears that rank 1 died");
+    let m = wait_for(|| r0.links.peer_failure(), HANG).expect("rank 0 hears that rank 1 died");
     assert!(
         m.contains("rank 1's connection closed without a goodbye"),
         "{m}"

@@ -172,7 +172,8 @@ fn on_group_no_hang<T: Send + 'static>(
     let mut out: Vec<Option<thread::Result<T>>> = (0..world).map(|_| None).collect();
     for _ in 0..world {
         let (rank, r) = rx
-            .recv_timeout(std::time::Duration::from_secs(20))
+            // a hang guard only (a loaded 2-core machine may be slow)
+            .recv_timeout(std::time::Duration::from_secs(300))
             .expect("a rank hangs");
         out[rank] = Some(r);
     }
@@ -319,7 +320,7 @@ fn a_rank_that_never_comes_times_out_with_its_name() {
 fn ranks_that_all_come_are_not_stopped_by_the_timeout() {
     // Rank 1 arrives after rank 0 has waited a while, well within the limit; then both leave
     // normally after the last round.
-    let group = LocalGroup::with_timeout(2, Duration::from_secs(10));
+    let group = LocalGroup::with_timeout(2, Duration::from_secs(120));
     let out = on_group_no_hang(group, |rank, group| {
         let mut sums = Vec::new();
         for round in 0..20u64 {

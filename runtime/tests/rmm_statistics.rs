@@ -262,3 +262,69 @@ fn a_peak_scope_counts_zero_byte_allocations() {
         assert_eq!(p.live_allocations(), 0, "{mode}");
     }
 }
+
+/// Two threads with their caches warm (blocks of every size they ask for parked in them before
+/// the scope opens) allocate requests of odd sizes and zero bytes inside a scope, and free each
+/// other's: the scope's bytes are the sum of the requests (not of the blocks), its allocations
+/// count the zero-byte ones, and every free takes off exactly what its allocation added.
+#[test]
+fn requested_bytes_and_zero_byte_allocations_of_two_threads_with_warm_caches() {
+    const SIZES: [u64; 5] = [0, 1, 1000, 3 * MIB + 7, 0];
+    for (name, a) in allocators() {
+        // warm every thread's cache (thread-cache mode parks these blocks per thread)
+        let warm = |a: &Arc<CachingAllocator>| {
+            let xs: Vec<_> = SIZES.iter().map(|&n| a.allocate(n, 0).unwrap()).collect();
+            for x in xs {
+                a.free(x).unwrap();
+            }
+        };
+        warm(&a);
+        let b = a.clone();
+        std::thread::spawn(move || warm(&b)).join().unwrap();
+        a.push_statistics_scope();
+        let mine: Vec<_> = SIZES.iter().map(|&n| a.allocate(n, 0).unwrap()).collect();
+        let b = a.clone();
+        let theirs = std::thread::spawn(move || {
+            SIZES
+                .iter()
+                .map(|&n| b.allocate(n, 0).unwrap())
+                .collect::<Vec<_>>()
+        })
+        .join()
+        .unwrap();
+        let sum: u64 = SIZES.iter().sum();
+        let s = a.statistics_scope().unwrap();
+        assert_eq!(
+            (s.bytes.value, s.bytes.total),
+            (2 * sum as i64, 2 * sum as i64),
+            "{name}: the requests' bytes"
+        );
+        assert_eq!(
+            (s.allocations.value, s.allocations.total),
+            (10, 10),
+            "{name}: zero-byte allocations included"
+        );
+        // the allocator's own requested-bytes statistic (PyTorch's `requested_bytes`) agrees
+        assert_eq!(a.stats().requested_bytes.all.current, 2 * sum, "{name}");
+        // free each other's allocations
+        let b = a.clone();
+        std::thread::spawn(move || {
+            for x in mine {
+                b.free(x).unwrap();
+            }
+        })
+        .join()
+        .unwrap();
+        for x in theirs {
+            a.free(x).unwrap();
+        }
+        let s = a.pop_statistics_scope().unwrap();
+        assert_eq!((s.bytes.value, s.allocations.value), (0, 0), "{name}");
+        assert_eq!(
+            (s.bytes.peak, s.allocations.peak),
+            (2 * sum as i64, 10),
+            "{name}"
+        );
+        assert_eq!(a.stats().requested_bytes.all.current, 0, "{name}");
+    }
+}

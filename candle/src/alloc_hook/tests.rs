@@ -776,3 +776,57 @@ fn a_free_without_the_context_current_is_served() {
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
     assert!(hook.driver.calls().is_empty());
 }
+
+/// Eight threads, one after the other, allocate and free 8 MiB on their per-thread default
+/// streams and exit, on a device whose streams' work stays pending until synchronised (the
+/// `hook_with` device). Each exited thread's stream may still run work, so its id (and the
+/// block cached for it) is not given to the next thread: 8 streams, 8 segments. That is not
+/// memory lost: (1) once the work is done (hook_gpu synchronises after each thread, so there
+/// the second thread already takes over the first one's id), the next thread takes over an
+/// exited thread's id and nothing more is reserved; (2) under pressure, the exited streams'
+/// free pages move to where a request needs them.
+#[test]
+fn exited_threads_keep_their_streams_while_their_work_may_run() {
+    let (hook, dev, sim) = hook_with(ByteSize::mib(80));
+    let hook = Arc::new(hook);
+    let run = |hook: &Arc<Interposer<FakeDriver>>, bytes: usize| {
+        let h = Arc::clone(hook);
+        std::thread::spawn(move || {
+            set_context(CTX);
+            let p = h.alloc_async(bytes, PTDS).unwrap();
+            assert_eq!(h.free_async(p, PTDS), status::SUCCESS);
+        })
+        .join()
+        .unwrap();
+        let st = dev.stats();
+        (st.reserved_bytes.all.current >> 20, st.segment.all.current)
+    };
+    let seen: Vec<_> = (0..8).map(|_| run(&hook, 8 << 20)).collect();
+    assert_eq!(seen[0], (8, 1));
+    assert_eq!(seen[7], (64, 8), "one stream per thread: {seen:?}");
+    assert_eq!(served(&hook).retired_ids().len(), 8);
+    assert_eq!(sim.pending_events(), 8, "each exit's event still pending");
+    // The exited threads' work completes: the next thread takes over one of their streams.
+    sim.synchronize_stream(0);
+    for id in served(&hook).retired_ids() {
+        sim.synchronize_stream(id);
+    }
+    assert_eq!(run(&hook, 8 << 20), (64, 8), "nothing more reserved");
+    assert_eq!(
+        served(&hook).retired_ids().len(),
+        8,
+        "one taken, one retired"
+    );
+    // Pressure: 40 MiB more would pass the 80 MiB device; the exited streams' free pages move.
+    assert_eq!(sim.pending_events(), 1);
+    let (reserved, _) = run(&hook, 40 << 20);
+    assert!(reserved <= 80, "{reserved} MiB reserved");
+    let st = dev.stats();
+    assert_eq!(
+        (st.num_ooms, st.allocated_bytes.all.current),
+        (0, 0),
+        "{st:?}"
+    );
+    assert!(st.num_unmap > 0, "pages moved: {st:?}");
+    dev.allocator().check_invariants().unwrap();
+}

@@ -80,11 +80,15 @@ impl State {
         // when higher): past it, free pages are moved instead.
         let soft = self.soft_cap(total);
         // First under `soft`; after a map the device refused (memory outside this allocator, or
-        // a capacity below the reported total), under what is held now: every page is moved.
+        // a capacity below the reported total), under what is held now and the pages already
+        // moved: every page the request needs is moved.
+        let unmapped = self.stats.unmapped_bytes_total;
         match self.place_and_map(backend, pool, stream, size, total, soft)? {
             Ok(id) => Ok(id),
             Err(e) if e.is_oom() && self.releasable_pages() > 0 => {
-                let now = self.reserved();
+                // pages the first attempt moved are spares the backend still holds for the map
+                let moved = self.stats.unmapped_bytes_total.wrapping_sub(unmapped);
+                let now = self.reserved().saturating_add(moved);
                 self.refused_at = self.refused_at.min(now);
                 self.place_and_map(backend, pool, stream, size, total, now)?
                     .map_err(GrowError::from)
@@ -248,6 +252,9 @@ impl State {
     /// Bytes of whole pages in free blocks of growable segments: what
     /// [`State::release_pages`] could unmap.
     fn releasable_pages(&self) -> u64 {
+        if !self.free.iter().any(FreeIndex::any_whole_page) {
+            return 0; // (without a scan: a run of failures asks once per attempt)
+        }
         self.free_runs().map(|(n, _)| n).sum()
     }
 
@@ -408,6 +415,7 @@ impl State {
 
     /// Releases growable address ranges that hold no block and no mapped page.
     pub fn release_empty_ranges(&mut self, backend: &dyn Backend) {
+        self.segments_scanned = self.segments_scanned.wrapping_add(self.segs.len() as u64);
         let empty: Vec<(u32, BlockId)> = self
             .segs
             .iter()
@@ -418,6 +426,31 @@ impl State {
             })
             .map(|(i, s)| (i, s.first))
             .collect();
+        self.release_ranges(backend, empty);
+    }
+
+    /// [`State::release_empty_ranges`] for the ranges of one pool and stream only (those a
+    /// failed request may have reserved), without a look at every segment.
+    pub fn release_empty_ranges_of(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+    ) {
+        let stream_blocks = (stream, 0, 0)..=(stream, u64::MAX, BlockId::MAX);
+        let empty: Vec<(u32, BlockId)> = self.unmapped[pool as usize]
+            .range(stream_blocks)
+            .map(|&(_, _, id)| (self.blocks[id].seg, id))
+            .filter(|&(seg, id)| {
+                let b = &self.blocks[id];
+                b.prev.is_none() && b.next.is_none() && self.segs[seg].mapped == 0
+            })
+            .collect();
+        self.release_ranges(backend, empty);
+    }
+
+    /// Releases the empty ranges `empty` (segment, its one block).
+    fn release_ranges(&mut self, backend: &dyn Backend, empty: Vec<(u32, BlockId)>) {
         for (seg, first) in empty {
             let (base, size, small) = {
                 let s = &self.segs[seg];

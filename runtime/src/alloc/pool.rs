@@ -33,6 +33,9 @@ pub(crate) struct FreeIndex {
     with_pages: usize,
     /// Changes on every insert and remove: scans over the index are remembered against it.
     version: u64,
+    /// Entries visited by whole-index scans ([`FreeIndex::ids`], [`FreeIndex::largest`]): a
+    /// count, not a clock, for tests that a path does not rescan every free block.
+    scanned: std::cell::Cell<u64>,
 }
 
 impl FreeIndex {
@@ -91,10 +94,20 @@ impl FreeIndex {
         self.set.contains(&(stream, size, addr, id))
     }
     pub fn largest(&self) -> u64 {
+        self.scanned
+            .set(self.scanned.get().wrapping_add(self.set.len() as u64));
         self.set.iter().map(|e| e.1).max().unwrap_or(0)
     }
+    /// Every free block's id (a whole-index scan: counted in [`FreeIndex::scanned`]).
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.set.iter().map(|e| e.3)
+        self.set.iter().map(|e| {
+            self.scanned.set(self.scanned.get().wrapping_add(1));
+            e.3
+        })
+    }
+    /// Entries visited by whole-index scans so far.
+    pub fn scanned(&self) -> u64 {
+        self.scanned.get()
     }
     pub fn len(&self) -> usize {
         self.set.len()

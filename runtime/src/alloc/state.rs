@@ -42,6 +42,9 @@ pub(crate) struct State {
     /// it, and after the first failure nothing changes between failing allocations (scanning
     /// every free block each time was quadratic in a run of failures).
     largest_memo: std::cell::Cell<Option<([u64; 2], u64)>>,
+    /// Segments visited by scans over every segment (a diagnostic count, see
+    /// `CachingAllocator::cache_entries_scanned`).
+    pub segments_scanned: u64,
     /// The free lists' versions at which `release_fixed` last found no whole free segment.
     pub fixed_clean_at: Option<[u64; 2]>,
     /// Unmapped free blocks of growable segments, per pool: (stream, address, id).
@@ -102,6 +105,7 @@ impl State {
                 FreeIndex::with_page(granularity),
             ],
             largest_memo: std::cell::Cell::new(None),
+            segments_scanned: 0,
             fixed_clean_at: None,
             unmapped: [BTreeSet::new(), BTreeSet::new()],
             pending: Vec::new(),

@@ -666,7 +666,7 @@ mod tests {
         let one = one.join().unwrap();
         assert_eq!(one.id, [7; rendezvous::ID_BYTES]);
         let limits = wait::Limits {
-            timeout: Duration::from_secs(60),
+            timeout: Duration::from_secs(600),
             grace: Duration::from_millis(300),
         };
         let t0 = Instant::now();
@@ -680,7 +680,8 @@ mod tests {
         let took = t0.elapsed();
         assert!(m.contains("rank 1 left the group"), "{m}");
         assert!(took >= Duration::from_millis(500), "{took:?}");
-        assert!(took < Duration::from_secs(5), "{took:?}");
+        // after the grace, not the 600 s timeout (a bound a loaded machine cannot reach)
+        assert!(took < Duration::from_secs(120), "{took:?}");
     }
 
     #[test]
@@ -713,7 +714,8 @@ mod tests {
         .unwrap();
         let t0 = std::time::Instant::now();
         let e = NcclConsensus::from_launch(&sim, &env).unwrap_err();
-        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        // no rendezvous waited out (its default timeout is 120 s): a hang guard below it
+        assert!(t0.elapsed() < std::time::Duration::from_secs(100));
         assert!(!e.to_string().contains('\n'), "one line: {e}");
         assert!(
             e.to_string().contains("NCCL") || e.to_string().contains("not a CUDA device"),

@@ -1093,14 +1093,10 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_secs(1));
 
         let mut flood: Vec<TcpStream> = (0..12).map(|_| connect_to(port)).collect();
-        let t0 = Instant::now();
+        // dropped for the flood, not after its hello time (that reply would say so): the
+        // message tells which, without a clock
         let m = reply_of(flood.remove(0));
         assert!(m.contains("too many connections without a hello"), "{m}");
-        assert!(
-            t0.elapsed() < Duration::from_millis(250),
-            "{:?}",
-            t0.elapsed()
-        );
         let one = join(&cfg(port, 1, 2)).unwrap();
         assert_eq!(one.id, [9; ID_BYTES]);
         assert_eq!(server.join().unwrap().unwrap().id, [9; ID_BYTES]);

@@ -100,12 +100,10 @@ mod tests {
             completes_at(t0 + Duration::from_millis(50)),
             || None,
         );
+        // Ok: it ended before the 5 s timeout (no upper clock: a loaded machine may be slow)
         assert_eq!(r, Ok(()));
         let took = t0.elapsed();
-        assert!(
-            took >= Duration::from_millis(50) && took < Duration::from_secs(2),
-            "{took:?}"
-        );
+        assert!(took >= Duration::from_millis(50), "{took:?}");
     }
 
     #[test]
@@ -117,8 +115,9 @@ mod tests {
         assert!(m.starts_with("did not complete within 0.3 s"), "{m}");
         assert!(m.contains("OOMGUARD_NCCL_TIMEOUT"), "{m}");
         assert!(!m.contains('\n'));
+        // at least the timeout; the upper bound is a hang guard only
         assert!(
-            took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+            took >= Duration::from_millis(300) && took < Duration::from_secs(120),
             "{took:?}"
         );
     }
@@ -128,7 +127,7 @@ mod tests {
         let t0 = Instant::now();
         let gone_at = t0 + Duration::from_millis(100);
         let r = wait_collective(
-            limits(60_000, 200),
+            limits(600_000, 200),
             || Ok(false),
             || (Instant::now() >= gone_at).then(|| "rank 1's connection closed".to_string()),
         );
@@ -136,8 +135,9 @@ mod tests {
         let m = r.unwrap_err();
         assert!(m.starts_with("aborted after 0."), "{m}");
         assert!(m.ends_with(" s: rank 1's connection closed"), "{m}");
+        // the grace, far from the 600 s timeout (a bound a loaded machine cannot reach)
         assert!(
-            took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+            took >= Duration::from_millis(300) && took < Duration::from_secs(120),
             "{took:?}"
         );
     }
@@ -151,8 +151,8 @@ mod tests {
             completes_at(t0 + Duration::from_millis(100)),
             || Some("rank 1 left the group".to_string()),
         );
+        // Ok, not the peer's failure after the grace: no clock needed
         assert_eq!(r, Ok(()));
-        assert!(t0.elapsed() < Duration::from_secs(1));
     }
 
     #[test]
