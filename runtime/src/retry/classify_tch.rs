@@ -10,8 +10,11 @@
 //! and keeps only `e.what()`: an out-of-memory reaches Rust as `TchError::Torch(text)`, its type
 //! (`c10::OutOfMemoryError`) lost. `what()` is the message, then on the next lines the C++
 //! backtrace c10 appends (`TORCH_CHECK`'s "Exception raised from malloc at ... (most recent call
-//! first):", then "frame #0: ..." lines). Out-of-memory is recognised only where that text *starts* with one of
-//! libtorch 2.11's out-of-memory messages, read by its exact shape, never by a substring search:
+//! first):", then "frame #0: ..." lines). Out-of-memory is recognised only where that text
+//! *starts* with one of libtorch 2.11's out-of-memory messages, read by its exact shape, never by
+//! a substring search, and the throw site that backtrace names is that message's (a user's
+//! `_assert_async` message worded as an out-of-memory starts the text too, but the site is then
+//! the assertion's; see [`libtorch_text_is_oom`]):
 //! - the CUDA caching allocator's `OutOfMemoryError` (native or expandable segments, and a
 //!   per-process memory fraction's): "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a
 //!   total capacity of ..." (or "... Tried to allocate more than 1EB memory.");
@@ -50,35 +53,82 @@ const CPU: &str = "] err == 0. DefaultCPUAllocator: can't allocate memory: you t
 const CPU_ENFORCE: &str = "[enforce fail at alloc_cpu.cpp:";
 /// See [`CPU`]: `posix_memalign`'s `ENOMEM`.
 const CPU_ENOMEM: &str = " bytes. Error code 12 (";
+/// The line of c10's backtrace that names the throw site: this, the function, " at ", the
+/// file, ':', the line, then [`SITE_TAIL`].
+const SITE: &str = "\nException raised from ";
+/// See [`SITE`].
+const SITE_TAIL: &str = " (most recent call first):";
+/// Where the caching allocator throws [`CACHING`] (`DeviceCachingAllocator::malloc`).
+const CACHING_SITE: &str = "c10/cuda/CUDACachingAllocator.cpp";
+/// Where oomguard-tch's allocator shim throws [`CACHING`] for oomguard's refusals.
+const SHIM_SITE: &str = "shim/pluggable.cpp";
+/// Where the `cudaMallocAsync` backend throws [`ASYNC`].
+const ASYNC_SITE: &str = "c10/cuda/CUDAMallocAsyncAllocator.cpp";
 
-/// Whether `text` (a `TchError::Torch` message: libtorch's `what()`) starts with one of libtorch
-/// 2.11's out-of-memory messages: the CUDA caching allocator's "CUDA out of memory. Tried to
-/// allocate ...", the `cudaMallocAsync` backend's "Allocation on device N would exceed allowed
-/// memory. (out of memory)", the CUDA runtime's "CUDA error: out of memory", cuBLAS's "CUDA
-/// error: CUBLAS_STATUS_ALLOC_FAILED when calling ...", or the CPU allocator's `ENOMEM`. Read
-/// from the start, by shape; text that merely quotes one of them is not an out-of-memory. Used
-/// by `oomguard-tch` on `TchError::Torch` texts and panic messages.
+/// Whether `text` (a `TchError::Torch` message: libtorch's `what()`) is one of libtorch 2.11's
+/// out-of-memory errors: it starts with one of their messages (the CUDA caching allocator's
+/// "CUDA out of memory. Tried to allocate ...", the `cudaMallocAsync` backend's "Allocation on
+/// device N would exceed allowed memory. (out of memory)", the CUDA runtime's "CUDA error: out
+/// of memory", cuBLAS's "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling ...", or the CPU
+/// allocator's `ENOMEM`), read from the start, by shape, and the place libtorch says it threw
+/// from (the "Exception raised from" line of c10's backtrace) is that message's. Text that merely quotes one of them is not an
+/// out-of-memory, and neither is a user's message worded as one: libtorch puts the message of
+/// a failed `_assert_async` (or any `TORCH_CHECK` with the user's words) first, then its own
+/// throw site, which is the assertion's, never an allocator's. Used by `oomguard-tch` on
+/// `TchError::Torch` texts and panic messages.
+///
+/// The throw sites, by message: the caching allocator's in `c10/cuda/CUDACachingAllocator.cpp`
+/// (or in oomguard-tch's allocator shim, `shim/pluggable.cpp`, which throws the same message);
+/// the async backend's in `c10/cuda/CUDAMallocAsyncAllocator.cpp`; the CUDA runtime's and
+/// cuBLAS's in one of libtorch's CUDA sources (a `cuda` folder: `C10_CUDA_CHECK` and
+/// `TORCH_CUDABLAS_CHECK` name their caller); the CPU allocator's `CAFFE_ENFORCE` names none
+/// (its site, `alloc_cpu.cpp`, is in its message). A text without any throw site (a
+/// message alone, e.g. a `TchError::Torch` built by hand) is read by its message.
 pub fn libtorch_text_is_oom(text: &str) -> bool {
+    let site = throw_site_file(text);
+    let file_is = |suffix: &str| site.as_ref().is_none_or(|f| f.ends_with(suffix));
+    let in_cuda_source = || site.as_ref().is_none_or(|f| f.contains("/cuda/"));
     if let Some(rest) = text.strip_prefix(CACHING) {
-        return rest.starts_with(|c: char| c.is_ascii_digit())
-            || rest.starts_with("more than 1EB memory.");
+        return (rest.starts_with(|c: char| c.is_ascii_digit())
+            || rest.starts_with("more than 1EB memory."))
+            && (file_is(CACHING_SITE) || file_is(SHIM_SITE));
     }
     if let Some(rest) = text.strip_prefix(ASYNC) {
-        return strip_digits(rest).is_some_and(|tail| tail.starts_with(ASYNC_TAIL));
+        return strip_digits(rest).is_some_and(|tail| tail.starts_with(ASYNC_TAIL))
+            && file_is(ASYNC_SITE);
     }
     if let Some(rest) = text.strip_prefix(DRIVER) {
-        return rest.is_empty() || rest.starts_with('\n');
+        return (rest.is_empty() || rest.starts_with('\n')) && in_cuda_source();
     }
     if let Some(rest) = text.strip_prefix(CUBLAS) {
-        return !rest.is_empty();
+        return !rest.is_empty() && in_cuda_source();
     }
     if let Some(rest) = text.strip_prefix(CPU_ENFORCE) {
         return strip_digits(rest)
             .and_then(|rest| rest.strip_prefix(CPU))
             .and_then(strip_digits)
-            .is_some_and(|tail| tail.starts_with(CPU_ENOMEM));
+            .is_some_and(|tail| tail.starts_with(CPU_ENOMEM))
+            && site.is_none();
     }
     false
+}
+
+/// The file of the place a c10 error says it was thrown from: `TORCH_CHECK` and its kin append,
+/// after the message (and its context lines), "Exception raised from FUNCTION at FILE:LINE
+/// (most recent call first):", then the frames. The message comes first and may hold any text,
+/// such a line included, so the site is the *last* such line (c10's frames never start with
+/// those words). `\\` separators (a Windows build's) become `/`. `None` when the text names no
+/// site: a `CAFFE_ENFORCE` (its `what()` has the frames only), or a message without c10's
+/// backtrace.
+fn throw_site_file(text: &str) -> Option<String> {
+    let start = text.rfind(SITE)? + SITE.len();
+    let line = text[start..].split('\n').next()?;
+    let line = line.strip_suffix(SITE_TAIL)?;
+    let (_function, at) = line.split_once(" at ")?;
+    // FILE:LINE; the file may hold a ':' itself (a drive letter), the line never does
+    let (file, number) = at.rsplit_once(':')?;
+    number.parse::<u32>().ok()?;
+    Some(file.replace('\\', "/"))
 }
 
 /// `TchError::Torch(text)` is an out-of-memory when `text` starts with one of libtorch 2.11's
@@ -106,32 +156,98 @@ mod tests {
 
     // The forms as libtorch 2.11.0 builds them (message, then c10's backtrace lines); the exact
     // texts libtorch raised are checked in oomguard-tch's tests (tch/tests/classify.rs).
-    const BT: &str = "\nException raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1450 (most recent call first):\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f in libc10.so)\n";
+    /// c10's backtrace after a `TORCH_CHECK` thrown in `file`.
+    fn bt(function: &str, file: &str) -> String {
+        format!("\nException raised from {function} at {file}:1450 (most recent call first):\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f in libc10.so)\n")
+    }
+    const CACHING_BT: &str = "/pytorch/c10/cuda/CUDACachingAllocator.cpp";
+    /// A `CAFFE_ENFORCE`'s backtrace: frames only.
+    const ENFORCE_BT: &str = "\nframe #0: c10::ThrowEnforceNotMet(char const*, int, char const*, std::string const&, void const*) + 0x50 (0x7f in libc10.so)\n";
+    /// Where libtorch throws a failed `_assert_async` with the user's message.
+    const ASSERT_SITE: (&str, &str) = (
+        "_assert_async_msg_cpu",
+        "/pytorch/aten/src/ATen/native/TensorCompare.cpp",
+    );
+
+    /// Each form's message and a throw site libtorch gives it.
+    fn forms() -> Vec<(String, String)> {
+        let caching = bt("malloc", CACHING_BT);
+        vec![
+            (
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 3.12 GiB is free.".into(),
+                caching.clone(),
+            ),
+            ("CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has".into(), caching.clone()),
+            ("CUDA out of memory. Tried to allocate more than 1EB memory.".into(), caching.clone()),
+            (
+                "CUDA out of memory. Tried to allocate 2.00 GiB. oomguard's allocator on GPU 0: x".into(),
+                bt("throw_failure", "/src/oomguard/tch/shim/pluggable.cpp"),
+            ),
+            (
+                "Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 1.00 GiB".into(),
+                bt("mallocAsync", "/pytorch/c10/cuda/CUDAMallocAsyncAllocator.cpp"),
+            ),
+            (
+                "CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.".into(),
+                caching.clone(),
+            ),
+            (
+                "CUDA error: out of memory".into(),
+                bt("copy_kernel_cuda", "C:\\actions\\pytorch\\aten\\src\\ATen\\native\\cuda\\Copy.cu"),
+            ),
+            (
+                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`".into(),
+                bt("createCublasHandle", "/pytorch/aten/src/ATen/cuda/CublasHandlePool.cpp"),
+            ),
+            (
+                "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 4503599627370496 bytes. Error code 12 (Cannot allocate memory)".into(),
+                ENFORCE_BT.into(),
+            ),
+        ]
+    }
 
     #[test]
     fn libtorch_oom_shapes_are_recognised() {
-        assert!(libtorch_text_is_oom(&format!(
-            "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 3.12 GiB is free.{BT}"
+        for (message, site) in forms() {
+            assert!(
+                libtorch_text_is_oom(&format!("{message}{site}")),
+                "{message}{site}"
+            );
+            // the message alone (no backtrace: a hand-made error) is read by its shape
+            assert!(libtorch_text_is_oom(&message), "{message}");
+        }
+    }
+
+    #[test]
+    fn a_user_message_worded_as_an_oom_is_not_one() {
+        let (function, file) = ASSERT_SITE;
+        let assert_bt = bt(function, file);
+        for (message, site) in forms() {
+            // libtorch's assertion: the user's message, then the assertion's site
+            let t = format!("{message}{assert_bt}");
+            assert!(!libtorch_text_is_oom(&t), "{t}");
+            // a message that forges the allocator's site: the real one comes last
+            let t = format!("{message}{site}{assert_bt}");
+            assert!(!libtorch_text_is_oom(&t), "{t}");
+        }
+        // each form's own site only: the async message from the caching allocator's file, the
+        // caching message from another CUDA file
+        assert!(!libtorch_text_is_oom(&format!(
+            "Allocation on device 0 would exceed allowed memory. (out of memory){}",
+            bt("malloc", CACHING_BT)
         )));
+        assert!(!libtorch_text_is_oom(&format!(
+            "CUDA out of memory. Tried to allocate 2.00 GiB.{}",
+            bt("f", "/pytorch/aten/src/ATen/cuda/CublasHandlePool.cpp")
+        )));
+        assert!(!libtorch_text_is_oom(&format!(
+            "CUDA error: out of memory{}",
+            bt("check", "/my/extension/op.cpp")
+        )));
+        // a throw site line that does not parse is no site: read by the message
         assert!(libtorch_text_is_oom(
-            "CUDA out of memory. Tried to allocate 512 bytes. GPU 0 has"
+            "CUDA error: out of memory\nException raised from nowhere"
         ));
-        assert!(libtorch_text_is_oom(
-            "CUDA out of memory. Tried to allocate more than 1EB memory."
-        ));
-        assert!(libtorch_text_is_oom(
-            "Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 1.00 GiB"
-        ));
-        assert!(libtorch_text_is_oom(&format!(
-            "CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation' in https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information.{BT}"
-        )));
-        assert!(libtorch_text_is_oom("CUDA error: out of memory"));
-        assert!(libtorch_text_is_oom(&format!(
-            "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`{BT}"
-        )));
-        assert!(libtorch_text_is_oom(&format!(
-            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 4503599627370496 bytes. Error code 12 (Cannot allocate memory){BT}"
-        )));
     }
 
     #[test]
