@@ -3,13 +3,16 @@
 use oomguard::retry::{FinderError, FinderOptions, FinderReport};
 use oomguard::source::MemorySource;
 
+use crate::quiet_panics::QuietOomPanics;
 use crate::{catch_oom, Error};
 
 /// The largest batch for which `step(rows)` runs without out-of-memory on `source`
 /// ([`oomguard::retry::find_max_batch`]: two measured runs, a linear fit of peak memory, a
 /// jump; at most 4 runs when memory is affine in the batch). Each run is under [`catch_oom`], so
 /// a libtorch out-of-memory raised as the panic of a plain tch method is a failed run, not a
-/// crash; an `f_*` method's is returned through `?`. The step should do what a training step
+/// crash; an `f_*` method's is returned through `?`. The panic hook stays quiet for those
+/// out-of-memory panics (on this thread, during this call): a search that fails a dozen runs
+/// prints nothing for them; the report's runs say which failed. Every other panic prints. The step should do what a training step
 /// does (forward, backward, optimizer), keep nothing between calls, and read something it
 /// computed (e.g. the loss with `f_double_value`) so that its errors surface.
 ///
@@ -44,5 +47,6 @@ pub fn find_max_batch<S, T>(
 where
     S: MemorySource + ?Sized,
 {
+    let _quiet = QuietOomPanics::enter();
     oomguard::retry::find_max_batch(source, opts, |rows| catch_oom(|| step(rows)))
 }

@@ -98,6 +98,7 @@ mod finder;
 mod libtorch_cuda_source;
 pub mod memory_history;
 mod memory_summary;
+mod quiet_panics;
 mod shim;
 mod train_step;
 
