@@ -36,6 +36,8 @@
 //! 2.11.0's (its libc10 / libc10_cuda / libtorch_cuda strings); oomguard-tch's tests check them
 //! against messages libtorch itself raised.
 
+use super::OomRequest;
+
 /// The caching allocator's `OutOfMemoryError`, followed by a size ("2.00 GiB", "512 bytes") or
 /// "more than 1EB memory.".
 const CACHING: &str = "CUDA out of memory. Tried to allocate ";
@@ -113,6 +115,80 @@ pub fn libtorch_text_is_oom(text: &str) -> bool {
     false
 }
 
+/// How oomguard-tch's allocator (`oomguard_tch::allocator`, oomguard's allocator under libtorch)
+/// names a refusal of oomguard's, after libtorch's "CUDA out of memory. Tried to allocate 2.00
+/// GiB. ": this, the GPU, [`REFUSED`], the bytes requested, [`AGAINST_BUDGET`] or
+/// [`AGAINST_DEVICE`], the capacity in bytes, then [`REFUSAL_TAIL`] and oomguard's error.
+const REFUSAL: &str = "oomguard's allocator on GPU ";
+/// See [`REFUSAL`].
+const REFUSED: &str = " refused ";
+/// See [`REFUSAL`]: a budget's limit.
+const AGAINST_BUDGET: &str = " bytes against a budget of ";
+/// See [`REFUSAL`]: the device's whole capacity.
+const AGAINST_DEVICE: &str = " bytes against the device's capacity of ";
+/// See [`REFUSAL`].
+const REFUSAL_TAIL: &str = " bytes";
+
+/// The words oomguard-tch's allocator puts after libtorch's "CUDA out of memory. Tried to
+/// allocate 2.00 GiB. " when oomguard refuses libtorch an allocation on GPU `ordinal`, so that
+/// the request and what it was refused against survive tch (which keeps only the text):
+/// "oomguard's allocator on GPU 0 refused 2147483648 bytes against a budget of 1073741824
+/// bytes" (or "against the device's capacity of ..."). [`libtorch_text_oom_request`] reads
+/// them back; the allocator appends ": " and oomguard's error.
+pub fn oomguard_allocator_refusal(ordinal: usize, request: &OomRequest) -> String {
+    let against = if request.budget {
+        AGAINST_BUDGET
+    } else {
+        AGAINST_DEVICE
+    };
+    format!(
+        "{REFUSAL}{ordinal}{REFUSED}{}{against}{}{REFUSAL_TAIL}",
+        request.requested, request.capacity
+    )
+}
+
+/// The request that failed, and what it was refused against, of an out-of-memory
+/// ([`libtorch_text_is_oom`]) that oomguard-tch's allocator threw for a refusal of oomguard's
+/// ([`oomguard_allocator_refusal`]'s words, thrown from its shim, `shim/pluggable.cpp`).
+/// `None` for libtorch's own out-of-memory texts (their sizes are rounded for reading, not
+/// parsed) and any other text.
+pub fn libtorch_text_oom_request(text: &str) -> Option<OomRequest> {
+    if !libtorch_text_is_oom(text) {
+        return None;
+    }
+    if throw_site_file(text).is_some_and(|f| !f.ends_with(SHIM_SITE)) {
+        return None;
+    }
+    // "2.00 GiB. oomguard's ..." (the size's own '.' is never followed by a space)
+    let (_size, rest) = text.strip_prefix(CACHING)?.split_once(". ")?;
+    let rest = strip_digits(rest.strip_prefix(REFUSAL)?)?.strip_prefix(REFUSED)?;
+    let (requested, rest) = leading_u64(rest)?;
+    let (budget, rest) = match rest.strip_prefix(AGAINST_BUDGET) {
+        Some(rest) => (true, rest),
+        None => (false, rest.strip_prefix(AGAINST_DEVICE)?),
+    };
+    let (capacity, rest) = leading_u64(rest)?;
+    rest.starts_with(REFUSAL_TAIL).then_some(OomRequest {
+        requested,
+        capacity,
+        budget,
+    })
+}
+
+/// Whether `text` is the out-of-memory oomguard-tch's allocator threw for a budget of
+/// oomguard's ([`libtorch_text_oom_request`] says it was refused against a budget): emptying
+/// the cache cannot help, as for oomguard's own `BudgetExceeded`.
+pub fn libtorch_text_is_budget_exceeded(text: &str) -> bool {
+    libtorch_text_oom_request(text).is_some_and(|r| r.budget)
+}
+
+/// The number `s` starts with, and what follows it.
+fn leading_u64(s: &str) -> Option<(u64, &str)> {
+    let tail = strip_digits(s)?;
+    let n = s[..s.len() - tail.len()].parse().ok()?;
+    Some((n, tail))
+}
+
 /// The file of the place a c10 error says it was thrown from: `TORCH_CHECK` and its kin append,
 /// after the message (and its context lines), "Exception raised from FUNCTION at FILE:LINE
 /// (most recent call first):", then the frames. The message comes first and may hold any text,
@@ -135,12 +211,23 @@ fn throw_site_file(text: &str) -> Option<String> {
 /// out-of-memory messages ([`libtorch_text_is_oom`]); tch's other variants (its own conversions,
 /// I/O, shapes, `FileFormat`, ...) never are. A per-process memory fraction's out-of-memory is
 /// libtorch's caching allocator's, so it is an out-of-memory, not a budget's
-/// ([`IsOom::is_budget_exceeded`](super::IsOom::is_budget_exceeded) stays `false`): the fraction caps reserved memory, and
-/// emptying the cache can make room under it.
+/// ([`IsOom::is_budget_exceeded`](super::IsOom::is_budget_exceeded) stays `false`): the
+/// fraction caps reserved memory, and emptying the cache can make room under it. Under
+/// oomguard-tch's allocator, a refusal of oomguard's carries its request and what it was
+/// refused against ([`libtorch_text_oom_request`]): a budget's is a budget's.
 #[cfg(feature = "tch")]
 impl super::IsOom for tch::TchError {
     fn is_oom(&self) -> bool {
         matches!(self, tch::TchError::Torch(text) if libtorch_text_is_oom(text))
+    }
+    fn is_budget_exceeded(&self) -> bool {
+        matches!(self, tch::TchError::Torch(text) if libtorch_text_is_budget_exceeded(text))
+    }
+    fn oom_request(&self) -> Option<OomRequest> {
+        match self {
+            tch::TchError::Torch(text) => libtorch_text_oom_request(text),
+            _ => None,
+        }
     }
 }
 
@@ -248,6 +335,60 @@ mod tests {
         assert!(libtorch_text_is_oom(
             "CUDA error: out of memory\nException raised from nowhere"
         ));
+    }
+
+    #[test]
+    fn oomguards_allocator_refusal_carries_its_request() {
+        let shim = bt("throw_failure", "/src/oomguard/tch/shim/pluggable.cpp");
+        for (budget, capacity) in [(true, 1 << 20), (false, 80 << 30)] {
+            let req = OomRequest {
+                requested: 2 << 20,
+                capacity,
+                budget,
+            };
+            let message = format!(
+                "CUDA out of memory. Tried to allocate 2.00 MiB. {}: memory budget exceeded",
+                oomguard_allocator_refusal(0, &req)
+            );
+            for text in [message.clone(), format!("{message}{shim}")] {
+                assert!(libtorch_text_is_oom(&text), "{text}");
+                assert_eq!(libtorch_text_oom_request(&text), Some(req), "{text}");
+                assert_eq!(libtorch_text_is_budget_exceeded(&text), budget, "{text}");
+            }
+            // the same words from a user's assertion, or thrown elsewhere, carry nothing
+            let (function, file) = ASSERT_SITE;
+            let forged = format!("{message}{shim}{}", bt(function, file));
+            assert!(!libtorch_text_is_oom(&forged));
+            assert_eq!(libtorch_text_oom_request(&forged), None);
+            assert!(!libtorch_text_is_budget_exceeded(&forged));
+            let cached = format!("{message}{}", bt("malloc", CACHING_BT));
+            assert!(libtorch_text_is_oom(&cached));
+            assert_eq!(libtorch_text_oom_request(&cached), None);
+        }
+        // 1 EB and more: libtorch's words for the size
+        let req = OomRequest {
+            requested: 1 << 61,
+            capacity: 80 << 30,
+            budget: false,
+        };
+        let text = format!(
+            "CUDA out of memory. Tried to allocate more than 1EB memory. {}: x",
+            oomguard_allocator_refusal(3, &req)
+        );
+        assert_eq!(libtorch_text_oom_request(&text), Some(req));
+        // libtorch's own texts and near misses carry no request
+        for text in [
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB",
+            "CUDA out of memory. Tried to allocate 2.00 MiB. oomguard's allocator on GPU 0: x",
+            "CUDA out of memory. Tried to allocate 2.00 MiB. oomguard's allocator on GPU 0 refused 2097152 bytes against a budget of  bytes: x",
+            "CUDA out of memory. Tried to allocate 2.00 MiB. oomguard's allocator on GPU 0 refused 2097152 bytes against a limit of 1048576 bytes: x",
+            "CUDA out of memory. Tried to allocate 2.00 MiB. oomguard's allocator on GPU 0 refused 99999999999999999999999 bytes against a budget of 1048576 bytes: x",
+            "Allocation on device 0 would exceed allowed memory. (out of memory)",
+            "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)",
+        ] {
+            assert_eq!(libtorch_text_oom_request(text), None, "{text}");
+            assert!(!libtorch_text_is_budget_exceeded(text), "{text}");
+        }
     }
 
     #[test]
