@@ -49,6 +49,10 @@ pub enum Error {
         /// Their names in the `VarStore`, sorted.
         params: Vec<String>,
     },
+    /// The batch [`find_max_batch_train`](crate::find_max_batch_train)'s `make_batch(rows)`
+    /// gave is not `rows` rows (its tensors disagree on dimension 0, or have another count);
+    /// not retried.
+    Batch(String),
 }
 
 impl fmt::Display for Error {
@@ -61,6 +65,7 @@ impl fmt::Display for Error {
             ),
             Error::Oomguard(e) => write!(f, "{e}"),
             Error::Loss(m) => f.write_str(m),
+            Error::Batch(m) => f.write_str(m),
             Error::NoGradient { params, trained } => write!(
                 f,
                 "{}: the loss does not depend on them, or a `detach()`, `no_grad` or an integer \
@@ -116,7 +121,10 @@ impl IsOom for Error {
             Error::Torch(e) => tch_error_is_oom(e),
             Error::OomPanic { .. } => true,
             Error::Oomguard(e) => IsOom::is_oom(e),
-            Error::Loss(_) | Error::NoGradient { .. } | Error::NotOptimized { .. } => false,
+            Error::Loss(_)
+            | Error::NoGradient { .. }
+            | Error::NotOptimized { .. }
+            | Error::Batch(_) => false,
         }
     }
     /// A budget's out-of-memory: oomguard's own, or a refusal of oomguard's allocator under

@@ -167,7 +167,7 @@ where
 }
 
 /// One attempt: every chunk of `plan` backpropagated into `.grad`, then the gradients checked.
-fn attempt(
+pub(crate) fn attempt(
     plan: &BatchPlan,
     batch: &[&Tensor],
     trained: &[(String, Tensor)],
@@ -225,7 +225,7 @@ fn attempt(
 }
 
 /// The variables of `vs` that require a gradient, with their names, sorted by name.
-fn trained_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+pub(crate) fn trained_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     let mut vars: Vec<(String, Tensor)> = vs
         .variables()
         .into_iter()
@@ -256,12 +256,12 @@ fn not_optimized(trained: &[(String, Tensor)], optimizer: &nn::Optimizer) -> Res
 }
 
 /// Sets the optimizer's gradients to undefined (libtorch's `zero_grad(set_to_none = true)`).
-fn reset_grads(optimizer: &RefCell<&mut nn::Optimizer>) {
+pub(crate) fn reset_grads(optimizer: &RefCell<&mut nn::Optimizer>) {
     // It frees tensors and allocates nothing: a panic here is a bug, and continues.
     optimizer.borrow_mut().zero_grad();
 }
 
 /// A tensor's shape as `usize`s (libtorch's sizes are never negative).
-fn dims(t: &Tensor) -> Vec<usize> {
+pub(crate) fn dims(t: &Tensor) -> Vec<usize> {
     t.size().iter().map(|&d| d as usize).collect()
 }
