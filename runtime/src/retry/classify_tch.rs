@@ -60,12 +60,12 @@ const CPU_ENOMEM: &str = " bytes. Error code 12 (";
 const SITE: &str = "\nException raised from ";
 /// See [`SITE`].
 const SITE_TAIL: &str = " (most recent call first):";
-/// Where the caching allocator throws [`CACHING`] (`DeviceCachingAllocator::malloc`).
-const CACHING_SITE: &str = "c10/cuda/CUDACachingAllocator.cpp";
+/// Where libtorch's CUDA allocators throw [`CACHING`] and [`ASYNC`]: a file of c10's CUDA
+/// folder (`c10/cuda/CUDACachingAllocator.cpp`, `c10/cuda/CUDAMallocAsyncAllocator.cpp`; the
+/// folder, not the file, so that code moved between its files still counts).
+const ALLOCATOR_FOLDER: &str = "c10/cuda/";
 /// Where oomguard-tch's allocator shim throws [`CACHING`] for oomguard's refusals.
 const SHIM_SITE: &str = "shim/pluggable.cpp";
-/// Where the `cudaMallocAsync` backend throws [`ASYNC`].
-const ASYNC_SITE: &str = "c10/cuda/CUDAMallocAsyncAllocator.cpp";
 
 /// Whether `text` (a `TchError::Torch` message: libtorch's `what()`) is one of libtorch 2.11's
 /// out-of-memory errors: it starts with one of their messages (the CUDA caching allocator's
@@ -79,25 +79,29 @@ const ASYNC_SITE: &str = "c10/cuda/CUDAMallocAsyncAllocator.cpp";
 /// throw site, which is the assertion's, never an allocator's. Used by `oomguard-tch` on
 /// `TchError::Torch` texts and panic messages.
 ///
-/// The throw sites, by message: the caching allocator's in `c10/cuda/CUDACachingAllocator.cpp`
-/// (or in oomguard-tch's allocator shim, `shim/pluggable.cpp`, which throws the same message);
-/// the async backend's in `c10/cuda/CUDAMallocAsyncAllocator.cpp`; the CUDA runtime's and
+/// The throw sites, by message: the caching allocator's and the async backend's in c10's CUDA
+/// folder (`c10/cuda/CUDACachingAllocator.cpp`, `c10/cuda/CUDAMallocAsyncAllocator.cpp`), or in
+/// oomguard-tch's allocator shim (`shim/pluggable.cpp`, which throws the caching allocator's
+/// message for oomguard's refusals); the CUDA runtime's and
 /// cuBLAS's in one of libtorch's CUDA sources (a `cuda` folder: `C10_CUDA_CHECK` and
 /// `TORCH_CUDABLAS_CHECK` name their caller); the CPU allocator's `CAFFE_ENFORCE` names none
 /// (its site, `alloc_cpu.cpp`, is in its message). A text without any throw site (a
 /// message alone, e.g. a `TchError::Torch` built by hand) is read by its message.
 pub fn libtorch_text_is_oom(text: &str) -> bool {
     let site = throw_site_file(text);
-    let file_is = |suffix: &str| site.as_ref().is_none_or(|f| f.ends_with(suffix));
+    let in_allocator = || {
+        site.as_ref()
+            .is_none_or(|f| f.contains(ALLOCATOR_FOLDER) || f.ends_with(SHIM_SITE))
+    };
     let in_cuda_source = || site.as_ref().is_none_or(|f| f.contains("/cuda/"));
     if let Some(rest) = text.strip_prefix(CACHING) {
         return (rest.starts_with(|c: char| c.is_ascii_digit())
             || rest.starts_with("more than 1EB memory."))
-            && (file_is(CACHING_SITE) || file_is(SHIM_SITE));
+            && in_allocator();
     }
     if let Some(rest) = text.strip_prefix(ASYNC) {
         return strip_digits(rest).is_some_and(|tail| tail.starts_with(ASYNC_TAIL))
-            && file_is(ASYNC_SITE);
+            && in_allocator();
     }
     if let Some(rest) = text.strip_prefix(DRIVER) {
         return (rest.is_empty() || rest.starts_with('\n')) && in_cuda_source();
@@ -317,11 +321,10 @@ mod tests {
             let t = format!("{message}{site}{assert_bt}");
             assert!(!libtorch_text_is_oom(&t), "{t}");
         }
-        // each form's own site only: the async message from the caching allocator's file, the
-        // caching message from another CUDA file
+        // each form's own sites only: the allocators' messages from outside c10's CUDA folder
         assert!(!libtorch_text_is_oom(&format!(
             "Allocation on device 0 would exceed allowed memory. (out of memory){}",
-            bt("malloc", CACHING_BT)
+            bt("f", "/pytorch/aten/src/ATen/native/cuda/TensorCompare.cu")
         )));
         assert!(!libtorch_text_is_oom(&format!(
             "CUDA out of memory. Tried to allocate 2.00 GiB.{}",
