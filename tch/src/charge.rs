@@ -38,6 +38,8 @@ impl Charge {
 /// let _budget = card.thread_budget(ByteSize::mib(8)); // this thread may hold 8 MiB
 /// let e = oomguard_tch::charge(&card, 16 << 20).unwrap_err();
 /// assert!(e.is_oom() && e.is_budget_exceeded());
+/// // 0 bytes (nothing to charge, e.g. on a GPU where the tensors count themselves)
+/// assert_eq!(oomguard_tch::charge(&card, 0)?.bytes(), 0);
 /// # Ok::<(), oomguard_tch::Error>(())
 /// ```
 ///
