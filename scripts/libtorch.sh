@@ -12,14 +12,29 @@
 # cuFile, NCCL and NVSHMEM; without them no tch program loads, even on CPU. So the CUDA libraries
 # torch's wheel depends on are installed beside it (pinned to the versions torch 2.11.0's
 # metadata resolves to, --no-deps: no triton, no Python packages), where torch's own RUNPATH
-# ($ORIGIN/../../nvidia/...) finds them: about 2.2 GB to download, 3.8 GB on disk. cuSOLVER
+# ($ORIGIN/../../nvidia/...) finds them: about 2.2 GB to download, 3.3 GiB (3.56 GB) on disk
+# (`du -sb`: 3,557,604,773 bytes; `du -sh` prints 3.4G, rounding up). cuSOLVER
 # (libtorch_cuda_linalg.so, loaded on first use of a CUDA linear-algebra op) and NVRTC (the
 # jiterator) are not needed to load or on CPU: left out unless OOMGUARD_LIBTORCH_ALL=1.
 # At run time the binary needs torch/lib on the loader's path: the printed LD_LIBRARY_PATH (tch
 # sets no rpath on downstream binaries). On a GPU machine with its own torch 2.11 installed, point
 # LD_LIBRARY_PATH at that torch/lib instead: the binary runs against it unchanged.
+# Concurrent runs (two CI jobs, two worktrees sharing a prefix) are safe: each holds an
+# exclusive lock on "$prefix.lock" (flock, util-linux) while it checks and installs, so one
+# installs and the others wait, then find it complete; none removes a folder another is
+# filling or reading half-made.
 set -euo pipefail
 prefix=${OOMGUARD_LIBTORCH_PREFIX:-$HOME/.cache/oomguard/libtorch-2.11.0}
+mkdir -p "$(dirname "$prefix")"
+if ! command -v flock >/dev/null; then
+  echo "scripts/libtorch.sh: flock (util-linux) is needed to install safely; not found" >&2
+  exit 1
+fi
+exec 9>"$prefix.lock"
+if ! flock -n 9; then
+  echo "scripts/libtorch.sh: another run is installing into $prefix; waiting for it" >&2
+  flock 9
+fi
 if [ ! -e "$prefix/.complete" ]; then
   rm -rf "$prefix"; mkdir -p "$prefix"
   pkgs=(torch==2.11.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85

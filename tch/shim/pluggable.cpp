@@ -271,8 +271,9 @@ int32_t oomguard_tch_pluggable_uninstall(char* err, size_t cap) {
 // libtorch's calls through the installed allocator, as libtorch makes them, for tests without
 // a GPU (allocate() and the DataPtr deleter need a CUDA device to ask for the current one):
 // malloc(size, device, default stream); the deleter's raw_delete(ptr); emptyCache(); and
-// setMemoryFraction(fraction, device). A failure's what() (its first line) goes to err with
-// code 1 for c10::OutOfMemoryError, 2 for any other exception.
+// setMemoryFraction(fraction, device). A failure's what() goes to err with code 1 for
+// c10::OutOfMemoryError (its whole what(), c10's backtrace included, as tch keeps it), 2 for any
+// other exception (its first line).
 int32_t oomguard_tch_pluggable_call_malloc(size_t size, int32_t device, void** out,
                                            char* err, size_t cap) {
 #ifdef OOMGUARD_TCH_WITHOUT_CUDA
@@ -287,7 +288,13 @@ int32_t oomguard_tch_pluggable_call_malloc(size_t size, int32_t device, void** o
           return not_installed(err, cap);
         }
         auto* p = static_cast<plug::CUDAPluggableAllocator*>(g_ours.get());
-        *out = p->malloc(size, static_cast<c10::DeviceIndex>(device), nullptr);
+        try {
+          *out = p->malloc(size, static_cast<c10::DeviceIndex>(device), nullptr);
+        } catch (const c10::OutOfMemoryError& e) {
+          // the whole what(), as tch keeps it: the classifier reads the throw site too
+          copy_message(e.what(), err, cap);
+          return 1;
+        }
         return 0;
       },
       1);

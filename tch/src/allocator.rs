@@ -25,10 +25,13 @@
 //!   pool streams, user streams) is a stream of its own. 0 bytes is a null pointer (as libtorch's
 //!   allocator answers). Out of memory, a budget's or a memory fraction's included, is thrown as
 //!   `c10::OutOfMemoryError` with a text that starts as libtorch's own ("CUDA out of memory.
-//!   Tried to allocate 2.00 GiB. oomguard's allocator on GPU 0: ..."), so tch's
-//!   `TchError::Torch` is an out-of-memory for [`oomguard::IsOom`] and for
-//!   [`crate::tch_error_is_oom`]; [`take_last_error`] gives the oomguard error behind it (budget
-//!   or device, with its figures). Another GPU than the installed one, and CUDA's per-thread
+//!   Tried to allocate 2.00 GiB. oomguard's allocator on GPU 0 refused 2147483648 bytes against
+//!   a budget of 1073741824 bytes: ..."), so tch's `TchError::Torch` is an out-of-memory for
+//!   [`oomguard::IsOom`] and for [`crate::tch_error_is_oom`], a budget's is a budget's
+//!   (`is_budget_exceeded`: the retry engine skips the same-plan retry, which cannot help), and
+//!   `oom_request` gives the request and its budget or capacity
+//!   ([`oomguard::retry::libtorch_text_oom_request`]); [`take_last_error`] gives the oomguard
+//!   error behind it (budget or device, with its figures). Another GPU than the installed one, and CUDA's per-thread
 //!   default stream, are refused with a `c10::Error` naming them.
 //! - `free(ptr, ...)`: back to oomguard's cache, on the allocation's stream (libtorch passes
 //!   it). It cannot fail towards libtorch (it runs in a tensor's destructor): a pointer oomguard

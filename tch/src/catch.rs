@@ -62,6 +62,11 @@ pub fn panic_message_is_oom(message: &str) -> bool {
     libtorch_text(message).is_some_and(|text| libtorch_text_is_oom(&text))
 }
 
+/// Whether a panic's payload is a message that [`panic_message_is_oom`] accepts.
+pub(crate) fn payload_is_oom(payload: &(dyn Any + Send)) -> bool {
+    payload_text(payload).is_some_and(panic_message_is_oom)
+}
+
 fn payload_text(payload: &(dyn Any + Send)) -> Option<&str> {
     payload
         .downcast_ref::<&'static str>()
@@ -79,8 +84,10 @@ fn payload_text(payload: &(dyn Any + Send)) -> Option<&str> {
 /// is that `unwrap`, `TchError::Torch`'s display, or libtorch's text itself, and the text starts
 /// with one of libtorch's out-of-memory messages ([`panic_message_is_oom`]). libtorch raises
 /// its errors on the calling thread (the autograd engine rethrows a device thread's error in the
-/// caller), so no other thread is watched. The panic hook still runs: the message is printed as
-/// for any panic.
+/// caller), so no other thread is watched. The panic hook still runs here: the message is
+/// printed as for any panic. ([`train_step`](crate::train_step) and
+/// [`find_max_batch`](crate::find_max_batch) keep the hook quiet for the out-of-memory panics
+/// they catch on their thread: their report counts them.)
 ///
 /// ```
 /// use oomguard::IsOom;

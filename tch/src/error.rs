@@ -4,6 +4,7 @@
 
 use std::fmt;
 
+use oomguard::retry::{libtorch_text_is_budget_exceeded, libtorch_text_oom_request};
 use oomguard::IsOom;
 use tch::TchError;
 
@@ -48,6 +49,10 @@ pub enum Error {
         /// Their names in the `VarStore`, sorted.
         params: Vec<String>,
     },
+    /// The batch [`find_max_batch_train`](crate::find_max_batch_train)'s `make_batch(rows)`
+    /// gave is not `rows` rows (its tensors disagree on dimension 0, or have another count);
+    /// not retried.
+    Batch(String),
 }
 
 impl fmt::Display for Error {
@@ -60,6 +65,7 @@ impl fmt::Display for Error {
             ),
             Error::Oomguard(e) => write!(f, "{e}"),
             Error::Loss(m) => f.write_str(m),
+            Error::Batch(m) => f.write_str(m),
             Error::NoGradient { params, trained } => write!(
                 f,
                 "{}: the loss does not depend on them, or a `detach()`, `no_grad` or an integer \
@@ -115,16 +121,31 @@ impl IsOom for Error {
             Error::Torch(e) => tch_error_is_oom(e),
             Error::OomPanic { .. } => true,
             Error::Oomguard(e) => IsOom::is_oom(e),
-            Error::Loss(_) | Error::NoGradient { .. } | Error::NotOptimized { .. } => false,
+            Error::Loss(_)
+            | Error::NoGradient { .. }
+            | Error::NotOptimized { .. }
+            | Error::Batch(_) => false,
         }
     }
+    /// A budget's out-of-memory: oomguard's own, or a refusal of oomguard's allocator under
+    /// libtorch ([`crate::allocator`]) against a budget, as tch returned it or a plain method
+    /// panicked with it ([`oomguard::retry::libtorch_text_is_budget_exceeded`]).
     fn is_budget_exceeded(&self) -> bool {
-        matches!(self, Error::Oomguard(e) if IsOom::is_budget_exceeded(e))
+        match self {
+            Error::Torch(e) => IsOom::is_budget_exceeded(e),
+            Error::OomPanic { message } => libtorch_text_is_budget_exceeded(message),
+            Error::Oomguard(e) => IsOom::is_budget_exceeded(e),
+            _ => false,
+        }
     }
-    /// The failed request against the whole capacity, for oomguard's out-of-memory (libtorch's
-    /// text is not parsed for it).
+    /// The failed request against the whole capacity, for oomguard's out-of-memory, and for a
+    /// refusal of oomguard's allocator under libtorch, which writes both in its text
+    /// ([`oomguard::retry::libtorch_text_oom_request`]); libtorch's own texts are not parsed
+    /// for it.
     fn oom_request(&self) -> Option<oomguard::retry::OomRequest> {
         match self {
+            Error::Torch(e) => IsOom::oom_request(e),
+            Error::OomPanic { message } => libtorch_text_oom_request(message),
             Error::Oomguard(e) => IsOom::oom_request(e),
             _ => None,
         }

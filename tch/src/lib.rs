@@ -17,11 +17,12 @@
 //!   `nn::Optimizer`), retried on out-of-memory as exactly-weighted micro-batches (libtorch
 //!   accumulates the gradients), the optimizer stepped once, after every micro-batch succeeded,
 //!   on every row; a variable that requires a gradient and got none is named.
-//! - [`find_max_batch`]: the largest batch a tch step runs with.
+//! - [`find_max_batch`]: the largest batch a tch step runs with; [`find_max_batch_train`]: the
+//!   largest batch [`train_step`]'s own attempt runs with (nothing trained), to seed its loop.
 //!
 //! **Testing your step on CPU.** A CPU device has no memory source: give the retry engine a
 //! simulated card (`oomguard::Device::sim(..)`) and charge it in the loss closure for each
-//! micro-batch's rows (`card.alloc::<u8>(chunk.len() * bytes_per_row)?`, an out-of-memory
+//! micro-batch's rows ([`charge`]`(&card, chunk.len() * bytes_per_row)?`, an out-of-memory
 //! [`Error::Oomguard`] when it does not fit): the engine then splits the batch exactly as on a
 //! GPU ([`train_step`]'s example does that).
 //!
@@ -90,6 +91,7 @@
 
 pub mod allocator;
 mod catch;
+mod charge;
 pub mod compat;
 pub mod cuda_allocator;
 mod device_stats;
@@ -98,13 +100,15 @@ mod finder;
 mod libtorch_cuda_source;
 pub mod memory_history;
 mod memory_summary;
+mod quiet_panics;
 mod shim;
 mod train_step;
 
 pub use catch::{catch_oom, panic_message_is_oom};
+pub use charge::{charge, Charge};
 pub use device_stats::{DeviceStats, Stat, StatArray};
 pub use error::{tch_error_is_oom, Error};
-pub use finder::find_max_batch;
+pub use finder::{find_max_batch, find_max_batch_train};
 pub use libtorch_cuda_source::LibtorchCudaSource;
 pub use memory_summary::format_memory_summary;
 pub use train_step::{train_step, TrainStepError, TrainedStep};

@@ -10,6 +10,7 @@ use oomguard::train::{batch_rows, keep_rows, one_value, LossSum, KEEP_ROWS_HINT}
 use tch::{nn, Kind, Tensor};
 
 use crate::catch::catch_torch;
+use crate::quiet_panics::QuietOomPanics;
 use crate::Error;
 
 pub use oomguard::train::TrainedStep;
@@ -60,7 +61,10 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 /// tensors dropped, the source's cache emptied, and the attempt reruns with more, smaller
 /// micro-batches. The optimizer steps once, after every chunk of one attempt succeeded, and
 /// never reruns: its failure is [`TrainStepError::Update`](oomguard::train::TrainStepError::Update),
-/// never an out-of-memory for an outer retry. Every row contributes to the update, whatever the
+/// never an out-of-memory for an outer retry. The panic hook stays quiet for the out-of-memory
+/// panics caught here (on this thread, during this call; the report lists each attempt's
+/// error), so a retried step does not print libtorch's C++ frames for each; every other panic
+/// prints as before. Every row contributes to the update, whatever the
 /// split: an engine whose policy would drop rows (`inference_policy()`) is refused before
 /// anything runs
 /// ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows)).
@@ -118,6 +122,8 @@ where
     let trained = trained_variables(vs);
     // Both phases need the optimizer: the attempt resets its gradients, the commit steps it.
     let optimizer = RefCell::new(optimizer);
+    // The out-of-memory panics caught below are the report's attempts: not printed as well.
+    let quiet = QuietOomPanics::enter();
     let retried = engine.run(
         source,
         rows,
@@ -137,6 +143,7 @@ where
             (stepped, sum)
         },
     );
+    drop(quiet);
     match retried {
         Ok(done) => match done.value {
             (Ok(()), sum) => Ok(TrainedStep {
@@ -160,7 +167,7 @@ where
 }
 
 /// One attempt: every chunk of `plan` backpropagated into `.grad`, then the gradients checked.
-fn attempt(
+pub(crate) fn attempt(
     plan: &BatchPlan,
     batch: &[&Tensor],
     trained: &[(String, Tensor)],
@@ -218,7 +225,7 @@ fn attempt(
 }
 
 /// The variables of `vs` that require a gradient, with their names, sorted by name.
-fn trained_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+pub(crate) fn trained_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
     let mut vars: Vec<(String, Tensor)> = vs
         .variables()
         .into_iter()
@@ -249,12 +256,12 @@ fn not_optimized(trained: &[(String, Tensor)], optimizer: &nn::Optimizer) -> Res
 }
 
 /// Sets the optimizer's gradients to undefined (libtorch's `zero_grad(set_to_none = true)`).
-fn reset_grads(optimizer: &RefCell<&mut nn::Optimizer>) {
+pub(crate) fn reset_grads(optimizer: &RefCell<&mut nn::Optimizer>) {
     // It frees tensors and allocates nothing: a panic here is a bug, and continues.
     optimizer.borrow_mut().zero_grad();
 }
 
 /// A tensor's shape as `usize`s (libtorch's sizes are never negative).
-fn dims(t: &Tensor) -> Vec<usize> {
+pub(crate) fn dims(t: &Tensor) -> Vec<usize> {
     t.size().iter().map(|&d| d as usize).collect()
 }

@@ -151,17 +151,34 @@ fn budgets_and_the_device_running_out_are_libtorch_out_of_memory() {
                     "{text}"
                 );
                 assert!(allocator::take_last_error().unwrap().is_budget_exceeded());
+                // tch's error is a budget's too, with its request and the budget's limit: the
+                // retry engine skips the same-plan retry for it
+                assert!(err.is_budget_exceeded(), "{text}");
+                let r = err
+                    .oom_request()
+                    .expect("the refusal's request is in the text");
+                assert_eq!(
+                    (r.requested, r.capacity, r.budget),
+                    (128 << 20, 64 << 20, true)
+                );
                 // the plain method panics with it; catch_oom makes it an error again
                 let caught = oomguard_tch::catch_oom(|| {
                     Ok::<_, oomguard_tch::Error>(Tensor::zeros([32 << 20], (Kind::Float, GPU)))
                 });
-                assert!(caught.unwrap_err().is_oom());
+                let caught = caught.unwrap_err();
+                assert!(caught.is_oom() && caught.is_budget_exceeded(), "{caught}");
+                assert_eq!(caught.oom_request(), Some(r));
             }
             // The device itself running out: 1 TiB.
             let err = Tensor::f_zeros([1i64 << 38], (Kind::Float, GPU)).unwrap_err();
             assert!(err.is_oom(), "{err}");
             let e = allocator::take_last_error().unwrap();
             assert!(e.is_oom() && !e.is_budget_exceeded(), "{e}");
+            assert!(!err.is_budget_exceeded(), "{err}");
+            let r = err
+                .oom_request()
+                .expect("the refusal's request is in the text");
+            assert!(!r.budget && r.exceeds_capacity(), "{r}");
             // and the budget gone, the same 128 MiB fits
             let t = Tensor::f_zeros([32 << 20], (Kind::Float, GPU)).unwrap();
             assert_eq!(t.sum(Kind::Float).double_value(&[]), 0.0);

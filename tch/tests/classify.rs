@@ -105,17 +105,51 @@ const H100_CASES: [&str; 7] = [
     "cpu",
 ];
 
-/// c10's backtrace as libtorch's `what()` appends it after a `TORCH_CHECK`'s message (the C++
-/// exception tch keeps); the CPU allocator's `CAFFE_ENFORCE` has the frames only.
-const WHAT_SUFFIXES: [&str; 2] = [
-    "\nException raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1450 (most \
-     recent call first):\nframe #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d \
-     (0x7f2b3c6a1e9d in /usr/lib/python3/site-packages/torch/lib/libc10.so)\nframe #1: \
-     <unknown function> + 0x3e4b2 (0x7f2b3c9d84b2 in /usr/lib/python3/site-packages/torch/lib/\
-     libc10_cuda.so)\n",
-    "\nframe #0: c10::ThrowEnforceNotMet(char const*, int, char const*, std::string const&, void \
-     const*) + 0x50 (0x7f2b3c6a2f10 in libc10.so)\n",
-];
+/// c10's backtrace as libtorch's `what()` appends it after a `TORCH_CHECK`'s message thrown by
+/// `function` in `file` (the C++ exception tch keeps).
+fn torch_check_bt(function: &str, file: &str) -> String {
+    format!(
+        "\nException raised from {function} at {file}:1450 (most recent call first):\nframe #0: \
+         c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f2b3c6a1e9d in \
+         /usr/lib/python3/site-packages/torch/lib/libc10.so)\nframe #1: <unknown function> + \
+         0x3e4b2 (0x7f2b3c9d84b2 in /usr/lib/python3/site-packages/torch/lib/libc10_cuda.so)\n"
+    )
+}
+
+/// The CPU allocator's `CAFFE_ENFORCE` appends the frames only.
+const ENFORCE_BT: &str = "\nframe #0: c10::ThrowEnforceNotMet(char const*, int, char const*, \
+     std::string const&, void const*) + 0x50 (0x7f2b3c6a2f10 in libc10.so)\n";
+
+/// What libtorch appends to a case's message: nothing (the first line alone, as the fixture
+/// holds it), or the backtrace naming where libtorch 2.11 throws it.
+fn what_suffixes(case: &str) -> [String; 2] {
+    let site = match case {
+        "caching" | "expandable" | "fraction" => {
+            torch_check_bt("malloc", "/pytorch/c10/cuda/CUDACachingAllocator.cpp")
+        }
+        "async" => torch_check_bt(
+            "mallocAsync",
+            "/pytorch/c10/cuda/CUDAMallocAsyncAllocator.cpp",
+        ),
+        // C10_CUDA_CHECK names its caller: the uncached cudaMalloc of the caching allocator
+        "driver" => torch_check_bt("malloc", "/pytorch/c10/cuda/CUDACachingAllocator.cpp"),
+        "cublas" => torch_check_bt(
+            "getCurrentCUDABlasHandle",
+            "/pytorch/aten/src/ATen/cuda/CublasHandlePool.cpp",
+        ),
+        "cpu" => ENFORCE_BT.to_string(),
+        other => panic!("unexpected case {other}"),
+    };
+    [String::new(), site]
+}
+
+/// Where libtorch 2.11 throws a failed `_assert_async` with the user's message (on the CPU).
+fn assert_bt() -> String {
+    torch_check_bt(
+        "_assert_async_msg_cpu",
+        "/pytorch/aten/src/ATen/native/TensorCompare.cpp",
+    )
+}
 
 /// One line of the fixture: `(case, python type, text)`; the text is Python's `repr` of a string
 /// inside a one-element list (`['...']` or `["..."]`).
@@ -178,7 +212,7 @@ fn the_texts_recorded_on_the_h100_classify() {
         if case == "cpu" {
             assert!(t.ends_with("Error code 12 (Cannot allocate memory)"), "{t}");
         }
-        for suffix in std::iter::once("").chain(WHAT_SUFFIXES) {
+        for suffix in what_suffixes(case) {
             let what = format!("{t}{suffix}");
             let e = TchError::Torch(what.clone());
             assert!(tch_error_is_oom(&e), "{case} ({ty}) is an OOM: {what:?}");
@@ -193,6 +227,9 @@ fn the_texts_recorded_on_the_h100_classify() {
                 format!("\"{what}\""),
                 format!(" {what}"),
                 format!("Expected all tensors to be on the same device, but got error: {what}"),
+                // a user's assertion worded as this text (with or without a forged site)
+                format!("{t}{}", assert_bt()),
+                format!("{what}{}", assert_bt()),
             ] {
                 let e = TchError::Torch(other.clone());
                 assert!(!tch_error_is_oom(&e), "{case} quoted: {other:?}");
@@ -201,7 +238,10 @@ fn the_texts_recorded_on_the_h100_classify() {
         }
     }
     // a libtorch shape error with the same backtrace is not an out-of-memory
-    for suffix in std::iter::once("").chain(WHAT_SUFFIXES) {
+    for suffix in what_suffixes("caching")
+        .into_iter()
+        .chain(what_suffixes("cpu"))
+    {
         let shape = format!("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5){suffix}");
         assert!(
             !tch_error_is_oom(&TchError::Torch(shape.clone())),
@@ -250,4 +290,46 @@ fn a_real_cuda_oom_is_an_oom() {
     // the device is usable after
     let t = Tensor::ones([4], (Kind::Float, Device::Cuda(0)));
     assert_eq!(t.sum(Kind::Float).double_value(&[]), 4.0);
+}
+
+/// A failed `_assert_async` with the user's message, raised by libtorch on the CPU: libtorch
+/// puts the message first, then its throw site (`_assert_async_msg_cpu`).
+fn user_assert(message: &str) -> TchError {
+    let cond = Tensor::zeros([], (Kind::Bool, Device::Cpu));
+    let token = Tensor::empty([0], (Kind::Float, Device::Cpu));
+    cond.f_internal_functional_assert_async(message, &token)
+        .unwrap_err()
+}
+
+/// A user's assertion whose message reads like one of libtorch's out-of-memory messages (each
+/// recorded H100 text, and a short one) is not an out-of-memory: the text starts with the
+/// message, but the throw site libtorch appends is the assertion's.
+#[test]
+fn a_user_assertion_worded_as_an_oom_is_not_one() {
+    let mut messages: Vec<String> = read_h100_fixture().into_iter().map(|c| c.2).collect();
+    messages.push("CUDA out of memory. Tried to allocate 2 GiB".into());
+    for m in &messages {
+        let e = user_assert(m);
+        let t = text(&e);
+        assert!(
+            t.starts_with(m.as_str()),
+            "libtorch puts the message first: {t}"
+        );
+        assert!(
+            t.contains("\nException raised from _assert_async_msg_cpu at "),
+            "{t}"
+        );
+        assert!(!tch_error_is_oom(&e), "{t}");
+        assert!(!Error::from(e).is_oom());
+        // the plain method's panic is not caught as an out-of-memory either
+        let cond = Tensor::zeros([], (Kind::Bool, Device::Cpu));
+        let token = Tensor::empty([0], (Kind::Float, Device::Cpu));
+        let r = panic::catch_unwind(panic::AssertUnwindSafe(|| {
+            catch_oom(|| Ok::<_, Error>(cond.internal_functional_assert_async(m, &token)))
+        }));
+        let payload = r.expect_err("a non-OOM panic continues");
+        assert!(!panic_message_is_oom(
+            payload.downcast_ref::<String>().unwrap()
+        ));
+    }
 }

@@ -1,5 +1,7 @@
 //! libtorch's out-of-memory on a real card, raised through tch and classified from the
 //! `TchError` it returns (ignored without a CUDA device; run on the H100 by `.gpu` scripts).
+//! Each case also prints the throw site libtorch names (`SITE ...`) and checks that the same
+//! message, given by a user to a failed `_assert_async`, is not an out-of-memory.
 //!
 //! Each case runs in a child process (this test binary again, `--exact` on the case), because
 //! libtorch's allocator reads `PYTORCH_ALLOC_CONF` / `PYTORCH_NO_CUDA_MEMORY_CACHING` once, when
@@ -54,6 +56,32 @@ fn first_line(t: &str) -> &str {
 /// 1 PiB: more than any card.
 const HUGE: i64 = 1 << 50;
 
+/// The line of c10's backtrace that names where libtorch threw (printed for the record).
+fn site_line(t: &str) -> &str {
+    t.lines()
+        .rfind(|l| l.starts_with("Exception raised from "))
+        .unwrap_or("(no throw site)")
+}
+
+/// libtorch's own out-of-memory `t` is one; the same message given by a user to a failed
+/// `_assert_async` (on the CPU: libtorch puts the user's message first, then the assertion's
+/// throw site) is not.
+fn user_assertion_with_the_same_message_is_not_an_oom(t: &str) {
+    println!("SITE {}", site_line(t));
+    let message = t.split("\nException raised from ").next().unwrap_or(t);
+    let cond = Tensor::zeros([], (Kind::Bool, Device::Cpu));
+    let token = Tensor::empty([0], (Kind::Float, Device::Cpu));
+    let e = cond
+        .f_internal_functional_assert_async(message, &token)
+        .unwrap_err();
+    assert!(text(&e).starts_with(message), "{}", text(&e));
+    assert!(
+        !e.is_oom(),
+        "a user's assertion taken for an OOM: {}",
+        text(&e)
+    );
+}
+
 fn huge_alloc_case(expect_start: &str) {
     assert!(
         tch::Cuda::is_available(),
@@ -64,6 +92,7 @@ fn huge_alloc_case(expect_start: &str) {
     println!("TEXT {}", first_line(&t));
     assert!(t.starts_with(expect_start), "{t}");
     assert!(e.is_oom(), "not classified as out-of-memory: {t}");
+    user_assertion_with_the_same_message_is_not_an_oom(&t);
 }
 
 #[test]
@@ -155,6 +184,7 @@ fn cublas_allocation_failure_through_tch() {
     println!("TEXT {}", first_line(&t));
     assert!(e.is_oom(), "not classified as out-of-memory: {t}");
     drop(held);
+    user_assertion_with_the_same_message_is_not_an_oom(&t);
 }
 
 #[test]

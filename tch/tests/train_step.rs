@@ -556,3 +556,79 @@ fn an_update_error_is_not_retried() {
     };
     assert!(!oom_update.is_oom());
 }
+
+#[test]
+fn a_user_assertion_worded_as_an_oom_fails_the_step_at_once() {
+    // libtorch's `_assert_async` puts the user's message first: it must not be retried as an
+    // out-of-memory (five retries, then "gave up (out of memory)").
+    let (x, y) = data();
+    let (vs, m, mut opt) = model();
+    let before = params(&vs);
+    let card = oomguard::Device::sim(ByteSize::gib(1));
+    let err = train_step(
+        &RetryEngine::new(),
+        &card,
+        &[&x, &y],
+        &vs,
+        &mut opt,
+        |_, rows| {
+            let ok = Tensor::zeros([], (Kind::Bool, Device::Cpu));
+            let token = Tensor::empty([0], OPTS);
+            // the plain method: it panics with libtorch's text
+            let _token = ok.internal_functional_assert_async(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity",
+                &token,
+            );
+            Ok(m.mse(&rows[0], &rows[1])?)
+        },
+    )
+    .unwrap_err();
+    let report = report_of(&err);
+    assert_eq!(report.retries(), 0, "{report}");
+    assert!(!report.to_string().contains("gave up"), "{report}");
+    assert!(!err.is_oom(), "{err}");
+    let e = step_error(err);
+    assert!(matches!(&e, Error::Torch(_)) && !e.is_oom(), "{e}");
+    assert_eq!(params(&vs), before);
+}
+
+#[test]
+fn a_budget_refusal_of_oomguards_allocator_skips_the_same_plan_retry() {
+    // Under oomguard_tch::allocator, a budget's refusal reaches the step as libtorch's text
+    // (tch keeps only that): the text the allocator throws, with its request and the budget.
+    let refusal = |rows: usize| {
+        let req = oomguard::retry::OomRequest {
+            requested: (rows as u64) << 20,
+            capacity: 16 << 20,
+            budget: true,
+        };
+        format!(
+            "CUDA out of memory. Tried to allocate {rows}.00 MiB. {}: memory budget exceeded",
+            oomguard::retry::oomguard_allocator_refusal(0, &req)
+        )
+    };
+    let (x, y) = data();
+    let (vs, m, mut opt) = model();
+    let card = oomguard::Device::sim(ByteSize::gib(1));
+    let done = train_step(
+        &RetryEngine::new(),
+        &card,
+        &[&x, &y],
+        &vs,
+        &mut opt,
+        |c, rows| {
+            if c.len() > 16 {
+                return Err(tch::TchError::Torch(refusal(c.len())).into());
+            }
+            Ok(m.mse(&rows[0], &rows[1])?)
+        },
+    )
+    .unwrap();
+    let first = &done.report.attempts[0];
+    assert!(
+        first.next.unwrap().micro_batch() < 64,
+        "a budget's refusal shrinks the plan at once: {}",
+        done.report
+    );
+    assert_eq!(done.report.final_plan.micro_batch(), 16, "{}", done.report);
+}

@@ -65,7 +65,10 @@ mod thrash;
 pub use classify::{chain_is_oom, IsOom, OomRequest};
 #[cfg(feature = "burn")]
 pub use classify_burn::cubecl_text_is_oom;
-pub use classify_tch::libtorch_text_is_oom;
+pub use classify_tch::{
+    libtorch_text_is_budget_exceeded, libtorch_text_is_oom, libtorch_text_oom_request,
+    oomguard_allocator_refusal,
+};
 pub use commit::{note_commit, AfterCommit, UpdateApplied};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{

@@ -313,7 +313,7 @@ mod tests {
     //! calls them, served by a simulated device. One test: installing is process-wide.
     use super::*;
     use oomguard::retry::libtorch_text_is_oom;
-    use oomguard::{ByteSize, Device};
+    use oomguard::{ByteSize, Device, IsOom};
 
     #[test]
     fn libtorch_calls_reach_oomguard_through_the_shim() {
@@ -344,10 +344,33 @@ mod tests {
         assert_eq!(dev.stats().allocation.all.current, 0);
         assert_eq!((s.counts().served_allocs, s.counts().served_frees), (1, 1));
 
-        // out of memory: c10::OutOfMemoryError with libtorch's shape
+        // out of memory: c10::OutOfMemoryError with libtorch's shape, thrown from the shim
         let (c, text) = call_malloc(1 << 30, 0).unwrap_err();
         assert_eq!(c, code::OOM, "{text}");
         assert!(libtorch_text_is_oom(&text), "{text}");
+        assert!(
+            text.contains("\nException raised from throw_failure at ")
+                && text.contains("shim/pluggable.cpp:"),
+            "{text}"
+        );
+        let e = tch::TchError::Torch(text.clone());
+        assert!(e.is_oom() && !e.is_budget_exceeded(), "{text}");
+        assert_eq!(
+            e.oom_request().map(|r| (r.requested, r.capacity, r.budget)),
+            Some((1 << 30, 64 << 20, false))
+        );
+        // a budget's refusal stays a budget's through libtorch, with its request and limit
+        {
+            let _budget = dev.device_budget(ByteSize::mib(1));
+            let (c, text) = call_malloc(2 << 20, 0).unwrap_err();
+            assert_eq!(c, code::OOM, "{text}");
+            let e = tch::TchError::Torch(text.clone());
+            assert!(e.is_oom() && e.is_budget_exceeded(), "{text}");
+            assert_eq!(
+                e.oom_request().map(|r| (r.requested, r.capacity, r.budget)),
+                Some((2 << 20, 1 << 20, true))
+            );
+        }
         // another GPU: c10::Error, not an out-of-memory
         let (c, text) = call_malloc(64, 1).unwrap_err();
         assert_eq!(c, 2, "{text}");

@@ -30,7 +30,10 @@ pub(crate) fn take_last_error() -> Option<oomguard::Error> {
 pub(crate) enum Refusal {
     /// Out of memory (the device's, or a budget's or memory fraction's of oomguard):
     /// `c10::OutOfMemoryError`, with a text that starts as libtorch's own ("CUDA out of memory.
-    /// Tried to allocate 2.00 GiB."), so that tch's error is classified as out-of-memory.
+    /// Tried to allocate 2.00 GiB."), so that tch's error is classified as out-of-memory, then
+    /// the request and its budget or capacity in bytes
+    /// ([`oomguard::retry::oomguard_allocator_refusal`]), so that a budget's stays a budget's
+    /// ([`oomguard::retry::libtorch_text_oom_request`]).
     Oom(String),
     /// Anything else: `c10::Error`.
     Other(String),
@@ -155,11 +158,17 @@ impl Served {
             }
             Err(e) => {
                 let r = if e.is_oom() {
+                    // The request and its budget or capacity in words the classifier reads
+                    // back: tch keeps only the text, and a budget's refusal must stay one.
+                    let who = match oomguard::IsOom::oom_request(&e) {
+                        Some(req) => {
+                            oomguard::retry::oomguard_allocator_refusal(self.ordinal, &req)
+                        }
+                        None => format!("oomguard's allocator on GPU {}", self.ordinal),
+                    };
                     Refusal::Oom(format!(
-                        "CUDA out of memory. Tried to allocate {}. oomguard's allocator on GPU \
-                         {}: {e}",
+                        "CUDA out of memory. Tried to allocate {}. {who}: {e}",
                         libtorch_size(size as u64),
-                        self.ordinal
                     ))
                 } else {
                     Refusal::Other(format!(
@@ -316,6 +325,35 @@ mod tests {
         };
         assert!(libtorch_text_is_oom(&text), "{text}");
         assert!(take_last_error().unwrap().is_budget_exceeded());
+        // tch's error of that text is a budget's, with the request and the budget's limit: the
+        // engine skips the same-plan retry, which cannot help
+        let e = tch::TchError::Torch(text.clone());
+        assert!(e.is_oom() && e.is_budget_exceeded(), "{text}");
+        let r = e.oom_request().expect("the request is in the text");
+        assert_eq!(
+            (r.requested, r.capacity, r.budget),
+            (2 << 20, 1 << 20, true)
+        );
+        assert!(r.exceeds_capacity());
+        let e = crate::Error::OomPanic { message: text };
+        assert!(e.is_oom() && e.is_budget_exceeded());
+        assert_eq!(e.oom_request(), Some(r));
+    }
+
+    #[test]
+    fn a_device_oom_carries_its_request_and_is_not_a_budgets() {
+        let s = served();
+        let Err(Refusal::Oom(text)) = s.alloc(1 << 30, 0, 0) else {
+            panic!("1 GiB on a 64 MiB device must be an out-of-memory");
+        };
+        let e = tch::TchError::Torch(text.clone());
+        assert!(e.is_oom() && !e.is_budget_exceeded(), "{text}");
+        let r = e.oom_request().expect("the request is in the text");
+        assert_eq!(
+            (r.requested, r.capacity, r.budget),
+            (1 << 30, 64 << 20, false)
+        );
+        assert!(crate::Error::from(e).oom_request().is_some());
     }
 
     #[test]
