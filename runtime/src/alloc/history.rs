@@ -83,6 +83,12 @@ pub struct TraceEntry {
     pub stream: StreamId,
     /// Microseconds since the Unix epoch.
     pub time_us: u64,
+    /// The thread that caused the event: a number unique in the process (threads are numbered
+    /// 1, 2, … in the order they first touched an allocator), so that a trace can be replayed
+    /// with each event on its own thread (libtorch's autograd engine frees the forward's
+    /// tensors on its own thread). 0: unknown (a thread that was exiting).
+    #[serde(default)]
+    pub thread: u64,
     /// Where the allocation was made (alloc events) or freed (free_requested events), when the
     /// history's [`HistoryContext`] asks for it: the caller of the allocator or device method.
     pub frames: Vec<Frame>,
@@ -184,6 +190,7 @@ impl History {
             size,
             stream,
             time_us,
+            thread: super::thread_cache::thread_token(),
             frames,
             user_metadata: self.metadata.clone(),
             backtrace,
