@@ -1,0 +1,510 @@
+//! A measuring harness (not an example to copy): tch's own VGG-16 (`tch::vision::vgg::vgg16`, no
+//! BatchNorm), f32, 224 × 224 images, SGD with momentum 0.9 and learning rate 1e-3, plain steps (forward, backward, step,
+//! zero_grad), under the allocator this process has: libtorch's (native, or expandable segments
+//! through `PYTORCH_ALLOC_CONF`) or oomguard's (`--allocator oomguard`, installed under libtorch
+//! before CUDA starts). libtorch's autograd engine runs the backward on its own thread, so under
+//! oomguard's allocator the frees of the forward's tensors come from another thread.
+//!
+//! ```text
+//! tch_convnet [--allocator libtorch|oomguard] [--batch N] [--steps N] [--warmup N]
+//!             [--max LO..HI] [--classes N] [--size PX] [--check]
+//! ```
+//! - `--batch`: `--warmup` untimed steps, then `--steps` timed ones: one `STEP` line each (ms,
+//!   and what the allocator did in it: maps, unmaps, bytes unmapped, synchronisations,
+//!   retries inside the allocator), then a `RESULT phase=steps` line (median and min ms, peak
+//!   used and reserved, the moves of the timed steps).
+//! - `--max LO..HI`: the largest batch of two consecutive plain steps by bisection (LO must run),
+//!   each trial from an emptied cache: `RESULT phase=max`.
+//! - `--trace PATH` (under `--allocator oomguard`): after the timed steps, `--trace-steps`
+//!   more steps at `--batch` recorded with the allocator's history, written as a CSV trace
+//!   `op,id,bytes,stream,thread` (each event's thread: `oomguard replay --threads` replays it
+//!   so). History stops the thread caches while it records; the events and their threads are
+//!   the program's.
+//! - `--check`: 10 steps on one batch first: every parameter gets a finite non-zero gradient and
+//!   the loss falls (`RESULT phase=check`), else the exit status is 1.
+//!
+//! On the CPU (`--device cpu`, for a build check) the model is shrunk to 32 × 32 images.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use oomguard_tch::{catch_oom, Error};
+use tch::nn::{ModuleT, OptimizerConfig};
+use tch::{nn, Device, Kind, Tensor};
+
+/// What the allocator did, cumulatively (moves, synchronisations, retries).
+#[derive(Clone, Copy, Debug, Default)]
+struct Moves {
+    maps: i64,
+    unmaps: i64,
+    unmapped: i64,
+    syncs: i64,
+    retries: i64,
+}
+
+impl Moves {
+    fn minus(self, o: Self) -> Self {
+        Moves {
+            maps: self.maps - o.maps,
+            unmaps: self.unmaps - o.unmaps,
+            unmapped: self.unmapped - o.unmapped,
+            syncs: self.syncs - o.syncs,
+            retries: self.retries - o.retries,
+        }
+    }
+    fn plus(self, o: Self) -> Self {
+        Moves {
+            maps: self.maps + o.maps,
+            unmaps: self.unmaps + o.unmaps,
+            unmapped: self.unmapped + o.unmapped,
+            syncs: self.syncs + o.syncs,
+            retries: self.retries + o.retries,
+        }
+    }
+    fn text(&self) -> String {
+        format!(
+            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={}",
+            self.maps, self.unmaps, self.unmapped, self.syncs, self.retries
+        )
+    }
+}
+
+/// Who serves the CUDA tensors.
+enum Alloc {
+    Libtorch(usize),
+    Oomguard(oomguard::Device),
+    Cpu,
+}
+
+impl Alloc {
+    fn moves(&self) -> Moves {
+        match self {
+            Alloc::Oomguard(d) => {
+                let s = d.stats();
+                Moves {
+                    maps: s.num_map as i64,
+                    unmaps: s.num_unmap as i64,
+                    unmapped: s.unmapped_bytes_total as i64,
+                    syncs: (s.num_sync_all_streams + s.num_stream_syncs) as i64,
+                    retries: s.num_alloc_retries as i64,
+                }
+            }
+            // libtorch counts device allocations and frees (maps and unmaps of expandable
+            // segments), whole-device synchronisations and its retries
+            Alloc::Libtorch(i) => oomguard_tch::cuda_allocator::device_stats(*i)
+                .map(|s| Moves {
+                    maps: s.num_device_alloc,
+                    unmaps: s.num_device_free,
+                    unmapped: 0,
+                    syncs: s.num_sync_all_streams,
+                    retries: s.num_alloc_retries,
+                })
+                .unwrap_or_default(),
+            Alloc::Cpu => Moves::default(),
+        }
+    }
+    /// (peak used, peak reserved) since the last reset.
+    fn peaks(&self) -> (u64, u64) {
+        match self {
+            Alloc::Oomguard(d) => {
+                let s = d.stats();
+                (s.allocated_bytes.all.peak, s.reserved_bytes.all.peak)
+            }
+            Alloc::Libtorch(i) => oomguard_tch::cuda_allocator::device_stats(*i)
+                .map(|s| {
+                    let u = s.usage();
+                    (u.used_peak, u.reserved_peak)
+                })
+                .unwrap_or_default(),
+            Alloc::Cpu => (0, 0),
+        }
+    }
+    fn reset_peaks(&self) {
+        match self {
+            Alloc::Oomguard(d) => d.allocator().reset_peak_stats(),
+            Alloc::Libtorch(i) => {
+                let _ = oomguard_tch::cuda_allocator::reset_peak_stats(*i);
+            }
+            Alloc::Cpu => {}
+        }
+    }
+    fn empty_cache(&self) {
+        match self {
+            Alloc::Oomguard(d) => {
+                let _ = d.empty_cache();
+            }
+            Alloc::Libtorch(i) => {
+                let _ = oomguard_tch::cuda_allocator::empty_cache(*i);
+            }
+            Alloc::Cpu => {}
+        }
+    }
+}
+
+struct Args {
+    oomguard: bool,
+    device: Device,
+    batch: i64,
+    steps: usize,
+    warmup: usize,
+    max: Option<(i64, i64)>,
+    classes: i64,
+    size: i64,
+    check: bool,
+    trace: Option<String>,
+    trace_steps: usize,
+}
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        oomguard: false,
+        device: Device::Cuda(0),
+        batch: 128,
+        steps: 6,
+        warmup: 2,
+        max: None,
+        classes: 1000,
+        size: 224,
+        check: false,
+        trace: None,
+        trace_steps: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    let num = |v: Option<String>, name: &str| -> Result<i64, String> {
+        let v = v.ok_or(format!("{name} needs a value"))?;
+        v.parse::<i64>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or(format!("{name}: {v:?} is not a positive integer"))
+    };
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--allocator" => match it.next().as_deref() {
+                Some("oomguard") => a.oomguard = true,
+                Some("libtorch") => a.oomguard = false,
+                v => return Err(format!("--allocator: {v:?} is not libtorch or oomguard")),
+            },
+            "--device" => {
+                a.device = match it.next().as_deref() {
+                    Some("cpu") => Device::Cpu,
+                    Some("cuda") => Device::Cuda(0),
+                    Some(d) => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                        Some(n) => Device::Cuda(n),
+                        None => return Err(format!("--device: {d:?} is not cpu or cuda:N")),
+                    },
+                    None => return Err("--device needs a value".into()),
+                }
+            }
+            "--batch" => a.batch = num(it.next(), "--batch")?,
+            "--steps" => a.steps = num(it.next(), "--steps")? as usize,
+            "--warmup" => a.warmup = num(it.next(), "--warmup")? as usize,
+            "--classes" => a.classes = num(it.next(), "--classes")?,
+            "--size" => a.size = num(it.next(), "--size")?,
+            "--check" => a.check = true,
+            "--trace" => a.trace = Some(it.next().ok_or("--trace needs a path")?),
+            "--trace-steps" => a.trace_steps = num(it.next(), "--trace-steps")? as usize,
+            "--max" => {
+                let v = it.next().ok_or("--max needs LO..HI")?;
+                let (lo, hi) = v.split_once("..").ok_or(format!("--max: {v:?} is not LO..HI"))?;
+                let (lo, hi) = (num(Some(lo.into()), "--max")?, num(Some(hi.into()), "--max")?);
+                if lo >= hi {
+                    return Err(format!("--max: {lo} is not below {hi}"));
+                }
+                a.max = Some((lo, hi));
+            }
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if a.device == Device::Cpu {
+        a.size = a.size.min(32);
+    }
+    Ok(a)
+}
+
+struct Run {
+    args: Args,
+    alloc: Alloc,
+    vs: nn::VarStore,
+    model: nn::SequentialT,
+    opt: nn::Optimizer,
+}
+
+impl Run {
+    fn new(args: Args, alloc: Alloc) -> Result<Self, Error> {
+        tch::manual_seed(1234);
+        let vs = nn::VarStore::new(args.device);
+        let model = if args.device == Device::Cpu {
+            // a small stand-in on the CPU: the harness's own check, in seconds
+            nn::seq_t()
+                .add(nn::conv2d(vs.root() / "c1", 3, 8, 3, Default::default()))
+                .add_fn(|x| x.relu().max_pool2d_default(2))
+                .add_fn(|x| x.flat_view())
+                .add(nn::linear(vs.root() / "fc", 8 * 15 * 15, args.classes, Default::default()))
+        } else {
+            tch::vision::vgg::vgg16(&vs.root(), args.classes)
+        };
+        let opt = nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        }
+        .build(&vs, 1e-3)?;
+        Ok(Run {
+            args,
+            alloc,
+            vs,
+            model,
+            opt,
+        })
+    }
+
+    fn batch(&self, rows: i64, seed: i64) -> (Tensor, Tensor) {
+        tch::manual_seed(seed);
+        let s = self.args.size;
+        let x = Tensor::randn([rows, 3, s, s], (Kind::Float, self.args.device));
+        let y = Tensor::randint(self.args.classes, [rows], (Kind::Int64, self.args.device));
+        (x, y)
+    }
+
+    /// One plain step, synchronised: the loss.
+    fn step(&mut self, x: &Tensor, y: &Tensor) -> Result<f64, Error> {
+        let dev = self.args.device;
+        let r = catch_oom(|| {
+            let loss = self.model.forward_t(x, true).cross_entropy_for_logits(y);
+            loss.f_backward()?;
+            self.opt.step();
+            let v = loss.f_double_value(&[])?;
+            if let Device::Cuda(i) = dev {
+                tch::Cuda::synchronize(i as i64);
+            }
+            Ok::<_, Error>(v)
+        });
+        let z = catch_oom(|| {
+            self.opt.zero_grad();
+            Ok::<_, Error>(())
+        });
+        let v = r?;
+        z?;
+        Ok(v)
+    }
+
+    fn conf(&self) -> String {
+        match &self.alloc {
+            Alloc::Oomguard(_) => format!(
+                "oomguard:{}",
+                std::env::var("OOMGUARD_ALLOC_CONF").unwrap_or_else(|_| "default".into())
+            ),
+            _ => std::env::var("PYTORCH_ALLOC_CONF").unwrap_or_else(|_| "native".into()),
+        }
+    }
+
+    /// Every parameter gets a finite non-zero gradient, and the loss falls on one batch.
+    fn check(&mut self) -> Result<bool, Error> {
+        let (x, y) = self.batch(8, 7);
+        let loss = self.model.forward_t(&x, true).cross_entropy_for_logits(&y);
+        loss.f_backward()?;
+        let vars = self.vs.trainable_variables();
+        let with_grad = vars
+            .iter()
+            .filter(|v| {
+                let g = v.grad();
+                g.defined()
+                    && g.isfinite().all().int64_value(&[]) == 1
+                    && g.abs().sum(Kind::Double).double_value(&[]) > 0.0
+            })
+            .count();
+        self.opt.zero_grad();
+        let first = self.step(&x, &y)?;
+        let mut last = first;
+        for _ in 0..9 {
+            last = self.step(&x, &y)?;
+        }
+        let ok = with_grad == vars.len() && last < first;
+        println!(
+            "RESULT phase=check parameters={} with_gradient={with_grad} loss_first={first:.4} loss_last={last:.4} ok={ok}",
+            vars.len()
+        );
+        Ok(ok)
+    }
+
+    fn steps(&mut self) -> Result<(), Error> {
+        let b = self.args.batch;
+        let mut times = Vec::new();
+        let mut moved = Moves::default();
+        for s in 0..self.args.warmup + self.args.steps {
+            if s == self.args.warmup {
+                self.alloc.reset_peaks();
+            }
+            let (x, y) = self.batch(b, 100 + s as i64);
+            let m0 = self.alloc.moves();
+            let t = Instant::now();
+            self.step(&x, &y)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let m = self.alloc.moves().minus(m0);
+            println!("STEP batch={b} step={} ms={ms:.1} {}", s + 1, m.text());
+            if s >= self.args.warmup {
+                times.push(ms);
+                moved = moved.plus(m);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let (used, reserved) = self.alloc.peaks();
+        println!(
+            "RESULT phase=steps alloc_conf={} batch={b} steps={} median_ms={:.1} min_ms={:.1} peak_used={used} peak_reserved={reserved} reserved_over_used={:.4} timed_{}",
+            self.conf(),
+            times.len(),
+            times[times.len() / 2],
+            times[0],
+            reserved as f64 / used.max(1) as f64,
+            moved.text().replace(' ', " timed_")
+        );
+        Ok(())
+    }
+
+    /// `--trace-steps` steps recorded by oomguard's history, written as a CSV trace.
+    fn trace(&mut self, path: &str) -> Result<(), Error> {
+        let Alloc::Oomguard(d) = &self.alloc else {
+            println!("RESULT phase=trace skipped=\"needs --allocator oomguard\"");
+            return Ok(());
+        };
+        let d = d.clone();
+        let a = d.allocator();
+        a.record_history(4_000_000, false);
+        let b = self.args.batch;
+        for s in 0..self.args.trace_steps {
+            let (x, y) = self.batch(b, 300 + s as i64);
+            self.step(&x, &y)?;
+        }
+        let entries = a.history();
+        a.record_history(0, false);
+        let mut ids = std::collections::HashMap::new();
+        let mut next = 0u64;
+        let mut out = String::from("op,id,bytes,stream,thread\n");
+        let (mut allocs, mut frees, mut threads) = (0, 0, std::collections::BTreeSet::new());
+        for e in entries {
+            match e.action {
+                oomguard::alloc::TraceAction::Alloc => {
+                    ids.insert(e.addr, (next, e.size));
+                    out += &format!("a,{next},{},{},{}\n", e.size, e.stream, e.thread);
+                    next += 1;
+                    allocs += 1;
+                    threads.insert(e.thread);
+                }
+                oomguard::alloc::TraceAction::FreeRequested => {
+                    // frees of memory allocated before the recording are left out
+                    if let Some((id, bytes)) = ids.remove(&e.addr) {
+                        out += &format!("f,{id},{bytes},{},{}\n", e.stream, e.thread);
+                        frees += 1;
+                        threads.insert(e.thread);
+                    }
+                }
+                _ => {}
+            }
+        }
+        std::fs::write(path, out).map_err(|e| Error::Oomguard(oomguard::Error::InvalidArgument(format!("{path}: {e}"))))?;
+        println!(
+            "RESULT phase=trace path={path} batch={b} steps={} allocs={allocs} frees={frees} threads={threads:?}",
+            self.args.trace_steps
+        );
+        Ok(())
+    }
+
+    /// Whether two consecutive steps at `rows` run, from an emptied cache.
+    fn fits(&mut self, rows: i64) -> Result<bool, Error> {
+        self.alloc.empty_cache();
+        let t = Instant::now();
+        let mut ok = true;
+        for s in 0..2 {
+            let (x, y) = self.batch(rows, 200 + s);
+            match self.step(&x, &y) {
+                Ok(_) => {}
+                Err(e) if oomguard::retry::IsOom::is_oom(&e) => {
+                    ok = false;
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        println!(
+            "TRIAL rows={rows} fits={ok} secs={:.1}",
+            t.elapsed().as_secs_f64()
+        );
+        Ok(ok)
+    }
+
+    fn max(&mut self, lo: i64, hi: i64) -> Result<(), Error> {
+        let t = Instant::now();
+        let (mut lo, mut hi) = (lo, hi);
+        let mut trials = 0;
+        if !self.fits(lo)? {
+            println!("RESULT phase=max error=\"{lo} rows do not fit\"");
+            return Ok(());
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            trials += 1;
+            if self.fits(mid)? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        self.alloc.empty_cache();
+        println!(
+            "RESULT phase=max alloc_conf={} max_batch={lo} trials={trials} secs={:.1}",
+            self.conf(),
+            t.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("tch_convnet: {e}");
+            return ExitCode::from(64);
+        }
+    };
+    let alloc = match args.device {
+        Device::Cuda(i) if args.oomguard => match oomguard_tch::allocator::install(i) {
+            Ok(d) => Alloc::Oomguard(d),
+            Err(e) => {
+                eprintln!("tch_convnet: oomguard's allocator on cuda:{i}: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        Device::Cuda(i) => Alloc::Libtorch(i),
+        _ => Alloc::Cpu,
+    };
+    let (check, max, trace) = (args.check, args.max, args.trace.clone());
+    let mut run = match Run::new(args, alloc) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tch_convnet: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = (|| -> Result<bool, Error> {
+        let mut ok = true;
+        if check {
+            ok &= run.check()?;
+        }
+        run.steps()?;
+        if let Some(p) = &trace {
+            run.trace(p)?;
+        }
+        if let Some((lo, hi)) = max {
+            run.max(lo, hi)?;
+        }
+        Ok(ok)
+    })();
+    match r {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("tch_convnet: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
