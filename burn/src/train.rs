@@ -212,6 +212,10 @@ impl std::error::Error for TrainStepError {
 /// may run out of memory on purpose: it then falls back to the remembered plan in the same call
 /// (one more attempt; the report's `regrow` says `succeeded: false`), and the wait doubles after
 /// each failed try. `RetryEngine::new().regrow_after(None)` turns this off.
+///
+/// To start from the largest batch that fits rather than fail down to it, seed the engine from
+/// [`find_max_batch_train`](crate::find_max_batch_train), which measures this step's own
+/// attempt: `RetryEngine::new().start_from_finder(&found)`.
 #[track_caller]
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B, M, O, S>(
