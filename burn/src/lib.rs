@@ -18,7 +18,11 @@
 //! - [`GradAccumulator`] and [`train_step`]: one optimizer step over a batch, retried on
 //!   out-of-memory with smaller micro-batches, gradients summed with burn's
 //!   `GradientsAccumulator`, the optimizer applied once, after every micro-batch succeeded.
-//! - [`find_max_batch`]: the largest batch a burn step runs with.
+//! - [`find_max_batch_train`]: the largest batch [`train_step`]'s own attempt fits (the batch
+//!   held, each chunk's loss backpropagated, the gradients held), trained on nothing; its report
+//!   seeds the loop's engine
+//!   ([`RetryEngine::start_from_finder`](oomguard::retry::RetryEngine::start_from_finder)).
+//!   [`find_max_batch`]: the largest batch a burn step of your own runs with.
 //!
 //! **Testing your step on CPU.** Run it on burn's ndarray backend under `Autodiff` and give the
 //! retry engine a simulated device as the source (`oomguard::Device::sim(..)`); to exercise
@@ -71,7 +75,7 @@ pub use catch::{catch_oom, oom_panics, panic_message_is_oom};
 #[cfg(feature = "cuda")]
 pub use cuda_source::CubeCudaSource;
 pub use error::Error;
-pub use finder::find_max_batch;
+pub use finder::{find_max_batch, find_max_batch_train};
 pub use source::memory_source;
 pub use split::{chunk_rows, split_rows};
 pub use train::{train_step, GradAccumulator, TrainStepError, TrainedStep};

@@ -212,6 +212,10 @@ impl std::error::Error for TrainStepError {
 /// may run out of memory on purpose: it then falls back to the remembered plan in the same call
 /// (one more attempt; the report's `regrow` says `succeeded: false`), and the wait doubles after
 /// each failed try. `RetryEngine::new().regrow_after(None)` turns this off.
+///
+/// To start from the largest batch that fits rather than fail down to it, seed the engine from
+/// [`find_max_batch_train`](crate::find_max_batch_train), which measures this step's own
+/// attempt: `RetryEngine::new().start_from_finder(&found)`.
 #[track_caller]
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B, M, O, S>(
@@ -253,26 +257,16 @@ where
         .run(
             source,
             batch,
-            |plan: &BatchPlan| {
-                catch_oom(|| {
-                    let mut acc = GradAccumulator::<B, M>::new();
-                    for c in plan.chunks() {
-                        let loss = chunk_loss(current, &c)?;
-                        acc.backward(current, loss, &c)?;
-                    }
-                    let (loss, rows, device) = (acc.loss(), acc.rows(), acc.device.clone());
-                    Ok::<_, Error>((acc.into_grads(current)?, loss, rows, device))
-                })
-            },
-            |(grads, loss, rows, device)| {
+            |plan: &BatchPlan| catch_oom(|| attempt(plan, current, &mut chunk_loss)),
+            |a: Attempt<B>| {
                 let updated = catch_oom(|| {
-                    let updated = compat::optimizer_step(optimizer, lr, current.clone(), grads);
-                    if let Some(d) = &device {
+                    let updated = compat::optimizer_step(optimizer, lr, current.clone(), a.grads);
+                    if let Some(d) = &a.device {
                         compat::sync::<B>(d)?;
                     }
                     Ok::<_, Error>(updated)
                 });
-                (updated, loss, rows)
+                (updated, a.loss, a.rows)
             },
         )
         .map_err(TrainStepError::Retry)?;
@@ -287,4 +281,41 @@ where
             report: Box::new(report),
         }),
     }
+}
+
+/// What one successful attempt leaves for the optimizer: the summed gradients, the batch's mean
+/// loss, the rows backpropagated and the device the losses were on (synchronised after the
+/// update).
+pub(crate) struct Attempt<B: AutodiffBackend> {
+    pub(crate) grads: GradientsParams,
+    pub(crate) loss: f64,
+    pub(crate) rows: usize,
+    pub(crate) device: Option<B::Device>,
+}
+
+/// One attempt of [`train_step`] (and of each run of
+/// [`find_max_batch_train`](crate::find_max_batch_train)): every chunk of `plan`'s loss
+/// backpropagated into a [`GradAccumulator`], then the gradients checked and collected. The
+/// caller runs it under [`catch_oom`].
+pub(crate) fn attempt<B, M>(
+    plan: &BatchPlan,
+    model: &M,
+    chunk_loss: &mut impl FnMut(&M, &Chunk) -> Result<Tensor<B, 1>, Error>,
+) -> Result<Attempt<B>, Error>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    let mut acc = GradAccumulator::<B, M>::new();
+    for c in plan.chunks() {
+        let loss = chunk_loss(model, &c)?;
+        acc.backward(model, loss, &c)?;
+    }
+    let (loss, rows, device) = (acc.loss(), acc.rows(), acc.device.clone());
+    Ok(Attempt {
+        grads: acc.into_grads(model)?,
+        loss,
+        rows,
+        device,
+    })
 }

@@ -1,13 +1,16 @@
 //! `oomguard_burn::find_max_batch` on a burn step (ndarray + `Autodiff`): the step's memory is
 //! a simulated card charged per row, and a cubecl out-of-memory *panic* past some rows is a
-//! failed run of the search, not a crash.
+//! failed run of the search, not a crash. `find_max_batch_train` runs `train_step`'s own attempt,
+//! so a loop seeded from it does not retry, where a loop seeded from `find_max_batch` over a
+//! step written by hand does.
 
 use burn::backend::{Autodiff, NdArray};
 use burn::nn::{Linear, LinearConfig};
+use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::{Distribution, Tensor};
-use oomguard::retry::FinderOptions;
+use oomguard::retry::{Chunk, FinderOptions, FinderReport, RetryEngine};
 use oomguard::ByteSize;
-use oomguard_burn::{find_max_batch, Error};
+use oomguard_burn::{chunk_rows, find_max_batch, find_max_batch_train, train_step, Error};
 
 type B = Autodiff<NdArray>;
 
@@ -50,4 +53,134 @@ fn finds_the_batch_a_burn_step_fits_through_oom_panics() {
     })
     .unwrap();
     assert!((95..=100).contains(&report.max_batch), "{report}");
+}
+
+/// A loop's batch on the simulated card: its tensors and the memory they would hold on a GPU
+/// (1 MiB per row, held as long as the batch).
+struct Batch {
+    x: Tensor<B, 2>,
+    y: Tensor<B, 2>,
+    _memory: oomguard::DeviceBuffer<u8>,
+}
+
+fn weights(model: &Linear<B>) -> Vec<f32> {
+    model.weight.val().into_data().to_vec().unwrap()
+}
+
+/// A loop's loss closure.
+type LossFn<'a> = dyn FnMut(&Linear<B>, &Chunk, &Batch) -> Result<Tensor<B, 1>, Error> + 'a;
+
+/// Runs 20 `train_step`s with batches of `found.max_batch` rows, the engine seeded from
+/// `found`; the retries of all of them.
+fn seeded_loop_retries(
+    card: &oomguard::Device,
+    found: &FinderReport,
+    model: &mut Linear<B>,
+    make_batch: &mut dyn FnMut(usize) -> Result<Batch, Error>,
+    loss: &mut LossFn<'_>,
+) -> usize {
+    let engine = RetryEngine::new().start_from_finder(found);
+    let mut sgd = SgdConfig::new().init();
+    let mut retries = 0;
+    for _ in 0..20 {
+        let b = make_batch(found.max_batch).unwrap();
+        let done = train_step(
+            &engine,
+            card,
+            found.max_batch,
+            model,
+            &mut sgd,
+            0.01,
+            |m, c| loss(m, c, &b),
+        )
+        .unwrap();
+        assert_eq!(done.rows, found.max_batch);
+        retries += done.report.retries();
+    }
+    retries
+}
+
+#[test]
+fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
+    // A simulated 256 MiB card: the batch holds 1 MiB per row, a chunk's activations 2 MiB per
+    // row, so about 85 rows fit train_step's attempt.
+    let card = oomguard::Device::sim(ByteSize::mib(256));
+    let dev = Default::default();
+    let mut model: Linear<B> = LinearConfig::new(4, 1).init(&dev);
+    let mut make_batch = |rows: usize| -> Result<Batch, Error> {
+        let memory = card.alloc::<u8>(rows << 20)?;
+        Ok(Batch {
+            x: Tensor::ones([rows, 4], &dev),
+            y: Tensor::zeros([rows, 1], &dev),
+            _memory: memory,
+        })
+    };
+    let mut loss = |m: &Linear<B>, c: &Chunk, b: &Batch| -> Result<Tensor<B, 1>, Error> {
+        let _activations = card.alloc::<u8>(c.len() << 21)?;
+        let pred = m.forward(chunk_rows(&b.x, c)?);
+        Ok((pred - chunk_rows(&b.y, c)?).powi_scalar(2).mean())
+    };
+
+    // The old route: find_max_batch over a step written by hand (forward, backward, update) on
+    // a copy of the model, charged as the loss closure charges. It does not hold a batch as
+    // the loop does.
+    let found_old = {
+        let mut copy = model.clone();
+        let mut opt = SgdConfig::new().init::<B, Linear<B>>();
+        find_max_batch(&card, FinderOptions::default(), |rows| {
+            let _activations = card.alloc::<u8>(rows << 21)?;
+            let x = Tensor::<B, 2>::ones([rows, 4], &dev);
+            let l = copy.forward(x).powi_scalar(2).mean();
+            let grads = GradientsParams::from_grads(l.backward(), &copy);
+            copy = opt.step(0.01, copy.clone(), grads);
+            Ok(l.try_into_data()?.iter::<f32>().next().unwrap_or(0.0))
+        })
+        .unwrap()
+    };
+    assert!(found_old.max_batch > 100, "{found_old}");
+    let old_retries =
+        seeded_loop_retries(&card, &found_old, &mut model, &mut make_batch, &mut loss);
+    assert!(
+        old_retries > 0,
+        "the old route's seed fits train_step's attempt?"
+    );
+
+    // The new route: train_step's own attempt, with the loop's make_batch and loss closure.
+    let before = weights(&model);
+    let found = find_max_batch_train(
+        &card,
+        FinderOptions::default(),
+        &model,
+        &mut make_batch,
+        &mut loss,
+    )
+    .unwrap();
+    assert!((76..=85).contains(&found.max_batch), "{found}");
+    assert_eq!(weights(&model), before, "the finder trained nothing");
+    let retries = seeded_loop_retries(&card, &found, &mut model, &mut make_batch, &mut loss);
+    assert_eq!(retries, 0, "20 seeded steps at {} rows", found.max_batch);
+    assert!(weights(&model) != before, "the loop trained");
+}
+
+#[test]
+fn the_train_finder_refuses_a_batch_of_the_wrong_rows() {
+    let card = oomguard::Device::sim(ByteSize::mib(256));
+    let dev = Default::default();
+    let model: Linear<B> = LinearConfig::new(4, 1).init(&dev);
+    let err = find_max_batch_train(
+        &card,
+        FinderOptions::default(),
+        &model,
+        |rows| Ok(Tensor::<B, 2>::ones([rows + 1, 4], &dev)),
+        |m: &Linear<B>, c: &Chunk, x: &Tensor<B, 2>| {
+            let _a = card.alloc::<u8>(c.len() << 20)?;
+            Ok(m.forward(chunk_rows(x, c)?).mean())
+        },
+    )
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("shape [2, 4] has 2 rows; the plan splits a batch of 1"),
+        "{text}"
+    );
 }

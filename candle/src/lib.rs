@@ -20,6 +20,10 @@
 //!   checks, peak scopes and `memory_summary` ([`oomguard::source`]).
 //! - [`train_step`]: one optimizer step over a batch, retried on OOM with a smaller
 //!   micro-batch, the optimizer applied once, after every micro-batch succeeded, on every row.
+//! - [`find_max_batch_train`]: the largest batch [`train_step`]'s own attempt fits (the batch
+//!   held, each chunk's loss backpropagated, the gradients held), trained on nothing; its report
+//!   seeds the loop's engine
+//!   ([`RetryEngine::start_from_finder`](oomguard::retry::RetryEngine::start_from_finder)).
 //! - [`GradAccumulator`]: sums the gradients of the micro-batches of one attempt, each
 //!   weighted by its share of the batch, keeping only the variables' gradients; [`Params`]:
 //!   the variables it trains and those frozen on purpose.
@@ -98,6 +102,7 @@
 //! ```
 
 mod accumulator;
+mod finder;
 mod oom;
 mod params;
 mod rows;
@@ -105,6 +110,7 @@ mod source;
 mod train_step;
 
 pub use accumulator::GradAccumulator;
+pub use finder::find_max_batch_train;
 pub use oom::{charge, into_candle_error, Charge};
 pub use params::Params;
 pub use rows::{chunk_rows, split_rows};

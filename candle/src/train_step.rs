@@ -1,5 +1,6 @@
 //! One optimizer step over a batch, kept alive through out-of-memory.
 
+use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use candle_nn::Optimizer;
 use oomguard::retry::{BatchPlan, Chunk, RetryEngine};
@@ -52,6 +53,10 @@ pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
 /// may run out of memory on purpose: it then falls back to the remembered plan in the same call
 /// (one more attempt; the report's `regrow` says `succeeded: false`), and the wait doubles after
 /// each failed try. `RetryEngine::new().regrow_after(None)` turns this off.
+///
+/// To start from the largest batch that fits rather than fail down to it, seed the engine from
+/// [`find_max_batch_train`](crate::find_max_batch_train), which measures this step's own
+/// attempt: `RetryEngine::new().start_from_finder(&found)`.
 #[track_caller]
 pub fn train_step<S, O>(
     engine: &RetryEngine,
@@ -74,20 +79,8 @@ where
         .run(
             source,
             rows,
-            |plan: &BatchPlan| -> candle_core::Result<_> {
-                let mut acc = GradAccumulator::new(&params);
-                for c in plan.chunks() {
-                    let chunk_rows = batch
-                        .iter()
-                        .map(|t| crate::rows::chunk_rows(t, &c))
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                    let loss = chunk_loss(&c, &chunk_rows)?;
-                    acc.backward(&loss, &c)?;
-                }
-                let (loss, rows) = (acc.loss(), acc.rows());
-                Ok((acc.into_grads()?, loss, rows))
-            },
-            |(grads, loss, rows)| optimizer.step(&grads).map(|()| (loss, rows)),
+            |plan: &BatchPlan| attempt(plan, batch, &params, &mut chunk_loss),
+            |a: Attempt| optimizer.step(&a.grads).map(|()| (a.loss, a.rows)),
         )
         .map_err(TrainStepError::Retry)?;
     match retried.value {
@@ -101,4 +94,39 @@ where
             report: Box::new(retried.report),
         }),
     }
+}
+
+/// What one successful attempt leaves for the optimizer: the summed gradients, the batch's mean
+/// loss and the rows backpropagated.
+pub(crate) struct Attempt {
+    pub(crate) grads: GradStore,
+    pub(crate) loss: f64,
+    pub(crate) rows: usize,
+}
+
+/// One attempt of [`train_step`] (and of each run of
+/// [`find_max_batch_train`](crate::find_max_batch_train)): every chunk of `plan` sliced from
+/// `batch`, its loss backpropagated and weighted into a [`GradAccumulator`], then the gradients
+/// checked and collected.
+pub(crate) fn attempt(
+    plan: &BatchPlan,
+    batch: &[&Tensor],
+    params: &Params,
+    chunk_loss: &mut impl FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Attempt> {
+    let mut acc = GradAccumulator::new(params);
+    for c in plan.chunks() {
+        let chunk_rows = batch
+            .iter()
+            .map(|t| crate::rows::chunk_rows(t, &c))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let loss = chunk_loss(&c, &chunk_rows)?;
+        acc.backward(&loss, &c)?;
+    }
+    let (loss, rows) = (acc.loss(), acc.rows());
+    Ok(Attempt {
+        grads: acc.into_grads()?,
+        loss,
+        rows,
+    })
 }
