@@ -6,6 +6,10 @@
 //! f,0,154389504,0
 //! ```
 //! `a` allocates `bytes` under a new `id`; `f` frees the allocation `id`.
+//!
+//! An optional fifth column, `thread` (header `op,id,bytes,stream,thread`), names the recording
+//! process's thread that made the call (a number; 0: unknown). Without it, every event has
+//! thread 0: one thread.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -16,6 +20,16 @@ use crate::lines::{body_lines, parse_u64};
 
 /// The header line of the format.
 pub const HEADER: &str = "op,id,bytes,stream";
+
+/// The header line of the format with its `thread` column.
+pub const HEADER_THREADS: &str = "op,id,bytes,stream,thread";
+
+/// Whether `line` (a first line, trimmed) is one of the format's headers.
+pub(crate) fn is_header(line: &str) -> bool {
+    // Case-insensitive, as detection is.
+    let h = line.replace(' ', "");
+    h.eq_ignore_ascii_case(HEADER) || h.eq_ignore_ascii_case(HEADER_THREADS)
+}
 
 /// Parses a CSV trace. Errors name the line: a bad op, a bad number, a duplicate id, a free of an
 /// id that is not live.
@@ -31,16 +45,21 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
         return Err(ReadError::Empty);
     }
     let header = crate::lines::first_line(data);
-    // Case-insensitive, as detection is.
-    if !header.replace(' ', "").eq_ignore_ascii_case(HEADER) {
+    if !is_header(&header) {
         return Err(ReadError::line(
             1,
             format!(
-                "expected the header `{HEADER}`, found {}",
+                "expected the header `{HEADER}` or `{HEADER_THREADS}`, found {}",
                 crate::lines::quoted(&header)
             ),
         ));
     }
+    let threads = header.replace(' ', "").eq_ignore_ascii_case(HEADER_THREADS);
+    let (columns, names) = if threads {
+        (5, HEADER_THREADS)
+    } else {
+        (4, HEADER)
+    };
     let mut events = Vec::new();
     // id -> (bytes, line of its allocation); ids once freed stay reserved.
     let mut live: HashMap<u64, u64> = HashMap::new();
@@ -48,11 +67,11 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     for item in body_lines(data) {
         let (n, line) = item?;
         let fields: Vec<&str> = line.split(',').collect();
-        if fields.len() != 4 {
+        if fields.len() != columns {
             return Err(ReadError::line(
                 n,
                 format!(
-                    "expected 4 fields (op,id,bytes,stream), found {}",
+                    "expected {columns} fields ({names}), found {}",
                     fields.len()
                 ),
             ));
@@ -73,13 +92,18 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
         let id = parse_u64(n, "id", fields[1])?;
         let bytes = parse_u64(n, "bytes", fields[2])?;
         let stream = parse_u64(n, "stream", fields[3])?;
+        let thread = if threads {
+            parse_u64(n, "thread", fields[4])?
+        } else {
+            0
+        };
         match op {
             Op::Alloc => {
                 if !used.insert(id) {
                     return Err(ReadError::line(n, format!("duplicate allocation id {id}")));
                 }
                 live.insert(id, bytes);
-                events.push(Event::alloc(id, bytes, stream));
+                events.push(Event::alloc(id, bytes, stream).on_thread(thread));
             }
             Op::Free => {
                 let Some(size) = live.remove(&id) else {
@@ -88,7 +112,7 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
                         format!("free of id {id}, which is not live"),
                     ));
                 };
-                events.push(Event::free(id, size, stream));
+                events.push(Event::free(id, size, stream).on_thread(thread));
             }
         }
     }
@@ -98,24 +122,33 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     Ok(Trace::new(TraceFormat::Csv, events))
 }
 
-/// Writes `events` in this format (header included).
+/// Writes `events` in this format (header included), with the `thread` column when any event
+/// names a thread.
 ///
 /// ```
 /// use oomguard_cli::{csv_trace, Event};
 /// let s = csv_trace::write(&[Event::alloc(0, 512, 0), Event::free(0, 512, 0)]);
 /// assert_eq!(s, "op,id,bytes,stream\na,0,512,0\nf,0,512,0\n");
 /// assert_eq!(csv_trace::parse(s.as_bytes()).unwrap().events.len(), 2);
+/// let s = csv_trace::write(&[Event::alloc(0, 512, 0).on_thread(1), Event::free(0, 512, 0).on_thread(2)]);
+/// assert_eq!(s, "op,id,bytes,stream,thread\na,0,512,0,1\nf,0,512,0,2\n");
 /// ```
 pub fn write(events: &[Event]) -> String {
-    let mut s = String::with_capacity(events.len() * 20 + HEADER.len() + 1);
-    s.push_str(HEADER);
+    let threads = events.iter().any(|e| e.thread != 0);
+    let header = if threads { HEADER_THREADS } else { HEADER };
+    let mut s = String::with_capacity(events.len() * 24 + header.len() + 1);
+    s.push_str(header);
     s.push('\n');
     for e in events {
         let op = match e.op {
             Op::Alloc => 'a',
             Op::Free => 'f',
         };
-        let _ = writeln!(s, "{op},{},{},{}", e.id, e.bytes, e.stream);
+        let _ = write!(s, "{op},{},{},{}", e.id, e.bytes, e.stream);
+        if threads {
+            let _ = write!(s, ",{}", e.thread);
+        }
+        s.push('\n');
     }
     s
 }
@@ -180,6 +213,58 @@ mod tests {
                 .to_string(),
             "line 3: not valid UTF-8 text"
         );
+    }
+
+    #[test]
+    fn thread_column_is_read_and_checked() {
+        let t = parse(b"op,id,bytes,stream,thread\na,1,10,0,7\nf,1,10,0,9\n").unwrap();
+        assert_eq!(
+            t.events,
+            vec![
+                Event::alloc(1, 10, 0).on_thread(7),
+                Event::free(1, 10, 0).on_thread(9)
+            ]
+        );
+        // without the column: thread 0
+        let t = parse(b"op,id,bytes,stream\na,1,10,0\n").unwrap();
+        assert_eq!(t.events[0].thread, 0);
+        assert_eq!(
+            err("op,id,bytes,stream,thread\na,1,10,0,x\n"),
+            "line 2: thread \"x\": not a non-negative integer"
+        );
+        assert_eq!(
+            err("op,id,bytes,stream,thread\na,1,10,0,1\na,2,10,0,-1\n"),
+            "line 3: thread \"-1\": not a non-negative integer"
+        );
+        assert_eq!(
+            err("op,id,bytes,stream,thread\na,1,10,0,\n"),
+            "line 2: thread \"\": missing"
+        );
+        assert_eq!(
+            err("op,id,bytes,stream,thread\na,1,10,0\n"),
+            "line 2: expected 5 fields (op,id,bytes,stream,thread), found 4"
+        );
+        // a thread column under the four-column header is a fifth field too many
+        assert_eq!(
+            err("op,id,bytes,stream\na,1,10,0,1\n"),
+            "line 2: expected 4 fields (op,id,bytes,stream), found 5"
+        );
+    }
+
+    #[test]
+    fn threads_survive_a_round_trip() {
+        let events = vec![
+            Event::alloc(0, 512, 0).on_thread(1),
+            Event::alloc(1, 1024, 3).on_thread(2),
+            Event::free(0, 512, 0).on_thread(2),
+            Event::free(1, 1024, 3).on_thread(u64::MAX),
+        ];
+        assert_eq!(parse(write(&events).as_bytes()).unwrap().events, events);
+        // one thread: the four-column format, as before
+        let one = vec![Event::alloc(0, 512, 0), Event::free(0, 512, 0)];
+        let text = write(&one);
+        assert!(text.starts_with("op,id,bytes,stream\n"), "{text}");
+        assert_eq!(parse(text.as_bytes()).unwrap().events, one);
     }
 
     #[test]

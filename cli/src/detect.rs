@@ -12,6 +12,7 @@ use crate::event::{Trace, TraceFormat};
 /// ```
 /// use oomguard_cli::{detect::detect, TraceFormat};
 /// assert_eq!(detect(b"op,id,bytes,stream\n", None), Some(TraceFormat::Csv));
+/// assert_eq!(detect(b"op,id,bytes,stream,thread\n", None), Some(TraceFormat::Csv));
 /// assert_eq!(detect(b"\x80\x04}\x94.", None), Some(TraceFormat::PytorchSnapshot));
 /// assert_eq!(detect(b"hello", None), None);
 /// ```
@@ -20,7 +21,7 @@ pub fn detect(data: &[u8], path: Option<&Path>) -> Option<TraceFormat> {
         return Some(TraceFormat::PytorchSnapshot);
     }
     let first = crate::lines::first_line(data).replace(' ', "");
-    if first.eq_ignore_ascii_case(crate::csv_trace::HEADER) {
+    if crate::csv_trace::is_header(&first) {
         return Some(TraceFormat::Csv);
     }
     if first.eq_ignore_ascii_case(crate::rmm::HEADER) {

@@ -23,6 +23,11 @@ pub struct Event {
     pub bytes: u64,
     /// The stream the allocation belongs to (0: the default stream).
     pub stream: u64,
+    /// The recording process's thread that made the call (0: unknown, or a trace of one
+    /// thread): the CSV's `thread` column as written, RMM's thread ids numbered 1, 2, … in
+    /// order of appearance. `oomguard replay --threads` replays each thread's events on a
+    /// thread of its own.
+    pub thread: u64,
 }
 
 impl Event {
@@ -33,6 +38,7 @@ impl Event {
             id,
             bytes,
             stream,
+            thread: 0,
         }
     }
     /// A free.
@@ -42,7 +48,17 @@ impl Event {
             id,
             bytes,
             stream,
+            thread: 0,
         }
+    }
+    /// This event, made by thread `thread` of the recording process.
+    ///
+    /// ```
+    /// use oomguard_cli::Event;
+    /// assert_eq!(Event::alloc(0, 512, 0).on_thread(2).thread, 2);
+    /// ```
+    pub fn on_thread(self, thread: u64) -> Self {
+        Self { thread, ..self }
     }
 }
 

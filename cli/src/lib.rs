@@ -30,6 +30,7 @@ pub mod plot;
 pub mod replay;
 pub mod rmm;
 pub mod snapshot;
+pub mod threads;
 pub mod view;
 pub mod viewdata;
 

@@ -57,6 +57,13 @@ enum Cmd {
         /// near each 1/N of the events.
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
         steps: Option<u64>,
+        /// Replay each event on a thread of its own recorded thread (the CSV's `thread`
+        /// column, an RMM log's Thread), one event at a time in trace order, so that the
+        /// allocator runs in its multi-thread mode (thread caches) as the program did, e.g.
+        /// libtorch's autograd engine freeing the forward's tensors on its own thread. Default:
+        /// every event on one thread. At most 1024 threads.
+        #[arg(long)]
+        threads: bool,
     },
     /// Replay a trace under several configurations, side by side.
     Compare {
@@ -354,9 +361,11 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             device,
             page_size,
             steps,
+            threads,
         } => {
             let opts = ReplayOptions {
                 steps: steps.map(|n| n as usize),
+                threads,
                 config: config(&c)?,
                 capacity: capacity(&cap)?,
                 device: device_spec(&device)?,
@@ -368,6 +377,16 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             };
             let trace = load(&file)?;
             probe(&opts)?;
+            let named = oomguard_cli::threads::thread_count(&trace.events);
+            if threads && named > oomguard_cli::threads::MAX_THREADS {
+                return Err(Fail(
+                    format!(
+                        "--threads: the trace names {named} threads; at most {} are replayed on threads of their own",
+                        oomguard_cli::threads::MAX_THREADS
+                    ),
+                    2,
+                ));
+            }
             if let Some(n) = opts.steps.filter(|&n| n > 1) {
                 let cut = oomguard_cli::replay::step_starts(&trace, n).len();
                 if cut < n {
@@ -653,6 +672,17 @@ fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) 
     outln!(out, "capacity         {}", ByteSize(r.capacity_bytes));
     outln!(
         out,
+        "threads          {} called the allocator, {} allocated{}",
+        r.threads,
+        r.allocating_threads,
+        if r.allocating_threads > 1 {
+            " (multi-thread mode: thread caches)"
+        } else {
+            ""
+        }
+    );
+    outln!(
+        out,
         "peak live        {} ({} bytes)",
         ByteSize(r.peak_live_bytes),
         r.peak_live_bytes
@@ -686,13 +716,14 @@ fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) 
     for (k, m) in r.per_step.iter().enumerate() {
         outln!(
             out,
-            "step {k:<11} from event {}: {} mapped in {} calls, {} unmapped in {} calls, {} synchronisations",
+            "step {k:<11} from event {}: {} mapped in {} calls, {} unmapped in {} calls, {} synchronisations, {} alloc retries",
             m.first_event,
             ByteSize(m.mapped_bytes),
             m.maps,
             ByteSize(m.unmapped_bytes),
             m.unmaps,
-            m.synchronizations
+            m.synchronizations,
+            m.retries
         );
     }
     outln!(out, "seconds          {:.3}", r.seconds);

@@ -133,6 +133,7 @@ pub fn min_capacity_on(
             device: device.clone(),
             page_size: None,
             steps: None,
+            threads: false,
         };
         let (r, _) = replay(trace, &opts, &mut |_| {});
         (

@@ -11,6 +11,7 @@ use serde::Serialize;
 use crate::counting::CountingBackend;
 use crate::device::DeviceSpec;
 use crate::event::{Op, Trace};
+use crate::threads::{thread_count, Callers, MAX_THREADS};
 
 /// The default simulated capacity: an 80 GiB H100.
 pub const DEFAULT_CAPACITY: u64 = 80 << 30;
@@ -35,6 +36,11 @@ pub struct ReplayOptions {
     /// replay then reports what each step mapped, unmapped and waited for
     /// ([`ReplayReport::per_step`]).
     pub steps: Option<usize>,
+    /// Replay each event on a thread of its own recorded thread ([`crate::Event::thread`]), in
+    /// trace order (one call at a time), so that the allocator runs in its multi-thread mode
+    /// (thread caches) as it did in the recorded program (`false`: every call on the calling
+    /// thread). At most [`MAX_THREADS`] recorded threads.
+    pub threads: bool,
 }
 
 impl Default for ReplayOptions {
@@ -47,6 +53,7 @@ impl Default for ReplayOptions {
             device: DeviceSpec::Sim,
             page_size: None,
             steps: None,
+            threads: false,
         }
     }
 }
@@ -134,6 +141,13 @@ pub struct ReplayReport {
     pub completed: bool,
     /// With [`ReplayOptions::steps`]: what each step made the allocator do, in order.
     pub per_step: Vec<StepMoves>,
+    /// Threads that called the allocator (0 when nothing ran): the replaying thread, or with
+    /// [`ReplayOptions::threads`] one per recorded thread whose events ran.
+    pub threads: usize,
+    /// Those of them that were handed memory (an allocation of more than 0 bytes that
+    /// succeeded): the allocator switches to its multi-thread mode (thread caches) when a
+    /// second thread allocates, so from 2 on it ran in that mode.
+    pub allocating_threads: usize,
 }
 
 /// What one step of a replayed training loop made growable segments do: a settled loop maps
@@ -152,6 +166,8 @@ pub struct StepMoves {
     pub unmaps: u64,
     /// Synchronisations (device-wide and per stream).
     pub synchronizations: u64,
+    /// Times the allocator released its cache and retried after out-of-memory.
+    pub retries: u64,
 }
 
 /// Where `steps` steps of `trace` begin: near each `k / steps` of the events, the event after
@@ -319,7 +335,20 @@ fn run(
             Err(message) => return unavailable(trace, opts, message),
         };
     let counting = Arc::new(CountingBackend::new(Arc::clone(&device.backend)));
-    let alloc = CachingAllocator::new(counting.clone(), opts.config.clone());
+    if opts.threads {
+        let n = thread_count(&trace.events);
+        if n > MAX_THREADS {
+            return unavailable(
+                trace,
+                opts,
+                format!(
+                    "the trace names {n} threads; a replay with threads starts at most {MAX_THREADS}"
+                ),
+            );
+        }
+    }
+    let alloc = Arc::new(CachingAllocator::new(counting.clone(), opts.config.clone()));
+    let mut callers = Callers::new(Arc::clone(&alloc), opts.threads);
     if device.limit {
         alloc.set_memory_limit(Some(opts.capacity));
     }
@@ -355,6 +384,7 @@ fn run(
             maps: st.num_map,
             unmaps: st.num_unmap,
             synchronizations: st.num_sync_all_streams + st.num_stream_syncs,
+            retries: st.num_alloc_retries,
         }
     };
     let mut at_step_start = moves(&alloc, 0);
@@ -368,8 +398,8 @@ fn run(
         match e.op {
             Op::Alloc => match device
                 .stream(e.stream)
-                .map_err(oomguard_runtime::Error::InvalidArgument)
-                .and_then(|s| alloc.allocate(e.bytes, s))
+                .map_err(|m| oomguard_runtime::Error::InvalidArgument(m).into())
+                .and_then(|s| callers.allocate(e.thread, e.bytes, s))
             {
                 Ok(a) => {
                     live.insert(e.id, a);
@@ -384,8 +414,8 @@ fn run(
                         index: i,
                         id: e.id,
                         bytes: e.bytes,
-                        oom: err.is_oom(),
-                        message: err.to_string(),
+                        oom: err.oom,
+                        message: err.message,
                     });
                     failed_ids.insert(e.id);
                 }
@@ -393,13 +423,13 @@ fn run(
             Op::Free => {
                 if let Some(a) = live.remove(&e.id) {
                     live_bytes = live_bytes.saturating_sub(a.requested);
-                    if let Err(err) = alloc.free(a) {
+                    if let Err(err) = callers.free(e.thread, a) {
                         failures.push(Failure {
                             index: i,
                             id: e.id,
                             bytes: e.bytes,
                             oom: false,
-                            message: err.to_string(),
+                            message: err.message,
                         });
                     }
                 }
@@ -444,6 +474,9 @@ fn run(
         per_step.push(step_delta(at_step_start, moves(&alloc, n)));
     }
     let st = alloc.stats();
+    let (threads, allocating_threads) = callers.threads();
+    // the workers end here, their work done and read
+    drop(callers);
     // Bytes moved and synchronisations: the allocator's own counters (the same calls).
     let calls = BackendCalls {
         mapped_bytes: st.mapped_bytes_total,
@@ -481,6 +514,8 @@ fn run(
         backend_calls: calls,
         seconds,
         per_step,
+        threads,
+        allocating_threads,
     };
     (report, samples, peak_event, segments)
 }
@@ -494,6 +529,7 @@ fn step_delta(from: StepMoves, to: StepMoves) -> StepMoves {
         maps: to.maps - from.maps,
         unmaps: to.unmaps - from.unmaps,
         synchronizations: to.synchronizations - from.synchronizations,
+        retries: to.retries - from.retries,
     }
 }
 
@@ -522,6 +558,8 @@ fn unavailable(trace: &Trace, opts: &ReplayOptions, message: String) -> RunOutpu
         seconds: 0.0,
         completed: false,
         per_step: Vec::new(),
+        threads: 0,
+        allocating_threads: 0,
     };
     (report, Vec::new(), 0, Vec::new())
 }

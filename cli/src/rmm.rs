@@ -8,7 +8,8 @@
 //! Actions: `allocate`, `free` (also `deallocate`), and `allocate failure` / `free failure`, which
 //! changed nothing in the original program and are skipped (counted in the trace's notes).
 //! Pointers and streams are hexadecimal (`0x…`) or decimal. Events are taken in file order; a
-//! pointer names an allocation from its `allocate` to its `free`.
+//! pointer names an allocation from its `allocate` to its `free`. Thread ids (any text) are
+//! numbered 1, 2, … in order of appearance ([`crate::Event::thread`]).
 
 use std::collections::HashMap;
 
@@ -62,6 +63,7 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     let mut events = Vec::new();
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // ptr -> (id, bytes)
     let mut next_id = 0u64;
+    let mut threads: HashMap<&str, u64> = HashMap::new();
     let (mut failed_allocs, mut failed_frees) = (0u64, 0u64);
     for item in body_lines(data) {
         let (n, line) = item?;
@@ -75,6 +77,15 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
                 ),
             ));
         }
+        let thread_field = fields[0].trim();
+        if thread_field.is_empty() {
+            return Err(ReadError::line(n, "thread \"\": missing"));
+        }
+        // numbered among the events kept (a thread seen only in failures takes no number)
+        let mut thread = || {
+            let next = threads.len() as u64 + 1;
+            *threads.entry(thread_field).or_insert(next)
+        };
         let action = fields[2].trim().to_ascii_lowercase();
         let ptr = parse_hex_or_dec(n, "pointer", fields[3])?;
         let bytes = parse_u64(n, "size", fields[4])?;
@@ -88,7 +99,7 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
                     ));
                 }
                 live.insert(ptr, (next_id, bytes));
-                events.push(Event::alloc(next_id, bytes, stream));
+                events.push(Event::alloc(next_id, bytes, stream).on_thread(thread()));
                 next_id += 1;
             }
             "free" | "deallocate" => {
@@ -98,7 +109,7 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
                         format!("free of {ptr:#x}, which is not live"),
                     ));
                 };
-                events.push(Event::free(id, size, stream));
+                events.push(Event::free(id, size, stream).on_thread(thread()));
             }
             "allocate failure" => failed_allocs += 1,
             "free failure" => failed_frees += 1,
@@ -185,5 +196,20 @@ mod tests {
         assert!(e("1,1,resize,0x10,4,0\n").starts_with("line 2: unknown action \"resize\""));
         assert!(e("1,1,allocate\n").starts_with("line 2: expected 6 fields"));
         assert_eq!(e(""), "the trace has no allocation events");
+        assert_eq!(e(" ,1,allocate,0x10,4,0\n"), "line 2: thread \"\": missing");
+    }
+
+    #[test]
+    fn threads_are_numbered_in_order_of_appearance() {
+        let log = format!(
+            "{H}140573312345856,1.0,allocate,0x10,4,0x0\n\
+             99,1.1,allocate failure,0x0,8,0x0\n\
+             140573312349999,1.2,free,0x10,4,0x0\n\
+             140573312345856,1.3,allocate,0x20,4,0x0\n\
+             99,1.4,allocate,0x30,4,0x0\n"
+        );
+        let t = parse(log.as_bytes()).unwrap();
+        let threads: Vec<u64> = t.events.iter().map(|e| e.thread).collect();
+        assert_eq!(threads, vec![1, 2, 1, 3]);
     }
 }

@@ -2,7 +2,7 @@
 //! detection), on the workspace's stable harness: corpora checked in under
 //! `tests/fuzz_corpus/`, mutated for a bounded number of cases. A reader must return `Ok` or an
 //! error naming the line or offset — never panic — and whatever it reads must replay through
-//! the allocator without panicking.
+//! the allocator without panicking, on threads of their own too where it names a few threads.
 
 use std::path::Path;
 
@@ -26,6 +26,18 @@ fn replays(r: Result<Trace, ReadError>) {
             };
             let (report, _) = replay(&t, &opts, &mut |_| {});
             assert_eq!(report.events, t.events.len());
+            // a few recorded threads: replayed on threads of their own, the same live bytes
+            let named = oomguard_cli::threads::thread_count(&t.events);
+            if (2..=8).contains(&named) {
+                let opts = ReplayOptions {
+                    threads: true,
+                    ..opts
+                };
+                let (threaded, _) = replay(&t, &opts, &mut |_| {});
+                assert_eq!(threaded.events, t.events.len());
+                assert_eq!(threaded.threads, named);
+                assert_eq!(threaded.peak_live_bytes, report.peak_live_bytes);
+            }
         }
         Err(e) => assert!(!e.to_string().is_empty()),
     }
