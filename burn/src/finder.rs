@@ -123,9 +123,10 @@ where
     // runs out of memory would stay unallocated for good.
     let mut model = model.clone();
     catch_oom(|| compat::materialize::<B, M>(&mut model)).map_err(FinderError::Step)?;
-    oomguard::retry::find_max_batch(source, opts, |rows| {
+    let held = oomguard::train::HeldBatch::new();
+    let found = oomguard::retry::find_max_batch(source, opts, |rows| {
         catch_oom(|| {
-            let batch = make_batch(rows)?;
+            let batch = held.measure(source, rows, || make_batch(rows))?;
             let plan = BatchPlan::whole(rows)
                 .map_err(|e| Error::Rows(format!("a batch of {rows} rows: {e}")))?;
             let done = attempt(&plan, &model, &mut |m: &M, c: &Chunk| {
@@ -133,5 +134,6 @@ where
             })?;
             Ok::<_, Error>(done.loss)
         })
-    })
+    })?;
+    Ok(held.into_report(found))
 }

@@ -80,8 +80,9 @@ where
     Bt: AsRef<[Tensor]>,
 {
     let params = params.into();
-    oomguard::retry::find_max_batch(source, opts, |rows| {
-        let batch = make_batch(rows)?;
+    let held = oomguard::train::HeldBatch::new();
+    let found = oomguard::retry::find_max_batch(source, opts, |rows| {
+        let batch = held.measure(source, rows, || make_batch(rows))?;
         let tensors: Vec<&Tensor> = batch.as_ref().iter().collect();
         let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.dims()).collect();
         match batch_rows(&shapes) {
@@ -93,5 +94,6 @@ where
             .map_err(|e| candle_core::Error::msg(format!("a batch of {rows} rows: {e}")))?;
         let done = attempt(&plan, &tensors, &params, &mut chunk_loss)?;
         Ok(done.loss)
-    })
+    })?;
+    Ok(held.into_report(found))
 }

@@ -37,14 +37,15 @@ fn seeded_loop_retries(
     sgd: &mut SGD,
     make_batch: &mut dyn FnMut(usize) -> candle_core::Result<Batch>,
     loss: &mut LossFn<'_>,
+    rows: usize,
 ) -> usize {
     let engine = RetryEngine::new().start_from_finder(found);
     let mut retries = 0;
     for _ in 0..20 {
-        let b = make_batch(found.max_batch).unwrap();
+        let b = make_batch(rows).unwrap();
         let refs: Vec<&Tensor> = b.tensors.iter().collect();
         let done = train_step(&engine, card, &refs, w, sgd, |c, rows| loss(c, rows)).unwrap();
-        assert_eq!(done.rows, found.max_batch);
+        assert_eq!(done.rows, rows);
         retries += done.report.retries();
     }
     retries
@@ -90,8 +91,15 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         .unwrap()
     };
     assert!(found_old.max_batch > 100, "{found_old}");
-    let old_retries =
-        seeded_loop_retries(&card, &found_old, &w, &mut sgd, &mut make_batch, &mut loss);
+    let old_retries = seeded_loop_retries(
+        &card,
+        &found_old,
+        &w,
+        &mut sgd,
+        &mut make_batch,
+        &mut loss,
+        found_old.max_batch,
+    );
     assert!(
         old_retries > 0,
         "the old route's seed fits train_step's attempt?"
@@ -109,8 +117,55 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     .unwrap();
     assert!((76..=85).contains(&found.max_batch), "{found}");
     assert_eq!(values(&w), before, "the finder trained nothing");
-    let retries = seeded_loop_retries(&card, &found, &w, &mut sgd, &mut make_batch, &mut loss);
+    let retries = seeded_loop_retries(
+        &card,
+        &found,
+        &w,
+        &mut sgd,
+        &mut make_batch,
+        &mut loss,
+        found.max_batch,
+    );
     assert_eq!(retries, 0, "20 seeded steps at {} rows", found.max_batch);
+
+    // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
+    // row) stay held while each micro-batch runs, so the micro-batches start smaller.
+    assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
+    let twice = 2 * found.max_batch;
+    let start = found.micro_batch_for(twice);
+    assert!(start < found.max_batch, "{start}");
+    let retries = seeded_loop_retries(
+        &card,
+        &found,
+        &w,
+        &mut sgd,
+        &mut make_batch,
+        &mut loss,
+        twice,
+    );
+    assert_eq!(
+        retries, 0,
+        "20 seeded steps at {twice} rows from micro-batches of {start}"
+    );
+    // The same seed without the batch's bytes (what the engine did before) retries.
+    let unaware = oomguard::retry::FinderReport {
+        batch_bytes_per_row: None,
+        ..found.clone()
+    };
+    let retries = seeded_loop_retries(
+        &card,
+        &unaware,
+        &w,
+        &mut sgd,
+        &mut make_batch,
+        &mut loss,
+        twice,
+    );
+    assert!(
+        retries > 0,
+        "micro-batches of {} rows fit {twice} rows' tensors?",
+        found.max_batch
+    );
     assert!(values(&w) != before, "the loop trained");
 }
 

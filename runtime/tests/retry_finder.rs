@@ -748,6 +748,7 @@ fn a_negative_fixed_cost_is_shown_as_zero_and_explained() {
         }),
         budget_bytes: 64 * MIB,
         stopped_by_max_trials: false,
+        batch_bytes_per_row: None,
     };
     let shown = report(-2.0).to_string();
     assert!(!shown.contains("-2 B +"), "{shown}");

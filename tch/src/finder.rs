@@ -133,9 +133,10 @@ where
     let _quiet = QuietOomPanics::enter();
     let trained = trained_variables(vs);
     let optimizer = RefCell::new(optimizer);
-    oomguard::retry::find_max_batch(source, opts, |rows| {
+    let held = oomguard::train::HeldBatch::new();
+    let found = oomguard::retry::find_max_batch(source, opts, |rows| {
         let run = catch_torch(|| {
-            let batch = make_batch(rows)?;
+            let batch = held.measure(source, rows, || make_batch(rows))?;
             let tensors: Vec<&Tensor> = batch.as_ref().iter().collect();
             let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| dims(t)).collect();
             let shapes: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
@@ -157,5 +158,6 @@ where
         // for a later optimizer.step() to apply.
         reset_grads(&optimizer);
         run
-    })
+    })?;
+    Ok(held.into_report(found))
 }

@@ -19,7 +19,12 @@ fn mlp(vs: &nn::VarStore) -> nn::Sequential {
     nn::seq()
         .add(nn::linear(&r / "l1", WIDTH, 4 * WIDTH, Default::default()))
         .add_fn(|x| x.gelu("none"))
-        .add(nn::linear(&r / "l2", 4 * WIDTH, 4 * WIDTH, Default::default()))
+        .add(nn::linear(
+            &r / "l2",
+            4 * WIDTH,
+            4 * WIDTH,
+            Default::default(),
+        ))
         .add_fn(|x| x.gelu("none"))
         .add(nn::linear(&r / "l3", 4 * WIDTH, 1, Default::default()))
 }
@@ -45,7 +50,9 @@ fn loop_retries(
     for _ in 0..steps {
         let b = batch(rows, dev).unwrap();
         let done = train_step(engine, source, &[&b[0], &b[1]], vs, opt, |_c: &Chunk, r| {
-            Ok(model.forward(&r[0]).f_mse_loss(&r[1], tch::Reduction::Mean)?)
+            Ok(model
+                .forward(&r[0])
+                .f_mse_loss(&r[1], tch::Reduction::Mean)?)
         })
         .unwrap();
         assert_eq!(done.rows, rows);
@@ -108,7 +115,11 @@ fn the_train_finders_batch_runs_twenty_steps_without_a_retry_under_a_2_gib_budge
         &vs,
         &mut opt,
         |rows| batch(rows, dev),
-        |_c: &Chunk, r: &[Tensor]| Ok(model.forward(&r[0]).f_mse_loss(&r[1], tch::Reduction::Mean)?),
+        |_c: &Chunk, r: &[Tensor]| {
+            Ok(model
+                .forward(&r[0])
+                .f_mse_loss(&r[1], tch::Reduction::Mean)?)
+        },
     )
     .unwrap();
     source.empty_cache().unwrap();

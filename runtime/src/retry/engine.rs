@@ -145,6 +145,9 @@ struct EngineParts {
     stop_on_growth: bool,
     /// The micro-batch a step starts from when nothing is remembered for it.
     start_from: Option<usize>,
+    /// The finder's report the seed came from (`start_from_finder`): a larger batch's own
+    /// tensors shrink the micro-batch ([`super::FinderReport::micro_batch_for`]).
+    start_finder: Option<Arc<super::FinderReport>>,
 }
 
 impl fmt::Debug for RetryEngine {
@@ -187,6 +190,7 @@ impl RetryEngine {
                 thrash: Some(ThrashDetector::new(DEFAULT_THRASH_WINDOW)),
                 stop_on_growth: true,
                 start_from: None,
+                start_finder: None,
             }),
         }
     }
@@ -295,7 +299,9 @@ impl RetryEngine {
     /// assert_eq!(out.report.final_plan.num_chunks(), 4); // 100 rows as 4 × 25
     /// ```
     pub fn start_from(mut self, plan: BatchPlan) -> Self {
-        Arc::make_mut(&mut self.inner).start_from = Some(plan.micro_batch());
+        let inner = Arc::make_mut(&mut self.inner);
+        inner.start_from = Some(plan.micro_batch());
+        inner.start_finder = None;
         self
     }
 
@@ -304,9 +310,19 @@ impl RetryEngine {
     /// remembered start with micro-batches of at most that many rows. The finder measured the
     /// step it was given; a step that needs more memory (a larger model, another optimizer)
     /// still retries from there.
+    ///
+    /// When the finder ran the training step's own attempt (`find_max_batch_train` of the
+    /// framework crates: [`FinderReport::batch_bytes_per_row`](super::FinderReport::batch_bytes_per_row)
+    /// is set), a step of a larger batch starts from
+    /// [`FinderReport::micro_batch_for`](super::FinderReport::micro_batch_for) its rows: the
+    /// whole batch's tensors stay held while each micro-batch runs.
     pub fn start_from_finder(self, found: &super::FinderReport) -> Self {
         let rows = found.max_batch.max(1);
-        self.start_from(BatchPlan::whole(rows).expect("rows >= 1 gives a plan"))
+        let mut e = self.start_from(BatchPlan::whole(rows).expect("rows >= 1 gives a plan"));
+        if found.batch_bytes_per_row.is_some() {
+            Arc::make_mut(&mut e.inner).start_finder = Some(Arc::new(found.clone()));
+        }
+        e
     }
 
     /// The micro-batch steps with nothing remembered start from ([`RetryEngine::start_from`]).
@@ -548,6 +564,10 @@ impl RetryEngine {
             let seeded = self
                 .inner
                 .start_from
+                .map(|m| match &self.inner.start_finder {
+                    Some(f) => f.micro_batch_for(batch).min(m),
+                    None => m,
+                })
                 .filter(|&m| !from_memory && m < batch && micro_cap.is_none_or(|c| m < c));
             if let Some(m) = seeded {
                 limits.micro_batch = Some(m);

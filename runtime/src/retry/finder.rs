@@ -155,9 +155,47 @@ pub struct FinderReport {
     /// The search ended because it used `max_trials` runs, not because it was within
     /// 0.95 of the limit: `max_batch` may be further from the maximum.
     pub stopped_by_max_trials: bool,
+    /// Bytes per row that the batch itself holds for the whole step (its tensors), when the
+    /// finder ran the training step's own attempt (the framework crates' `find_max_batch_train`
+    /// set it); `None` otherwise. A step of a larger batch split into micro-batches holds the
+    /// whole batch's tensors while each micro-batch runs:
+    /// [`FinderReport::micro_batch_for`] leaves room for them.
+    pub batch_bytes_per_row: Option<u64>,
 }
 
 impl FinderReport {
+    /// The micro-batch a training step of `batch` rows can run in: `max_batch` for a batch of
+    /// at most that many rows; for a larger one, fewer rows by the room the extra rows' batch
+    /// tensors take: [`FinderReport::batch_bytes_per_row`] × the extra rows, over the bytes
+    /// per row of the rest of the step (its peak's bytes per row less the batch's), at least 1.
+    /// Without `batch_bytes_per_row`, `max_batch`.
+    pub fn micro_batch_for(&self, batch: usize) -> usize {
+        let m = self.max_batch.max(1);
+        let (Some(held), Some(per_row)) = (self.batch_bytes_per_row, self.bytes_per_row()) else {
+            return m;
+        };
+        if batch <= m {
+            return m;
+        }
+        let rest = per_row - held as f64;
+        if rest <= 0.0 {
+            return 1;
+        }
+        let extra = held as f64 * (batch - m) as f64;
+        m.saturating_sub((extra / rest).ceil() as usize).max(1)
+    }
+
+    /// Bytes per row of the step's peak: the fit's, else the verified run's peak over its rows.
+    fn bytes_per_row(&self) -> Option<f64> {
+        self.fit
+            .map(|f| f.per_row_bytes)
+            .filter(|p| *p > 0.0)
+            .or_else(|| {
+                let t = self.verified()?;
+                Some(t.peak_bytes? as f64 / t.rows.max(1) as f64)
+            })
+    }
+
     /// The verification run that `max_batch` passed (`None`: verification was off).
     pub fn verified(&self) -> Option<&Trial> {
         self.verification
@@ -706,6 +744,7 @@ where
         fit: state.fit,
         budget_bytes: budget,
         stopped_by_max_trials: stopped_by_trials,
+        batch_bytes_per_row: None,
     };
     if let Some(every) = report.empty_cache_every() {
         tracing::warn!(

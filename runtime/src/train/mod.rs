@@ -14,11 +14,14 @@
 //!   come from one batch; [`one_value`]: the check that a chunk's loss is one value;
 //! - [`keep_rows`] (with [`KEEP_ROWS_HINT`]): the refusal rules (an engine whose policy would
 //!   drop rows is refused before anything runs; the step always counts as training);
-//! - [`missing_gradients`] / [`name_list`]: the text naming parameters that got no gradient.
+//! - [`missing_gradients`] / [`name_list`]: the text naming parameters that got no gradient;
+//! - [`HeldBatch`]: the bytes per row a batch holds for the whole step, measured by the
+//!   training finders, so that a seeded engine leaves room for a larger batch's tensors.
 
 mod batch;
 mod error;
 mod gradients;
+mod held_batch;
 mod loss;
 mod refusal;
 mod trained;
@@ -26,6 +29,7 @@ mod trained;
 pub use batch::{batch_rows, rows_match};
 pub use error::TrainStepError;
 pub use gradients::{missing_gradients, name_list, NAMED};
+pub use held_batch::HeldBatch;
 pub use loss::{one_value, LossSum};
 pub use refusal::{drops_rows, keep_rows, DropsRows, KEEP_ROWS_HINT};
 pub use trained::TrainedStep;
