@@ -756,6 +756,20 @@ impl CachingAllocator {
         self.lock().stats.num_alloc_retries
     }
 
+    /// The counters of work the allocator does under pressure, without copying every statistic
+    /// (read around each step by the retry engine's thrash detection): `num_alloc_retries`,
+    /// `num_unmap`, `unmapped_bytes_total`, and `num_sync_all_streams + num_stream_syncs`.
+    pub(crate) fn churn_counters(&self) -> [u64; 4] {
+        let st = self.lock();
+        let s = &st.stats;
+        [
+            s.num_alloc_retries,
+            s.num_unmap,
+            s.unmapped_bytes_total,
+            s.num_sync_all_streams.wrapping_add(s.num_stream_syncs),
+        ]
+    }
+
     /// Allocated and reserved bytes now, without copying every statistic.
     pub fn allocated_and_reserved(&self) -> (u64, u64) {
         let mut st = self.lock();

@@ -10,9 +10,10 @@ use std::path::Path;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::classify::{IsOom, OomRequest};
+use super::clock::{Clock, SystemClock};
 use super::consensus::{Consensus, ConsensusError, SingleProcess};
 use super::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
 use super::plan::{BatchPlan, Chunk};
@@ -21,8 +22,8 @@ use super::report::{
     AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
     StopReason,
 };
-use super::thrash::ThrashDetector;
-use crate::source::MemorySource;
+use super::thrash::{Observed, SpeedAction, SpeedBook, ThrashDetector};
+use crate::source::{Churn, MemorySource};
 use crate::Device;
 
 /// A training (or evaluation) step processed micro-batch by micro-batch; see the
@@ -148,6 +149,10 @@ struct EngineParts {
     /// The finder's report the seed came from (`start_from_finder`): a larger batch's own
     /// tensors shrink the micro-batch ([`super::FinderReport::micro_batch_for`]).
     start_finder: Option<Arc<super::FinderReport>>,
+    /// Times attempts (reports, and the time per row that decides between plans that churn).
+    clock: Arc<dyn Clock>,
+    /// Times per row of plans that churned, and trials of smaller plans.
+    speed: Arc<SpeedBook>,
 }
 
 impl fmt::Debug for RetryEngine {
@@ -191,6 +196,8 @@ impl RetryEngine {
                 stop_on_growth: true,
                 start_from: None,
                 start_finder: None,
+                clock: Arc::new(SystemClock),
+                speed: Arc::new(SpeedBook::default()),
             }),
         }
     }
@@ -238,9 +245,21 @@ impl RetryEngine {
         self
     }
 
-    /// Move down after `steps` consecutive thrashing steps (`None`: never).
+    /// Move down after `steps` consecutive thrashing steps (`None`: never). A step thrashes when
+    /// the allocator churned during it ([`Churn`]: retried after freeing its cache, moved pages,
+    /// synchronised streams). When the allocator retried, the engine moves to the next smaller
+    /// plan at once; otherwise it tries that plan for one settling step and `steps` measured
+    /// steps, and keeps the faster per row ([`RetryReport::speed`](super::RetryReport::speed)).
     pub fn thrash_window(mut self, steps: Option<u32>) -> Self {
         Arc::make_mut(&mut self.inner).thrash = steps.map(ThrashDetector::new);
+        self
+    }
+
+    /// Times attempts with `clock` instead of the system's monotonic clock (for tests of the
+    /// decisions made by time per row, with a [`ManualClock`](super::ManualClock)).
+    #[doc(hidden)]
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        Arc::make_mut(&mut self.inner).clock = clock;
         self
     }
 
@@ -513,8 +532,8 @@ impl RetryEngine {
                 site,
                 mode,
                 plan: start,
-                started: Instant::now(),
-                retries_before: crate::alloc::thread_alloc_retries(),
+                started: self.inner.clock.now(),
+                churn_before: thread_churn(),
                 commits_before: super::commit::commits(),
                 elapsed: None,
                 report: std::sync::OnceLock::new(),
@@ -539,7 +558,7 @@ impl RetryEngine {
                 "a step of 0 rows: the batch must have at least one row".into(),
             ));
         }
-        let started = Instant::now();
+        let started = self.inner.clock.now();
         let mode = key.mode;
 
         // Starting plan: remembered limits (else the engine's seed), or one size up after
@@ -627,7 +646,7 @@ impl RetryEngine {
         Ok(RetryLoop::full(FullLoop {
             device_addr: Device::thread_device_addr(),
             engine: self.clone(),
-            retries_before: target.alloc_retries(),
+            churn_before: target.churn(),
             target,
             key,
             batch,
@@ -810,13 +829,17 @@ impl Target {
             Target::All => crate::source::all(),
         }
     }
-    /// The allocator retries thrash detection watches: the device's, or for a step that holds
-    /// none, those caused by this thread's allocations (another thread's device, busy as it may
-    /// be, is not what the step uses).
-    fn alloc_retries(&self) -> u64 {
+    /// The churn thrash detection watches: the source's, or for a step that holds none, the
+    /// allocator retries this thread's allocations caused and the pages moved and
+    /// synchronisations on the device this thread allocates on (another thread's device, busy
+    /// as it may be, is not what the step uses).
+    fn churn(&self) -> ChurnMark {
         match self {
-            Target::One(s) => s.alloc_retries(),
-            Target::All => crate::alloc::thread_alloc_retries(),
+            Target::One(s) => ChurnMark {
+                device: 0,
+                churn: s.churn(),
+            },
+            Target::All => thread_churn(),
         }
     }
     /// Used and reserved bytes now (sources that cannot be read count 0).
@@ -874,7 +897,8 @@ struct FullLoop<E> {
     last_too_large: Option<(OomRequest, Option<u64>, BatchPlan)>,
     started: Instant,
     attempt_started: Instant,
-    retries_before: u64,
+    /// The churn counters when the attempt started.
+    churn_before: ChurnMark,
     /// Commits on the thread when the attempt started: a commit during a failed attempt (of a
     /// step nested in it) makes the failure final ([`super::commit`]).
     commits_before: u64,
@@ -938,9 +962,9 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             )));
         }
         // One clock read per attempt: its time and the step's.
-        let now = Instant::now();
+        let now = self.engine.inner.clock.now();
         let elapsed = now.saturating_duration_since(self.attempt_started);
-        let retries_after = self.target.alloc_retries();
+        let churn = self.target.churn().since(&self.churn_before);
         let plan = self.plan;
         // Set when this rank's out-of-memory was handled here: the bytes right after the
         // failure (cache emptied after reading them, unless a budget's).
@@ -1064,8 +1088,8 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 self.batch,
                 &plan,
                 &mut self.report,
-                self.retries_before,
-                retries_after,
+                churn,
+                elapsed,
                 self.regrow,
             );
             self.report.elapsed = now.saturating_duration_since(self.started);
@@ -1184,7 +1208,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             }
         }
         self.plan = next;
-        self.retries_before = self.target.alloc_retries();
+        self.churn_before = self.target.churn();
         self.commits_before = super::commit::commits();
         self.attempt_started = now;
         ControlFlow::Continue(())
@@ -1215,7 +1239,8 @@ struct LazyLoop {
     mode: StepMode,
     plan: BatchPlan,
     started: Instant,
-    retries_before: u64,
+    /// The churn counters when the attempt started.
+    churn_before: ChurnMark,
     /// Commits on the thread when the attempt started ([`super::commit`]).
     commits_before: u64,
     /// The step ended: how long it took.
@@ -1266,7 +1291,7 @@ impl LazyLoop {
             last_too_large: None,
             started: self.started,
             attempt_started: self.started,
-            retries_before: self.retries_before,
+            churn_before: self.churn_before,
             commits_before: self.commits_before,
             done: false,
         }
@@ -1342,12 +1367,17 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                     "RetryLoop::next called after the step finished".into(),
                 )));
             }
-            // Thrash detection: the allocator retried during the attempt.
-            let thrashed = crate::alloc::thread_alloc_retries() > l.retries_before;
+            // Thrash detection: the allocator churned during the attempt.
+            let thrashed = thread_churn().since(&l.churn_before).any();
             result = match result {
                 Ok(v) if !thrashed => {
                     // The usual step: nothing remembered, nothing to learn.
-                    let elapsed = l.started.elapsed();
+                    let elapsed = l
+                        .engine
+                        .inner
+                        .clock
+                        .now()
+                        .saturating_duration_since(l.started);
                     l.elapsed = Some(elapsed);
                     l.report.take();
                     super::report::set_last_clean(l.site, l.mode, l.plan, elapsed);
@@ -1368,7 +1398,8 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
 }
 
 impl RetryEngine {
-    /// Updates the remembered plan after a successful attempt: learned limits, regrow, thrash.
+    /// Updates the remembered plan after a successful attempt: learned limits, regrow, thrash
+    /// (`churn`: the allocator's during the attempt, `elapsed`: the attempt's time).
     #[allow(clippy::too_many_arguments)]
     fn after_success(
         &self,
@@ -1376,10 +1407,11 @@ impl RetryEngine {
         batch: usize,
         plan: &BatchPlan,
         report: &mut RetryReport,
-        retries_before: u64,
-        retries_after: u64,
+        churn: Churn,
+        elapsed: Duration,
         regrow: Option<Limits>,
     ) {
+        report.churn = churn;
         let mut mem = self.memory();
         let e = mem.entry(key);
         let mut limits = e.limits;
@@ -1396,21 +1428,78 @@ impl RetryEngine {
             e.clean_steps = 0;
         }
         if let Some(t) = self.inner.thrash {
-            if t.observe(&mut e.thrash_streak, retries_before, retries_after) {
+            let tripped = t.observe_churn(&mut e.thrash_streak, &churn);
+            let smaller = || {
                 let ctx = RetryContext::new(*plan, batch, 1, Pressure::Thrash);
-                if let Some(smaller) = self.inner.policy.next_plan(&ctx) {
+                self.inner.policy.next_plan(&ctx)
+            };
+            if tripped && churn.alloc_retries > 0 {
+                // One allocation away from a hard OOM: move down now, whatever the speed.
+                if let Some(smaller) = smaller() {
                     tracing::warn!(
                         target: "oomguard::retry",
                         site = %key.site,
                         old_plan = %plan,
                         new_plan = %smaller,
-                        alloc_retries = retries_after,
+                        churn = %churn,
                         window = t.window(),
                         "allocator thrashing: moving to a smaller plan before a hard OOM"
                     );
                     limits = limits.learned(&smaller, batch);
                     report.thrash_moved_to = Some(smaller);
                     e.clean_steps = 0;
+                    self.inner.speed.forget(key);
+                }
+            } else if self.inner.speed.wants(&churn) {
+                let action = self.inner.speed.observe(Observed {
+                    key,
+                    plan: *plan,
+                    per_row: super::thrash::per_row(elapsed, plan.batch()),
+                    churn,
+                    tripped,
+                    limits,
+                    smaller: if tripped { smaller() } else { None },
+                    window: t.window(),
+                });
+                match action {
+                    SpeedAction::None => {}
+                    SpeedAction::Try(smaller, decision) => {
+                        tracing::info!(
+                            target: "oomguard::retry",
+                            site = %key.site,
+                            old_plan = %plan,
+                            new_plan = %smaller,
+                            churn = %churn,
+                            window = t.window(),
+                            "allocator churn in every step of the window: trying a smaller plan \
+                             ({decision})"
+                        );
+                        limits = limits.learned(&smaller, batch);
+                        report.thrash_moved_to = Some(smaller);
+                        report.speed = Some(decision);
+                        e.clean_steps = 0;
+                    }
+                    SpeedAction::Chose(decision, restore) => {
+                        tracing::info!(
+                            target: "oomguard::retry",
+                            site = %key.site,
+                            "plan chosen by time per row: {decision}"
+                        );
+                        if let Some(back) = restore {
+                            limits = back;
+                        }
+                        report.speed = Some(decision);
+                        e.clean_steps = 0;
+                        e.thrash_streak = 0;
+                    }
+                    SpeedAction::Stayed(decision) => {
+                        tracing::debug!(
+                            target: "oomguard::retry",
+                            site = %key.site,
+                            "allocator churn, plan kept: {decision}"
+                        );
+                        report.speed = Some(decision);
+                    }
                 }
             }
         }
@@ -1423,6 +1512,42 @@ impl RetryEngine {
             report.memory_error = Some(err.to_string());
         }
     }
+}
+
+/// A reading of the churn counters a step's thrash detection watches.
+#[derive(Clone, Copy, Debug, Default)]
+struct ChurnMark {
+    /// The device read, for a step that holds none (0: the step's own source, or no device).
+    device: usize,
+    churn: Churn,
+}
+
+impl ChurnMark {
+    /// The churn between `before` and this reading; of a device that changed in between, only
+    /// the thread's allocator retries count (the other counters are another device's).
+    fn since(&self, before: &ChurnMark) -> Churn {
+        if self.device == before.device {
+            self.churn.since(&before.churn)
+        } else {
+            Churn::retries(
+                self.churn
+                    .alloc_retries
+                    .saturating_sub(before.churn.alloc_retries),
+            )
+        }
+    }
+}
+
+/// The churn of a step that holds no device: the allocator retries this thread's allocations
+/// caused (on any device), and the pages moved and synchronisations of the device this thread
+/// allocated on last.
+fn thread_churn() -> ChurnMark {
+    let (device, mut churn) = match Device::last_used_on_thread() {
+        Some(d) => (d.identity(), d.churn()),
+        None => (0, Churn::default()),
+    };
+    churn.alloc_retries = crate::alloc::thread_alloc_retries();
+    ChurnMark { device, churn }
 }
 
 /// Whether a request larger than the whole capacity that failed after a smaller plan

@@ -7,7 +7,9 @@
 //!   gradient accumulation, batch shrinking, floors, retry limits, chains.
 //! - [`RetryEngine`]: runs steps, retries, commits once, remembers per call site, device and grad
 //!   mode what worked ([`PlanMemory`], optionally a JSON file), regrows after clean steps, moves
-//!   down when the allocator thrashes, agrees with other ranks ([`Consensus`]). Drive it with
+//!   down when the allocator thrashes (retries at once; pages moved or synchronisations: to the
+//!   faster per row of the plan and the next smaller one, [`SpeedDecision`]), agrees with other
+//!   ranks ([`Consensus`]). Drive it with
 //!   a closure ([`RetryEngine::run`]), a [`Step`] ([`RetryEngine::run_step`]), or by hand
 //!   ([`RetryEngine::begin`] → [`RetryLoop`]).
 //! - [`GradientSync`]: the gradient all-reduce of a data-parallel step, once per step after the
@@ -51,6 +53,7 @@ mod classify_burn;
 #[cfg(feature = "candle")]
 mod classify_candle;
 mod classify_tch;
+mod clock;
 mod commit;
 mod consensus;
 mod engine;
@@ -69,6 +72,8 @@ pub use classify_tch::{
     libtorch_text_is_budget_exceeded, libtorch_text_is_oom, libtorch_text_oom_request,
     oomguard_allocator_refusal,
 };
+#[doc(hidden)]
+pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{note_commit, AfterCommit, UpdateApplied};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use engine::{
@@ -91,6 +96,6 @@ pub use policy::{
 pub use report::{
     clear_last_report, last_report, record_commit_error, record_hint, AttemptOutcome,
     AttemptRecord, CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
-    StopReason,
+    SpeedDecision, StopReason,
 };
 pub use thrash::ThrashDetector;

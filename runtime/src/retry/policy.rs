@@ -32,8 +32,10 @@ use super::plan::{BatchPlan, PlanError};
 pub enum Pressure {
     /// The step failed with out-of-memory.
     Oom,
-    /// The step succeeded, but the allocator had to free its cache and retry in several
-    /// consecutive steps: move down before a hard OOM. A same-plan retry makes no sense here.
+    /// The step succeeded, but the allocator churned in several consecutive steps: it freed its
+    /// cache and retried (move down before a hard OOM), or moved pages and synchronised (the
+    /// engine tries the smaller plan and keeps the faster per row). A same-plan retry makes no
+    /// sense here.
     Thrash,
     /// The step exceeded a memory budget (`#[memory_budget]`, [`crate::guard::thread_budget`]):
     /// emptying the cache cannot help, so a same-plan retry makes no sense here either.

@@ -8,6 +8,7 @@ use super::classify::{IsOom, OomRequest};
 use super::consensus::ConsensusError;
 use super::memory::StepMode;
 use super::plan::BatchPlan;
+use crate::source::Churn;
 
 /// Why an attempt did not count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,6 +103,119 @@ pub struct Regrow {
     pub succeeded: bool,
 }
 
+/// What the engine did, for speed, about a plan whose steps churn without allocator retries
+/// (pages moved, synchronisations inside the allocator; a step with allocator retries moves
+/// down at once, see [`RetryReport::thrash_moved_to`]). Decided by time per row of successful
+/// attempts (the median over the measured steps), the larger plan winning ties.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SpeedDecision {
+    /// `thrashing` churned in every step of the thrash window: from the next step `smaller`
+    /// runs, one step to settle, then `steps` measured steps, and the faster per row is kept.
+    Trying {
+        /// The plan whose steps churned.
+        thrashing: BatchPlan,
+        /// The next smaller plan (the policy's, for [`Pressure::Thrash`](super::Pressure)).
+        smaller: BatchPlan,
+        /// `thrashing`'s time per row over the window.
+        thrashing_per_row: Duration,
+        /// Steps of `smaller` that are measured.
+        steps: u32,
+    },
+    /// The trial ended: `kept` runs from the next step (and is remembered). When it is
+    /// `thrashing`, the engine moved back to it: the smaller plan was not faster per row.
+    Chose {
+        /// The plan whose steps churned.
+        thrashing: BatchPlan,
+        /// The smaller plan tried.
+        smaller: BatchPlan,
+        /// `thrashing`'s time per row.
+        thrashing_per_row: Duration,
+        /// `smaller`'s time per row.
+        smaller_per_row: Duration,
+        /// The faster of the two.
+        kept: BatchPlan,
+    },
+    /// `thrashing` churned through another window, but `smaller` was measured slower per row:
+    /// the plan stays; the smaller one is tried again after `windows_left` more windows.
+    Stayed {
+        /// The plan whose steps churned (kept).
+        thrashing: BatchPlan,
+        /// The smaller plan that lost.
+        smaller: BatchPlan,
+        /// `thrashing`'s time per row when they were compared.
+        thrashing_per_row: Duration,
+        /// `smaller`'s time per row when they were compared.
+        smaller_per_row: Duration,
+        /// Thrash windows to go before the next trial.
+        windows_left: u32,
+    },
+}
+
+impl SpeedDecision {
+    /// The plan the engine moves to from the next step because of this decision (`None`: it
+    /// stays on the plan of this step).
+    pub fn moves_to(&self) -> Option<BatchPlan> {
+        match *self {
+            SpeedDecision::Trying { smaller, .. } => Some(smaller),
+            SpeedDecision::Chose {
+                thrashing, kept, ..
+            } if kept == thrashing => Some(thrashing),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for SpeedDecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            SpeedDecision::Trying {
+                thrashing,
+                smaller,
+                thrashing_per_row,
+                steps,
+            } => write!(
+                f,
+                "{thrashing} churned in every step of the thrash window ({thrashing_per_row:.3?} \
+                 per row): trying {smaller} for {steps} measured steps; the faster per row is kept"
+            ),
+            SpeedDecision::Chose {
+                thrashing,
+                smaller,
+                thrashing_per_row,
+                smaller_per_row,
+                kept,
+            } => {
+                write!(
+                    f,
+                    "{smaller} took {smaller_per_row:.3?} per row, {thrashing} \
+                     {thrashing_per_row:.3?}: "
+                )?;
+                if kept == thrashing {
+                    write!(
+                        f,
+                        "moved back to {thrashing} (the smaller plan is not faster per row)"
+                    )
+                } else {
+                    write!(f, "kept {smaller} (faster per row)")
+                }
+            }
+            SpeedDecision::Stayed {
+                thrashing,
+                smaller,
+                thrashing_per_row,
+                smaller_per_row,
+                windows_left,
+            } => write!(
+                f,
+                "{thrashing} churned again; kept, as {smaller} took {smaller_per_row:.3?} per row \
+                 against {thrashing_per_row:.3?} (tried again after {windows_left} more thrash \
+                 windows)"
+            ),
+        }
+    }
+}
+
 /// What happened during one step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RetryReport {
@@ -121,8 +235,16 @@ pub struct RetryReport {
     pub attempts: Vec<AttemptRecord>,
     /// A regrow attempted in this step.
     pub regrow: Option<Regrow>,
-    /// The smaller plan the engine moved to after this step because the allocator thrashed.
+    /// The smaller plan the engine moved to after this step because the allocator thrashed:
+    /// for good when the steps of the window made the allocator retry, as a trial otherwise
+    /// ([`RetryReport::speed`]).
     pub thrash_moved_to: Option<BatchPlan>,
+    /// The allocator's churn during the attempt that succeeded ([`Churn`]: allocator retries,
+    /// pages moved, synchronisations), as thrash detection counted it; zero for a step that
+    /// failed, and for a first attempt that ran without a loop and churned nothing.
+    pub churn: Churn,
+    /// A decision by time per row about a plan that churned ([`SpeedDecision`]).
+    pub speed: Option<SpeedDecision>,
     /// Total time of the step, retries included.
     pub elapsed: Duration,
     /// The commit phase's failure, when it failed (`#[oom_retry(commit = ...)]`). The commit runs
@@ -362,6 +484,8 @@ pub(crate) fn set_last_clean(
         r.attempts.clear();
         r.regrow = None;
         r.thrash_moved_to = None;
+        r.churn = Churn::default();
+        r.speed = None;
         r.elapsed = elapsed;
         r.commit_error = None;
         r.memory_error = None;
@@ -399,6 +523,8 @@ impl RetryReport {
             attempts: Vec::new(),
             regrow: None,
             thrash_moved_to: None,
+            churn: Churn::default(),
+            speed: None,
             elapsed: Duration::ZERO,
             commit_error: None,
             memory_error: None,
@@ -541,6 +667,18 @@ impl fmt::Display for RetryReport {
                 held_path(&self.held_bytes)
             )?,
             None => {}
+        }
+        if let Some(d) = &self.speed {
+            write!(f, "\n  speed: {d}")?;
+        }
+        if let Some(p) = self.thrash_moved_to {
+            if !matches!(self.speed, Some(SpeedDecision::Trying { .. })) {
+                write!(
+                    f,
+                    "\n  allocator thrashing ({}): moved to {p} before a hard out-of-memory",
+                    self.churn
+                )?;
+            }
         }
         if let Some(e) = &self.failure {
             write!(f, "\n  error: {}", message_line(e))?;

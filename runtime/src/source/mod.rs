@@ -39,6 +39,7 @@ use crate::Device;
 
 #[cfg(feature = "cuda")]
 mod ballast;
+mod churn;
 #[cfg(feature = "cuda")]
 mod driver_pool;
 pub mod guards;
@@ -47,6 +48,7 @@ mod pool_state;
 
 #[cfg(feature = "cuda")]
 pub use ballast::{Ballast, BALLAST_PAGE};
+pub use churn::Churn;
 #[cfg(feature = "cuda")]
 pub use driver_pool::{DriverPool, DriverPoolBuilder};
 
@@ -111,6 +113,13 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     /// detection); 0 for sources that cannot tell.
     fn alloc_retries(&self) -> u64 {
         0
+    }
+    /// The source's churn counters so far (thrash detection reads them around each step): work
+    /// under pressure that a settled loop does not do, such as allocator retries, pages moved,
+    /// synchronisations inside the allocator. The default counts allocator retries only
+    /// ([`MemorySource::alloc_retries`]).
+    fn churn(&self) -> Churn {
+        Churn::retries(self.alloc_retries())
     }
     /// A readable table of the source's statistics.
     fn memory_summary(&self) -> String;
@@ -212,6 +221,18 @@ impl MemorySource for Device {
     fn alloc_retries(&self) -> u64 {
         self.allocator().num_alloc_retries()
     }
+    /// From the allocator's statistics: `num_alloc_retries`, `num_unmap`,
+    /// `unmapped_bytes_total`, `num_sync_all_streams + num_stream_syncs`. Pages mapped
+    /// (`num_map`) are not churn: a loop maps what it needs once, then settles.
+    fn churn(&self) -> Churn {
+        let [alloc_retries, unmaps, unmapped_bytes, syncs] = self.allocator().churn_counters();
+        Churn {
+            alloc_retries,
+            unmaps,
+            unmapped_bytes,
+            syncs,
+        }
+    }
     fn memory_summary(&self) -> String {
         Device::memory_summary(self)
     }
@@ -298,6 +319,9 @@ impl<T: MemorySource + ?Sized> MemorySource for Arc<T> {
     }
     fn alloc_retries(&self) -> u64 {
         (**self).alloc_retries()
+    }
+    fn churn(&self) -> Churn {
+        (**self).churn()
     }
     fn memory_summary(&self) -> String {
         (**self).memory_summary()
