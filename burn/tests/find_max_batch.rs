@@ -78,23 +78,18 @@ fn seeded_loop_retries(
     model: &mut Linear<B>,
     make_batch: &mut dyn FnMut(usize) -> Result<Batch, Error>,
     loss: &mut LossFn<'_>,
+    rows: usize,
 ) -> usize {
     let engine = RetryEngine::new().start_from_finder(found);
     let mut sgd = SgdConfig::new().init();
     let mut retries = 0;
     for _ in 0..20 {
-        let b = make_batch(found.max_batch).unwrap();
-        let done = train_step(
-            &engine,
-            card,
-            found.max_batch,
-            model,
-            &mut sgd,
-            0.01,
-            |m, c| loss(m, c, &b),
-        )
+        let b = make_batch(rows).unwrap();
+        let done = train_step(&engine, card, rows, model, &mut sgd, 0.01, |m, c| {
+            loss(m, c, &b)
+        })
         .unwrap();
-        assert_eq!(done.rows, found.max_batch);
+        assert_eq!(done.rows, rows);
         retries += done.report.retries();
     }
     retries
@@ -138,8 +133,14 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         .unwrap()
     };
     assert!(found_old.max_batch > 100, "{found_old}");
-    let old_retries =
-        seeded_loop_retries(&card, &found_old, &mut model, &mut make_batch, &mut loss);
+    let old_retries = seeded_loop_retries(
+        &card,
+        &found_old,
+        &mut model,
+        &mut make_batch,
+        &mut loss,
+        found_old.max_batch,
+    );
     assert!(
         old_retries > 0,
         "the old route's seed fits train_step's attempt?"
@@ -157,8 +158,45 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     .unwrap();
     assert!((76..=85).contains(&found.max_batch), "{found}");
     assert_eq!(weights(&model), before, "the finder trained nothing");
-    let retries = seeded_loop_retries(&card, &found, &mut model, &mut make_batch, &mut loss);
+    let retries = seeded_loop_retries(
+        &card,
+        &found,
+        &mut model,
+        &mut make_batch,
+        &mut loss,
+        found.max_batch,
+    );
     assert_eq!(retries, 0, "20 seeded steps at {} rows", found.max_batch);
+
+    // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
+    // row) stay held while each micro-batch runs, so the micro-batches start smaller.
+    assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
+    let twice = 2 * found.max_batch;
+    let start = found.micro_batch_for(twice);
+    assert!(start < found.max_batch, "{start}");
+    let retries = seeded_loop_retries(&card, &found, &mut model, &mut make_batch, &mut loss, twice);
+    assert_eq!(
+        retries, 0,
+        "20 seeded steps at {twice} rows from micro-batches of {start}"
+    );
+    // The same seed without the batch's bytes (what the engine did before) retries.
+    let unaware = FinderReport {
+        batch_bytes_per_row: None,
+        ..found.clone()
+    };
+    let retries = seeded_loop_retries(
+        &card,
+        &unaware,
+        &mut model,
+        &mut make_batch,
+        &mut loss,
+        twice,
+    );
+    assert!(
+        retries > 0,
+        "micro-batches of {} rows fit {twice} rows' tensors?",
+        found.max_batch
+    );
     assert!(weights(&model) != before, "the loop trained");
 }
 
