@@ -20,6 +20,10 @@
 //!   `op,id,bytes,stream,thread` (each event's thread: `oomguard replay --threads` replays it
 //!   so). History stops the thread caches while it records; the events and their threads are
 //!   the program's.
+//! - `--oom FACTOR` (instead of the plain steps): `--steps` steps of `oomguard_tch::train_step` at FACTOR
+//!   × `--batch` from a fresh engine (the step's memory source: the installed allocator's
+//!   `Device`, or libtorch's allocator): one `OOM` line each (ms, the plan that ran, retries,
+//!   the allocator's moves, the engine's speed decision), then `RESULT phase=oom`.
 //! - `--check`: 10 steps on one batch first: every parameter gets a finite non-zero gradient and
 //!   the loss falls (`RESULT phase=check`), else the exit status is 1.
 //!
@@ -153,6 +157,7 @@ struct Args {
     check: bool,
     trace: Option<String>,
     trace_steps: usize,
+    oom: Option<f64>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -168,6 +173,7 @@ fn parse() -> Result<Args, String> {
         check: false,
         trace: None,
         trace_steps: 3,
+        oom: None,
     };
     let mut it = std::env::args().skip(1);
     let num = |v: Option<String>, name: &str| -> Result<i64, String> {
@@ -202,11 +208,25 @@ fn parse() -> Result<Args, String> {
             "--size" => a.size = num(it.next(), "--size")?,
             "--check" => a.check = true,
             "--trace" => a.trace = Some(it.next().ok_or("--trace needs a path")?),
+            "--oom" => {
+                let v = it.next().ok_or("--oom needs a factor")?;
+                a.oom = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|f| *f >= 1.0)
+                        .ok_or(format!("--oom: {v:?} is not a factor of at least 1"))?,
+                );
+            }
             "--trace-steps" => a.trace_steps = num(it.next(), "--trace-steps")? as usize,
             "--max" => {
                 let v = it.next().ok_or("--max needs LO..HI")?;
-                let (lo, hi) = v.split_once("..").ok_or(format!("--max: {v:?} is not LO..HI"))?;
-                let (lo, hi) = (num(Some(lo.into()), "--max")?, num(Some(hi.into()), "--max")?);
+                let (lo, hi) = v
+                    .split_once("..")
+                    .ok_or(format!("--max: {v:?} is not LO..HI"))?;
+                let (lo, hi) = (
+                    num(Some(lo.into()), "--max")?,
+                    num(Some(hi.into()), "--max")?,
+                );
                 if lo >= hi {
                     return Err(format!("--max: {lo} is not below {hi}"));
                 }
@@ -239,7 +259,12 @@ impl Run {
                 .add(nn::conv2d(vs.root() / "c1", 3, 8, 3, Default::default()))
                 .add_fn(|x| x.relu().max_pool2d_default(2))
                 .add_fn(|x| x.flat_view())
-                .add(nn::linear(vs.root() / "fc", 8 * 15 * 15, args.classes, Default::default()))
+                .add(nn::linear(
+                    vs.root() / "fc",
+                    8 * 15 * 15,
+                    args.classes,
+                    Default::default(),
+                ))
         } else {
             tch::vision::vgg::vgg16(&vs.root(), args.classes)
         };
@@ -360,6 +385,71 @@ impl Run {
         Ok(())
     }
 
+    /// `--steps` train_steps at `factor` × `--batch` from a fresh engine.
+    fn oom(&mut self, factor: f64) -> Result<(), Error> {
+        let rows = (self.args.batch as f64 * factor).round() as i64;
+        let engine = oomguard::retry::RetryEngine::new();
+        let source: std::sync::Arc<dyn oomguard::MemorySource> = match &self.alloc {
+            Alloc::Oomguard(d) => std::sync::Arc::new(d.clone()),
+            Alloc::Libtorch(i) => oomguard_tch::LibtorchCudaSource::new(*i)?.register(),
+            Alloc::Cpu => std::sync::Arc::new(oomguard::Device::sim(oomguard::ByteSize::gib(1))),
+        };
+        let mut times = Vec::new();
+        for s in 0..self.args.steps {
+            let (x, y) = self.batch(rows, 400 + s as i64);
+            let m0 = self.alloc.moves();
+            let t = Instant::now();
+            let model = &self.model;
+            let done = oomguard_tch::train_step(
+                &engine,
+                &source,
+                &[&x, &y],
+                &self.vs,
+                &mut self.opt,
+                |_c, r| Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1])),
+            );
+            if let Device::Cuda(i) = self.args.device {
+                tch::Cuda::synchronize(i as i64);
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let m = self.alloc.moves().minus(m0);
+            match done {
+                Ok(d) => {
+                    let r = &d.report;
+                    println!(
+                        "OOM rows={rows} step={} ms={ms:.1} plan=\"{}\" retries={} {} speed=\"{}\" thrash_moved_to=\"{}\"",
+                        s + 1,
+                        r.final_plan,
+                        r.retries(),
+                        m.text(),
+                        r.speed.as_ref().map_or(String::new(), |v| v.to_string()),
+                        r.thrash_moved_to.map_or(String::new(), |p| p.to_string()),
+                    );
+                    times.push(ms);
+                }
+                Err(e) => {
+                    println!(
+                        "OOM rows={rows} step={} ms={ms:.1} error=\"{}\"",
+                        s + 1,
+                        e.to_string().lines().next().unwrap_or("")
+                    );
+                    break;
+                }
+            }
+        }
+        let first = times.first().copied().unwrap_or(0.0);
+        let mut settled = times.iter().skip(1).copied().collect::<Vec<_>>();
+        settled.sort_by(f64::total_cmp);
+        println!(
+            "RESULT phase=oom alloc_conf={} rows={rows} steps={} first_ms={first:.1} settled_median_ms={:.1} settled_min_ms={:.1}",
+            self.conf(),
+            times.len(),
+            settled.get(settled.len() / 2).copied().unwrap_or(0.0),
+            settled.first().copied().unwrap_or(0.0),
+        );
+        Ok(())
+    }
+
     /// `--trace-steps` steps recorded by oomguard's history, written as a CSV trace.
     fn trace(&mut self, path: &str) -> Result<(), Error> {
         let Alloc::Oomguard(d) = &self.alloc else {
@@ -400,7 +490,9 @@ impl Run {
                 _ => {}
             }
         }
-        std::fs::write(path, out).map_err(|e| Error::Oomguard(oomguard::Error::InvalidArgument(format!("{path}: {e}"))))?;
+        std::fs::write(path, out).map_err(|e| {
+            Error::Oomguard(oomguard::Error::InvalidArgument(format!("{path}: {e}")))
+        })?;
         println!(
             "RESULT phase=trace path={path} batch={b} steps={} allocs={allocs} frees={frees} threads={threads:?}",
             self.args.trace_steps
@@ -477,7 +569,7 @@ fn main() -> ExitCode {
         Device::Cuda(i) => Alloc::Libtorch(i),
         _ => Alloc::Cpu,
     };
-    let (check, max, trace) = (args.check, args.max, args.trace.clone());
+    let (check, max, trace, oom) = (args.check, args.max, args.trace.clone(), args.oom);
     let mut run = match Run::new(args, alloc) {
         Ok(r) => r,
         Err(e) => {
@@ -490,12 +582,18 @@ fn main() -> ExitCode {
         if check {
             ok &= run.check()?;
         }
-        run.steps()?;
+        // with --oom, the plain steps at --batch are left out (they may not fit)
+        if oom.is_none() {
+            run.steps()?;
+        }
         if let Some(p) = &trace {
             run.trace(p)?;
         }
         if let Some((lo, hi)) = max {
             run.max(lo, hi)?;
+        }
+        if let Some(f) = oom {
+            run.oom(f)?;
         }
         Ok(ok)
     })();

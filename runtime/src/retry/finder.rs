@@ -128,6 +128,13 @@ impl LinearFit {
     }
 }
 
+/// The share of the micro-batch [`FinderReport::micro_batch_for`] computes for a batch larger
+/// than the one found that a seeded step starts from. On an H100 (docs/GPU.md, 2026-11-27), an
+/// MLP under a 2 GiB budget on libtorch's caching allocator, seeded at 4 × the batch found
+/// (19,953 rows) with room for the batch's tensors alone, retried once in 20 steps: the larger
+/// batch's tensors change the allocator's layout, which the finder's verification never ran.
+pub const LARGER_BATCH_SHARE: f64 = 0.95;
+
 /// What [`find_max_batch`] found, and how.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FinderReport {
@@ -167,8 +174,9 @@ impl FinderReport {
     /// The micro-batch a training step of `batch` rows can run in: `max_batch` for a batch of
     /// at most that many rows; for a larger one, fewer rows by the room the extra rows' batch
     /// tensors take: [`FinderReport::batch_bytes_per_row`] × the extra rows, over the bytes
-    /// per row of the rest of the step (its peak's bytes per row less the batch's), at least 1.
-    /// Without `batch_bytes_per_row`, `max_batch`.
+    /// per row of the rest of the step (its peak's bytes per row less the batch's), and then
+    /// [`LARGER_BATCH_SHARE`] of that (the layout of a larger batch's tensors was not verified
+    /// by the finder), at least 1. Without `batch_bytes_per_row`, `max_batch`.
     pub fn micro_batch_for(&self, batch: usize) -> usize {
         let m = self.max_batch.max(1);
         let (Some(held), Some(per_row)) = (self.batch_bytes_per_row, self.bytes_per_row()) else {
@@ -182,18 +190,18 @@ impl FinderReport {
             return 1;
         }
         let extra = held as f64 * (batch - m) as f64;
-        m.saturating_sub((extra / rest).ceil() as usize).max(1)
+        let fits = m.saturating_sub((extra / rest).ceil() as usize) as f64;
+        ((fits * LARGER_BATCH_SHARE).floor() as usize).max(1)
     }
 
-    /// Bytes per row of the step's peak: the fit's, else the verified run's peak over its rows.
+    /// Bytes per row of the step's peak: the verified run's peak over its rows, else the fit's
+    /// (a fit through the first probes can be far off: 12 MB a row for a step that took 86 KB
+    /// a row at its largest batch, on an H100).
     fn bytes_per_row(&self) -> Option<f64> {
-        self.fit
-            .map(|f| f.per_row_bytes)
+        self.verified()
+            .and_then(|t| Some(t.peak_bytes? as f64 / t.rows.max(1) as f64))
             .filter(|p| *p > 0.0)
-            .or_else(|| {
-                let t = self.verified()?;
-                Some(t.peak_bytes? as f64 / t.rows.max(1) as f64)
-            })
+            .or_else(|| self.fit.map(|f| f.per_row_bytes).filter(|p| *p > 0.0))
     }
 
     /// The verification run that `max_batch` passed (`None`: verification was off).

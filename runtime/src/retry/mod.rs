@@ -81,8 +81,8 @@ pub use engine::{
     MAX_ATTEMPTS,
 };
 pub use finder::{
-    find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial, MAX_VERIFICATIONS,
-    VERIFY_EXTENSION,
+    find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial, LARGER_BATCH_SHARE,
+    MAX_VERIFICATIONS, VERIFY_EXTENSION,
 };
 pub use gradients::GradientSync;
 pub use memory::{
