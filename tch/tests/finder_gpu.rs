@@ -45,8 +45,8 @@ fn loop_retries(
     vs: &nn::VarStore,
     opt: &mut nn::Optimizer,
     model: &nn::Sequential,
-    dev: Device,
 ) -> usize {
+    let dev = vs.device();
     let mut retries = 0;
     for _ in 0..steps {
         let b = batch(rows, dev).unwrap();
@@ -85,7 +85,7 @@ fn the_train_finders_batch_runs_twenty_steps_without_a_retry_under_a_2_gib_budge
         let copy = nn::VarStore::new(dev);
         let m = mlp(&copy);
         let mut o = nn::AdamW::default().build(&copy, 1e-4).unwrap();
-        find_max_batch(&source, opts.clone(), |rows| {
+        find_max_batch(&source, opts, |rows| {
             let b = batch(rows, dev)?;
             let l = m.forward(&b[0]).f_mse_loss(&b[1], tch::Reduction::Mean)?;
             o.zero_grad();
@@ -104,7 +104,6 @@ fn the_train_finders_batch_runs_twenty_steps_without_a_retry_under_a_2_gib_budge
         &vs,
         &mut opt,
         &model,
-        dev,
     );
     println!(
         "RESULT route=find_max_batch max_batch={} retries_in_20_steps={old_retries}",
@@ -135,7 +134,6 @@ fn the_train_finders_batch_runs_twenty_steps_without_a_retry_under_a_2_gib_budge
         &vs,
         &mut opt,
         &model,
-        dev,
     );
     // A loop that starts where the finder left the cache (emptied), as a loop started after
     // it does: the 20 steps above left libtorch's cache split for their own sizes.
@@ -149,7 +147,6 @@ fn the_train_finders_batch_runs_twenty_steps_without_a_retry_under_a_2_gib_budge
         &vs,
         &mut opt,
         &model,
-        dev,
     );
     println!(
         "RESULT route=find_max_batch_train max_batch={} retries_fresh_20={fresh} retries_seeded_4x_20={seeded}",
