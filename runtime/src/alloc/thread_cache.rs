@@ -36,8 +36,10 @@
 //!   merge. A miss under pressure (growing would move or release pages) drains every cache
 //!   first.
 //!
-//! Peaks (see `peaks`): exact while only one thread allocates between two reads of the
-//! statistics, never below the true peak with several.
+//! Peaks (see `peaks`): the allocated bytes' peak is exact with any number of threads (every
+//! cache counts into the allocator's `LiveBytes` as it hands a block out or parks it); the
+//! others are exact while only one thread allocates between two reads of the statistics, and
+//! never below the true peak with several.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};

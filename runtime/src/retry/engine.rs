@@ -583,9 +583,11 @@ impl RetryEngine {
             let seeded = self
                 .inner
                 .start_from
-                .map(|m| match &self.inner.start_finder {
-                    Some(f) => f.micro_batch_for(batch).min(m),
-                    None => m,
+                .map(|m| {
+                    self.inner
+                        .start_finder
+                        .as_ref()
+                        .map_or(m, |f| f.micro_batch_for(batch))
                 })
                 .filter(|&m| !from_memory && m < batch && micro_cap.is_none_or(|c| m < c));
             if let Some(m) = seeded {

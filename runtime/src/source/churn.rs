@@ -48,16 +48,6 @@ impl Churn {
     pub fn any(&self) -> bool {
         self.alloc_retries != 0 || self.unmaps != 0 || self.unmapped_bytes != 0 || self.syncs != 0
     }
-
-    /// The sum of two shares (each counter saturating).
-    pub fn plus(&self, other: &Churn) -> Churn {
-        Churn {
-            alloc_retries: self.alloc_retries.saturating_add(other.alloc_retries),
-            unmaps: self.unmaps.saturating_add(other.unmaps),
-            unmapped_bytes: self.unmapped_bytes.saturating_add(other.unmapped_bytes),
-            syncs: self.syncs.saturating_add(other.syncs),
-        }
-    }
 }
 
 /// `2 allocator retries, 3 unmaps (96.00 MiB), 4 synchronisations`; `none` when nothing.
@@ -133,6 +123,5 @@ mod tests {
         );
         assert_eq!(Churn::retries(2).to_string(), "2 allocator retries");
         assert_eq!(Churn::default().to_string(), "none");
-        assert_eq!(d.plus(&Churn::retries(1)).alloc_retries, 1);
     }
 }
