@@ -79,6 +79,13 @@ impl State {
         // with `page_recycle_threshold`, only up to that share of it (or the high-water mark,
         // when higher): past it, free pages are moved instead.
         let soft = self.soft_cap(total);
+        // Moving every free page would not make room: move none (each move waits for streams,
+        // and the pages would be mapped back by the requests that follow).
+        if self.reserved().saturating_add(pages) > soft {
+            if let Some(why) = self.release_cannot_serve(backend, pages) {
+                return Err(why);
+            }
+        }
         // First under `soft`; after a map the device refused (memory outside this allocator, or
         // a capacity below the reported total), under what is held now and the pages already
         // moved: every page the request needs is moved.

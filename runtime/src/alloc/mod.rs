@@ -432,7 +432,11 @@ impl CachingAllocator {
         // Out of memory: wait for pending cross-stream frees, give the cache back, retry.
         st.stats.num_alloc_retries += 1;
         THREAD_ALLOC_RETRIES.with(|c| c.set(c.get() + 1));
-        self.process_events(st, true);
+        // (nothing pending: nothing to wait for; the release below counts its own wait)
+        let waited = !st.pending.is_empty();
+        if waited {
+            self.process_events(st, true);
+        }
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);
         }
@@ -441,7 +445,19 @@ impl CachingAllocator {
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);
         }
-        let released = self.release_cache(st, true);
+        // Releasing the cache costs a device-wide synchronisation and, for growable segments,
+        // every free page (which the next requests map again). When even all of it could not
+        // serve this request, fail without releasing: cuDNN and cuBLAS probe workspaces far
+        // larger than what is left, one failure after another.
+        if st.release_cannot_serve(&*self.backend, size).is_some() {
+            st.stats.num_releases_skipped += 1;
+            if st.growable {
+                // (an address range the first grow reserved holds nothing)
+                st.release_empty_ranges_of(&*self.backend, pool, stream);
+            }
+            return Err(self.fail(st, bytes, first_cause(err)));
+        }
+        let released = self.release_cache(st, waited);
         // the memory limit is the user's stated capacity: a request under it is served, in a
         // segment of its own size if need be
         let second = self.grow(st, pool, stream, size, true);
@@ -460,16 +476,7 @@ impl CachingAllocator {
             Ok(id) => Ok(id),
             Err(GrowError::Backend(e)) if !e.is_oom() => Err(Error::Backend(e)),
             Err(GrowError::Backend(e)) => Err(self.fail(st, bytes, e)),
-            Err(_) => Err(self.fail(
-                st,
-                bytes,
-                match err {
-                    GrowError::Backend(e) => e,
-                    _ => {
-                        BackendError::oom("limit", "the device-wide memory limit would be exceeded")
-                    }
-                },
-            )),
+            Err(_) => Err(self.fail(st, bytes, first_cause(err))),
         }
     }
 
@@ -517,7 +524,12 @@ impl CachingAllocator {
     fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
         // what the device refused is learned again from here
         st.refused_at = u64::MAX;
-        st.release_fixed(&*self.backend)
+        let fixed = st.release_fixed(&*self.backend);
+        if fixed > 0 && !sync_counted {
+            // (freeing a segment waits for the whole device)
+            st.stats.num_sync_all_streams += 1;
+        }
+        fixed
             + st.release_pages(
                 &*self.backend,
                 u64::MAX,
@@ -974,6 +986,14 @@ impl CachingAllocator {
             owner: self.id,
             cache: 0,
         }
+    }
+}
+
+/// The backend's refusal behind a failed grow (the memory limit's, when the limit refused it).
+fn first_cause(err: GrowError) -> BackendError {
+    match err {
+        GrowError::Backend(e) => e,
+        _ => BackendError::oom("limit", "the device-wide memory limit would be exceeded"),
     }
 }
 

@@ -11,7 +11,8 @@ use super::peaks::{LiveBytes, Peaks};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::{MemoryStats, ScopeStats};
 use super::thread_cache::CacheState;
-use crate::backend::{EventId, StreamId};
+use super::GrowError;
+use crate::backend::{Backend, BackendError, EventId, StreamId};
 use crate::config::AllocatorConfig;
 
 /// A segment: a fixed piece of device memory, or a growable virtual address range.
@@ -446,6 +447,32 @@ impl State {
     /// released rather than mapped.
     pub fn under_pressure(&self, size: u64, total: u64) -> bool {
         self.reserved().saturating_add(size) > self.soft_cap(total).min(self.refused_at)
+    }
+
+    /// Why giving the whole cache back could not leave room for `size` bytes (`None`: it
+    /// could): the memory limit, or the device, whose free memory plus every cached byte (an
+    /// upper bound of what a release returns) is less. Unknown device memory counts as room.
+    pub fn release_cannot_serve(&self, backend: &dyn Backend, size: u64) -> Option<GrowError> {
+        let cached = self
+            .reserved()
+            .saturating_sub(self.stats.allocated_bytes.all.current);
+        if let Some(l) = self.limit {
+            if size > l.saturating_sub(self.reserved()).saturating_add(cached) {
+                return Some(GrowError::Limit);
+            }
+        }
+        let free = backend.mem_info().ok()?.free;
+        (size > free.saturating_add(cached)).then(|| {
+            GrowError::Backend(BackendError::oom(
+                "map",
+                format!(
+                    "{} do not fit: the device's free memory ({}) and every cached byte ({}) are less",
+                    crate::ByteSize(size),
+                    crate::ByteSize(free),
+                    crate::ByteSize(cached)
+                ),
+            ))
+        })
     }
 
     /// The largest mapped free block.

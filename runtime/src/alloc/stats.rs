@@ -107,8 +107,14 @@ pub struct MemoryStats {
     pub inactive_split_bytes: PoolStats,
     /// Number of such blocks.
     pub inactive_split: PoolStats,
-    /// Times the allocator freed its cache and retried after the device said out-of-memory.
+    /// Times the device said out-of-memory and the allocator tried again: after waiting for
+    /// pending cross-stream frees, draining the threads' caches and releasing its cache (except
+    /// where [`MemoryStats::num_releases_skipped`] counts the release as skipped).
     pub num_alloc_retries: u64,
+    /// Out-of-memory retries that kept the cache: the device's free memory plus every cached
+    /// byte was less than the request, so releasing (a device-wide synchronisation, and pages
+    /// that the next requests map again) could not have served it. PyTorch releases anyway.
+    pub num_releases_skipped: u64,
     /// Out-of-memory errors returned to callers.
     pub num_ooms: u64,
     /// Times the allocator synchronised with all streams: once per `empty_cache` and per cache
@@ -177,6 +183,7 @@ impl MemoryStats {
         self.oversize_segments.reset_accumulated();
         self.pinned_bytes.reset_accumulated();
         self.num_alloc_retries = 0;
+        self.num_releases_skipped = 0;
         self.num_ooms = 0;
         self.num_sync_all_streams = 0;
         self.num_stream_syncs = 0;

@@ -53,6 +53,16 @@ pub(crate) fn format_summary(
             s.num_alloc_retries, s.num_ooms, s.num_device_alloc, s.num_device_free
         )
     );
+    if s.num_releases_skipped > 0 {
+        let _ = writeln!(
+            o,
+            "| {:<89} |",
+            format!(
+                "releases skipped: {:<6} (retries that kept the cache: releasing it could not have served them)",
+                s.num_releases_skipped
+            )
+        );
+    }
     if let Some(n) = budget_refusals {
         let _ = writeln!(
             o,

@@ -1,0 +1,131 @@
+//! An out-of-memory that releasing the cache could not cure keeps the cache: no device-wide
+//! synchronisation, no page unmapped, no segment freed. cuDNN and cuBLAS probe workspaces far
+//! larger than what is left, one failure after another; releasing on each made the next
+//! requests map every page again (the first step after an OOM under libtorch, issue 37). A
+//! request that the release does cure is still served.
+
+use std::sync::Arc;
+
+use oomguard_runtime::alloc::CachingAllocator;
+use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::{AllocatorConfig, ByteSize};
+
+const MIB: u64 = 1 << 20;
+
+fn allocator(sim: &SimDevice, cfg: &str) -> CachingAllocator {
+    CachingAllocator::new(Arc::new(sim.clone()), AllocatorConfig::parse(cfg).unwrap())
+}
+
+const CONFIGS: [&str; 2] = ["expandable_segments:True", "expandable_segments:False"];
+
+#[test]
+fn a_request_no_release_could_serve_keeps_the_cache() {
+    for cfg in CONFIGS {
+        let sim = SimDevice::new(ByteSize::mib(1024));
+        let a = allocator(&sim, cfg);
+        let live = a.allocate(300 * MIB, 0).unwrap();
+        let cached = a.allocate(400 * MIB, 0).unwrap();
+        a.free(cached).unwrap();
+        let before = a.stats();
+        // 1024 - 300 live: 724 MiB at most could serve it, with the 400 cached
+        let e = a.allocate(800 * MIB, 0).unwrap_err();
+        assert!(e.is_oom(), "{cfg}: {e}");
+        let after = a.stats();
+        assert_eq!(
+            after.num_releases_skipped,
+            before.num_releases_skipped + 1,
+            "{cfg}"
+        );
+        assert_eq!(
+            after.num_alloc_retries,
+            before.num_alloc_retries + 1,
+            "{cfg}"
+        );
+        assert_eq!(after.num_ooms, before.num_ooms + 1, "{cfg}");
+        assert_eq!(
+            after.reserved_bytes.all.current, before.reserved_bytes.all.current,
+            "{cfg}: the cache was released"
+        );
+        assert_eq!(
+            after.num_sync_all_streams, before.num_sync_all_streams,
+            "{cfg}"
+        );
+        assert_eq!(
+            after.unmapped_bytes_total, before.unmapped_bytes_total,
+            "{cfg}"
+        );
+        assert_eq!(after.num_device_free, before.num_device_free, "{cfg}");
+        // the cached 400 MiB serves the next request without a device call
+        let again = a.allocate(400 * MIB, 0).unwrap();
+        assert_eq!(a.stats().num_device_alloc, after.num_device_alloc, "{cfg}");
+        a.free(again).unwrap();
+        a.check_invariants().unwrap();
+        a.free(live).unwrap();
+    }
+}
+
+#[test]
+fn a_request_the_release_serves_is_still_served() {
+    for cfg in CONFIGS {
+        let sim = SimDevice::new(ByteSize::mib(1024));
+        let a = allocator(&sim, cfg);
+        let live = a.allocate(300 * MIB, 0).unwrap();
+        let cached = a.allocate(400 * MIB, 0).unwrap();
+        a.free(cached).unwrap();
+        // on another stream the cached block cannot serve it; released, its memory can
+        let b = a.allocate(650 * MIB, 1).unwrap();
+        let s = a.stats();
+        assert_eq!(s.num_releases_skipped, 0, "{cfg}");
+        // the cached block's memory went back to the device (released or moved)
+        assert!(
+            s.num_device_free >= 1,
+            "{cfg}: served without giving the cache back"
+        );
+        a.free(b).unwrap();
+        a.free(live).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn the_memory_limit_bounds_what_a_release_could_serve() {
+    for cfg in CONFIGS {
+        let sim = SimDevice::new(ByteSize::mib(4096));
+        let a = allocator(&sim, cfg);
+        a.set_memory_limit(Some(1024 * MIB));
+        let live = a.allocate(300 * MIB, 0).unwrap();
+        let cached = a.allocate(400 * MIB, 0).unwrap();
+        a.free(cached).unwrap();
+        let before = a.stats();
+        // the device has room, the limit does not
+        let e = a.allocate(800 * MIB, 1).unwrap_err();
+        assert!(e.is_oom(), "{cfg}: {e}");
+        let after = a.stats();
+        assert_eq!(
+            after.num_releases_skipped,
+            before.num_releases_skipped + 1,
+            "{cfg}"
+        );
+        assert_eq!(
+            after.reserved_bytes.all.current, before.reserved_bytes.all.current,
+            "{cfg}"
+        );
+        // under the limit once released: served
+        let b = a.allocate(700 * MIB, 1).unwrap();
+        a.free(b).unwrap();
+        a.free(live).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn the_summary_tells_the_skipped_releases() {
+    let sim = SimDevice::new(ByteSize::mib(1024));
+    let a = allocator(&sim, "expandable_segments:True");
+    let cached = a.allocate(400 * MIB, 0).unwrap();
+    a.free(cached).unwrap();
+    assert!(!a.memory_summary().contains("releases skipped"));
+    assert!(a.allocate(2000 * MIB, 0).is_err());
+    let s = a.memory_summary();
+    assert!(s.contains("releases skipped: 1"), "{s}");
+}
