@@ -135,5 +135,9 @@ where
             Ok::<_, Error>(done.loss)
         })
     })?;
-    Ok(held.into_report(found))
+    let mut found = held.into_report(found);
+    // A split step holds the gradients accumulated so far while each later chunk runs.
+    found.accumulation_bytes =
+        Some((model.num_params() * std::mem::size_of::<B::FloatElem>()) as u64);
+    Ok(found)
 }

@@ -171,6 +171,9 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
     // row) stay held while each micro-batch runs, so the micro-batches start smaller.
     assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
+    // one set of gradients of the 4 -> 1 linear layer (weight and bias, f32) is accumulated
+    // over a split step's chunks
+    assert_eq!(found.accumulation_bytes, Some(20), "{found}");
     let twice = 2 * found.max_batch;
     let start = found.micro_batch_for(twice);
     assert!(start < found.max_batch, "{start}");

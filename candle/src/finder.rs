@@ -95,5 +95,8 @@ where
         let done = attempt(&plan, &tensors, &params, &mut chunk_loss)?;
         Ok(done.loss)
     })?;
-    Ok(held.into_report(found))
+    let mut found = held.into_report(found);
+    // A split step holds the gradients accumulated so far while each later chunk runs.
+    found.accumulation_bytes = Some(params.trained_bytes());
+    Ok(found)
 }

@@ -52,6 +52,14 @@ pub struct Params {
 }
 
 impl Params {
+    /// Bytes of the trained variables: what one set of their gradients takes.
+    pub(crate) fn trained_bytes(&self) -> u64 {
+        self.trained
+            .iter()
+            .map(|p| (p.var.elem_count() * p.var.dtype().size_in_bytes()) as u64)
+            .sum()
+    }
+
     /// `vars`, all trained (a variable listed twice counts once).
     pub fn new(vars: &[Var]) -> Self {
         let mut p = Self::default();

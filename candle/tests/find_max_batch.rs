@@ -131,6 +131,8 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
     // row) stay held while each micro-batch runs, so the micro-batches start smaller.
     assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
+    // one set of gradients of the (4, 1) f32 weight is accumulated over a split step's chunks
+    assert_eq!(found.accumulation_bytes, Some(16), "{found}");
     let twice = 2 * found.max_batch;
     let start = found.micro_batch_for(twice);
     assert!(start < found.max_batch, "{start}");

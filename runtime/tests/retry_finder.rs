@@ -749,6 +749,7 @@ fn a_negative_fixed_cost_is_shown_as_zero_and_explained() {
         budget_bytes: 64 * MIB,
         stopped_by_max_trials: false,
         batch_bytes_per_row: None,
+        accumulation_bytes: None,
     };
     let shown = report(-2.0).to_string();
     assert!(!shown.contains("-2 B +"), "{shown}");
@@ -759,4 +760,57 @@ fn a_negative_fixed_cost_is_shown_as_zero_and_explained() {
     );
     let shown = report(4096.0).to_string();
     assert!(shown.contains("fit: 4096 B + 12784 B/row)"), "{shown}");
+}
+
+/// A training finder's report: 100 rows verified at a peak of 100 MiB (1 MiB a row), the
+/// batch holding `held` bytes a row and a split step `accumulation` bytes more.
+fn train_report(
+    held: Option<u64>,
+    accumulation: Option<u64>,
+) -> oomguard_runtime::retry::FinderReport {
+    use oomguard_runtime::source::MemorySource;
+    let dev = Device::sim(ByteSize::mib(256));
+    oomguard_runtime::retry::FinderReport {
+        max_batch: 100,
+        trials: Vec::new(),
+        steps_per_trial: 2,
+        verification: vec![oomguard_runtime::retry::Trial {
+            rows: 100,
+            peak_bytes: Some(100 * MIB),
+            reserved_peak_bytes: 100 * MIB,
+            steps: 2,
+            held_rise_bytes: 0,
+            elapsed: std::time::Duration::from_millis(1),
+        }],
+        source: dev.info(),
+        fit: None,
+        budget_bytes: 128 * MIB,
+        stopped_by_max_trials: false,
+        batch_bytes_per_row: held,
+        accumulation_bytes: accumulation,
+    }
+}
+
+#[test]
+fn a_split_step_leaves_room_for_the_accumulated_gradients() {
+    let share = oomguard_runtime::retry::LARGER_BATCH_SHARE;
+    let rows = |fits: f64| ((fits * share).floor() as usize).max(1);
+    // a batch the finder ran whole: its own micro-batch, whatever a split would hold
+    assert_eq!(
+        train_report(Some(MIB / 4), Some(10 * MIB)).micro_batch_for(100),
+        100
+    );
+    // the batch's tensors alone: 100 extra rows of 1/4 MiB over 3/4 MiB a row of the rest
+    let held_only = train_report(Some(MIB / 4), None).micro_batch_for(200);
+    assert_eq!(held_only, rows((100 - 34) as f64));
+    // 12 MiB of gradients accumulated: 16 rows of the rest more
+    let both = train_report(Some(MIB / 4), Some(12 * MIB)).micro_batch_for(200);
+    assert_eq!(both, rows((100 - 34 - 16) as f64));
+    // gradients alone (a batch held on the host): 12 MiB over 1 MiB a row
+    let grads_only = train_report(None, Some(12 * MIB)).micro_batch_for(200);
+    assert_eq!(grads_only, rows((100 - 12) as f64));
+    // neither figure: the batch found
+    assert_eq!(train_report(None, None).micro_batch_for(200), 100);
+    // more to hold than the step's rows leave: one row, never zero
+    assert_eq!(train_report(None, Some(1 << 40)).micro_batch_for(200), 1);
 }

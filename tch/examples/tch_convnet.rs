@@ -44,6 +44,8 @@ struct Moves {
     unmapped: i64,
     syncs: i64,
     retries: i64,
+    /// allocator retries that kept the cache (oomguard's allocator only)
+    skipped: i64,
 }
 
 impl Moves {
@@ -54,6 +56,7 @@ impl Moves {
             unmapped: self.unmapped - o.unmapped,
             syncs: self.syncs - o.syncs,
             retries: self.retries - o.retries,
+            skipped: self.skipped - o.skipped,
         }
     }
     fn plus(self, o: Self) -> Self {
@@ -63,12 +66,13 @@ impl Moves {
             unmapped: self.unmapped + o.unmapped,
             syncs: self.syncs + o.syncs,
             retries: self.retries + o.retries,
+            skipped: self.skipped + o.skipped,
         }
     }
     fn text(&self) -> String {
         format!(
-            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={}",
-            self.maps, self.unmaps, self.unmapped, self.syncs, self.retries
+            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={}",
+            self.maps, self.unmaps, self.unmapped, self.syncs, self.retries, self.skipped
         )
     }
 }
@@ -91,6 +95,7 @@ impl Alloc {
                     unmapped: s.unmapped_bytes_total as i64,
                     syncs: (s.num_sync_all_streams + s.num_stream_syncs) as i64,
                     retries: s.num_alloc_retries as i64,
+                    skipped: s.num_releases_skipped as i64,
                 }
             }
             // libtorch counts device allocations and frees (maps and unmaps of expandable
@@ -102,6 +107,7 @@ impl Alloc {
                     unmapped: 0,
                     syncs: s.num_sync_all_streams,
                     retries: s.num_alloc_retries,
+                    skipped: 0,
                 })
                 .unwrap_or_default(),
             Alloc::Cpu => Moves::default(),

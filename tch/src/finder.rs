@@ -159,5 +159,14 @@ where
         reset_grads(&optimizer);
         run
     })?;
-    Ok(held.into_report(found))
+    let mut found = held.into_report(found);
+    // A split step holds the gradients accumulated so far (`.grad()`) while each later chunk
+    // runs.
+    found.accumulation_bytes = Some(
+        trained
+            .iter()
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum(),
+    );
+    Ok(found)
 }

@@ -149,8 +149,10 @@ fn the_train_finders_batch_runs_twenty_steps_without_a_retry_under_a_2_gib_budge
         &model,
     );
     println!(
-        "RESULT route=find_max_batch_train max_batch={} retries_fresh_20={fresh} retries_seeded_4x_20={seeded}",
-        found.max_batch
+        "RESULT route=find_max_batch_train max_batch={} accumulation_bytes={:?} seed_4x={} retries_fresh_20={fresh} retries_seeded_4x_20={seeded}",
+        found.max_batch,
+        found.accumulation_bytes,
+        found.micro_batch_for(4 * found.max_batch)
     );
     assert_eq!((fresh, seeded), (0, 0), "{found}");
 }

@@ -338,7 +338,7 @@ impl RetryEngine {
     pub fn start_from_finder(self, found: &super::FinderReport) -> Self {
         let rows = found.max_batch.max(1);
         let mut e = self.start_from(BatchPlan::whole(rows).expect("rows >= 1 gives a plan"));
-        if found.batch_bytes_per_row.is_some() {
+        if found.batch_bytes_per_row.is_some() || found.accumulation_bytes.is_some() {
             Arc::make_mut(&mut e.inner).start_finder = Some(Arc::new(found.clone()));
         }
         e

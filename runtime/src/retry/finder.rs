@@ -129,13 +129,16 @@ impl LinearFit {
 }
 
 /// The share of the micro-batch [`FinderReport::micro_batch_for`] computes for a batch larger
-/// than the one found that a seeded step starts from. On an H100 (docs/GPU.md runs 45–48,
-/// 2026-11-27), an MLP under a 2 GiB budget on libtorch's caching allocator, seeded at 4 × the
-/// batch found (19,953 rows) with room for the batch's tensors alone, retried once in 20 steps
-/// (the first ran out of memory with 193 MiB of the cache reserved but unallocated: the larger
-/// batch's tensors change the allocator's layout, which the finder's verification never ran);
-/// at 0.95 of it, once; at 0.9, 20 steps ran with no retry.
-pub const LARGER_BATCH_SHARE: f64 = 0.9;
+/// than the one found that a seeded step starts from: the layout of a larger batch's tensors
+/// was never run by the finder's verification. Measured on an H100 (docs/GPU.md runs 45–51,
+/// 2026-11-27), seeded at 4 × the batch found, 20 steps each:
+/// - tch, an MLP under a 2 GiB budget on libtorch's caching allocator (19,953 rows found): with
+///   room for the batch's tensors alone, 1 retry at a share of 1.0 and of 0.95, none at 0.9;
+/// - candle, the same MLP on the driver's pool under a 2 GiB cap (3,814 rows found): with room
+///   for the batch's tensors and one set of accumulated gradients, the share of 0.9 gave 5
+///   micro-batches of 3,052 rows, which retried 2 times; plans of at most 2,900, 2,700, 2,500
+///   and 2,200 rows retried none. 0.85 gives 6 micro-batches of 2,543.
+pub const LARGER_BATCH_SHARE: f64 = 0.85;
 
 /// What [`find_max_batch`] found, and how.
 #[derive(Clone, Debug, PartialEq)]
@@ -170,28 +173,38 @@ pub struct FinderReport {
     /// whole batch's tensors while each micro-batch runs:
     /// [`FinderReport::micro_batch_for`] leaves room for them.
     pub batch_bytes_per_row: Option<u64>,
+    /// Bytes a step split into micro-batches holds beyond what the finder's one-chunk runs
+    /// held: the gradients accumulated over the chunks before the last (and, where a framework
+    /// sums a chunk's gradients into a new set, that set too), when the finder ran the training
+    /// step's own attempt (the framework crates' `find_max_batch_train` set it from the trained
+    /// parameters' bytes); `None` otherwise. [`FinderReport::micro_batch_for`] leaves room
+    /// for them.
+    pub accumulation_bytes: Option<u64>,
 }
 
 impl FinderReport {
     /// The micro-batch a training step of `batch` rows can run in: `max_batch` for a batch of
-    /// at most that many rows; for a larger one, fewer rows by the room the extra rows' batch
-    /// tensors take: [`FinderReport::batch_bytes_per_row`] × the extra rows, over the bytes
-    /// per row of the rest of the step (its peak's bytes per row less the batch's), and then
+    /// at most that many rows (one chunk, as the finder ran it); for a larger one, fewer rows
+    /// by the room that a split step needs beyond the finder's runs, over the bytes per row of
+    /// the rest of the step (its peak's bytes per row less the batch's):
+    /// [`FinderReport::batch_bytes_per_row`] × the extra rows (the whole batch's tensors stay
+    /// held) plus [`FinderReport::accumulation_bytes`] (the accumulated gradients); then
     /// [`LARGER_BATCH_SHARE`] of that (the layout of a larger batch's tensors was not verified
-    /// by the finder), at least 1. Without `batch_bytes_per_row`, `max_batch`.
+    /// by the finder), at least 1. With neither figure, `max_batch`.
     pub fn micro_batch_for(&self, batch: usize) -> usize {
         let m = self.max_batch.max(1);
-        let (Some(held), Some(per_row)) = (self.batch_bytes_per_row, self.bytes_per_row()) else {
-            return m;
-        };
-        if batch <= m {
+        if batch <= m || (self.batch_bytes_per_row.is_none() && self.accumulation_bytes.is_none()) {
             return m;
         }
+        let Some(per_row) = self.bytes_per_row() else {
+            return m;
+        };
+        let held = self.batch_bytes_per_row.unwrap_or(0);
         let rest = per_row - held as f64;
         if rest <= 0.0 {
             return 1;
         }
-        let extra = held as f64 * (batch - m) as f64;
+        let extra = held as f64 * (batch - m) as f64 + self.accumulation_bytes.unwrap_or(0) as f64;
         let fits = m.saturating_sub((extra / rest).ceil() as usize) as f64;
         ((fits * LARGER_BATCH_SHARE).floor() as usize).max(1)
     }
@@ -755,6 +768,7 @@ where
         budget_bytes: budget,
         stopped_by_max_trials: stopped_by_trials,
         batch_bytes_per_row: None,
+        accumulation_bytes: None,
     };
     if let Some(every) = report.empty_cache_every() {
         tracing::warn!(
