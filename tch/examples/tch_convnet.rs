@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! tch_convnet [--allocator libtorch|oomguard] [--batch N] [--steps N] [--warmup N]
-//!             [--max LO..HI] [--classes N] [--size PX] [--check]
+//!             [--max LO..HI] [--oom F] [--seeded F] [--classes N] [--size PX] [--check]
 //! ```
 //! - `--batch`: `--warmup` untimed steps, then `--steps` timed ones: one `STEP` line each (ms,
 //!   and what the allocator did in it: maps, unmaps, bytes unmapped, synchronisations,
@@ -24,6 +24,12 @@
 //!   × `--batch` from a fresh engine (the step's memory source: the installed allocator's
 //!   `Device`, or libtorch's allocator): one `OOM` line each (ms, the plan that ran, retries,
 //!   the allocator's moves, the engine's speed decision), then `RESULT phase=oom`.
+//! - `--seeded FACTOR` (instead of the plain steps): `oomguard_tch::find_max_batch_train` (the
+//!   training step's own attempt, up to the `--max` bound's HI, 1,536 without one), then
+//!   `--steps` `train_step`s at FACTOR × the batch found from an engine seeded with
+//!   `start_from_finder`: one `SEEDED` line each (ms, plan, retries), then `RESULT
+//!   phase=seeded` (the batch found, the seed, the retries of all steps). A GPU phase: on the
+//!   CPU the finder sees no device memory and says so.
 //! - `--check`: 10 steps on one batch first: every parameter gets a finite non-zero gradient and
 //!   the loss falls (`RESULT phase=check`), else the exit status is 1.
 //!
@@ -164,6 +170,7 @@ struct Args {
     trace: Option<String>,
     trace_steps: usize,
     oom: Option<f64>,
+    seeded: Option<f64>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -180,6 +187,7 @@ fn parse() -> Result<Args, String> {
         trace: None,
         trace_steps: 3,
         oom: None,
+        seeded: None,
     };
     let mut it = std::env::args().skip(1);
     let num = |v: Option<String>, name: &str| -> Result<i64, String> {
@@ -221,6 +229,15 @@ fn parse() -> Result<Args, String> {
                         .ok()
                         .filter(|f| *f >= 1.0)
                         .ok_or(format!("--oom: {v:?} is not a factor of at least 1"))?,
+                );
+            }
+            "--seeded" => {
+                let v = it.next().ok_or("--seeded needs a factor")?;
+                a.seeded = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|f| *f >= 1.0)
+                        .ok_or(format!("--seeded: {v:?} is not a factor of at least 1"))?,
                 );
             }
             "--trace-steps" => a.trace_steps = num(it.next(), "--trace-steps")? as usize,
@@ -395,11 +412,7 @@ impl Run {
     fn oom(&mut self, factor: f64) -> Result<(), Error> {
         let rows = (self.args.batch as f64 * factor).round() as i64;
         let engine = oomguard::retry::RetryEngine::new();
-        let source: std::sync::Arc<dyn oomguard::MemorySource> = match &self.alloc {
-            Alloc::Oomguard(d) => std::sync::Arc::new(d.clone()),
-            Alloc::Libtorch(i) => oomguard_tch::LibtorchCudaSource::new(*i)?.register(),
-            Alloc::Cpu => std::sync::Arc::new(oomguard::Device::sim(oomguard::ByteSize::gib(1))),
-        };
+        let source = self.source()?;
         let mut times = Vec::new();
         for s in 0..self.args.steps {
             let (x, y) = self.batch(rows, 400 + s as i64);
@@ -454,6 +467,84 @@ impl Run {
             settled.first().copied().unwrap_or(0.0),
         );
         Ok(())
+    }
+
+    /// The training finder up to `hi` rows, then `--steps` train_steps at `factor` × the batch
+    /// found from an engine seeded with it.
+    fn seeded(&mut self, factor: f64, hi: usize) -> Result<(), Error> {
+        let source = self.source()?;
+        let t = Instant::now();
+        let model = &self.model;
+        let (dev, size, classes) = (self.args.device, self.args.size, self.args.classes);
+        let opts = oomguard::retry::FinderOptions {
+            max: hi,
+            ..Default::default()
+        };
+        let found = oomguard_tch::find_max_batch_train(
+            &*source,
+            opts,
+            &self.vs,
+            &mut self.opt,
+            |rows| {
+                tch::manual_seed(500 + rows as i64);
+                let x = Tensor::randn([rows as i64, 3, size, size], (Kind::Float, dev));
+                let y = Tensor::randint(classes, [rows as i64], (Kind::Int64, dev));
+                Ok(vec![x, y])
+            },
+            |_c, r| Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1])),
+        )
+        .map_err(|e| Error::Batch(format!("the training finder: {e}")))?;
+        let finder_secs = t.elapsed().as_secs_f64();
+        let rows = (found.max_batch as f64 * factor).round() as usize;
+        let seed = found.micro_batch_for(rows);
+        let engine = oomguard::retry::RetryEngine::new().start_from_finder(&found);
+        let mut retries = 0;
+        let mut ran = 0;
+        for s in 0..self.args.steps {
+            let (x, y) = self.batch(rows as i64, 600 + s as i64);
+            let t = Instant::now();
+            let model = &self.model;
+            let done = oomguard_tch::train_step(
+                &engine,
+                &source,
+                &[&x, &y],
+                &self.vs,
+                &mut self.opt,
+                |_c, r| Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1])),
+            )
+            .map_err(|e| Error::Batch(format!("train_step at {rows} rows: {e}")))?;
+            if let Device::Cuda(i) = self.args.device {
+                tch::Cuda::synchronize(i as i64);
+            }
+            retries += done.report.retries();
+            ran += 1;
+            println!(
+                "SEEDED rows={rows} step={} ms={:.1} plan=\"{}\" retries={} loss={:.4}",
+                s + 1,
+                t.elapsed().as_secs_f64() * 1e3,
+                done.report.final_plan,
+                done.report.retries(),
+                done.loss,
+            );
+        }
+        println!(
+            "RESULT phase=seeded alloc_conf={} max_batch={} finder_trials={} finder_secs={finder_secs:.1} accumulation_bytes={:?} batch_bytes_per_row={:?} rows={rows} seed={seed} steps={ran} retries={retries}",
+            self.conf(),
+            found.max_batch,
+            found.trials.len(),
+            found.accumulation_bytes,
+            found.batch_bytes_per_row,
+        );
+        Ok(())
+    }
+
+    /// The step's memory source: the installed allocator's `Device`, or libtorch's allocator.
+    fn source(&self) -> Result<std::sync::Arc<dyn oomguard::MemorySource>, Error> {
+        Ok(match &self.alloc {
+            Alloc::Oomguard(d) => std::sync::Arc::new(d.clone()),
+            Alloc::Libtorch(i) => oomguard_tch::LibtorchCudaSource::new(*i)?.register(),
+            Alloc::Cpu => std::sync::Arc::new(oomguard::Device::sim(oomguard::ByteSize::gib(1))),
+        })
     }
 
     /// `--trace-steps` steps recorded by oomguard's history, written as a CSV trace.
@@ -575,7 +666,13 @@ fn main() -> ExitCode {
         Device::Cuda(i) => Alloc::Libtorch(i),
         _ => Alloc::Cpu,
     };
-    let (check, max, trace, oom) = (args.check, args.max, args.trace.clone(), args.oom);
+    let (check, max, trace, oom, seeded) = (
+        args.check,
+        args.max,
+        args.trace.clone(),
+        args.oom,
+        args.seeded,
+    );
     let mut run = match Run::new(args, alloc) {
         Ok(r) => r,
         Err(e) => {
@@ -588,8 +685,8 @@ fn main() -> ExitCode {
         if check {
             ok &= run.check()?;
         }
-        // with --oom, the plain steps at --batch are left out (they may not fit)
-        if oom.is_none() {
+        // with --oom or --seeded, the plain steps at --batch are left out (they may not fit)
+        if oom.is_none() && seeded.is_none() {
             run.steps()?;
         }
         if let Some(p) = &trace {
@@ -600,6 +697,10 @@ fn main() -> ExitCode {
         }
         if let Some(f) = oom {
             run.oom(f)?;
+        }
+        if let Some(f) = seeded {
+            let hi = max.map_or(1_536, |(_, hi)| hi as usize);
+            run.seeded(f, hi)?;
         }
         Ok(ok)
     })();

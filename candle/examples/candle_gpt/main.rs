@@ -2,8 +2,9 @@
 //! AdamW) trained with candle on seeded synthetic tokens, under oomguard, on a CUDA device.
 //!
 //! ```text
-//! candle_gpt [all|find|oom|equiv|overhead|frag|snap PREFIX] [--big ROWS] [--steps N] [--device ORDINAL]
-//!            [--release-threshold BYTES] [--allocator pool|oomguard] [--batch ROWS]
+//! candle_gpt [all|find|oom|equiv|overhead|frag|seeded|snap PREFIX] [--big ROWS] [--steps N]
+//!            [--device ORDINAL] [--release-threshold BYTES] [--allocator pool|oomguard]
+//!            [--batch ROWS] [--factor N]
 //! ```
 //! - `--allocator`: where candle's tensors live: the driver's pool (candle's own, the default)
 //!   or oomguard's caching allocator (`oomguard_candle::alloc_hook::install`, feature
@@ -22,6 +23,9 @@
 //! - `oom`: a batch larger than the card holds (`--big`, default twice the true maximum found,
 //!   else 1024) survives a real driver OOM by accumulation; 3 more steps start from the
 //!   remembered plan;
+//! - `seeded`: `oomguard_candle::find_max_batch_train` (the training step's own attempt), then
+//!   `--steps` (default 20) `train_step`s at `--factor` (default 2) × the batch found from an
+//!   engine seeded with `start_from_finder`: each step's retries and plan, and their sum;
 //! - `equiv`: parameters after 3 steps of batch 8, whole vs 4 micro-batches of 2, with SGD and
 //!   with AdamW (‖a−b‖/‖b‖ over every parameter, f32, TF32 off);
 //! - `overhead`: the same steps as a plain candle loop and through `train_step`, interleaved;
@@ -317,6 +321,55 @@ fn phase_oom(run: &Run, source: &Arc<dyn MemorySource>, big: usize) -> Res<()> {
     Ok(())
 }
 
+fn phase_seeded(run: &Run, source: &Arc<dyn MemorySource>, factor: usize, steps: usize) -> Res<()> {
+    candle_core::cuda::set_gemm_reduced_precision_f32(true);
+    run.reset()?;
+    source.empty_cache()?;
+    let t0 = Instant::now();
+    let opts = FinderOptions {
+        max: 512,
+        ..Default::default()
+    };
+    let found = oomguard_candle::find_max_batch_train(
+        &**source,
+        opts,
+        &run.vars,
+        |rows| Ok(vec![run.tokens(3000 + rows as u64, rows)?]),
+        |_, rows| run.model.loss(&rows[0]),
+    )?;
+    let finder_secs = t0.elapsed().as_secs_f64();
+    let rows = factor * found.max_batch;
+    let seed = found.micro_batch_for(rows);
+    let mut opt = run.adamw()?;
+    let engine = RetryEngine::new().start_from_finder(&found);
+    let mut retries = 0;
+    for step in 0..steps {
+        let tokens = run.tokens(4000 + step as u64, rows)?;
+        let t = Instant::now();
+        let done = train_step(&engine, source, &[&tokens], &run.vars, &mut opt, |_, r| {
+            run.model.loss(&r[0])
+        })?;
+        run.dev.synchronize()?;
+        retries += done.report.retries();
+        println!(
+            "SEEDED step {step} batch {rows}: {} retries, plan {} x {}, loss {:.4}, {:.1} ms",
+            done.report.retries(),
+            done.report.final_plan.chunks().len(),
+            done.report.final_plan.micro_batch(),
+            done.loss,
+            t.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    println!(
+        "RESULT seeded: found {} rows ({} trials, {finder_secs:.1} s), batch bytes {:?} a row, accumulation {:?} B; {steps} steps at {rows} rows from micro-batches of at most {seed}: {retries} retries",
+        found.max_batch,
+        found.trials.len(),
+        found.batch_bytes_per_row,
+        found.accumulation_bytes,
+    );
+    Ok(())
+}
+
 fn rel_diff(a: &[Tensor], b: &[Tensor]) -> Res<f64> {
     let (mut num, mut den) = (0f64, 0f64);
     for (x, y) in a.iter().zip(b) {
@@ -569,9 +622,13 @@ fn main() -> Res<()> {
     };
     let ordinal = flag("--device")?.unwrap_or(0);
     let steps = flag("--steps")?.unwrap_or(100);
-    if !["all", "find", "oom", "equiv", "overhead", "frag", "snap"].contains(&phase.as_str()) {
+    if ![
+        "all", "find", "oom", "equiv", "overhead", "frag", "seeded", "snap",
+    ]
+    .contains(&phase.as_str())
+    {
         return Err(format!(
-            "unknown phase {phase}: all, find, oom, equiv, overhead, frag or snap"
+            "unknown phase {phase}: all, find, oom, equiv, overhead, frag, seeded or snap"
         )
         .into());
     }
@@ -610,6 +667,10 @@ fn main() -> Res<()> {
         let prefix = args.get(1).ok_or("snap needs an output PREFIX")?;
         let batch = flag("--batch")?.ok_or("snap needs --batch ROWS")?;
         phase_snapshot(&run, prefix, batch, flag("--steps")?.unwrap_or(1))?;
+    }
+    if phase == "seeded" {
+        let factor = flag("--factor")?.unwrap_or(2).max(1);
+        phase_seeded(&run, &source, factor, flag("--steps")?.unwrap_or(20))?;
     }
     if phase == "frag" {
         let batch = flag("--batch")?.ok_or("frag needs --batch ROWS")?;
