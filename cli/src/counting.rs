@@ -5,8 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use oomguard_runtime::backend::{Backend, BackendError, DevicePtr, EventId, MemInfo, StreamId};
-
-use crate::replay::BackendCalls;
+use serde::Serialize;
 
 /// `inner`, with a count of each segment call that succeeded.
 #[derive(Debug)]
@@ -127,5 +126,40 @@ impl Backend for CountingBackend {
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         self.inner.as_any()
+    }
+}
+
+/// Backend calls the allocator made during the replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct BackendCalls {
+    /// Fixed segments obtained.
+    pub alloc_segment: u64,
+    /// Fixed segments returned.
+    pub free_segment: u64,
+    /// Page ranges mapped into growable segments.
+    pub map: u64,
+    /// Page ranges unmapped.
+    pub unmap: u64,
+    /// Address ranges reserved for growable segments.
+    pub reserve: u64,
+    /// Address ranges released.
+    pub release: u64,
+    /// Bytes of pages mapped, over all `map` calls (growable segments remapping free pages to
+    /// where they are needed shows here: each byte is one page table update on a GPU).
+    pub mapped_bytes: u64,
+    /// Bytes of pages unmapped, over all `unmap` calls.
+    pub unmapped_bytes: u64,
+    /// Device-wide synchronisations (before unmapping, on `empty_cache`); on a GPU each one
+    /// waits for all queued work. Not counted in [`BackendCalls::total`].
+    pub synchronize: u64,
+    /// Waits for the streams of pages being moved (growable segments under pressure), rather
+    /// than for the whole device. Not counted in [`BackendCalls::total`].
+    pub stream_synchronize: u64,
+}
+
+impl BackendCalls {
+    /// All segment calls together (`synchronize` is not one).
+    pub fn total(&self) -> u64 {
+        self.alloc_segment + self.free_segment + self.map + self.unmap + self.reserve + self.release
     }
 }

@@ -13,6 +13,9 @@ use oomguard_runtime::backend::sim::SimDevice;
 use oomguard_runtime::backend::{Backend, StreamId};
 use oomguard_runtime::{AllocatorConfig, ByteSize};
 
+/// The default simulated capacity: an 80 GiB H100.
+pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+
 /// Which device a replay runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum DeviceSpec {
@@ -136,7 +139,7 @@ pub fn open(
             streams: Streams::AsIs,
         }),
         DeviceSpec::SimLimit => Ok(Opened {
-            backend: sim(crate::replay::DEFAULT_CAPACITY)?,
+            backend: sim(DEFAULT_CAPACITY)?,
             limit: true,
             streams: Streams::AsIs,
         }),

@@ -131,6 +131,27 @@ enum Cmd {
         #[arg(long, default_value = "sim")]
         device: String,
     },
+    /// Whether a loop of the trace's step can run with no page moved: the lowest static layout
+    /// found for one step (each block at one offset for good; blocks live at the same time never
+    /// overlap) against the step's peak live bytes and, if given, a capacity. A layout found
+    /// under the capacity shows that a loop can settle there; none found proves nothing.
+    Layout {
+        /// The trace file (`-`: standard input).
+        file: PathBuf,
+        /// The number of training steps in the trace, cut as `replay --steps` cuts them: the
+        /// last one is laid out (1: the whole trace).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        steps: u64,
+        /// Block orders to try (fewer on a step of many blocks).
+        #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        tries: u32,
+        /// A capacity to compare the layout with, e.g. "78GiB".
+        #[arg(long)]
+        capacity: Option<String>,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Generate a seeded varying-shape trace in the CSV format.
     Gen {
         /// Workload.
@@ -616,6 +637,57 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                     m.replays,
                     m.config
                 );
+            }
+            Ok(0)
+        }
+        Cmd::Layout {
+            file,
+            steps,
+            tries,
+            capacity: cap,
+            json,
+        } => {
+            let cap = cap.map(|c| capacity(&c)).transpose()?;
+            let trace = load(&file)?;
+            let r = oomguard_cli::layout::layout(&trace, steps as usize, tries).map_err(input)?;
+            let fits = cap.map(|c| r.layout_bytes <= c);
+            if json {
+                let mut v = serde_json::to_value(&r).map_err(input)?;
+                v["capacity_bytes"] = serde_json::json!(cap);
+                v["fits"] = serde_json::json!(fits);
+                outln!(out, "{v}");
+            } else {
+                outln!(out, "trace            {}", file.display());
+                outln!(
+                    out,
+                    "step             events {}..{} of {} ({} blocks)",
+                    r.first_event,
+                    r.end_event,
+                    trace.events.len(),
+                    r.blocks
+                );
+                outln!(
+                    out,
+                    "peak live        {} ({} bytes)",
+                    ByteSize(r.peak_live_bytes),
+                    r.peak_live_bytes
+                );
+                outln!(
+                    out,
+                    "static layout    {} ({} bytes), {:.4} x peak live, after {} block orders",
+                    ByteSize(r.layout_bytes),
+                    r.layout_bytes,
+                    r.layout_bytes as f64 / r.peak_live_bytes.max(1) as f64,
+                    r.tries
+                );
+                if let (Some(c), Some(f)) = (cap, fits) {
+                    let verdict = if f {
+                        "a layout fits: a loop of this step can run with no page moved"
+                    } else {
+                        "no layout found under it (the search is not exhaustive)"
+                    };
+                    outln!(out, "capacity         {}: {verdict}", ByteSize(c));
+                }
             }
             Ok(0)
         }

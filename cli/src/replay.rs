@@ -13,8 +13,8 @@ use crate::device::DeviceSpec;
 use crate::event::{Op, Trace};
 use crate::threads::{thread_count, Callers, MAX_THREADS};
 
-/// The default simulated capacity: an 80 GiB H100.
-pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+pub use crate::counting::BackendCalls;
+pub use crate::device::DEFAULT_CAPACITY;
 
 /// How to replay.
 #[derive(Clone, Debug)]
@@ -71,41 +71,6 @@ pub struct Failure {
     pub oom: bool,
     /// The allocator's message.
     pub message: String,
-}
-
-/// Backend calls the allocator made during the replay.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct BackendCalls {
-    /// Fixed segments obtained.
-    pub alloc_segment: u64,
-    /// Fixed segments returned.
-    pub free_segment: u64,
-    /// Page ranges mapped into growable segments.
-    pub map: u64,
-    /// Page ranges unmapped.
-    pub unmap: u64,
-    /// Address ranges reserved for growable segments.
-    pub reserve: u64,
-    /// Address ranges released.
-    pub release: u64,
-    /// Bytes of pages mapped, over all `map` calls (growable segments remapping free pages to
-    /// where they are needed shows here: each byte is one page table update on a GPU).
-    pub mapped_bytes: u64,
-    /// Bytes of pages unmapped, over all `unmap` calls.
-    pub unmapped_bytes: u64,
-    /// Device-wide synchronisations (before unmapping, on `empty_cache`); on a GPU each one
-    /// waits for all queued work. Not counted in [`BackendCalls::total`].
-    pub synchronize: u64,
-    /// Waits for the streams of pages being moved (growable segments under pressure), rather
-    /// than for the whole device. Not counted in [`BackendCalls::total`].
-    pub stream_synchronize: u64,
-}
-
-impl BackendCalls {
-    /// All segment calls together (`synchronize` is not one).
-    pub fn total(&self) -> u64 {
-        self.alloc_segment + self.free_segment + self.map + self.unmap + self.reserve + self.release
-    }
 }
 
 /// The outcome of a replay.

@@ -536,3 +536,64 @@ fn replay_reports_the_pages_each_step_moves() {
     );
     assert_eq!(stderr(&few).trim().lines().count(), 1, "{}", stderr(&few));
 }
+
+/// `layout`: a loop of the recorded VGG-16 step at 1,118 rows (traces/README.md) has a static
+/// layout between its peak live bytes and the sum of its blocks; text and JSON agree.
+#[test]
+fn layout_bounds_a_settled_loop_of_a_recorded_step() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../traces/tch_vgg16_b1118.trace.csv")
+        .display()
+        .to_string();
+    let o = oomguard(&[
+        "layout",
+        &file,
+        "--steps",
+        "3",
+        "--tries",
+        "20",
+        "--capacity",
+        "200GiB",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    let peak = v["peak_live_bytes"].as_u64().unwrap();
+    let height = v["layout_bytes"].as_u64().unwrap();
+    // 77.19 GiB live at once at the step's peak (docs/BENCHMARKS.md)
+    assert!(peak > 77 << 30 && peak < 78 << 30, "{v}");
+    assert!(height >= peak && height < 100 << 30, "{v}");
+    assert_eq!(v["fits"], serde_json::json!(true), "{v}");
+    assert!(v["tries"].as_u64().unwrap() <= 20, "{v}");
+    let text = stdout(&oomguard(&[
+        "layout",
+        &file,
+        "--steps",
+        "3",
+        "--tries",
+        "20",
+        "--capacity",
+        "70GiB",
+    ]));
+    assert!(text.contains("static layout"), "{text}");
+    assert!(text.contains("no layout found under it"), "{text}");
+}
+
+#[test]
+fn layout_refuses_bad_arguments_in_one_line() {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../traces/tch_vgg16_b1118.trace.csv")
+        .display()
+        .to_string();
+    assert_error(
+        &oomguard(&["layout", &file, "--capacity", "lots"]),
+        2,
+        "capacity",
+    );
+    assert_error(&oomguard(&["layout", &file, "--tries", "0"]), 2, "tries");
+    assert_error(
+        &oomguard(&["layout", "/nonexistent/trace.csv"]),
+        2,
+        "trace.csv",
+    );
+}

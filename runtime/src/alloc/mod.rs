@@ -14,6 +14,7 @@ mod peaks;
 mod pool;
 mod snapshot;
 mod state;
+mod static_layout;
 mod stats;
 mod summary;
 mod thread_cache;
@@ -27,6 +28,7 @@ pub use block::PoolKind;
 pub use history::{Frame, HistoryContext, HistoryOptions, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
+pub use static_layout::{peak_live, plan_static_layout, LifeSpan, StaticLayout};
 pub use stats::{MemoryStats, PoolStats, ScopeCounter, ScopeStats, Stat};
 
 use crate::backend::{Backend, BackendError, StreamId};
