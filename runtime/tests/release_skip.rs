@@ -129,3 +129,48 @@ fn the_summary_tells_the_skipped_releases() {
     let s = a.memory_summary();
     assert!(s.contains("releases skipped: 1"), "{s}");
 }
+
+/// A run of failures that no release could serve, with many free blocks cached that share
+/// pages with live ones: what a release would return is counted once, not on every failure (a
+/// count, not a clock).
+#[test]
+fn a_run_of_hopeless_requests_does_not_rescan_the_cache() {
+    for cfg in CONFIGS {
+        let sim = SimDevice::new(ByteSize::mib(8192));
+        let a = allocator(&sim, cfg);
+        // 1,000 free 3 MiB blocks between live ones: none merges with another, and in growable
+        // segments each holds one whole 2 MiB page at most
+        let mut live = Vec::new();
+        let mut freed = Vec::new();
+        for i in 0..2_000 {
+            let x = a.allocate(3 * MIB, 0).unwrap();
+            if i % 2 == 0 {
+                freed.push(x);
+            } else {
+                live.push(x);
+            }
+        }
+        for x in freed {
+            a.free(x).unwrap();
+        }
+        let s = a.stats();
+        let cached = s.reserved_bytes.all.current - s.allocated_bytes.all.current;
+        let free = 8192 * MIB - s.reserved_bytes.all.current;
+        // more than the free memory and the whole pages, within the free memory and every
+        // cached byte: only counting what a release returns tells it is hopeless
+        let request = free + cached - 100 * MIB;
+        let before = a.cache_entries_scanned();
+        for _ in 0..500 {
+            assert!(a.allocate(request, 0).unwrap_err().is_oom(), "{cfg}");
+        }
+        let scanned = a.cache_entries_scanned() - before;
+        assert!(
+            scanned <= 4 * 1_000,
+            "{cfg}: {scanned} free blocks visited for 500 failures"
+        );
+        assert_eq!(a.stats().num_releases_skipped, 500, "{cfg}");
+        for x in live {
+            a.free(x).unwrap();
+        }
+    }
+}

@@ -52,6 +52,8 @@ struct Moves {
     retries: i64,
     /// allocator retries that kept the cache (oomguard's allocator only)
     skipped: i64,
+    /// out-of-memory errors the allocator returned (oomguard's allocator only)
+    ooms: i64,
 }
 
 impl Moves {
@@ -63,6 +65,7 @@ impl Moves {
             syncs: self.syncs - o.syncs,
             retries: self.retries - o.retries,
             skipped: self.skipped - o.skipped,
+            ooms: self.ooms - o.ooms,
         }
     }
     fn plus(self, o: Self) -> Self {
@@ -73,12 +76,19 @@ impl Moves {
             syncs: self.syncs + o.syncs,
             retries: self.retries + o.retries,
             skipped: self.skipped + o.skipped,
+            ooms: self.ooms + o.ooms,
         }
     }
     fn text(&self) -> String {
         format!(
-            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={}",
-            self.maps, self.unmaps, self.unmapped, self.syncs, self.retries, self.skipped
+            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={}",
+            self.maps,
+            self.unmaps,
+            self.unmapped,
+            self.syncs,
+            self.retries,
+            self.skipped,
+            self.ooms
         )
     }
 }
@@ -102,6 +112,7 @@ impl Alloc {
                     syncs: (s.num_sync_all_streams + s.num_stream_syncs) as i64,
                     retries: s.num_alloc_retries as i64,
                     skipped: s.num_releases_skipped as i64,
+                    ooms: s.num_ooms as i64,
                 }
             }
             // libtorch counts device allocations and frees (maps and unmaps of expandable
@@ -114,6 +125,7 @@ impl Alloc {
                     syncs: s.num_sync_all_streams,
                     retries: s.num_alloc_retries,
                     skipped: 0,
+                    ooms: s.num_ooms,
                 })
                 .unwrap_or_default(),
             Alloc::Cpu => Moves::default(),

@@ -90,6 +90,29 @@ impl State {
         Ok(id)
     }
 
+    /// Bytes of the fixed segments whose memory is all free: what [`State::release_fixed`]
+    /// would give back.
+    pub fn releasable_segments(&mut self) -> u64 {
+        // Nothing freed or split since a scan found nothing: nothing to find (a run of failing
+        // allocations asks on every failure).
+        let versions = self.free_versions();
+        if self.fixed_clean_at == Some(versions) {
+            return 0;
+        }
+        let bytes = self
+            .free
+            .iter()
+            .flat_map(|f| f.ids())
+            .map(|id| &self.blocks[id])
+            .filter(|b| b.prev.is_none() && b.next.is_none() && !self.segs[b.seg].growable)
+            .map(|b| b.size)
+            .sum();
+        if bytes == 0 {
+            self.fixed_clean_at = Some(versions);
+        }
+        bytes
+    }
+
     /// Returns every fixed segment whose memory is all free to the backend; returns the bytes
     /// released.
     pub fn release_fixed(&mut self, backend: &dyn Backend) -> u64 {

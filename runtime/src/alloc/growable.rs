@@ -258,11 +258,19 @@ impl State {
 
     /// Bytes of whole pages in free blocks of growable segments: what
     /// [`State::release_pages`] could unmap.
-    fn releasable_pages(&self) -> u64 {
+    pub(super) fn releasable_pages(&self) -> u64 {
         if !self.free.iter().any(FreeIndex::any_whole_page) {
             return 0; // (without a scan: a run of failures asks once per attempt)
         }
-        self.free_runs().map(|(n, _)| n).sum()
+        let versions = self.free_versions();
+        if let Some((at, bytes)) = self.releasable_memo.get() {
+            if at == versions {
+                return bytes;
+            }
+        }
+        let bytes = self.free_runs().map(|(n, _)| n).sum();
+        self.releasable_memo.set(Some((versions, bytes)));
+        bytes
     }
 
     /// The free blocks of growable segments that hold whole pages, with those pages' bytes.

@@ -43,6 +43,9 @@ pub(crate) struct State {
     /// it, and after the first failure nothing changes between failing allocations (scanning
     /// every free block each time was quadratic in a run of failures).
     largest_memo: std::cell::Cell<Option<([u64; 2], u64)>>,
+    /// [`State::releasable_pages`] at the free lists' versions (a run of failures asks on
+    /// every failure; the free blocks change only when something is freed or split).
+    pub(super) releasable_memo: std::cell::Cell<Option<([u64; 2], u64)>>,
     /// Segments visited by scans over every segment (a diagnostic count, see
     /// `CachingAllocator::cache_entries_scanned`).
     pub segments_scanned: u64,
@@ -106,6 +109,7 @@ impl State {
                 FreeIndex::with_page(granularity),
             ],
             largest_memo: std::cell::Cell::new(None),
+            releasable_memo: std::cell::Cell::new(None),
             segments_scanned: 0,
             fixed_clean_at: None,
             unmapped: [BTreeSet::new(), BTreeSet::new()],
@@ -450,9 +454,10 @@ impl State {
     }
 
     /// Why giving the whole cache back could not leave room for `size` bytes (`None`: it
-    /// could): the memory limit, or the device, whose free memory plus every cached byte (an
-    /// upper bound of what a release returns) is less. Unknown device memory counts as room.
-    pub fn release_cannot_serve(&self, backend: &dyn Backend, size: u64) -> Option<GrowError> {
+    /// could): the memory limit, or the device, whose free memory plus what a release would
+    /// return (whole free pages and whole free segments) is less. Unknown device memory counts
+    /// as room.
+    pub fn release_cannot_serve(&mut self, backend: &dyn Backend, size: u64) -> Option<GrowError> {
         let cached = self
             .reserved()
             .saturating_sub(self.stats.allocated_bytes.all.current);
@@ -462,11 +467,20 @@ impl State {
             }
         }
         let free = backend.mem_info().ok()?.free;
+        // Cached bytes bound what a release returns from above; when they could do, count what
+        // it would return: whole free pages and whole free segments (bytes in pages or
+        // segments that live blocks share stay).
+        let cached = if size > free.saturating_add(cached) {
+            cached
+        } else {
+            self.releasable_pages()
+                .saturating_add(self.releasable_segments())
+        };
         (size > free.saturating_add(cached)).then(|| {
             GrowError::Backend(BackendError::oom(
                 "map",
                 format!(
-                    "{} do not fit: the device's free memory ({}) and every cached byte ({}) are less",
+                    "{} do not fit: the device's free memory ({}) and what a release would return ({}) are less",
                     crate::ByteSize(size),
                     crate::ByteSize(free),
                     crate::ByteSize(cached)

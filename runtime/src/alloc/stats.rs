@@ -111,9 +111,10 @@ pub struct MemoryStats {
     /// pending cross-stream frees, draining the threads' caches and releasing its cache (except
     /// where [`MemoryStats::num_releases_skipped`] counts the release as skipped).
     pub num_alloc_retries: u64,
-    /// Out-of-memory retries that kept the cache: the device's free memory plus every cached
-    /// byte was less than the request, so releasing (a device-wide synchronisation, and pages
-    /// that the next requests map again) could not have served it. PyTorch releases anyway.
+    /// Out-of-memory retries that kept the cache: the device's free memory plus what releasing
+    /// would return (whole free pages and whole free segments) was less than the request, so
+    /// releasing (a device-wide synchronisation, and pages that the next requests map again)
+    /// could not have served it. PyTorch releases anyway.
     pub num_releases_skipped: u64,
     /// Out-of-memory errors returned to callers.
     pub num_ooms: u64,

@@ -861,8 +861,10 @@ impl Target {
             a + s.usage().map_or(0, |u| u.used)
         })
     }
+    /// Empties the caches of the sources that want it after an out-of-memory
+    /// ([`MemorySource::retry_empties_cache`]).
     fn empty_cache(&self) {
-        for s in self.sources() {
+        for s in self.sources().iter().filter(|s| s.retry_empties_cache()) {
             if let Err(e) = s.empty_cache() {
                 tracing::warn!(target: "oomguard::retry", error = %e, source = %s.info(), "empty_cache failed");
             }

@@ -109,6 +109,16 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     fn reset_peak(&self) -> Result<()>;
     /// Returns cached, unused memory to the device (after waiting for pending frees).
     fn empty_cache(&self) -> Result<()>;
+    /// Whether the retry engine empties this source's cache after an out-of-memory, before the
+    /// next attempt (the default: PyTorch's `empty_cache` remedy, which gives a fixed-segment
+    /// cache's whole free segments back for requests of other sizes). A source whose cache
+    /// serves any request on its own answers `false`: oomguard's allocator with growable
+    /// segments (the default) moves free pages to where a request needs them, so emptying would
+    /// only unmap every free page for the next attempt to map again (on an H100, 172 GB unmapped
+    /// in the first step of a VGG-16 loop split after two OOMs; docs/GPU.md run 54).
+    fn retry_empties_cache(&self) -> bool {
+        true
+    }
     /// Times the source emptied its cache and retried an allocation under pressure (thrash
     /// detection); 0 for sources that cannot tell.
     fn alloc_retries(&self) -> u64 {
@@ -218,6 +228,11 @@ impl MemorySource for Device {
     fn empty_cache(&self) -> Result<()> {
         Device::empty_cache(self)
     }
+    /// `false` with growable segments (their free pages move to any request), `true` with
+    /// fixed segments.
+    fn retry_empties_cache(&self) -> bool {
+        !self.allocator().uses_growable_segments()
+    }
     fn alloc_retries(&self) -> u64 {
         self.allocator().num_alloc_retries()
     }
@@ -316,6 +331,9 @@ impl<T: MemorySource + ?Sized> MemorySource for Arc<T> {
     }
     fn empty_cache(&self) -> Result<()> {
         (**self).empty_cache()
+    }
+    fn retry_empties_cache(&self) -> bool {
+        (**self).retry_empties_cache()
     }
     fn alloc_retries(&self) -> u64 {
         (**self).alloc_retries()
