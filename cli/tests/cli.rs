@@ -23,6 +23,15 @@ fn trace(name: &str) -> String {
     common::traces_dir().join(name).display().to_string()
 }
 
+/// A trace committed under the repository's `traces/`.
+fn repo_trace(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../traces")
+        .join(name)
+        .display()
+        .to_string()
+}
+
 fn json(o: &Output) -> serde_json::Value {
     serde_json::from_str(stdout(o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
 }
@@ -479,10 +488,7 @@ fn bad_page_sizes_are_refused() {
 /// (24.5 GiB) before it settles. A step count outside 1..=100000 is refused.
 #[test]
 fn replay_reports_the_pages_each_step_moves() {
-    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../traces/candle_gpt24.trace.csv")
-        .display()
-        .to_string();
+    let file = repo_trace("candle_gpt24.trace.csv");
     let steps = |config: &str| -> Vec<serde_json::Value> {
         let o = oomguard(&[
             "replay", &file, "--steps", "6", "--json", "--config", config,
@@ -541,10 +547,7 @@ fn replay_reports_the_pages_each_step_moves() {
 /// layout between its peak live bytes and the sum of its blocks; text and JSON agree.
 #[test]
 fn layout_bounds_a_settled_loop_of_a_recorded_step() {
-    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../traces/tch_vgg16_b1118.trace.csv")
-        .display()
-        .to_string();
+    let file = repo_trace("tch_vgg16_b1118.trace.csv");
     let o = oomguard(&[
         "layout",
         &file,
@@ -581,10 +584,7 @@ fn layout_bounds_a_settled_loop_of_a_recorded_step() {
 
 #[test]
 fn layout_refuses_bad_arguments_in_one_line() {
-    let file = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../traces/tch_vgg16_b1118.trace.csv")
-        .display()
-        .to_string();
+    let file = repo_trace("tch_vgg16_b1118.trace.csv");
     assert_error(
         &oomguard(&["layout", &file, "--capacity", "lots"]),
         2,

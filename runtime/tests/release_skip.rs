@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use oomguard_runtime::alloc::CachingAllocator;
+use oomguard_runtime::alloc::{Allocation, CachingAllocator};
 use oomguard_runtime::backend::sim::SimDevice;
 use oomguard_runtime::{AllocatorConfig, ByteSize};
 
@@ -18,14 +18,20 @@ fn allocator(sim: &SimDevice, cfg: &str) -> CachingAllocator {
 
 const CONFIGS: [&str; 2] = ["expandable_segments:True", "expandable_segments:False"];
 
+/// An allocator on a simulated card of `card_mib`, holding 300 MiB live and 400 MiB cached
+/// (allocated, then freed); returns it and the live allocation.
+fn with_cache(cfg: &str, card_mib: u64) -> (CachingAllocator, Allocation) {
+    let a = allocator(&SimDevice::new(ByteSize::mib(card_mib)), cfg);
+    let live = a.allocate(300 * MIB, 0).unwrap();
+    let cached = a.allocate(400 * MIB, 0).unwrap();
+    a.free(cached).unwrap();
+    (a, live)
+}
+
 #[test]
 fn a_request_no_release_could_serve_keeps_the_cache() {
     for cfg in CONFIGS {
-        let sim = SimDevice::new(ByteSize::mib(1024));
-        let a = allocator(&sim, cfg);
-        let live = a.allocate(300 * MIB, 0).unwrap();
-        let cached = a.allocate(400 * MIB, 0).unwrap();
-        a.free(cached).unwrap();
+        let (a, live) = with_cache(cfg, 1024);
         let before = a.stats();
         // 1024 - 300 live: 724 MiB at most could serve it, with the 400 cached
         let e = a.allocate(800 * MIB, 0).unwrap_err();
@@ -67,11 +73,7 @@ fn a_request_no_release_could_serve_keeps_the_cache() {
 #[test]
 fn a_request_the_release_serves_is_still_served() {
     for cfg in CONFIGS {
-        let sim = SimDevice::new(ByteSize::mib(1024));
-        let a = allocator(&sim, cfg);
-        let live = a.allocate(300 * MIB, 0).unwrap();
-        let cached = a.allocate(400 * MIB, 0).unwrap();
-        a.free(cached).unwrap();
+        let (a, live) = with_cache(cfg, 1024);
         // on another stream the cached block cannot serve it; released, its memory can
         let b = a.allocate(650 * MIB, 1).unwrap();
         let s = a.stats();
@@ -90,12 +92,8 @@ fn a_request_the_release_serves_is_still_served() {
 #[test]
 fn the_memory_limit_bounds_what_a_release_could_serve() {
     for cfg in CONFIGS {
-        let sim = SimDevice::new(ByteSize::mib(4096));
-        let a = allocator(&sim, cfg);
+        let (a, live) = with_cache(cfg, 4096);
         a.set_memory_limit(Some(1024 * MIB));
-        let live = a.allocate(300 * MIB, 0).unwrap();
-        let cached = a.allocate(400 * MIB, 0).unwrap();
-        a.free(cached).unwrap();
         let before = a.stats();
         // the device has room, the limit does not
         let e = a.allocate(800 * MIB, 1).unwrap_err();

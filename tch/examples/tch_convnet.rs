@@ -318,11 +318,26 @@ impl Run {
     }
 
     fn batch(&self, rows: i64, seed: i64) -> (Tensor, Tensor) {
-        tch::manual_seed(seed);
-        let s = self.args.size;
-        let x = Tensor::randn([rows, 3, s, s], (Kind::Float, self.args.device));
-        let y = Tensor::randint(self.args.classes, [rows], (Kind::Int64, self.args.device));
-        (x, y)
+        synthetic_batch(&self.args, rows, seed)
+    }
+
+    /// One `train_step` of `x`, `y` on `engine` and `source`, synchronised.
+    fn train(
+        &mut self,
+        engine: &oomguard::retry::RetryEngine,
+        source: &std::sync::Arc<dyn oomguard::MemorySource>,
+        x: &Tensor,
+        y: &Tensor,
+    ) -> Result<oomguard_tch::TrainedStep, oomguard_tch::TrainStepError> {
+        let model = &self.model;
+        let done =
+            oomguard_tch::train_step(engine, source, &[x, y], &self.vs, &mut self.opt, |_c, r| {
+                Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1]))
+            });
+        if let Device::Cuda(i) = self.args.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        done
     }
 
     /// One plain step, synchronised: the loss.
@@ -430,18 +445,7 @@ impl Run {
             let (x, y) = self.batch(rows, 400 + s as i64);
             let m0 = self.alloc.moves();
             let t = Instant::now();
-            let model = &self.model;
-            let done = oomguard_tch::train_step(
-                &engine,
-                &source,
-                &[&x, &y],
-                &self.vs,
-                &mut self.opt,
-                |_c, r| Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1])),
-            );
-            if let Device::Cuda(i) = self.args.device {
-                tch::Cuda::synchronize(i as i64);
-            }
+            let done = self.train(&engine, &source, &x, &y);
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let m = self.alloc.moves().minus(m0);
             match done {
@@ -487,7 +491,7 @@ impl Run {
         let source = self.source()?;
         let t = Instant::now();
         let model = &self.model;
-        let (dev, size, classes) = (self.args.device, self.args.size, self.args.classes);
+        let args = &self.args;
         let opts = oomguard::retry::FinderOptions {
             max: hi,
             ..Default::default()
@@ -498,9 +502,7 @@ impl Run {
             &self.vs,
             &mut self.opt,
             |rows| {
-                tch::manual_seed(500 + rows as i64);
-                let x = Tensor::randn([rows as i64, 3, size, size], (Kind::Float, dev));
-                let y = Tensor::randint(classes, [rows as i64], (Kind::Int64, dev));
+                let (x, y) = synthetic_batch(args, rows as i64, 500 + rows as i64);
                 Ok(vec![x, y])
             },
             |_c, r| Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1])),
@@ -515,19 +517,9 @@ impl Run {
         for s in 0..self.args.steps {
             let (x, y) = self.batch(rows as i64, 600 + s as i64);
             let t = Instant::now();
-            let model = &self.model;
-            let done = oomguard_tch::train_step(
-                &engine,
-                &source,
-                &[&x, &y],
-                &self.vs,
-                &mut self.opt,
-                |_c, r| Ok(model.forward_t(&r[0], true).cross_entropy_for_logits(&r[1])),
-            )
-            .map_err(|e| Error::Batch(format!("train_step at {rows} rows: {e}")))?;
-            if let Device::Cuda(i) = self.args.device {
-                tch::Cuda::synchronize(i as i64);
-            }
+            let done = self
+                .train(&engine, &source, &x, &y)
+                .map_err(|e| Error::Batch(format!("train_step at {rows} rows: {e}")))?;
             retries += done.report.retries();
             ran += 1;
             println!(
@@ -657,6 +649,15 @@ impl Run {
         );
         Ok(())
     }
+}
+
+/// `rows` seeded random images of `args.size` pixels and their labels, on `args.device`.
+fn synthetic_batch(args: &Args, rows: i64, seed: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let s = args.size;
+    let x = Tensor::randn([rows, 3, s, s], (Kind::Float, args.device));
+    let y = Tensor::randint(args.classes, [rows], (Kind::Int64, args.device));
+    (x, y)
 }
 
 fn main() -> ExitCode {

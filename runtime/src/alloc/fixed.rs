@@ -93,33 +93,16 @@ impl State {
     /// Bytes of the fixed segments whose memory is all free: what [`State::release_fixed`]
     /// would give back.
     pub fn releasable_segments(&mut self) -> u64 {
-        // Nothing freed or split since a scan found nothing: nothing to find (a run of failing
-        // allocations asks on every failure).
-        let versions = self.free_versions();
-        if self.fixed_clean_at == Some(versions) {
-            return 0;
-        }
-        let bytes = self
-            .free
-            .iter()
-            .flat_map(|f| f.ids())
-            .map(|id| &self.blocks[id])
-            .filter(|b| b.prev.is_none() && b.next.is_none() && !self.segs[b.seg].growable)
-            .map(|b| b.size)
-            .sum();
-        if bytes == 0 {
-            self.fixed_clean_at = Some(versions);
-        }
-        bytes
+        let whole = self.whole_free_segments();
+        whole.iter().map(|&id| self.blocks[id].size).sum()
     }
 
-    /// Returns every fixed segment whose memory is all free to the backend; returns the bytes
-    /// released.
-    pub fn release_fixed(&mut self, backend: &dyn Backend) -> u64 {
-        // Nothing freed or split since the last scan found nothing: nothing to find.
+    /// The free blocks that are whole fixed segments. Nothing freed or split since a scan found
+    /// none: none, without a scan (a run of failing allocations asks on every failure).
+    fn whole_free_segments(&mut self) -> Vec<BlockId> {
         let versions = self.free_versions();
         if self.fixed_clean_at == Some(versions) {
-            return 0;
+            return Vec::new();
         }
         let whole: Vec<BlockId> = self
             .free
@@ -133,6 +116,13 @@ impl State {
         if whole.is_empty() {
             self.fixed_clean_at = Some(versions);
         }
+        whole
+    }
+
+    /// Returns every fixed segment whose memory is all free to the backend; returns the bytes
+    /// released.
+    pub fn release_fixed(&mut self, backend: &dyn Backend) -> u64 {
+        let whole = self.whole_free_segments();
         let mut released = 0;
         for id in whole {
             let (seg, addr, size, small, stream) = {

@@ -458,6 +458,7 @@ impl State {
     /// return (whole free pages and whole free segments) is less. Unknown device memory counts
     /// as room.
     pub fn release_cannot_serve(&mut self, backend: &dyn Backend, size: u64) -> Option<GrowError> {
+        // every cached byte: an upper bound of what a release returns, without a scan
         let cached = self
             .reserved()
             .saturating_sub(self.stats.allocated_bytes.all.current);
@@ -467,23 +468,22 @@ impl State {
             }
         }
         let free = backend.mem_info().ok()?.free;
-        // Cached bytes bound what a release returns from above; when they could do, count what
-        // it would return: whole free pages and whole free segments (bytes in pages or
-        // segments that live blocks share stay).
-        let cached = if size > free.saturating_add(cached) {
+        // When the bound could do, what a release would return: whole free pages and whole
+        // free segments (bytes in pages or segments that live blocks share stay).
+        let returned = if size > free.saturating_add(cached) {
             cached
         } else {
             self.releasable_pages()
                 .saturating_add(self.releasable_segments())
         };
-        (size > free.saturating_add(cached)).then(|| {
+        (size > free.saturating_add(returned)).then(|| {
             GrowError::Backend(BackendError::oom(
                 "map",
                 format!(
                     "{} do not fit: the device's free memory ({}) and what a release would return ({}) are less",
                     crate::ByteSize(size),
                     crate::ByteSize(free),
-                    crate::ByteSize(cached)
+                    crate::ByteSize(returned)
                 ),
             ))
         })
