@@ -172,3 +172,29 @@ fn a_run_of_hopeless_requests_does_not_rescan_the_cache() {
         }
     }
 }
+
+/// A request that a free mapped neighbour half serves needs fewer new pages than its own: the
+/// forecast counts those, not the request's whole pages. Here 4.5 MiB next to a free 2.5 MiB
+/// block needs one new page, which moving another stream's free page gives; its own three pages
+/// are more than the device's free memory and every free page together.
+#[test]
+fn a_request_its_free_neighbour_half_serves_is_not_refused() {
+    let sim = SimDevice::new(ByteSize::mib(8));
+    let a = allocator(&sim, "expandable_segments:True");
+    let kb = |k: u64| k * 1024;
+    // stream 0: [live 1.5 MiB][free 2.5 MiB: half a shared page and a whole one][unmapped]
+    let live = a.allocate(kb(1536), 0).unwrap();
+    let neighbour = a.allocate(kb(2560), 0).unwrap();
+    a.free(neighbour).unwrap();
+    // stream 1: a whole free page beside a live one
+    let moved = a.allocate(2 * MIB, 1).unwrap();
+    let kept = a.allocate(2 * MIB, 1).unwrap();
+    a.free(moved).unwrap();
+    assert_eq!(a.stats().reserved_bytes.all.current, 8 * MIB);
+    let x = a.allocate(kb(4608), 0).unwrap();
+    assert_eq!(a.stats().num_releases_skipped, 0);
+    a.check_invariants().unwrap();
+    for y in [x, live, kept] {
+        a.free(y).unwrap();
+    }
+}

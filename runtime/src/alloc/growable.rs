@@ -82,7 +82,7 @@ impl State {
         // Moving every free page would not make room: move none (each move waits for streams,
         // and the pages would be mapped back by the requests that follow).
         if self.reserved().saturating_add(pages) > soft {
-            if let Some(why) = self.release_cannot_serve(backend, pages) {
+            if let Some(why) = self.release_cannot_serve(backend, pool, stream, size) {
                 return Err(why);
             }
         }
@@ -254,6 +254,13 @@ impl State {
             }
         }
         best.map(|(_, p)| p)
+    }
+
+    /// The fewest new pages' bytes a request of `size` on (`pool`, `stream`) needs: where a
+    /// hole next to free mapped blocks lets it use them, fewer than its own pages.
+    pub(super) fn least_new_pages(&self, pool: PoolKind, stream: StreamId, size: u64) -> u64 {
+        self.cheapest_hole(pool, stream, size, u64::MAX)
+            .map_or(size.next_multiple_of(self.granularity), |p| p.cost)
     }
 
     /// Bytes of whole pages in free blocks of growable segments: what

@@ -451,7 +451,10 @@ impl CachingAllocator {
         // every free page (which the next requests map again). When even all of it could not
         // serve this request, fail without releasing: cuDNN and cuBLAS probe workspaces far
         // larger than what is left, one failure after another.
-        if st.release_cannot_serve(&*self.backend, size).is_some() {
+        if st
+            .release_cannot_serve(&*self.backend, pool, stream, size)
+            .is_some()
+        {
             st.stats.num_releases_skipped += 1;
             if st.growable {
                 // (an address range the first grow reserved holds nothing)

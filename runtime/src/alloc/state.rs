@@ -453,35 +453,47 @@ impl State {
         self.reserved().saturating_add(size) > self.soft_cap(total).min(self.refused_at)
     }
 
-    /// Why giving the whole cache back could not leave room for `size` bytes (`None`: it
-    /// could): the memory limit, or the device, whose free memory plus what a release would
-    /// return (whole free pages and whole free segments) is less. Unknown device memory counts
-    /// as room.
-    pub fn release_cannot_serve(&mut self, backend: &dyn Backend, size: u64) -> Option<GrowError> {
+    /// Why giving the whole cache back could not leave room for a request of `size` bytes on
+    /// (`pool`, `stream`) (`None`: it could): the memory limit, or the device, whose free memory
+    /// plus what a release would return (whole free pages and whole free segments) is less than
+    /// what the request needs from the device (in growable segments, the fewest new pages of any
+    /// placement: free mapped neighbours serve the rest). Unknown device memory counts as room.
+    pub fn release_cannot_serve(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Option<GrowError> {
+        let need = if self.growable {
+            self.least_new_pages(pool, stream, size)
+        } else {
+            size
+        };
         // every cached byte: an upper bound of what a release returns, without a scan
         let cached = self
             .reserved()
             .saturating_sub(self.stats.allocated_bytes.all.current);
         if let Some(l) = self.limit {
-            if size > l.saturating_sub(self.reserved()).saturating_add(cached) {
+            if need > l.saturating_sub(self.reserved()).saturating_add(cached) {
                 return Some(GrowError::Limit);
             }
         }
         let free = backend.mem_info().ok()?.free;
         // When the bound could do, what a release would return: whole free pages and whole
         // free segments (bytes in pages or segments that live blocks share stay).
-        let returned = if size > free.saturating_add(cached) {
+        let returned = if need > free.saturating_add(cached) {
             cached
         } else {
             self.releasable_pages()
                 .saturating_add(self.releasable_segments())
         };
-        (size > free.saturating_add(returned)).then(|| {
+        (need > free.saturating_add(returned)).then(|| {
             GrowError::Backend(BackendError::oom(
                 "map",
                 format!(
                     "{} do not fit: the device's free memory ({}) and what a release would return ({}) are less",
-                    crate::ByteSize(size),
+                    crate::ByteSize(need),
                     crate::ByteSize(free),
                     crate::ByteSize(returned)
                 ),
