@@ -2,7 +2,9 @@
 # Installs libtorch 2.11.0 (the version tch 0.24.0 is made for) from PyPI into a prefix, for
 # building and running oomguard-tch; prints the exports to eval. Nothing comes from outside PyPI.
 #
-# usage:  eval "$(scripts/libtorch.sh)"     then build oomguard-tch (tch/) as usual.
+# usage:  eval "$(scripts/libtorch.sh)"     then build oomguard-tch (tch/) as usual. In a script
+#         under `set -e`, go through a variable (exports="$(scripts/libtorch.sh)"; eval "$exports"):
+#         `eval "$(...)"` alone would hide a failed install.
 # env:    OOMGUARD_LIBTORCH_PREFIX (default ~/.cache/oomguard/libtorch-2.11.0; CI puts it under
 #         the target directory), OOMGUARD_LIBTORCH_ALL=1 to add cuSOLVER and NVRTC (see below).
 #
@@ -37,6 +39,16 @@ if ! flock -n 9; then
 fi
 if [ ! -e "$prefix/.complete" ]; then
   rm -rf "$prefix"; mkdir -p "$prefix"
+  # pip holds the 2.2 GB of wheels in its temporary folder while it unpacks 3.3 GiB into the
+  # prefix: ask for 6 GiB free on each, and say so, instead of failing halfway with ENOSPC.
+  need_kib=$((6 * 1024 * 1024))
+  for dir in "$prefix" "${TMPDIR:-/tmp}"; do
+    free_kib=$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')
+    if [ "${free_kib:-0}" -lt "$need_kib" ]; then
+      echo "scripts/libtorch.sh: $dir has $((free_kib / 1024)) MiB free; installing libtorch needs about 6 GiB" >&2
+      exit 1
+    fi
+  done
   pkgs=(torch==2.11.0 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85
     nvidia-cublas==13.1.0.3 nvidia-cufft==12.0.0.61 nvidia-cufile==1.15.1.6
     nvidia-curand==10.4.0.35 nvidia-cusparse==12.6.3.3 nvidia-nvjitlink==13.0.88
