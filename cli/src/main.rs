@@ -54,7 +54,8 @@ enum Cmd {
         page_size: Option<String>,
         /// The number of training steps in the trace: prints what each step mapped and
         /// unmapped (a settled loop: nothing). Steps are cut where the fewest bytes are live
-        /// near each 1/N of the events.
+        /// near each 1/N of the events, and each is marked as `train_step` marks a step (a step
+        /// that moved pages is then served from a fixed layout).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
         steps: Option<u64>,
         /// Replay each event on a thread of its own recorded thread (the CSV's `thread`

@@ -34,7 +34,9 @@ pub struct ReplayOptions {
     pub page_size: Option<u64>,
     /// The number of training steps the trace holds (`None`, 0 or 1: no per-step figures): the
     /// replay then reports what each step mapped, unmapped and waited for
-    /// ([`ReplayReport::per_step`]).
+    /// ([`ReplayReport::per_step`]), and marks each step's start as a training loop's
+    /// `train_step` does ([`oomguard_runtime::CachingAllocator::mark_step`]: a step that moved
+    /// pages is then served from a fixed layout).
     pub steps: Option<usize>,
     /// Replay each event on a thread of its own recorded thread ([`crate::Event::thread`]), in
     /// trace order (one call at a time), so that the allocator runs in its multi-thread mode
@@ -352,6 +354,9 @@ fn run(
             retries: st.num_alloc_retries,
         }
     };
+    if starts.len() > 1 {
+        alloc.mark_step();
+    }
     let mut at_step_start = moves(&alloc, 0);
     let start = Instant::now();
     for (i, e) in trace.events.iter().enumerate() {
@@ -359,6 +364,9 @@ fn run(
             let now = moves(&alloc, i);
             per_step.push(step_delta(at_step_start, now));
             at_step_start = now;
+            // as a training loop's `train_step` marks its steps; what the mark moves (a step
+            // plan's range) counts in the step it starts
+            alloc.mark_step();
         }
         match e.op {
             Op::Alloc => match device

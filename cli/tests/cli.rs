@@ -582,6 +582,40 @@ fn layout_bounds_a_settled_loop_of_a_recorded_step() {
     assert!(text.contains("no layout found under it"), "{text}");
 }
 
+/// The recorded VGG-16 step at 1,118 rows on the default 80 GiB card: best fit moved 10-24 GiB
+/// a step; with the steps marked (`--steps`, as `train_step` marks them), the plan installed
+/// at step 1 serves step 2 with no page mapped or unmapped and no wait, on one thread and with
+/// the autograd thread's frees on a thread of their own (issue 37).
+#[test]
+fn replay_with_steps_settles_the_recorded_vgg_step() {
+    let file = repo_trace("tch_vgg16_b1118.trace.csv");
+    for threads in [false, true] {
+        let mut args = vec!["replay", &file, "--steps", "3", "--json"];
+        if threads {
+            args.push("--threads");
+        }
+        let o = oomguard(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v = json(&o);
+        let steps = v["per_step"].as_array().unwrap();
+        assert_eq!(steps.len(), 3, "{v}");
+        assert!(steps[0]["unmapped_bytes"].as_u64().unwrap() > 0, "{v}");
+        let last = &steps[2];
+        for key in [
+            "mapped_bytes",
+            "unmapped_bytes",
+            "synchronizations",
+            "retries",
+        ] {
+            assert_eq!(
+                last[key].as_u64(),
+                Some(0),
+                "threads {threads}: {key}: {last}"
+            );
+        }
+    }
+}
+
 #[test]
 fn layout_refuses_bad_arguments_in_one_line() {
     let file = repo_trace("tch_vgg16_b1118.trace.csv");

@@ -281,6 +281,13 @@ impl Device {
         self.inner.allocator.stats()
     }
 
+    /// Marks the end of one training step and the start of the next (see
+    /// [`CachingAllocator::mark_step`]): a loop that calls it once per step lets a step that
+    /// repeats be served from a fixed layout, with no page moved, at the edge of memory.
+    pub fn mark_step(&self) {
+        self.inner.allocator.mark_step()
+    }
+
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&self) {
         self.inner.allocator.reset_peak_stats()

@@ -153,7 +153,13 @@ impl State {
 
     /// Books `cost` bytes just mapped at the start of the unmapped block `hole` and returns the
     /// free block of at least `size` they make, split to `size`, not indexed.
-    fn mapped(&mut self, hole: BlockId, cost: u64, size: u64, stream: StreamId) -> BlockId {
+    pub(super) fn mapped(
+        &mut self,
+        hole: BlockId,
+        cost: u64,
+        size: u64,
+        stream: StreamId,
+    ) -> BlockId {
         let addr = self.blocks[hole].addr;
         let small = self.blocks[hole].pool.is_small();
         let s = &mut self.stats;
@@ -292,7 +298,7 @@ impl State {
     }
 
     /// Reserves a new address range of `va` bytes: one unmapped free block, indexed.
-    fn reserve_range(
+    pub(super) fn reserve_range(
         &mut self,
         backend: &dyn Backend,
         pool: PoolKind,

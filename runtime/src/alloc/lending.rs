@@ -66,13 +66,21 @@ impl CachingAllocator {
         // Unlike the quick lists of single-thread mode, the caches are not flushed on a miss:
         // that would empty them on every change of size and send the thread back here. They
         // go back before anything fails (`allocate_slow`).
-        let id = match st.take_free(pool, stream, size) {
+        let planned = if st.steps.on {
+            st.plan_take(pool, stream, size)
+        } else {
+            None
+        };
+        let id = match planned.or_else(|| st.take_free(pool, stream, size)) {
             Some(id) => id,
             None => match self.reclaim_under_pressure(&mut st, pool, stream, size) {
                 Some(id) => id,
                 None => self.allocate_slow(&mut st, pool, stream, size, bytes)?,
             },
         };
+        if st.steps.on {
+            st.step_allocated(id, pool, size, stream);
+        }
         if self.caching.load(Relaxed) {
             if let Some(a) = self.lend(&mut st, id, bytes) {
                 return Ok(a);

@@ -5,11 +5,12 @@ use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
-use super::block::{Arena, Block, BlockId, BlockState, PoolKind};
+use super::block::{Arena, Block, BlockId, BlockState, PoolKind, SegId};
 use super::history::{History, TraceAction};
 use super::peaks::{LiveBytes, Peaks};
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::{MemoryStats, ScopeStats};
+use super::step_plan::{Steps, NO_SEG};
 use super::thread_cache::CacheState;
 use super::GrowError;
 use crate::backend::{Backend, BackendError, EventId, StreamId};
@@ -86,6 +87,10 @@ pub(crate) struct State {
     pub peaks: Peaks,
     /// Multi-thread mode: allocated bytes counted in one order by every thread (see `peaks`).
     pub live: std::sync::Arc<LiveBytes>,
+    /// Step marks, the current step's recording and the installed plan (`step_plan`).
+    pub steps: Steps,
+    /// The plan's address range ([`NO_SEG`]: none): its free blocks are not indexed.
+    pub planned_seg: SegId,
 }
 
 /// Most blocks parked per (stream, size).
@@ -128,6 +133,8 @@ impl State {
             multi: false,
             peaks: Peaks::default(),
             live: Default::default(),
+            steps: Steps::default(),
+            planned_seg: NO_SEG,
         }
     }
 
@@ -166,6 +173,9 @@ impl State {
     pub fn index_insert(&mut self, id: BlockId) {
         self.count_inactive_split(id, true);
         let b = &self.blocks[id];
+        if b.seg == self.planned_seg {
+            return; // found by offset, never by best fit (`step_plan`)
+        }
         let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
         if b.mapped {
             self.free[pool].insert(stream, size, addr, id);
@@ -179,6 +189,9 @@ impl State {
     pub fn index_remove(&mut self, id: BlockId) {
         self.count_inactive_split(id, false);
         let b = &self.blocks[id];
+        if b.seg == self.planned_seg {
+            return;
+        }
         let (pool, stream, size, addr) = (b.pool as usize, b.stream, b.size, b.addr);
         if b.mapped {
             self.free[pool].remove(stream, size, addr, id);

@@ -118,6 +118,22 @@ pub struct MemoryStats {
     pub num_releases_skipped: u64,
     /// Out-of-memory errors returned to callers.
     pub num_ooms: u64,
+    /// Step marks ([`crate::CachingAllocator::mark_step`]).
+    pub num_step_marks: u64,
+    /// Step plans installed: a step that moved pages was laid out once and its large blocks
+    /// are served at fixed offsets of one mapped range from the next step on.
+    pub num_plans_installed: u64,
+    /// Step plans that could not be installed: the range of the layout's height could not be
+    /// mapped (the memory limit, or the device refused it after every free page moved).
+    pub num_plans_refused: u64,
+    /// Step plans dropped: two planned steps in a row had a miss, `empty_cache` was called, or a
+    /// request ran out of memory outside the plan (its range then serves best fit as before).
+    pub num_plans_dropped: u64,
+    /// Large requests served at their planned offset.
+    pub num_plan_hits: u64,
+    /// Large requests of a planned step served outside the plan: another size or stream than
+    /// the recorded step's request at that place, or the offset still held.
+    pub num_plan_misses: u64,
     /// Times the allocator synchronised with all streams: once per `empty_cache` and per cache
     /// release on out-of-memory (PyTorch's `synchronize_and_free_events`), and before unmapping
     /// free pages under pressure.
@@ -186,6 +202,12 @@ impl MemoryStats {
         self.num_alloc_retries = 0;
         self.num_releases_skipped = 0;
         self.num_ooms = 0;
+        self.num_step_marks = 0;
+        self.num_plans_installed = 0;
+        self.num_plans_refused = 0;
+        self.num_plans_dropped = 0;
+        self.num_plan_hits = 0;
+        self.num_plan_misses = 0;
         self.num_sync_all_streams = 0;
         self.num_stream_syncs = 0;
         self.num_device_alloc = 0;

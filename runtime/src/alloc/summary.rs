@@ -63,6 +63,20 @@ pub(crate) fn format_summary(
             )
         );
     }
+    if s.num_plans_installed + s.num_plans_refused > 0 {
+        let _ = writeln!(
+            o,
+            "| {:<89} |",
+            format!(
+                "step plans: {} installed, {} refused, {} dropped; {} requests at their offset, {} missed",
+                s.num_plans_installed,
+                s.num_plans_refused,
+                s.num_plans_dropped,
+                s.num_plan_hits,
+                s.num_plan_misses
+            )
+        );
+    }
     if let Some(n) = budget_refusals {
         let _ = writeln!(
             o,

@@ -1,0 +1,289 @@
+//! Step plans (issue 37): a training step at the edge of memory, marked once per step, stops
+//! moving pages, whether one thread frees its blocks or libtorch's autograd thread does.
+//!
+//! The step is a real one: VGG-16 from tch::vision at 1,118 rows on the H100, as recorded in
+//! `traces/tch_vgg16_b1118.trace.csv` (three identical steps of 462 events, 77.18 GiB live at
+//! the peak; thread 2 is libtorch's autograd engine). On an 80 GiB card best fit moves 10-24
+//! GiB of pages in every step of it.
+
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc};
+
+use oomguard_runtime::alloc::{Allocation, CachingAllocator};
+use oomguard_runtime::backend::sim::SimDevice;
+use oomguard_runtime::{AllocatorConfig, ByteSize, MemoryStats};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+#[derive(Clone, Copy, Debug)]
+struct Event {
+    alloc: bool,
+    id: u64,
+    bytes: u64,
+    thread: u32,
+}
+
+/// The trace's second step (events 462..924), checked to hold every block it allocates.
+fn vgg_step() -> Vec<Event> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../traces/tch_vgg16_b1118.trace.csv"
+    );
+    let text = std::fs::read_to_string(path).expect("the repository's VGG-16 trace");
+    let events: Vec<Event> = text
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            Event {
+                alloc: f[0] == "a",
+                id: f[1].parse().unwrap(),
+                bytes: f[2].parse().unwrap(),
+                thread: f[4].parse().unwrap(),
+            }
+        })
+        .collect();
+    assert_eq!(events.len(), 3 * 462, "three steps of 462 events");
+    let step = events[462..924].to_vec();
+    let mut live = HashMap::new();
+    for e in &step {
+        if e.alloc {
+            live.insert(e.id, ());
+        } else {
+            assert!(
+                live.remove(&e.id).is_some(),
+                "a free of a block of this step"
+            );
+        }
+    }
+    assert!(live.is_empty(), "the step frees what it allocates");
+    assert!(
+        step.iter().any(|e| e.thread == 2),
+        "frees from the autograd thread"
+    );
+    step
+}
+
+fn allocator(card: u64) -> CachingAllocator {
+    CachingAllocator::new(
+        Arc::new(SimDevice::new(ByteSize(card))),
+        AllocatorConfig::parse("expandable_segments:True").unwrap(),
+    )
+}
+
+/// What one step made the allocator do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Moves {
+    mapped: u64,
+    unmapped: u64,
+    syncs: u64,
+    retries: u64,
+}
+
+fn moves_between(a: &MemoryStats, b: &MemoryStats) -> Moves {
+    Moves {
+        mapped: b.mapped_bytes_total - a.mapped_bytes_total,
+        unmapped: b.unmapped_bytes_total - a.unmapped_bytes_total,
+        syncs: (b.num_sync_all_streams + b.num_stream_syncs)
+            - (a.num_sync_all_streams + a.num_stream_syncs),
+        retries: b.num_alloc_retries - a.num_alloc_retries,
+    }
+}
+
+/// Runs `step` `n` times on `a` (marking each step's start when `mark`); with `threads`, the
+/// events of the trace's thread 2 run on a second thread, one event at a time in trace order.
+/// Returns each step's moves.
+fn run(
+    a: &Arc<CachingAllocator>,
+    step: &[Event],
+    n: usize,
+    mark: bool,
+    threads: bool,
+) -> Vec<Moves> {
+    type Job = Box<dyn FnOnce() + Send>;
+    let (tx, rx) = mpsc::channel::<(Job, mpsc::Sender<()>)>();
+    let worker = threads.then(|| {
+        std::thread::spawn(move || {
+            for (job, done) in rx {
+                job();
+                done.send(()).unwrap();
+            }
+        })
+    });
+    let mut live: HashMap<u64, Allocation> = HashMap::new();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        if mark {
+            a.mark_step();
+        }
+        let before = a.stats();
+        for e in step {
+            let on_worker = threads && e.thread == 2;
+            if e.alloc {
+                let r = if on_worker {
+                    let (a2, bytes) = (Arc::clone(a), e.bytes);
+                    let (rtx, rrx) = mpsc::channel();
+                    let (dtx, drx) = mpsc::channel();
+                    tx.send((
+                        Box::new(move || rtx.send(a2.allocate(bytes, 0)).unwrap()),
+                        dtx,
+                    ))
+                    .unwrap();
+                    drx.recv().unwrap();
+                    rrx.recv().unwrap()
+                } else {
+                    a.allocate(e.bytes, 0)
+                };
+                live.insert(
+                    e.id,
+                    r.unwrap_or_else(|err| panic!("{} bytes: {err}", e.bytes)),
+                );
+            } else {
+                let h = live.remove(&e.id).unwrap();
+                if on_worker {
+                    let a2 = Arc::clone(a);
+                    let (dtx, drx) = mpsc::channel();
+                    tx.send((Box::new(move || a2.free(h).unwrap()), dtx))
+                        .unwrap();
+                    drx.recv().unwrap();
+                } else {
+                    a.free(h).unwrap();
+                }
+            }
+        }
+        out.push(moves_between(&before, &a.stats()));
+    }
+    drop(tx);
+    if let Some(w) = worker {
+        w.join().unwrap();
+    }
+    out
+}
+
+const STEPS: usize = 8;
+
+#[test]
+fn without_marks_the_vgg_step_moves_pages_every_step() {
+    let step = vgg_step();
+    for threads in [false, true] {
+        let a = Arc::new(allocator(80 * GIB));
+        let moves = run(&a, &step, STEPS, false, threads);
+        let moving = moves[2..].iter().filter(|m| m.unmapped > 0).count();
+        assert!(
+            moving >= STEPS - 3,
+            "threads {threads}: best fit alone settled: {moves:?}"
+        );
+        assert_eq!(a.stats().num_plans_installed, 0);
+    }
+}
+
+#[test]
+fn with_marks_the_vgg_step_settles_on_one_thread_and_with_the_autograd_thread() {
+    let step = vgg_step();
+    let large = step.iter().filter(|e| e.alloc && e.bytes > MIB).count() as u64;
+    for threads in [false, true] {
+        let a = Arc::new(allocator(80 * GIB));
+        let moves = run(&a, &step, STEPS, true, threads);
+        // step 0 lays the blocks out by best fit and moves pages; the plan is installed at
+        // the mark that starts step 1 (its one move); from then on nothing moves
+        assert!(moves[0].unmapped > 0, "threads {threads}: {moves:?}");
+        for (i, m) in moves.iter().enumerate().skip(2) {
+            assert_eq!(
+                *m,
+                Moves::default(),
+                "threads {threads}: step {i} moved: {moves:?}"
+            );
+        }
+        let s = a.stats();
+        assert_eq!(s.num_plans_installed, 1, "threads {threads}");
+        assert_eq!(s.num_plan_misses, 0, "threads {threads}");
+        assert_eq!(s.num_plans_dropped, 0, "threads {threads}");
+        assert_eq!(
+            s.num_plan_hits,
+            large * (STEPS as u64 - 1),
+            "threads {threads}"
+        );
+        assert_eq!(s.num_ooms, 0);
+        // the plan's range, the largest segment: within 0.5 % of the step's peak live bytes
+        // (77.18 GiB; `oomguard layout` finds 1.0016 x over 300 block orders)
+        let peak_live = 82_872_953_496u64;
+        let range = a.snapshot().iter().map(|g| g.mapped).max().unwrap();
+        assert!(
+            range as f64 <= 1.005 * peak_live as f64 && range >= peak_live,
+            "threads {threads}: the plan's range maps {range} bytes"
+        );
+        assert!(s.reserved_bytes.all.peak <= 80 * GIB);
+        assert_eq!(s.allocated_bytes.all.current, 0);
+    }
+}
+
+#[test]
+fn a_step_that_changes_drops_its_plan_and_is_still_served() {
+    let step = vgg_step();
+    let a = Arc::new(allocator(80 * GIB));
+    run(&a, &step, 3, true, false);
+    assert_eq!(a.stats().num_plans_installed, 1);
+    // another step: every request 1 MiB and a half larger, at a smaller batch's scale
+    let large: std::collections::HashSet<u64> = step
+        .iter()
+        .filter(|e| e.alloc && e.bytes > MIB)
+        .map(|e| e.id)
+        .collect();
+    let other: Vec<Event> = step
+        .iter()
+        .filter(|e| large.contains(&e.id))
+        .map(|e| Event {
+            bytes: e.bytes / 2 + 3 * MIB / 2,
+            ..*e
+        })
+        .collect();
+    run(&a, &other, 3, true, false);
+    let s = a.stats();
+    assert!(s.num_plan_misses > 0);
+    assert_eq!(s.num_plans_dropped, 1, "{s:?}");
+    assert_eq!(s.num_ooms, 0);
+    assert_eq!(s.allocated_bytes.all.current, 0);
+}
+
+#[test]
+fn empty_cache_drops_the_plan_and_gives_its_pages_back() {
+    let step = vgg_step();
+    let a = Arc::new(allocator(80 * GIB));
+    run(&a, &step, 3, true, false);
+    assert!(a.stats().reserved_bytes.all.current > 70 * GIB);
+    a.empty_cache().unwrap();
+    let s = a.stats();
+    assert_eq!(s.num_plans_dropped, 1);
+    assert_eq!(s.reserved_bytes.all.current, 0, "{s:?}");
+}
+
+#[test]
+fn a_request_that_needs_the_plans_free_pages_is_served() {
+    let step = vgg_step();
+    let a = Arc::new(allocator(80 * GIB));
+    run(&a, &step, 3, true, false);
+    // between steps the plan's range is free; a request larger than what is left beside it
+    let big = a
+        .allocate(60 * GIB, 0)
+        .expect("served once the plan's pages are released");
+    let s = a.stats();
+    assert_eq!(s.num_plans_dropped, 1);
+    assert_eq!(s.num_ooms, 0);
+    a.free(big).unwrap();
+}
+
+#[test]
+fn a_loop_that_settles_by_itself_gets_no_plan() {
+    let step = vgg_step();
+    // on a card with room to spare, best fit settles after its first step
+    let a = Arc::new(allocator(160 * GIB));
+    let moves = run(&a, &step, 4, true, false);
+    for (i, m) in moves.iter().enumerate().skip(1) {
+        assert_eq!(*m, Moves::default(), "step {i}: {moves:?}");
+    }
+    let s = a.stats();
+    assert_eq!(s.num_step_marks, 4);
+    assert_eq!(s.num_plans_installed, 0);
+    assert_eq!(s.num_plan_hits + s.num_plan_misses, 0);
+}
