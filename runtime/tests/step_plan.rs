@@ -101,6 +101,19 @@ fn run(
     mark: bool,
     threads: bool,
 ) -> Vec<Moves> {
+    run_probing(a, step, n, mark, threads, None)
+}
+
+/// [`run`], with a request of `probe.1` bytes before event `probe.0` of every step that must
+/// fail (a cuDNN workspace probe larger than what is left).
+fn run_probing(
+    a: &Arc<CachingAllocator>,
+    step: &[Event],
+    n: usize,
+    mark: bool,
+    threads: bool,
+    probe: Option<(usize, u64)>,
+) -> Vec<Moves> {
     type Job = Box<dyn FnOnce() + Send>;
     let (tx, rx) = mpsc::channel::<(Job, mpsc::Sender<()>)>();
     let worker = threads.then(|| {
@@ -118,7 +131,11 @@ fn run(
             a.mark_step();
         }
         let before = a.stats();
-        for e in step {
+        for (i, e) in step.iter().enumerate() {
+            if let Some((_, bytes)) = probe.filter(|&(at, _)| at == i) {
+                let err = a.allocate(bytes, 0).expect_err("the probe does not fit");
+                assert!(err.is_oom(), "{err}");
+            }
             let on_worker = threads && e.thread == 2;
             if e.alloc {
                 let r = if on_worker {
@@ -286,4 +303,69 @@ fn a_loop_that_settles_by_itself_gets_no_plan() {
     assert_eq!(s.num_step_marks, 4);
     assert_eq!(s.num_plans_installed, 0);
     assert_eq!(s.num_plan_hits + s.num_plan_misses, 0);
+}
+
+#[test]
+fn a_hopeless_probe_inside_a_planned_step_keeps_the_plan() {
+    let step = vgg_step();
+    // the step's peak: where the most bytes are live
+    let (mut live, mut peak, mut at) = (HashMap::new(), 0u64, 0);
+    for (i, e) in step.iter().enumerate() {
+        if e.alloc {
+            live.insert(e.id, e.bytes);
+        } else {
+            live.remove(&e.id);
+        }
+        let now: u64 = live.values().sum();
+        if now > peak {
+            (peak, at) = (now, i + 1);
+        }
+    }
+    let a = Arc::new(allocator(80 * GIB));
+    let moves = run_probing(&a, &step, 5, true, false, Some((at, 20 * GIB)));
+    for (i, m) in moves.iter().enumerate().skip(2) {
+        assert_eq!(m.mapped + m.unmapped + m.syncs, 0, "step {i}: {moves:?}");
+    }
+    let s = a.stats();
+    assert_eq!(s.num_plans_installed, 1);
+    assert_eq!(s.num_plans_dropped, 0);
+    assert_eq!(s.num_plan_misses, 0);
+    assert_eq!(s.num_ooms, 5, "the five probes, and nothing else");
+}
+
+#[test]
+fn empty_cache_between_steps_is_not_a_move_that_plans() {
+    let step = vgg_step();
+    // room to spare: best fit settles; emptying the cache after each step (a finder's trials)
+    // unmaps every page, which is not the step moving pages
+    let a = Arc::new(allocator(160 * GIB));
+    for _ in 0..4 {
+        run(&a, &step, 1, true, false);
+        a.empty_cache().unwrap();
+    }
+    let s = a.stats();
+    assert_eq!(s.num_step_marks, 4);
+    assert_eq!(s.num_plans_installed, 0, "{s:?}");
+}
+
+#[test]
+fn the_retry_engine_marks_each_step_it_runs() {
+    use oomguard_runtime::retry::RetryEngine;
+    use oomguard_runtime::Device;
+    let dev = Device::sim(ByteSize::gib(1));
+    let engine = RetryEngine::new();
+    for _ in 0..3 {
+        engine
+            .run(
+                &dev,
+                8,
+                |plan| {
+                    dev.alloc::<u8>(plan.batch() * 2 * MIB as usize)
+                        .map(|b| b.len())
+                },
+                |n| n,
+            )
+            .unwrap();
+    }
+    assert_eq!(dev.stats().num_step_marks, 3);
 }

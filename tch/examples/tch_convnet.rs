@@ -8,6 +8,7 @@
 //! ```text
 //! tch_convnet [--allocator libtorch|oomguard] [--batch N] [--steps N] [--warmup N]
 //!             [--max LO..HI] [--oom F] [--seeded F] [--classes N] [--size PX] [--check]
+//!             [--no-mark-steps]
 //! ```
 //! - `--batch`: `--warmup` untimed steps, then `--steps` timed ones: one `STEP` line each (ms,
 //!   and what the allocator did in it: maps, unmaps, bytes unmapped, synchronisations,
@@ -30,6 +31,9 @@
 //!   `start_from_finder`: one `SEEDED` line each (ms, plan, retries), then `RESULT
 //!   phase=seeded` (the batch found, the seed, the retries of all steps). A GPU phase: on the
 //!   CPU the finder sees no device memory and says so.
+//! - `--no-mark-steps`: the plain steps under oomguard's allocator are not marked (by default
+//!   each starts with `Device::mark_step`, as `train_step` marks its steps; the mark's time and
+//!   moves count in the step it starts).
 //! - `--check`: 10 steps on one batch first: every parameter gets a finite non-zero gradient and
 //!   the loss falls (`RESULT phase=check`), else the exit status is 1.
 //!
@@ -156,6 +160,12 @@ impl Alloc {
             Alloc::Cpu => {}
         }
     }
+    /// A plain step starts (oomguard's allocator: `Device::mark_step`, as `train_step` does).
+    fn mark_step(&self) {
+        if let Alloc::Oomguard(d) = self {
+            d.mark_step();
+        }
+    }
     fn empty_cache(&self) {
         match self {
             Alloc::Oomguard(d) => {
@@ -183,6 +193,8 @@ struct Args {
     trace_steps: usize,
     oom: Option<f64>,
     seeded: Option<f64>,
+    /// mark each plain step's start on oomguard's device (`Device::mark_step`)
+    mark_steps: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -200,6 +212,7 @@ fn parse() -> Result<Args, String> {
         trace_steps: 3,
         oom: None,
         seeded: None,
+        mark_steps: true,
     };
     let mut it = std::env::args().skip(1);
     let num = |v: Option<String>, name: &str| -> Result<i64, String> {
@@ -233,6 +246,7 @@ fn parse() -> Result<Args, String> {
             "--classes" => a.classes = num(it.next(), "--classes")?,
             "--size" => a.size = num(it.next(), "--size")?,
             "--check" => a.check = true,
+            "--no-mark-steps" => a.mark_steps = false,
             "--trace" => a.trace = Some(it.next().ok_or("--trace needs a path")?),
             "--oom" => {
                 let v = it.next().ok_or("--oom needs a factor")?;
@@ -409,9 +423,13 @@ impl Run {
             if s == self.args.warmup {
                 self.alloc.reset_peaks();
             }
-            let (x, y) = self.batch(b, 100 + s as i64);
             let m0 = self.alloc.moves();
             let t = Instant::now();
+            // (inside the step's time and moves: a plan installed here is this step's cost)
+            if self.args.mark_steps {
+                self.alloc.mark_step();
+            }
+            let (x, y) = self.batch(b, 100 + s as i64);
             self.step(&x, &y)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let m = self.alloc.moves().minus(m0);

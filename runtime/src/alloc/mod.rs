@@ -498,8 +498,6 @@ impl CachingAllocator {
         };
         // Out of memory: wait for pending cross-stream frees, give the cache back, retry.
         st.stats.num_alloc_retries += 1;
-        // a plan's free offsets become ordinary free blocks (best fit, releasable)
-        st.drop_plan();
         THREAD_ALLOC_RETRIES.with(|c| c.set(c.get() + 1));
         // (nothing pending: nothing to wait for; the release below counts its own wait)
         let waited = !st.pending.is_empty();
@@ -596,6 +594,7 @@ impl CachingAllocator {
     fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
         // what the device refused is learned again from here
         st.refused_at = u64::MAX;
+        // a step plan's free offsets become ordinary free blocks (best fit, releasable)
         st.drop_plan();
         let fixed = st.release_fixed(&*self.backend);
         if fixed > 0 && !sync_counted {
@@ -797,7 +796,7 @@ impl CachingAllocator {
         self.process_events(&mut st, true);
         self.drain_all_caches(&mut st);
         st.flush_parked();
-        st.drop_plan();
+        st.step_before_empty_cache();
         st.release_fixed(&*self.backend);
         st.release_pages(
             &*self.backend,
@@ -806,6 +805,7 @@ impl CachingAllocator {
             growable::Release::All { sync_counted: true },
         );
         st.release_empty_ranges(&*self.backend);
+        st.step_after_empty_cache();
         self.fold_caches(&mut st);
         Ok(())
     }

@@ -500,6 +500,7 @@ impl State {
         } else {
             self.releasable_pages()
                 .saturating_add(self.releasable_segments())
+                .saturating_add(self.plan_free_pages())
         };
         (need > free.saturating_add(returned)).then(|| {
             GrowError::Backend(BackendError::oom(

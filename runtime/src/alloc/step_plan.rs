@@ -53,13 +53,17 @@ struct Request {
 }
 
 /// The installed plan: one mapped address range and an offset for each planned request.
+///
+/// A request is matched by its size, stream and occurrence: the j-th request of a size in a
+/// step takes the offset of the j-th request of that size in the recorded step. Requests of
+/// other sizes that one step has and another lacks (gradients and optimizer state made in the
+/// first step) then shift nothing.
 #[derive(Debug)]
 struct Plan {
     seg: SegId,
     base: u64,
-    stream: StreamId,
-    /// By request index: the planned (size, offset), `None` for a request served as before.
-    slots: Vec<Option<(u64, u64)>>,
+    /// By (size, stream): each occurrence's offset, `None` for one served as before.
+    slots: FxHashMap<(u64, StreamId), Vec<Option<u64>>>,
 }
 
 /// Step marks, the recording of the current step and the installed plan.
@@ -70,9 +74,14 @@ pub(crate) struct Steps {
     requests: Vec<Request>,
     /// Live recorded blocks: their request index.
     open: FxHashMap<BlockId, u32>,
+    /// Requests of each (size, stream) recorded so far in this step.
+    seen: FxHashMap<(u64, StreamId), u32>,
     clock: usize,
-    /// `unmapped_bytes_total` and `num_alloc_retries` at the step's start.
+    /// `unmapped_bytes_total` and `num_alloc_retries` at the step's start, or after the last
+    /// `empty_cache` (whose unmaps are not the step's moves).
     moved_at: (u64, u64),
+    /// The step moved pages or retried before the last `empty_cache`.
+    moved_before_empty: bool,
     plan: Option<Plan>,
     misses: u64,
     missed_steps: u32,
@@ -85,17 +94,11 @@ impl State {
         if pool.is_small() {
             return None;
         }
-        let k = self.steps.requests.len();
+        // (a request the plan does not expect is a miss once it is served elsewhere: a request
+        // that fails, such as a cuDNN workspace probe, is not one)
+        let off = self.planned_offset(size, stream)?;
         let plan = self.steps.plan.as_ref()?;
-        let slot = plan.slots.get(k).copied().flatten();
-        let Some((want, off)) = slot.filter(|&(want, _)| want == size && stream == plan.stream)
-        else {
-            if slot.is_some() || k < plan.slots.len() {
-                self.note_miss();
-            }
-            return None;
-        };
-        let (start, end) = (plan.base + off, plan.base + off + want);
+        let (start, end) = (plan.base + off, plan.base + off + size);
         let mut at = Some(self.segs[plan.seg].first);
         while let Some(id) = at {
             if self.blocks[id].end() > start {
@@ -107,9 +110,7 @@ impl State {
             let b = &self.blocks[id];
             b.is_free() && b.addr <= start && b.end() >= end
         }) else {
-            // its offset is still held (a block freed later than in the recorded step)
-            self.note_miss();
-            return None;
+            return None; // its offset is still held (freed later than in the recorded step)
         };
         if self.blocks[id].addr < start {
             id = self.split_at(id, start);
@@ -121,9 +122,18 @@ impl State {
         Some(id)
     }
 
-    fn note_miss(&mut self) {
-        self.steps.misses += 1;
-        self.stats.num_plan_misses += 1;
+    /// The plan's offset for the next request of `size` on `stream`, if it has one.
+    fn planned_offset(&self, size: u64, stream: StreamId) -> Option<u64> {
+        self.planned_slot(size, stream).flatten()
+    }
+
+    /// What the plan holds for the next request of `size` on `stream`: `None` when the
+    /// recorded step had no such request (a step that differs), `Some(None)` when it had one
+    /// that is served as before (live past the step's end, or on another stream).
+    fn planned_slot(&self, size: u64, stream: StreamId) -> Option<Option<u64>> {
+        let plan = self.steps.plan.as_ref()?;
+        let j = self.steps.seen.get(&(size, stream)).copied().unwrap_or(0);
+        plan.slots.get(&(size, stream))?.get(j as usize).copied()
     }
 
     /// Records an allocation of the current step (block `id`, `size` bytes rounded), when it is
@@ -132,7 +142,17 @@ impl State {
         if pool.is_small() {
             return;
         }
+        let missed = match self.planned_slot(size, stream) {
+            Some(Some(_)) => self.blocks[id].seg != self.planned_seg,
+            Some(None) => false,
+            None => self.steps.plan.is_some(),
+        };
+        if missed {
+            self.steps.misses += 1;
+            self.stats.num_plan_misses += 1;
+        }
         let s = &mut self.steps;
+        *s.seen.entry((size, stream)).or_default() += 1;
         s.open.insert(id, s.requests.len() as u32);
         s.requests.push(Request {
             size,
@@ -167,10 +187,7 @@ impl State {
                     self.steps.missed_steps = 0;
                 }
             } else {
-                let moved = (
-                    self.stats.unmapped_bytes_total,
-                    self.stats.num_alloc_retries,
-                ) != self.steps.moved_at;
+                let moved = self.steps.moved_before_empty || self.moved_since_mark();
                 if moved && self.growable {
                     self.install_plan(backend, total);
                 }
@@ -180,9 +197,33 @@ impl State {
         s.on = true;
         s.requests.clear();
         s.open.clear();
+        s.seen.clear();
         s.clock = 0;
         s.misses = 0;
+        s.moved_before_empty = false;
         s.moved_at = (
+            self.stats.unmapped_bytes_total,
+            self.stats.num_alloc_retries,
+        );
+    }
+
+    fn moved_since_mark(&self) -> bool {
+        (
+            self.stats.unmapped_bytes_total,
+            self.stats.num_alloc_retries,
+        ) != self.steps.moved_at
+    }
+
+    /// `empty_cache` gives pages back: drops the plan; what it unmaps is not a move of the
+    /// step's (a finder empties the cache between trials). Call before the release.
+    pub fn step_before_empty_cache(&mut self) {
+        self.drop_plan();
+        self.steps.moved_before_empty |= self.moved_since_mark();
+    }
+
+    /// Call after `empty_cache`'s release.
+    pub fn step_after_empty_cache(&mut self) {
+        self.steps.moved_at = (
             self.stats.unmapped_bytes_total,
             self.stats.num_alloc_retries,
         );
@@ -228,17 +269,16 @@ impl State {
             self.stats.num_plans_refused += 1;
             return;
         };
-        let mut slots = vec![None; self.steps.requests.len()];
+        let mut offsets = vec![None; self.steps.requests.len()];
         for (&k, &off) in planned.iter().zip(&layout.offsets) {
-            slots[k] = Some((self.steps.requests[k].size, off));
+            offsets[k] = Some(off);
+        }
+        let mut slots: FxHashMap<(u64, StreamId), Vec<Option<u64>>> = FxHashMap::default();
+        for (r, off) in self.steps.requests.iter().zip(offsets) {
+            slots.entry((r.size, r.stream)).or_default().push(off);
         }
         let seg = self.planned_seg;
-        self.steps.plan = Some(Plan {
-            seg,
-            base,
-            stream,
-            slots,
-        });
+        self.steps.plan = Some(Plan { seg, base, slots });
         self.steps.missed_steps = 0;
         self.stats.num_plans_installed += 1;
     }
@@ -299,6 +339,25 @@ impl State {
         let id = self.mapped(hole, height, height, stream);
         self.planned_seg = self.blocks[id].seg;
         true
+    }
+
+    /// Bytes of whole pages in the plan's free blocks: what dropping it would let a release
+    /// return (0 without a plan).
+    pub fn plan_free_pages(&self) -> u64 {
+        let Some(plan) = &self.steps.plan else {
+            return 0;
+        };
+        let g = self.granularity;
+        let mut bytes = 0;
+        let mut at = Some(self.segs[plan.seg].first);
+        while let Some(id) = at {
+            let b = &self.blocks[id];
+            if b.is_free() {
+                bytes += (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
+            }
+            at = b.next;
+        }
+        bytes
     }
 
     /// Drops the installed plan: its range becomes an ordinary growable segment (its free

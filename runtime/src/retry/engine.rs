@@ -558,6 +558,10 @@ impl RetryEngine {
                 "a step of 0 rows: the batch must have at least one row".into(),
             ));
         }
+        // A step starts: the source may serve a step that repeats from a fixed layout
+        // (`MemorySource::mark_step`). Before the clock and the churn are read: what the mark
+        // moves is the boundary's, not this step's.
+        target.mark_step();
         let started = self.inner.clock.now();
         let mode = key.mode;
 
@@ -842,6 +846,18 @@ impl Target {
                 churn: s.churn(),
             },
             Target::All => thread_churn(),
+        }
+    }
+    /// Marks a step's start on the source, or on the device this thread allocates on (not on
+    /// every live source: another thread's loop marks its own).
+    fn mark_step(&self) {
+        match self {
+            Target::One(s) => s.mark_step(),
+            Target::All => {
+                if let Some(d) = Device::last_used_on_thread() {
+                    d.mark_step();
+                }
+            }
         }
     }
     /// Used and reserved bytes now (sources that cannot be read count 0).

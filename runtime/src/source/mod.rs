@@ -148,6 +148,10 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    /// A training step starts (the retry engine calls it at the start of every step it runs):
+    /// a source that can serve a repeating step from a fixed layout records and plans here
+    /// ([`Device::mark_step`]). Default: nothing.
+    fn mark_step(&self) {}
 }
 
 /// A device-wide budget on a [`MemorySource`], made by [`MemorySource::budget`]; lifted on drop.
@@ -251,6 +255,11 @@ impl MemorySource for Device {
     fn memory_summary(&self) -> String {
         Device::memory_summary(self)
     }
+    /// [`Device::mark_step`]: the step's large requests are recorded, and a step that moved
+    /// pages is served from a fixed layout from the next step on.
+    fn mark_step(&self) {
+        Device::mark_step(self)
+    }
     /// A device-wide [`MemoryBudget`] (every thread's allocations while it lives).
     /// A limit of 0 is refused (as on every source; [`Device::budget`] takes 0).
     fn budget(&self, limit: u64) -> Result<SourceBudget> {
@@ -352,5 +361,8 @@ impl<T: MemorySource + ?Sized> MemorySource for Arc<T> {
     }
     fn synchronize(&self) -> Result<()> {
         (**self).synchronize()
+    }
+    fn mark_step(&self) {
+        (**self).mark_step()
     }
 }
