@@ -20,6 +20,7 @@ pub const VALID_KEYS: &[&str] = &[
     "per_process_memory_fraction",
     "max_non_split_rounding_mb",
     "page_recycle_threshold",
+    "step_plans",
 ];
 
 /// Keys PyTorch's CUDA allocator accepts that have no effect here: accepted (their value
@@ -116,6 +117,11 @@ pub struct AllocatorConfig {
     /// step time, GPU.md runs 26–27), where the former default, like 0, moved 5–10 GiB of pages
     /// per step and took 1.4–1.6 × the pool's time (runs 12, 17).
     pub page_recycle_threshold: Option<f64>,
+    /// Growable segments with marked steps ([`crate::CachingAllocator::mark_step`]): a step
+    /// that moved pages and repeated the step before it is laid out once and served from one
+    /// fixed range (oomguard's key `step_plans`, default True). False: marks are counted and
+    /// nothing else changes.
+    pub step_plans: bool,
 }
 
 impl Default for AllocatorConfig {
@@ -129,6 +135,7 @@ impl Default for AllocatorConfig {
             per_process_memory_fraction: None,
             max_non_split_rounding: 20 << 20,
             page_recycle_threshold: None,
+            step_plans: true,
         }
     }
 }
@@ -192,6 +199,7 @@ impl AllocatorConfig {
                     }
                 }
                 "expandable_segments" => c.expandable_segments = parse_bool(value).map_err(err)?,
+                "step_plans" => c.step_plans = parse_bool(value).map_err(err)?,
                 "max_split_size_mb" => {
                     let mb: u64 = value
                         .parse()
@@ -316,6 +324,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if let Some(t) = self.page_recycle_threshold {
             write!(f, ",page_recycle_threshold:{t}")?;
+        }
+        if !self.step_plans {
+            write!(f, ",step_plans:False")?;
         }
         Ok(())
     }
@@ -500,6 +511,8 @@ mod tests {
             "page_recycle_threshold:0.9",
             "page_recycle_threshold:0",
             "expandable_segments:True,page_recycle_threshold:1",
+            "step_plans:False",
+            "expandable_segments:True,step_plans:True",
         ] {
             let c = AllocatorConfig::parse(s).unwrap();
             assert_eq!(

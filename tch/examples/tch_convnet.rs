@@ -58,6 +58,11 @@ struct Moves {
     skipped: i64,
     /// out-of-memory errors the allocator returned (oomguard's allocator only)
     ooms: i64,
+    /// step plans installed, dropped, and requests served outside a plan that expected them
+    /// (oomguard's allocator only)
+    plans: i64,
+    dropped: i64,
+    misses: i64,
 }
 
 impl Moves {
@@ -70,6 +75,9 @@ impl Moves {
             retries: self.retries - o.retries,
             skipped: self.skipped - o.skipped,
             ooms: self.ooms - o.ooms,
+            plans: self.plans - o.plans,
+            dropped: self.dropped - o.dropped,
+            misses: self.misses - o.misses,
         }
     }
     fn plus(self, o: Self) -> Self {
@@ -81,18 +89,24 @@ impl Moves {
             retries: self.retries + o.retries,
             skipped: self.skipped + o.skipped,
             ooms: self.ooms + o.ooms,
+            plans: self.plans + o.plans,
+            dropped: self.dropped + o.dropped,
+            misses: self.misses + o.misses,
         }
     }
     fn text(&self) -> String {
         format!(
-            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={}",
+            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={} plans={} plans_dropped={} plan_misses={}",
             self.maps,
             self.unmaps,
             self.unmapped,
             self.syncs,
             self.retries,
             self.skipped,
-            self.ooms
+            self.ooms,
+            self.plans,
+            self.dropped,
+            self.misses
         )
     }
 }
@@ -117,6 +131,9 @@ impl Alloc {
                     retries: s.num_alloc_retries as i64,
                     skipped: s.num_releases_skipped as i64,
                     ooms: s.num_ooms as i64,
+                    plans: s.num_plans_installed as i64,
+                    dropped: s.num_plans_dropped as i64,
+                    misses: s.num_plan_misses as i64,
                 }
             }
             // libtorch counts device allocations and frees (maps and unmaps of expandable
@@ -130,6 +147,7 @@ impl Alloc {
                     retries: s.num_alloc_retries,
                     skipped: 0,
                     ooms: s.num_ooms,
+                    ..Moves::default()
                 })
                 .unwrap_or_default(),
             Alloc::Cpu => Moves::default(),

@@ -67,7 +67,7 @@ impl CachingAllocator {
         // that would empty them on every change of size and send the thread back here. They
         // go back before anything fails (`allocate_slow`).
         let planned = if st.steps.on {
-            st.plan_take(pool, stream, size)
+            st.plan_take(pool, stream, size, self.total)
         } else {
             None
         };

@@ -381,7 +381,7 @@ impl CachingAllocator {
         size: u64,
         bytes: u64,
     ) -> Result<Allocation, Error> {
-        let id = match st.plan_take(pool, stream, size) {
+        let id = match st.plan_take(pool, stream, size, self.total) {
             Some(id) => id,
             None => self.take_or_grow(&mut st, pool, stream, size, bytes)?,
         };
@@ -399,18 +399,20 @@ impl CachingAllocator {
     ///
     /// After the first mark, each step's large requests (over 1 MiB) are recorded: their order,
     /// sizes and lifetimes. At a mark after a step that moved pages or retried inside the
-    /// allocator (growable segments only), that step's blocks are laid out once, one address
-    /// range of the layout's height is mapped (the one move, here), and from then on the k-th
-    /// large request of a step is served at its offset in that range. A loop whose steps
-    /// repeat then maps, unmaps and waits for nothing. Requests that differ from the recorded
-    /// step are served as without marks; after two steps in a row with such misses, on
-    /// [`CachingAllocator::empty_cache`] and before an out-of-memory release, the plan is
-    /// dropped. [`MemoryStats`] counts marks, plans and hits. What the program computes does
-    /// not change, only where its blocks sit.
+    /// allocator and repeated the step before it (the same large requests in the same order;
+    /// growable segments only), that step's blocks are laid out once, one address range of the
+    /// layout's height is mapped (the one move, here), and from then on the j-th request of a
+    /// size in a step is served at the offset of the j-th request of that size in the laid-out
+    /// step. A loop whose steps repeat then maps, unmaps and waits for nothing. Requests that
+    /// differ from the recorded step are served as without marks; after two steps in a row
+    /// with such misses, on [`CachingAllocator::empty_cache`] and before an out-of-memory
+    /// release, the plan is dropped. [`MemoryStats`] counts marks, plans and hits. What the
+    /// program computes does not change, only where its blocks sit.
     ///
-    /// Measured on the simulator (`oomguard replay --steps`): VGG-16 from tch at 1,118 rows
-    /// (77.18 GiB live) on an 80 GiB card moved 10-24 GiB of pages a step without marks; with
-    /// them, nothing after the step the plan is installed at.
+    /// Measured on the simulator: VGG-16 from tch at 1,118 rows (77.18 GiB live, the step
+    /// recorded in `traces/tch_vgg16_b1118.trace.csv`) on an 80 GiB card moved 10-24 GiB of
+    /// pages a step without marks; with them, nothing once the plan is installed (at the third
+    /// mark), on one thread and with libtorch's autograd thread freeing the backward's blocks.
     pub fn mark_step(&self) {
         let mut st = self.lock();
         // the plan's map changes reserved bytes: an interval of its own (`peaks`)

@@ -10,7 +10,8 @@
 //! With step marks ([`crate::CachingAllocator::mark_step`], called by the glue's `train_step`
 //! or by a hand-written loop once per step), the allocator records each step's large requests:
 //! their order, sizes and lifetimes. When a step moved pages (or retried inside the
-//! allocator), it lays out that step's blocks once ([`super::static_layout`]: a fixed offset for
+//! allocator) and repeated the step before it (the same large requests in the same order), it
+//! lays out that step's blocks once ([`super::static_layout`]: a fixed offset for
 //! every block, no two live ones overlapping), maps one address range of the layout's height (a
 //! single move, at the step boundary) and serves the k-th large request of every later step at
 //! its offset. A step that repeats then maps, unmaps and waits for nothing.
@@ -74,6 +75,8 @@ pub(crate) struct Steps {
     requests: Vec<Request>,
     /// Live recorded blocks: their request index.
     open: FxHashMap<BlockId, u32>,
+    /// The previous step's large requests (size, stream), in order.
+    previous: Vec<(u64, StreamId)>,
     /// Requests of each (size, stream) recorded so far in this step.
     seen: FxHashMap<(u64, StreamId), u32>,
     clock: usize,
@@ -89,14 +92,42 @@ pub(crate) struct Steps {
 
 impl State {
     /// Serves a large request from the installed plan, when it is the request the plan expects
-    /// next and its offset is free: the block, split to `size`, not indexed.
-    pub fn plan_take(&mut self, pool: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
-        if pool.is_small() {
+    /// next and its offset is free: the block, split to `size`, not indexed. A request the
+    /// plan cannot serve (the step differs from the laid-out one) that the device could only
+    /// serve by moving pages drops the plan at once: its free blocks then serve best fit where
+    /// they are, with no page moved (`total`: the device's capacity).
+    pub fn plan_take(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        total: u64,
+    ) -> Option<BlockId> {
+        if pool.is_small() || self.steps.plan.is_none() {
             return None;
         }
-        // (a request the plan does not expect is a miss once it is served elsewhere: a request
-        // that fails, such as a cuDNN workspace probe, is not one)
-        let off = self.planned_offset(size, stream)?;
+        let taken = match self.planned_slot(size, stream) {
+            Some(Some(off)) => self.take_at(off, size),
+            Some(None) => return None, // served as before, as in the laid-out step
+            None => None,
+        };
+        if taken.is_none()
+            && self.under_pressure(size, total)
+            && self.free[pool as usize].best_fit(stream, size).is_none()
+            && size <= self.plan_free_pages()
+        {
+            // (a request no drop could serve, such as a cuDNN workspace probe larger than the
+            // plan's free pages, keeps the plan; a miss is counted once it is served elsewhere)
+            self.drop_plan();
+            self.steps.misses += 1;
+            self.stats.num_plan_misses += 1;
+        }
+        taken
+    }
+
+    /// The free block at `off` of the plan's range split to `size` (`None`: that range is
+    /// still held, by a block freed later than in the laid-out step).
+    fn take_at(&mut self, off: u64, size: u64) -> Option<BlockId> {
         let plan = self.steps.plan.as_ref()?;
         let (start, end) = (plan.base + off, plan.base + off + size);
         let mut at = Some(self.segs[plan.seg].first);
@@ -106,12 +137,10 @@ impl State {
             }
             at = self.blocks[id].next;
         }
-        let Some(mut id) = at.filter(|&id| {
+        let mut id = at.filter(|&id| {
             let b = &self.blocks[id];
             b.is_free() && b.addr <= start && b.end() >= end
-        }) else {
-            return None; // its offset is still held (freed later than in the recorded step)
-        };
+        })?;
         if self.blocks[id].addr < start {
             id = self.split_at(id, start);
         }
@@ -120,11 +149,6 @@ impl State {
         }
         self.stats.num_plan_hits += 1;
         Some(id)
-    }
-
-    /// The plan's offset for the next request of `size` on `stream`, if it has one.
-    fn planned_offset(&self, size: u64, stream: StreamId) -> Option<u64> {
-        self.planned_slot(size, stream).flatten()
     }
 
     /// What the plan holds for the next request of `size` on `stream`: `None` when the
@@ -188,13 +212,26 @@ impl State {
                 }
             } else {
                 let moved = self.steps.moved_before_empty || self.moved_since_mark();
-                if moved && self.growable {
+                // Only a step that repeats the one before it is laid out: a first step (the
+                // optimizer's state made, cuDNN's algorithms probed) or one with a failed
+                // attempt and its retry would give a plan the next steps miss.
+                let repeats = self.steps.previous.len() == self.steps.requests.len()
+                    && self
+                        .steps
+                        .previous
+                        .iter()
+                        .zip(&self.steps.requests)
+                        .all(|(&(size, stream), r)| size == r.size && stream == r.stream);
+                if moved && repeats && self.growable && self.cfg.step_plans {
                     self.install_plan(backend, total);
                 }
             }
         }
         let s = &mut self.steps;
         s.on = true;
+        s.previous.clear();
+        s.previous
+            .extend(s.requests.iter().map(|r| (r.size, r.stream)));
         s.requests.clear();
         s.open.clear();
         s.seen.clear();

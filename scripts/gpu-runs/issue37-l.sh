@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# issue 37, run L (an H100): step plans. VGG-16 (tch::vision) plain steps at 1,099 rows (the
+# largest batch expandable segments ran, run 44) under oomguard with marked steps, expandable
+# segments, and oomguard without marks (the before), alternated, two rounds; then train_step
+# at 2 x 1,099 (the engine marks its steps) under oomguard and expandable segments.
+cd "$(dirname "$0")/bin"; out=${OUT:-/tmp}
+for f in *.xz; do [ -e "$f" ] && xz -d -f "$f"; done; chmod +x * 2>/dev/null
+TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
+export LD_LIBRARY_PATH=$TL:${LD_LIBRARY_PATH:-}
+log=$out/run-l.txt; : > "$log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+date -u | tee -a "$log"
+conv() { # ENV... -- ARGS
+  local envs=(); while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+  echo "=== ${envs[*]} $*" | tee -a "$log"
+  env -u PYTORCH_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF "${envs[@]}" timeout 200 ./tch_convnet "$@" 2>&1 | grep -E "^(RESULT|OOM|STEP)|tch_convnet:" | cut -c1-700 | tee -a "$log"
+}
+for round in 1 2; do
+  conv -- --allocator oomguard --batch 1099 --steps 8 --warmup 2
+  conv PYTORCH_ALLOC_CONF=expandable_segments:True -- --batch 1099 --steps 8 --warmup 2
+  [ $round = 1 ] && conv -- --allocator oomguard --batch 1099 --steps 8 --warmup 2 --no-mark-steps
+done
+conv -- --allocator oomguard --batch 1099 --steps 5 --warmup 1 --oom 2
+conv PYTORCH_ALLOC_CONF=expandable_segments:True -- --batch 1099 --steps 5 --warmup 1 --oom 2
+date -u | tee -a "$log"
