@@ -170,6 +170,7 @@ fn run_probing(
             }
         }
         out.push(moves_between(&before, &a.stats()));
+        a.check_invariants().unwrap();
     }
     drop(tx);
     if let Some(w) = worker {

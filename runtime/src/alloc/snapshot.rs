@@ -63,7 +63,8 @@ impl CachingAllocator {
 
     /// Checks every internal invariant; `Err` describes the first violation. For tests and
     /// fuzzing: blocks tile their segments, neighbours link both ways, no two free neighbours of
-    /// the same mapped state, free blocks indexed exactly once, statistics equal a recount.
+    /// the same mapped state, free blocks indexed exactly once (those of a step plan's range in
+    /// no index), statistics equal a recount.
     #[doc(hidden)]
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut st = self.lock();
@@ -274,6 +275,17 @@ impl State {
                         Some(s) if s.state == SlotState::Cached && b.mapped => {}
                         _ => return Err(format!("lent block {id} has no slot in use")),
                     },
+                    BlockState::Free if b.seg == self.planned_seg => {
+                        // a step plan's range: found by offset, in no index, always mapped
+                        let listed = self.free[b.pool as usize]
+                            .contains(b.stream, b.size, b.addr, id)
+                            || self.unmapped[b.pool as usize].contains(&(b.stream, b.addr, id));
+                        if listed || !b.mapped {
+                            return Err(format!(
+                                "free block {id} of the plan's range is indexed or unmapped"
+                            ));
+                        }
+                    }
                     BlockState::Free => {
                         let indexed = if b.mapped {
                             self.free[b.pool as usize].contains(b.stream, b.size, b.addr, id)
@@ -314,7 +326,11 @@ impl State {
             + self.free[1].len()
             + self.unmapped[0].len()
             + self.unmapped[1].len();
-        let free_blocks = self.blocks.iter().filter(|(_, b)| b.is_free()).count();
+        let free_blocks = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.is_free() && b.seg != self.planned_seg)
+            .count();
         let parked = self
             .blocks
             .iter()

@@ -148,7 +148,8 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
-    /// A training step starts (the retry engine calls it at the start of every step it runs):
+    /// A training step starts (the retry engine calls it at the start of every step it runs on
+    /// a source: `RetryEngine::run`, `run_step`, `begin`, and so every `train_step`):
     /// a source that can serve a repeating step from a fixed layout records and plans here
     /// ([`Device::mark_step`]). Default: nothing.
     fn mark_step(&self) {}
