@@ -405,3 +405,59 @@ fn pass_through_stays_a_pass_through_on_two_threads() {
         a.check_invariants().unwrap();
     }
 }
+
+/// A thread parks the one large block it allocated and freed last (an alloc+free pair then
+/// takes no shared lock), but before any large block is placed at the shared state every
+/// parked one is merged back: another thread's request sees the free space it would see
+/// without parking (here: the same address, no new page), and a step mark stops parking.
+#[test]
+fn a_parked_large_block_is_merged_before_any_large_placement() {
+    const MIB: u64 = 1 << 20;
+    let sim = SimDevice::new(ByteSize::gib(4));
+    let a = Arc::new(CachingAllocator::new(
+        Arc::new(sim),
+        AllocatorConfig::parse("expandable_segments:True").unwrap(),
+    ));
+    // a second thread makes the allocator multi-thread (thread caches)
+    let other = Arc::clone(&a);
+    std::thread::spawn(move || other.free(other.allocate(512, 0).unwrap()).unwrap())
+        .join()
+        .unwrap();
+    // the pair on this thread: the block is parked in this thread's cache
+    let x = a.allocate(64 * MIB, 0).unwrap();
+    let at = x.ptr;
+    a.free(x).unwrap();
+    let x = a.allocate(64 * MIB, 0).unwrap();
+    assert_eq!(x.ptr, at, "served again from this thread's cache");
+    a.free(x).unwrap();
+    let reserved = a.stats().reserved_bytes.large.current;
+    // another thread's larger request: placed after the parked block is merged, in its space
+    let other = Arc::clone(&a);
+    let got = std::thread::spawn(move || {
+        let y = other.allocate(96 * MIB, 0).unwrap();
+        let p = y.ptr;
+        other.free(y).unwrap();
+        p
+    })
+    .join()
+    .unwrap();
+    assert_eq!(got, at, "the parked block's space served the other thread");
+    assert_eq!(
+        a.stats().reserved_bytes.large.current,
+        reserved.max(96 * MIB),
+        "only the 32 MiB the larger request lacked were mapped"
+    );
+    a.check_invariants().unwrap();
+    // after a step mark nothing large is parked: a pair's free merges at once
+    a.mark_step();
+    let x = a.allocate(64 * MIB, 0).unwrap();
+    a.free(x).unwrap();
+    let snap = a.snapshot();
+    let free_large: usize = snap
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.size >= 64 * MIB && b.status == oomguard_runtime::alloc::BlockStatus::Free)
+        .count();
+    assert_eq!(free_large, 1, "one merged free block: {snap:?}");
+    a.check_invariants().unwrap();
+}

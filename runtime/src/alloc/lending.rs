@@ -57,6 +57,11 @@ impl CachingAllocator {
     ) -> Result<Allocation, Error> {
         // before the shared state changes anything: keeps peaks exact for one thread (`peaks`)
         self.sync_own_cache(&mut st);
+        if !pool.is_small() && self.parked_large.load(Relaxed) > 0 {
+            // Large blocks parked by any thread are merged before a large block is placed: best
+            // fit then sees the free space it would see without them.
+            self.return_parked_large(&mut st);
+        }
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
         }
@@ -163,6 +168,7 @@ impl CachingAllocator {
                 index as u32,
                 self.orphans.clone(),
                 self.live.clone(),
+                self.parked_large.clone(),
             ));
             if !thread_cache::set_thread_cache(self.id, c.clone()) {
                 return None;
@@ -193,20 +199,22 @@ impl CachingAllocator {
     #[track_caller]
     pub(super) fn free_cached(&self, a: Allocation) -> Result<(), Error> {
         if a.owner == self.id && !a.is_borrowed() {
-            let park = |c: &ThreadCache| {
+            // (a large block parks only in the cache of the thread that frees it, while no step
+            // is marked: a step plan records every large request at the shared state)
+            let park = |c: &ThreadCache, own: bool| {
                 let mut cs = c.state.lock();
                 // checked under the cache's lock: caching stops before the caches are drained
                 self.caching.load(Relaxed)
                     && cs.is_live(a.block, a.generation, a.ptr)
-                    && cs.park(a.block)
+                    && cs.park(a.block, own && self.park_large.load(Relaxed))
             };
             let own = thread_cache::with_thread_cache(self.id, |c| {
-                (c.index + 1 == a.cache).then(|| park(c))
+                (c.index + 1 == a.cache).then(|| park(c, true))
             })
             .flatten();
             let parked = match own {
                 Some(p) => p,
-                None => self.cache_at(a.cache).is_some_and(|c| park(&c)),
+                None => self.cache_at(a.cache).is_some_and(|c| park(&c, false)),
             };
             if parked {
                 return Ok(());
@@ -348,6 +356,24 @@ impl CachingAllocator {
         thread_cache::with_thread_cache(self.id, |c| {
             st.sync_cache(c.index, &mut c.state.lock(), true)
         });
+    }
+
+    /// Returns every cache's parked large block to the shared state, merged and indexed.
+    fn return_parked_large(&self, st: &mut State) {
+        let own = self.own_cache_index();
+        for c in self.cache_list() {
+            let mut cs = c.state.lock();
+            if cs.large.is_none() {
+                continue;
+            }
+            let is_own = own == Some(c.index);
+            st.sync_cache(c.index, &mut cs, is_own);
+            if let Some(i) = cs.take_large() {
+                let slot = cs.vacate(i);
+                st.unpark(slot.block);
+            }
+            st.sync_cache(c.index, &mut cs, is_own);
+        }
     }
 
     /// The index of the calling thread's cache, if it has one.

@@ -164,6 +164,10 @@ pub struct CachingAllocator {
     /// Thread caches serve allocations and frees (multi-thread mode, no history, no statistics
     /// scope, not pass-through): read without the lock on the fast path.
     caching: AtomicBool,
+    /// A thread may park one large block it freed in its cache (until steps are marked).
+    park_large: AtomicBool,
+    /// Large blocks parked in the caches now (merged before any large block is placed).
+    parked_large: Arc<AtomicUsize>,
     /// Every thread's cache, by index (`None`: a vacated index).
     caches: RwLock<Vec<Option<Arc<ThreadCache>>>>,
     /// Generations for the caches, a range at a time.
@@ -221,6 +225,8 @@ impl CachingAllocator {
             id: NEXT_ALLOCATOR_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             observers: Mutex::new(Vec::new()),
             caching: AtomicBool::new(false),
+            park_large: AtomicBool::new(true),
+            parked_large: Arc::default(),
             caches: RwLock::new(Vec::new()),
             generations: AtomicU64::new(thread_cache::CACHE_GENERATIONS),
             orphans: Arc::new(AtomicUsize::new(0)),
@@ -417,6 +423,10 @@ impl CachingAllocator {
         let mut st = self.lock();
         // the plan's map changes reserved bytes: an interval of its own (`peaks`)
         self.fold_caches(&mut st);
+        if self.park_large.swap(false, Relaxed) {
+            // from now on every large request and free reaches the shared state (recorded)
+            self.drain_all_caches(&mut st);
+        }
         st.mark_step(&*self.backend, self.total);
         self.fold_caches(&mut st);
     }

@@ -15,8 +15,11 @@
 //!   block to the shared state under its lock. Large blocks are merged there as in one-thread
 //!   mode: parked at their exact size they were out of reach of merging and best fit, and a
 //!   loop whose blocks are freed on another thread than the one that made them (libtorch's
-//!   autograd engine) reserved 1.2-1.4 × what it did with them merged. Their cost: large
-//!   alloc+free pairs from several threads at once wait for the shared lock (docs/BENCHMARKS.md).
+//!   autograd engine) reserved 1.2-1.4 × what it did with them merged. One exception keeps
+//!   large alloc+free pairs off the shared lock: a thread parks the one large block it last
+//!   freed itself (not another thread's), until its next large request reaches the shared
+//!   state (which merges it first), a miss under pressure, or the first step mark (a step plan
+//!   sees every large request).
 //!
 //! Invariants:
 //! - a lent block (`BlockState::Lent`) belongs to exactly one cache slot, which says whether it
@@ -110,6 +113,12 @@ pub(crate) struct CacheState {
     pub highs: [u64; CACHE_STATS],
     /// The allocator's count of allocated bytes in one order (see `peaks`).
     pub live_bytes: Arc<LiveBytes>,
+    /// The one large block parked (freed by the owning thread itself; see [`CacheState::park`]).
+    pub large: Option<u32>,
+    /// The large slot handed out last.
+    last_large: Option<u32>,
+    /// Large blocks parked in every cache of the allocator (shared by them).
+    pub parked_large: Arc<AtomicUsize>,
     /// The owning thread has exited: frees return blocks to the shared state.
     pub owner_gone: bool,
     /// The allocator has drained this orphan's cached blocks.
@@ -131,11 +140,17 @@ pub(crate) struct ThreadCache {
 }
 
 impl ThreadCache {
-    pub fn new(index: u32, orphans: Arc<AtomicUsize>, live: Arc<LiveBytes>) -> Self {
+    pub fn new(
+        index: u32,
+        orphans: Arc<AtomicUsize>,
+        live: Arc<LiveBytes>,
+        parked_large: Arc<AtomicUsize>,
+    ) -> Self {
         Self {
             index,
             state: Mutex::new(CacheState {
                 live_bytes: live,
+                parked_large,
                 ..CacheState::default()
             }),
             orphans,
@@ -193,6 +208,10 @@ impl CacheState {
     ) -> Option<u32> {
         let i = self.lists.get_mut(&(stream, size))?.pop()?;
         self.cached -= 1;
+        if self.large == Some(i) {
+            self.large = None;
+            self.parked_large.fetch_sub(1, Ordering::Relaxed);
+        }
         let s = &self.slots[i as usize];
         let (small, split) = (s.small, s.split);
         if split {
@@ -212,6 +231,9 @@ impl CacheState {
         s.generation = g;
         s.requested = requested;
         let (small, size, oversize) = (s.small, s.size, s.oversize);
+        if !small {
+            self.last_large = Some(i);
+        }
         self.live_bytes.add(size);
         self.stats.allocated(small, size, requested, oversize);
     }
@@ -225,17 +247,27 @@ impl CacheState {
     }
 
     /// The fast free: parks allocated slot `i` when it may be (`false`: the caller returns the
-    /// block to the shared state instead). Only small blocks park. Large ones are merged on
-    /// free, as in single-thread mode (`park_or_release`): parked at their exact size they are
-    /// out of reach of merging and best fit, which raises fragmentation in fixed segments, and
-    /// in growable ones kept a loop whose blocks are freed on another thread (libtorch's
-    /// autograd engine frees the forward's activations) from settling: GPT-2 small in tch
-    /// reserved 20.2-22.1 GB with them parked, 16.5 GB merged (H100, docs/GPU.md runs 34-36).
+    /// block to the shared state instead). Small blocks park. Of large ones, only one per cache,
+    /// freed by the owning thread itself (`own_large`: the caller allows it), and only until
+    /// that thread's next large request reaches the shared state, which merges it first
+    /// ([`CacheState::take_large`]): an alloc+free pair of one size repeated on a thread then
+    /// takes no shared lock. Otherwise large blocks are merged on free, as in single-thread
+    /// mode (`park_or_release`): parked at their exact size they are out of reach of merging
+    /// and best fit, which raises fragmentation in fixed segments, and in growable ones kept a
+    /// loop whose blocks are freed on another thread (libtorch's autograd engine frees the
+    /// forward's activations) from settling: GPT-2 small in tch reserved 20.2-22.1 GB with them
+    /// parked, 16.5 GB merged (H100, docs/GPU.md runs 34-36).
     #[inline]
-    pub fn park(&mut self, i: u32) -> bool {
+    pub fn park(&mut self, i: u32, own_large: bool) -> bool {
         let s = &self.slots[i as usize];
-        if !s.small || !s.other_streams.is_empty() || self.owner_gone {
+        // (only a pair: the large block handed out last, freed by its thread before another)
+        let large_ok = own_large && self.large.is_none() && self.last_large == Some(i);
+        if (!s.small && !large_ok) || !s.other_streams.is_empty() || self.owner_gone {
             return false;
+        }
+        if !s.small {
+            self.large = Some(i);
+            self.parked_large.fetch_add(1, Ordering::Relaxed);
         }
         let (small, size, split, oversize, req) =
             (s.small, s.size, s.split, s.oversize, s.requested);
@@ -257,9 +289,25 @@ impl CacheState {
         true
     }
 
+    /// Takes the parked large slot out of its list, if there is one: the caller returns its
+    /// block to the shared state.
+    pub fn take_large(&mut self) -> Option<u32> {
+        let i = self.large.take()?;
+        self.parked_large.fetch_sub(1, Ordering::Relaxed);
+        let s = &self.slots[i as usize];
+        if let Some(list) = self.lists.get_mut(&(s.stream, s.size)) {
+            list.retain(|&j| j != i);
+        }
+        self.cached -= 1;
+        Some(i)
+    }
+
     /// Takes every cached slot out of the lists (emptied for reuse): the caller returns their
     /// blocks to the shared state.
     pub fn drain_cached(&mut self) -> Vec<u32> {
+        if self.large.take().is_some() {
+            self.parked_large.fetch_sub(1, Ordering::Relaxed);
+        }
         let mut out = Vec::with_capacity(self.cached);
         for list in self.lists.values_mut() {
             out.append(list);
