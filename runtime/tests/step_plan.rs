@@ -374,3 +374,18 @@ fn the_retry_engine_marks_each_step_it_runs() {
     }
     assert_eq!(dev.stats().num_step_marks, 3);
 }
+
+#[test]
+fn with_step_plans_off_marks_are_only_counted() {
+    let step = vgg_step();
+    let a = Arc::new(CachingAllocator::new(
+        Arc::new(SimDevice::new(ByteSize(80 * GIB))),
+        AllocatorConfig::parse("expandable_segments:True,step_plans:False").unwrap(),
+    ));
+    let moves = run(&a, &step, 5, true, false);
+    assert!(moves[2..].iter().any(|m| m.unmapped > 0), "{moves:?}");
+    let s = a.stats();
+    assert_eq!(s.num_step_marks, 5);
+    assert_eq!(s.num_plans_installed + s.num_plans_refused, 0);
+    assert_eq!(s.num_plan_hits + s.num_plan_misses, 0);
+}

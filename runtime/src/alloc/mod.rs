@@ -423,7 +423,7 @@ impl CachingAllocator {
         let mut st = self.lock();
         // the plan's map changes reserved bytes: an interval of its own (`peaks`)
         self.fold_caches(&mut st);
-        if self.park_large.swap(false, Relaxed) {
+        if st.plans_possible() && self.park_large.swap(false, Relaxed) {
             // from now on every large request and free reaches the shared state (recorded)
             self.drain_all_caches(&mut st);
         }

@@ -222,13 +222,14 @@ impl State {
                         .iter()
                         .zip(&self.steps.requests)
                         .all(|(&(size, stream), r)| size == r.size && stream == r.stream);
-                if moved && repeats && self.growable && self.cfg.step_plans {
+                if moved && repeats {
                     self.install_plan(backend, total);
                 }
             }
         }
+        let on = self.plans_possible();
         let s = &mut self.steps;
-        s.on = true;
+        s.on = on;
         s.previous.clear();
         s.previous
             .extend(s.requests.iter().map(|r| (r.size, r.stream)));
@@ -242,6 +243,12 @@ impl State {
             self.stats.unmapped_bytes_total,
             self.stats.num_alloc_retries,
         );
+    }
+
+    /// Whether marked steps can get a plan (growable segments, `step_plans` on): otherwise marks
+    /// are only counted and nothing is recorded.
+    pub fn plans_possible(&self) -> bool {
+        self.growable && self.cfg.step_plans
     }
 
     fn moved_since_mark(&self) -> bool {
