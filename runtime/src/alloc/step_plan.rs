@@ -7,21 +7,24 @@
 //! every step (a VGG-16 step at 77.2 GiB live on an 80 GiB card moved 10-24 GiB a step, with
 //! synchronisations, whether one thread or libtorch's autograd thread freed the blocks).
 //!
-//! With step marks ([`crate::CachingAllocator::mark_step`], called by the glue's `train_step`
-//! or by a hand-written loop once per step), the allocator records each step's large requests:
+//! With step marks ([`crate::CachingAllocator::mark_step`], called by the retry engine at each
+//! step it runs, so by every `train_step`, or by a hand-written loop once per step), the
+//! allocator records each step's large requests:
 //! their order, sizes and lifetimes. When a step moved pages (or retried inside the
 //! allocator) and repeated the step before it (the same large requests in the same order), it
 //! lays out that step's blocks once ([`super::static_layout`]: a fixed offset for
 //! every block, no two live ones overlapping), maps one address range of the layout's height (a
-//! single move, at the step boundary) and serves the k-th large request of every later step at
-//! its offset. A step that repeats then maps, unmaps and waits for nothing.
+//! single move, at the step boundary) and serves the j-th request of each size in every later
+//! step at the offset of the j-th one in the laid-out step. A step that repeats then maps,
+//! unmaps and waits for nothing.
 //!
 //! The plan's range is outside best fit: its free blocks are not indexed, so no other request
-//! takes a planned offset. A request that does not match the plan (another size, another
-//! stream, its offset still held) is served as before, outside the range, and counted as a
-//! miss; after two steps in a row with misses the plan is dropped, as it is on `empty_cache`
-//! and before an out-of-memory release (its free pages then become ordinary free pages).
-//! Nothing a program computes changes: only where its blocks sit.
+//! takes a planned offset. A request that does not match the plan (a size it does not expect,
+//! its offset still held) is served as before, outside the range, and counted as a miss; after
+//! two steps in a row with misses the plan is dropped, as it is on `empty_cache`, before an
+//! out-of-memory release, and at once when such a request could only be served by moving pages
+//! (its free blocks then serve best fit where they are). Nothing a program computes changes:
+//! only where its blocks sit.
 
 use rustc_hash::FxHashMap;
 
@@ -31,9 +34,9 @@ use super::state::State;
 use super::static_layout::{plan_static_layout, LifeSpan};
 use crate::backend::{Backend, StreamId};
 
-/// Block orders tried for a step's layout: VGG-16's 127 large blocks at 1,118 rows laid out in
-/// 1.0016 × peak live over 300 orders, 1.0021 × over 64 (`oomguard layout`); each try is
-/// quadratic in the step's large blocks, well under a millisecond for such a step.
+/// Block orders tried for a step's layout: VGG-16's step at 1,118 rows lays out in 1.0016 × its
+/// peak live bytes over 64 orders as over 300 (`oomguard layout --tries`); each try is
+/// quadratic in the step's large blocks (127 here).
 const LAYOUT_TRIES: u32 = 64;
 
 /// Planned steps in a row with a miss after which the plan is dropped.
@@ -70,7 +73,7 @@ struct Plan {
 /// Step marks, the recording of the current step and the installed plan.
 #[derive(Debug, Default)]
 pub(crate) struct Steps {
-    /// `mark_step` was called: large requests are recorded.
+    /// Steps are marked and a plan is possible: large requests are recorded.
     pub on: bool,
     requests: Vec<Request>,
     /// Live recorded blocks: their request index.
