@@ -12,6 +12,11 @@
 //! - [`train`]: the framework-free part of the framework crates' training steps (outcome,
 //!   errors, row and loss checks, refusal rules).
 //!
+//! [`source`] sits with the guards, [`export`] with the device; `tests/layers.rs` fails on any
+//! `crate::` path that names a layer above the module's own (the exceptions of today, `Error`
+//! holding the retry and leak reports and `Device` holding the guards' tracker, are listed
+//! there).
+//!
 //! ```
 //! use oomguard_runtime::{Device, ByteSize};
 //! let dev = Device::sim(ByteSize::gib(1));
