@@ -814,3 +814,52 @@ fn a_split_step_leaves_room_for_the_accumulated_gradients() {
     // more to hold than the step's rows leave: one row, never zero
     assert_eq!(train_report(None, Some(1 << 40)).micro_batch_for(200), 1);
 }
+
+/// oomguard's growable segments serve any request from their free pages (they move), so the
+/// finder keeps their cache between trials rather than unmapping every page for the next trial
+/// to map again: the pages are mapped about once over the whole search. Fixed segments (whose
+/// free segments serve only what fits them) are still emptied before each trial.
+#[test]
+fn a_growable_cache_is_kept_between_trials_a_fixed_one_emptied() {
+    let run = |cfg: &str| {
+        let dev = Device::new(
+            SimDevice::new(ByteSize::mib(1024)),
+            AllocatorConfig::parse(cfg).unwrap(),
+        );
+        let report = find_max_batch(&dev, FinderOptions::default(), |rows| {
+            let _ws = dev.alloc::<u8>(16 << 20)?;
+            let _acts = dev.alloc::<u8>(rows << 20)?;
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+        (report, dev.stats())
+    };
+    let (report, s) = run("expandable_segments:True");
+    let held = |t: &oomguard_runtime::retry::Trial| t.reserved_peak_bytes;
+    let most = report
+        .trials
+        .iter()
+        .chain(&report.verification)
+        .map(held)
+        .max()
+        .unwrap();
+    let runs = report.trials.len() + report.verification.len();
+    assert!(runs >= 3, "{report}");
+    assert!(
+        s.mapped_bytes_total <= most + (64 << 20),
+        "{} B mapped over {runs} trials, at most {most} B held in one: {report}",
+        s.mapped_bytes_total
+    );
+    assert!(
+        report.max_batch >= 990 && report.max_batch <= 1008,
+        "{report}"
+    );
+    // fixed segments: a segment per trial's blocks, freed by the empty before the next trial
+    let (report, s) = run("expandable_segments:False");
+    let runs = (report.trials.len() + report.verification.len()) as u64;
+    assert!(
+        s.segment.all.freed >= runs,
+        "{} segments freed over {runs} trials: {report}",
+        s.segment.all.freed
+    );
+}

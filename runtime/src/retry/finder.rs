@@ -81,8 +81,9 @@ pub struct Trial {
     /// Peak bytes allocated during the trial's steps above what was allocated before them;
     /// `None`: out of memory.
     pub peak_bytes: Option<u64>,
-    /// Peak bytes the source held (used plus cached) during the steps, above what it held
-    /// before them (how much more than `peak_bytes` the source needed: fragmentation, rounding).
+    /// Peak bytes the source held (used plus cached) during the steps, above what was in use
+    /// before them (how much more than `peak_bytes` the source needed: fragmentation, rounding,
+    /// and a cache kept from the trials before).
     pub reserved_peak_bytes: u64,
     /// Step runs the trial made (fewer than `steps_per_trial` when one ran out of memory; more
     /// in a verification extended while held memory was still rising).
@@ -473,10 +474,11 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
     let before = device.usage()?;
     let out = f();
     let after = device.usage()?;
+    // (held: above what was in use before, so that memory a kept cache already held counts)
     Ok((
         out,
         after.used_peak.saturating_sub(before.used),
-        after.reserved_peak.saturating_sub(before.reserved),
+        after.reserved_peak.saturating_sub(before.used),
     ))
 }
 
@@ -505,7 +507,10 @@ fn held_rise(held: &[u64]) -> u64 {
 /// default, so 4 trials are 8 step runs; [`FinderReport::step_runs`] counts them), and a size
 /// fits only when all of them ran, so the batch found holds for consecutive steps on the
 /// source measured, not only for one step from an emptied cache
-/// ([`FinderReport::safe_for`] says so). The cache is emptied before each trial and at the end.
+/// ([`FinderReport::safe_for`] says so). The cache is emptied before the search and at the end,
+/// and before each trial when the source asks for it after an out-of-memory
+/// ([`MemorySource::retry_empties_cache`]: fixed segments, libtorch's and the driver's caches;
+/// not oomguard's growable segments, whose free pages move to any request).
 /// Then the batch found runs [`FinderOptions::verify_steps`] consecutive steps (32 by default;
 /// one more run, not counted in [`FinderReport::runs`]), and goes on, up to
 /// [`VERIFY_EXTENSION`] times as many, while the most memory the source held still rose over the
@@ -609,7 +614,13 @@ where
                    extend_to: u32,
                    trials: &mut Vec<Trial>|
      -> Result<Option<u64>, FinderError<E>> {
-        device.empty_cache()?;
+        // A cache whose free memory serves any request (oomguard's growable segments move pages
+        // to where a request needs them) is kept between trials: emptying it only unmapped
+        // every page for the next trial to map again (2 MiB at a time: 63 s for 11 trials on an
+        // H100 where libtorch's 20 MiB pages took 25.5 s for 10, docs/GPU.md run 55).
+        if device.retry_empties_cache() {
+            device.empty_cache()?;
+        }
         let t0 = Instant::now();
         let mut steps = 0;
         let mut inner = None;
