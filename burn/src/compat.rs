@@ -11,7 +11,7 @@
 //!
 //! Why 0.21.0: burn 0.22.1's `cuda` feature needs cubecl-llvm, whose build script downloads an
 //! LLVM bundle, so it cannot be built offline; 0.21.0 (cubecl-cuda 0.10.0, cudarc 0.19.10) builds
-//! offline and ran on the H100 (issue 25).
+//! offline and ran on the H100 (docs/GPU.md, burn's runs).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

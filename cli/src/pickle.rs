@@ -9,7 +9,7 @@
 //! Malformed or truncated input is an error naming the byte offset of the opcode; nothing panics
 //! and no length read from the input is trusted before it is checked against the input's size.
 //!
-//! Hostile input (issue 17) is bounded in stack, time and memory:
+//! Hostile input (a snapshot is a pickle: anyone's file) is bounded in stack, time and memory:
 //! - **No recursion anywhere.** Tuples live in the heap like lists, so a [`Value`] never owns
 //!   another value and nothing (drop, clone, comparison, the snapshot reader) recurses: a 1 MB
 //!   pickle of 10^6 nested tuples decodes in constant stack (it aborted with a stack overflow

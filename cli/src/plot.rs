@@ -293,7 +293,7 @@ mod tests {
     }
 
     /// `plot --capacity`: the capacity is a line on the bytes panel when it is near the data,
-    /// and named when it is far above (issue 26).
+    /// and named when it is far above.
     #[test]
     fn the_capacity_is_drawn() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../traces/resnet50.trace.csv");

@@ -108,7 +108,7 @@ pub struct AllocatorConfig {
     /// may exceed live memory while the card has room, as PyTorch's expandable segments do.
     /// Lower values keep reserved memory closer to live memory by moving pages sooner (past
     /// the higher of that share and the high-water mark of reserved memory); `0` moves them
-    /// before reserved memory passes its high-water mark (the default before issue 31). Figures
+    /// before reserved memory passes its high-water mark (the tight mode). Figures
     /// (docs/BENCHMARKS.md, "One default allocator"): without a memory limit, peak reserved /
     /// peak live on the recorded traces resnet50 / gpt2 / vit_b16 / bert_infer is 1.026 / 1.088 /
     /// 1.041 / 1.239 by default and 1.003 / 1.013 / 1.005 / 1.022 with 0, while the smallest
@@ -553,7 +553,7 @@ mod tests {
                 "roundup_power2_divisions",
                 "power of two",
             ),
-            // (intervals in any order are accepted, as in PyTorch: issue 16 point 11)
+            // (intervals in any order are accepted, as in PyTorch)
             (
                 "roundup_power2_divisions:[4:1,2:3]",
                 "roundup_power2_divisions",

@@ -226,7 +226,7 @@ mod tests {
     #[test]
     fn the_largest_sizes_print_and_parse_back() {
         // found by the fuzz harness: u64::MAX printed as "16777216.00 TiB" did not parse; now
-        // sizes above u64::MAX are errors (issue 16), and the largest ones print rounded down
+        // sizes above u64::MAX are errors, and the largest ones print rounded down
         let s = ByteSize(u64::MAX).to_string();
         assert_eq!(s, "16777215.99 TiB");
         let back = s.parse::<ByteSize>().unwrap();

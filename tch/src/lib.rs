@@ -48,7 +48,8 @@
 //! lives and restores after; with `backend:cudaMallocAsync` libtorch's allocator is CUDA's pool
 //! ([`cuda_allocator::AllocatorInfo::name`] says `"cudaMallocAsync"`), which records no history:
 //! [`memory_history::record_history`] returns libtorch's error. Under a pluggable allocator
-//! (issue 33 item 4) the statistics are that allocator's, or an error where it has none.
+//! (oomguard's, after [`allocator::install`]) the statistics are that allocator's, or an error
+//! where it has none.
 //!
 //! ```no_run
 //! use oomguard::source::{guards::UsageLeakCheck, MemorySource};

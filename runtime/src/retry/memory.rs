@@ -709,9 +709,8 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
     }
 
-    /// Point 9 of issue 26: writers wait at a stale lock, all judge it stale before any of them
-    /// acts (the hook), and still exactly one holds the lock at any time; the lock of a live
-    /// owner is never deleted.
+    /// Writers wait at a stale lock, all judge it stale before any of them acts (the hook), and
+    /// still exactly one holds the lock at any time; the lock of a live owner is never deleted.
     #[test]
     fn a_stale_lock_is_taken_over_by_exactly_one_writer() {
         use std::sync::atomic::{AtomicUsize, Ordering};

@@ -4,7 +4,8 @@
 //! driver below records every call and flags any use of a destroyed pool, and any destruction
 //! of a pool that has been current).
 //!
-//! Rules (issue 26, points 2 and 8):
+//! Rules (so that nested and overlapping budgets each cap what they promise, and none outlives
+//! its guard):
 //! - every live budget has its own capped pool; the pool *in force* (current on the device) is
 //!   the one of the live budget with the smallest limit (the newest among equals), or, with no
 //!   budget live, the *base* pool: the pool that was current when the first budget was made, or

@@ -224,7 +224,7 @@ impl CudaBackend {
     /// in physical handles of `handle_bytes` each (a multiple of [`Backend::granularity`]) into
     /// an address range of its own and unmaps it again, returning the wall times of the two
     /// halves. The allocator's own pages are not touched. `cli/benches/page_moves.rs`
-    /// compares 2 MiB and 20 MiB handles with it (issue 31).
+    /// compares 2 MiB and 20 MiB handles with it (docs/BENCHMARKS.md has the figures).
     pub fn measure_map_cost(
         &self,
         bytes: u64,
