@@ -15,12 +15,12 @@ use std::time::{Duration, Instant};
 use super::classify::{IsOom, OomRequest};
 use super::clock::{Clock, SystemClock};
 use super::consensus::{Consensus, ConsensusError, SingleProcess};
+use super::decision::{self, Facts, Outcome, Settled, FATAL, OK};
 use super::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
 use super::plan::{BatchPlan, Chunk};
 use super::policy::{training_policy, Pressure, RetryContext, RetryPolicy};
 use super::report::{
     AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
-    StopReason,
 };
 use super::thrash::{Observed, SpeedAction, SpeedBook, ThrashDetector};
 use crate::source::{Churn, MemorySource};
@@ -892,11 +892,6 @@ impl Target {
 /// cannot loop forever.
 pub const MAX_ATTEMPTS: u32 = 64;
 
-const OK: u64 = 0;
-const OOM: u64 = 1;
-const GIVE_UP: u64 = 2;
-const FATAL: u64 = 3;
-
 /// The state of a loop set up in full (every step but a first attempt that ran without one).
 struct FullLoop<E> {
     /// For a step that holds no device: the thread's device when its key was taken.
@@ -992,9 +987,9 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let mut too_large = None;
         // A step nested in the attempt committed: rerunning the attempt would commit it again.
         let nested_commit = result.is_err() && super::commit::commits() != self.commits_before;
-        let (status, proposal) = match &result {
-            Ok(_) => (OK, plan),
-            Err(_) if nested_commit => (FATAL, plan),
+        let outcome = match &result {
+            Ok(_) => Outcome::Ok,
+            Err(_) if nested_commit => Outcome::FailedAfterCommit,
             Err(e) if e.is_oom() => {
                 self.oom_count += 1;
                 let budget = e.is_budget_exceeded();
@@ -1005,74 +1000,45 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 // what the next attempt starts with, its frees run
                 self.report.held_bytes.push(self.target.held());
                 too_large = e.oom_request().filter(OomRequest::exceeds_capacity);
-                let in_use = e.oom_in_use();
-                let previous_too_large = std::mem::replace(
-                    &mut self.last_too_large,
-                    too_large.map(|r| (r, in_use, plan)),
-                );
-                let rose_now = matches!(self.report.held_bytes.as_slice(), [.., a, b] if b > a);
-                let stop =
-                    if self.engine.inner.stop_on_growth && rose_now && self.report.held_grew() {
-                        Some(StopReason::HeldGrew {
-                            held: self.report.held_bytes.clone(),
-                        })
-                    } else {
-                        match (too_large, previous_too_large) {
-                            (Some(r), Some((prev, prev_in_use, prev_plan)))
-                                if same_allocation_again(
-                                    (r.requested, in_use),
-                                    (prev.requested, prev_in_use),
-                                ) =>
-                            {
-                                Some(StopReason::TooLarge {
-                                    request: r,
-                                    plans: (prev_plan, plan),
-                                })
-                            }
-                            _ => None,
-                        }
-                    };
-                let next = if let Some(why) = stop {
-                    tracing::error!(
-                        target: "oomguard::retry",
-                        site = %self.report.site,
-                        "out of memory: {why}"
-                    );
-                    self.report.stopped = Some(why);
-                    None
-                } else if self.regrow.is_some() {
-                    Some(self.good)
-                } else if self.oom_count > MAX_ATTEMPTS {
-                    tracing::error!(
-                        target: "oomguard::retry",
-                        site = %self.report.site,
-                        "the policy retried {MAX_ATTEMPTS} times: giving up"
-                    );
-                    None
-                } else {
-                    // A budget, or a request larger than the whole, is not helped by emptying
-                    // the cache: the policy skips that retry.
-                    let pressure = if too_large.is_some() {
-                        Pressure::TooLarge
-                    } else if budget {
-                        Pressure::Budget
-                    } else {
-                        Pressure::Oom
-                    };
-                    let ctx = RetryContext::new(plan, self.batch, self.oom_count, pressure);
-                    self.engine
-                        .inner
-                        .policy
-                        .next_plan(&ctx)
-                        .and_then(|p| self.checked(p, plan))
-                };
-                match next {
-                    Some(p) => (OOM, p),
-                    None => (GIVE_UP, plan),
+                Outcome::Oom {
+                    budget,
+                    too_large,
+                    in_use: e.oom_in_use(),
                 }
             }
-            Err(_) => (FATAL, plan),
+            Err(_) => Outcome::Failed,
         };
+        let state = Facts {
+            plan,
+            batch: self.batch,
+            good: self.good,
+            regrowing: self.regrow.is_some(),
+            oom_count: self.oom_count,
+            held: &self.report.held_bytes,
+            stop_on_growth: self.engine.inner.stop_on_growth,
+            last_too_large: self.last_too_large,
+        };
+        let policy = &self.engine.inner.policy;
+        let vote = decision::vote(outcome, &state, |ctx| {
+            policy.next_plan(ctx).and_then(|p| self.checked(p, plan))
+        });
+        self.last_too_large = vote.last_too_large;
+        if let Some(why) = &vote.stop {
+            tracing::error!(
+                target: "oomguard::retry",
+                site = %self.report.site,
+                "out of memory: {why}"
+            );
+            self.report.stopped = Some(why.clone());
+        }
+        if vote.exhausted {
+            tracing::error!(
+                target: "oomguard::retry",
+                site = %self.report.site,
+                "the policy retried {MAX_ATTEMPTS} times: giving up"
+            );
+        }
+        let (status, proposal) = (vote.status, vote.proposal);
         let mut v = encode(status, &proposal, self.batch);
         if let Err(e) = self.engine.agree(&mut v) {
             self.done = true;
@@ -1089,7 +1055,8 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             self.device_addr = Device::thread_device_addr();
         }
 
-        if agreed_status == OK {
+        let settled = decision::settle(status, agreed_status);
+        if settled == Settled::Commit {
             let Ok(value) = result else {
                 unreachable!("status OK on all ranks means this rank succeeded")
             };
@@ -1126,7 +1093,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             }
             Err(e) => {
                 let text = e.to_string();
-                if status == FATAL {
+                if settled == Settled::Fatal {
                     self.done = true;
                     self.report.final_plan = plan;
                     self.report.elapsed = now.saturating_duration_since(self.started);
@@ -1166,7 +1133,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 (AttemptOutcome::Oom, Some(text), Some(e))
             }
         };
-        let continuing = agreed_status == OOM;
+        let continuing = settled == Settled::Retry;
         self.report.attempts.push(AttemptRecord {
             plan,
             outcome,
@@ -1195,9 +1162,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 "out of memory: giving up"
             );
             let report = Box::new(self.report.clone());
-            let peer = agreed_status == FATAL
-                || (agreed_status == GIVE_UP && status != GIVE_UP && status != OOM);
-            return ControlFlow::Break(Err(if peer {
+            return ControlFlow::Break(Err(if settled == Settled::PeerFailed {
                 RetryError::PeerFailed { report }
             } else {
                 RetryError::GaveUp {
@@ -1568,27 +1533,6 @@ fn thread_churn() -> ChurnMark {
     };
     churn.alloc_retries = crate::alloc::thread_alloc_retries();
     ChurnMark { device, churn }
-}
-
-/// Whether a request larger than the whole capacity that failed after a smaller plan
-/// (`(bytes, in use when it failed)`) is the one that failed before it, failing again: then it
-/// does not depend on the plan, and no plan can serve it.
-///
-/// The two failing requests need not be the same allocation: a step whose layers widen fails
-/// first on a narrow layer, then, its chunk halved, on a wider one. A larger request proves
-/// they differ (the allocation that failed before got past, so it shrank with the plan: keep
-/// splitting); a smaller one shrank. The same size is the same allocation unless another one
-/// happens to be exactly that much wider than the chunk is smaller; that one is reached only
-/// after the first got past, with its memory (or what followed it) in use, so the same size
-/// counts as the same allocation only with no more in use than at the first failure (the rows
-/// before a fixed weight shrink with the chunk; unknown in-use figures compare as equal).
-/// Keeping on splitting is bounded by the policy and [`MAX_ATTEMPTS`].
-fn same_allocation_again(now: (u64, Option<u64>), before: (u64, Option<u64>)) -> bool {
-    now.0 == before.0
-        && match (now.1, before.1) {
-            (Some(now), Some(before)) => now <= before,
-            _ => true,
-        }
 }
 
 /// `[status, u64::MAX - micro_batch, rows dropped]`: the max over ranks is the worst status and

@@ -56,6 +56,7 @@ mod classify_tch;
 mod clock;
 mod commit;
 mod consensus;
+mod decision;
 mod engine;
 mod finder;
 mod gradients;
