@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::classify::{IsOom, OomRequest};
 use super::clock::{Clock, SystemClock};
 use super::consensus::{Consensus, ConsensusError, SingleProcess};
-use super::decision::{self, Facts, Outcome, Settled, FATAL, OK};
+use super::decision::{self, Facts, Outcome, Settled, Status, FATAL, OK};
 use super::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
 use super::plan::{BatchPlan, Chunk};
 use super::policy::{training_policy, Pressure, RetryContext, RetryPolicy};
@@ -626,14 +626,14 @@ impl RetryEngine {
             regrow = None;
         }
         let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
-        let mut v = encode(OK, &plan, batch);
-        self.agree(&mut v).map_err(RetryError::Consensus)?;
-        if v[0] != OK {
+        let (status, agreed) = self
+            .agree_on(OK, plan, batch)
+            .map_err(RetryError::Consensus)?;
+        if status != OK {
             return Err(RetryError::Consensus(ConsensusError(
                 "another rank cannot start this step (an empty batch): every rank stops".into(),
             )));
         }
-        let agreed = decode(&v, batch);
         if agreed != plan {
             // Another rank starts smaller: no regrow this step.
             regrow = None;
@@ -676,6 +676,22 @@ impl RetryEngine {
             self.inner.consensus.all_reduce_max(values)?;
         }
         Ok(())
+    }
+
+    /// The worst status of every rank and the smallest plan (`status` and `plan` as they are
+    /// with one process: nothing to agree with).
+    fn agree_on(
+        &self,
+        status: Status,
+        plan: BatchPlan,
+        batch: usize,
+    ) -> Result<(Status, BatchPlan), ConsensusError> {
+        if self.inner.consensus.world_size() <= 1 {
+            return Ok((status, plan));
+        }
+        let mut v = encode(status, &plan, batch);
+        self.inner.consensus.all_reduce_max(&mut v)?;
+        Ok((v[0], decode(&v, batch)))
     }
 
     fn drive<M: MemorySource + Clone, G, E: IsOom + fmt::Display>(
@@ -1038,17 +1054,17 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 "the policy retried {MAX_ATTEMPTS} times: giving up"
             );
         }
-        let (status, proposal) = (vote.status, vote.proposal);
-        let mut v = encode(status, &proposal, self.batch);
-        if let Err(e) = self.engine.agree(&mut v) {
-            self.done = true;
-            self.report.failure = Some(e.to_string());
-            self.report.elapsed = now.saturating_duration_since(self.started);
-            super::report::set_last_report(&self.report);
-            return ControlFlow::Break(Err(RetryError::Consensus(e)));
-        }
-        let agreed_status = v[0];
-        let next = decode(&v, self.batch);
+        let status = vote.status;
+        let (agreed_status, next) = match self.engine.agree_on(status, vote.proposal, self.batch) {
+            Ok(agreed) => agreed,
+            Err(e) => {
+                self.done = true;
+                self.report.failure = Some(e.to_string());
+                self.report.elapsed = now.saturating_duration_since(self.started);
+                super::report::set_last_report(&self.report);
+                return ControlFlow::Break(Err(RetryError::Consensus(e)));
+            }
+        };
         if matches!(self.target, Target::All) && Device::thread_device_addr() != self.device_addr {
             // What the attempt learned belongs to the device it allocated on.
             self.key.device = thread_device_key();
