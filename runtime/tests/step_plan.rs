@@ -285,14 +285,24 @@ fn a_request_that_needs_the_plans_free_pages_is_served() {
     let step = vgg_step();
     let a = Arc::new(allocator(80 * GIB));
     run(&a, &step, 3, true, false);
-    // between steps the plan's range is free; a request larger than what is left beside it
+    // between steps the plan's range is free; a request larger than what is left beside it is
+    // served in the range's free space, with no page moved and no release
+    let before = a.stats();
     let big = a
         .allocate(60 * GIB, 0)
-        .expect("served once the plan's pages are released");
+        .expect("served in the plan's free space");
     let s = a.stats();
-    assert_eq!(s.num_plans_dropped, 1);
     assert_eq!(s.num_ooms, 0);
+    assert_eq!(s.unmapped_bytes_total, before.unmapped_bytes_total);
+    assert_eq!(s.num_plan_misses, before.num_plan_misses + 1);
     a.free(big).unwrap();
+    // and a request no free space holds, outside or in the range, still is, after a release
+    let huge = a
+        .allocate(79 * GIB, 0)
+        .expect("served once the plan's pages are released");
+    assert_eq!(a.stats().num_plans_dropped, 1);
+    a.free(huge).unwrap();
+    a.check_invariants().unwrap();
 }
 
 #[test]
@@ -388,4 +398,161 @@ fn with_step_plans_off_marks_are_only_counted() {
     assert_eq!(s.num_step_marks, 5);
     assert_eq!(s.num_plans_installed + s.num_plans_refused, 0);
     assert_eq!(s.num_plan_hits + s.num_plan_misses, 0);
+}
+
+/// Random steps near a card's capacity, on the tightest card (from 1.02 × the step's peak live
+/// bytes up, by 1 %) where every step runs unmarked, the allocator's invariants checked after
+/// every step:
+/// - a loop of one repeating step runs every step marked too: a plan never turns a repeating
+///   step into an out-of-memory;
+/// - a loop with a changed step (a request resized, one added) may fail that step marked (the
+///   plan's range holds the layout of the step before it; on the simulator 3 of these 40 loops
+///   did, see docs/BENCHMARKS.md), but every step that repeats the one before runs.
+#[test]
+fn random_loops_marked_run_every_step_that_repeats() {
+    let mut installed = 0;
+    let mut changed_failed = 0;
+    let only: Option<u64> = std::env::var("SEED").ok().map(|s| s.parse().unwrap());
+    for seed in 1..=40u64 {
+        if only.is_some_and(|o| o != seed) {
+            continue;
+        }
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        // a step: 24-60 blocks of 1-96 MiB (a few small), each freed a few blocks later
+        let n = 24 + (next() % 37) as usize;
+        let mut step = Vec::new();
+        let mut open: Vec<u64> = Vec::new();
+        for id in 0..n as u64 {
+            let bytes = if next() % 5 == 0 {
+                4096 + next() % (512 << 10)
+            } else {
+                MIB + next() % (95 * MIB)
+            };
+            step.push(Event {
+                alloc: true,
+                id,
+                bytes,
+                thread: 1,
+            });
+            open.push(id);
+            while open.len() > 1 + (next() % 8) as usize {
+                let k = (next() as usize) % open.len();
+                step.push(Event {
+                    alloc: false,
+                    id: open.swap_remove(k),
+                    bytes: 0,
+                    thread: 1,
+                });
+            }
+        }
+        for id in open {
+            step.push(Event {
+                alloc: false,
+                id,
+                bytes: 0,
+                thread: 1,
+            });
+        }
+        // the steps: the same, then one with a request resized, then one with a request added
+        let mut resized = step.clone();
+        if let Some(e) = resized.iter_mut().find(|e| e.alloc && e.bytes > MIB) {
+            e.bytes += 3 * MIB;
+        }
+        let mut added = step.clone();
+        added.insert(
+            0,
+            Event {
+                alloc: true,
+                id: u64::MAX,
+                bytes: 5 * MIB,
+                thread: 1,
+            },
+        );
+        added.push(Event {
+            alloc: false,
+            id: u64::MAX,
+            bytes: 0,
+            thread: 1,
+        });
+        let repeating: Vec<&Vec<Event>> = vec![&step; 9];
+        let changed = vec![
+            &step, &step, &step, &step, &resized, &step, &added, &step, &step,
+        ];
+        // the card: a little above the step's peak live bytes
+        let (mut live, mut peak) = (HashMap::new(), 0u64);
+        for e in &step {
+            if e.alloc {
+                live.insert(e.id, e.bytes);
+            } else {
+                live.remove(&e.id);
+            }
+            peak = peak.max(live.values().sum());
+        }
+        let runs = |steps: &[&Vec<Event>], card: u64, mark: bool| {
+            let a = Arc::new(allocator(card));
+            let mut ok = Vec::new();
+            for st in steps.iter() {
+                if mark {
+                    a.mark_step();
+                }
+                let mut held: HashMap<u64, Allocation> = HashMap::new();
+                let mut failed = false;
+                for e in st.iter() {
+                    if e.alloc {
+                        match a.allocate(e.bytes, 0) {
+                            Ok(h) => {
+                                held.insert(e.id, h);
+                            }
+                            Err(err) => {
+                                assert!(err.is_oom(), "{err}");
+                                failed = true;
+                                break;
+                            }
+                        }
+                    } else if let Some(h) = held.remove(&e.id) {
+                        a.free(h).unwrap();
+                    }
+                }
+                for (_, h) in held {
+                    a.free(h).unwrap();
+                }
+                a.check_invariants()
+                    .unwrap_or_else(|e| panic!("seed {seed}, marked {mark}: {e}"));
+                ok.push(!failed);
+            }
+            (ok, a.stats())
+        };
+        for (steps, is_changed) in [(&repeating, false), (&changed, true)] {
+            let Some(card) = (0..50)
+                .map(|k| (peak as f64 * (1.02 + 0.01 * k as f64)) as u64)
+                .find(|&card| runs(steps, card, false).0.iter().all(|&ok| ok))
+            else {
+                continue;
+            };
+            let (marked, stats) = runs(steps, card, true);
+            for (k, &ok) in marked.iter().enumerate() {
+                let repeats = k == 0 || std::ptr::eq(steps[k], steps[k - 1]);
+                assert!(
+                    ok || (is_changed && !repeats),
+                    "seed {seed}: step {k} ran unmarked on {card} B, not marked: {marked:?} ({stats:?})"
+                );
+            }
+            if is_changed {
+                changed_failed += marked.iter().filter(|&&ok| !ok).count();
+            }
+            installed += stats.num_plans_installed;
+        }
+    }
+    eprintln!("changed steps that failed marked: {changed_failed}");
+    // the case is one where plans happen, not only one where they could
+    assert!(
+        installed > 0,
+        "no plan was installed in any of the 40 loops"
+    );
 }

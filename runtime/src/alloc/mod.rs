@@ -410,10 +410,14 @@ impl CachingAllocator {
     /// layout's height is mapped (the one move, here), and from then on the j-th request of a
     /// size in a step is served at the offset of the j-th request of that size in the laid-out
     /// step. A loop whose steps repeat then maps, unmaps and waits for nothing. Requests that
-    /// differ from the recorded step are served as without marks; after two steps in a row
-    /// with such misses, on [`CachingAllocator::empty_cache`] and before an out-of-memory
-    /// release, the plan is dropped. [`MemoryStats`] counts marks, plans and hits. What the
-    /// program computes does not change, only where its blocks sit.
+    /// differ from the recorded step are served as without marks (or, where only moved pages
+    /// could serve them, in the plan's free space); after two steps in a row with such misses,
+    /// on [`CachingAllocator::empty_cache`] and before an out-of-memory release, the plan is
+    /// dropped. [`MemoryStats`] counts marks, plans and hits. What the program computes does
+    /// not change, only where its blocks sit. The limit: a step that differs from the laid-out
+    /// one at the very edge of memory can run out of memory where best fit alone would not
+    /// (3 of 40 random loops with one changed step on the simulator; every loop of repeating
+    /// steps ran); `step_plans:False` in the configuration turns plans off.
     ///
     /// Measured on the simulator: VGG-16 from tch at 1,118 rows (77.18 GiB live, the step
     /// recorded in `traces/tch_vgg16_b1118.trace.csv`) on an 80 GiB card moved 10-24 GiB of

@@ -20,11 +20,17 @@
 //!
 //! The plan's range is outside best fit: its free blocks are not indexed, so no other request
 //! takes a planned offset. A request that does not match the plan (a size it does not expect,
-//! its offset still held) is served as before, outside the range, and counted as a miss; after
-//! two steps in a row with misses the plan is dropped, as it is on `empty_cache`, before an
-//! out-of-memory release, and at once when such a request could only be served by moving pages
-//! (its free blocks then serve best fit where they are). Nothing a program computes changes:
-//! only where its blocks sit.
+//! its offset still held) is a miss: served outside the range as before, or, when only moved
+//! pages could serve it there, by best fit among the range's free blocks. After two steps in a
+//! row with misses the plan is dropped, as it is on `empty_cache` and before an out-of-memory
+//! release. Nothing a program computes changes: only where its blocks sit.
+//!
+//! The limit: the range holds the laid-out step's layout. A step that differs from it at the
+//! very edge of memory (a request resized, one added) can run out of memory where best fit
+//! alone, with its own layout, would not: on the simulator, 3 of 40 random loops with one
+//! changed step, each on the tightest card where every step ran without marks; every loop of
+//! repeating steps ran (`tests/step_plan.rs`). Under the retry engine such an out-of-memory is
+//! retried like any other (the release drops the plan).
 
 use rustc_hash::FxHashMap;
 
@@ -80,6 +86,8 @@ pub(crate) struct Steps {
     open: FxHashMap<BlockId, u32>,
     /// The previous step's large requests (size, stream), in order.
     previous: Vec<(u64, StreamId)>,
+    /// The last request was served at its planned offset.
+    hit: bool,
     /// Requests of each (size, stream) recorded so far in this step.
     seen: FxHashMap<(u64, StreamId), u32>,
     clock: usize,
@@ -94,11 +102,13 @@ pub(crate) struct Steps {
 }
 
 impl State {
-    /// Serves a large request from the installed plan, when it is the request the plan expects
-    /// next and its offset is free: the block, split to `size`, not indexed. A request the
-    /// plan cannot serve (the step differs from the laid-out one) that the device could only
-    /// serve by moving pages drops the plan at once: its free blocks then serve best fit where
-    /// they are, with no page moved (`total`: the device's capacity).
+    /// Serves a large request from the installed plan: at its offset when it is the request the
+    /// plan expects next and that offset is free (a hit). A request the plan does not serve
+    /// (another size, its offset still held) goes outside the range while a free block or new
+    /// pages can take it there; under pressure (only moved pages could), it takes the best fit
+    /// among the range's free blocks instead: no page moves, no release, and the plan stays for
+    /// the requests that still match (`total`: the device's capacity). The block is split to
+    /// `size` and not indexed.
     pub fn plan_take(
         &mut self,
         pool: PoolKind,
@@ -106,26 +116,48 @@ impl State {
         size: u64,
         total: u64,
     ) -> Option<BlockId> {
-        if pool.is_small() || self.steps.plan.is_none() {
+        if pool.is_small() {
             return None;
         }
-        let taken = match self.planned_slot(size, stream) {
-            Some(Some(off)) => self.take_at(off, size),
-            Some(None) => return None, // served as before, as in the laid-out step
-            None => None,
-        };
-        if taken.is_none()
-            && self.under_pressure(size, total)
-            && self.free[pool as usize].best_fit(stream, size).is_none()
-            && size <= self.plan_free_pages()
-        {
-            // (a request no drop could serve, such as a cuDNN workspace probe larger than the
-            // plan's free pages, keeps the plan; a miss is counted once it is served elsewhere)
-            self.drop_plan();
-            self.steps.misses += 1;
-            self.stats.num_plan_misses += 1;
+        let plan = self.steps.plan.as_ref()?;
+        let plan_stream = self.segs[plan.seg].stream;
+        let slot = self.planned_slot(size, stream);
+        if let Some(Some(off)) = slot {
+            if let Some(id) = self.take_at(off, size) {
+                self.steps.hit = true;
+                self.stats.num_plan_hits += 1;
+                return Some(id);
+            }
         }
-        taken
+        if slot == Some(None) || stream != plan_stream {
+            return None; // served as before, as in the laid-out step
+        }
+        if self.under_pressure(size, total)
+            && self.free[pool as usize].best_fit(stream, size).is_none()
+        {
+            return self.best_fit_in_plan(size);
+        }
+        None
+    }
+
+    /// The smallest free block of the plan's range that holds `size`, split to it.
+    fn best_fit_in_plan(&mut self, size: u64) -> Option<BlockId> {
+        let plan = self.steps.plan.as_ref()?;
+        let mut best: Option<(u64, BlockId)> = None;
+        let mut at = Some(self.segs[plan.seg].first);
+        while let Some(id) = at {
+            let b = &self.blocks[id];
+            if b.is_free() && b.size >= size && best.is_none_or(|(s, _)| b.size < s) {
+                best = Some((b.size, id));
+            }
+            at = b.next;
+        }
+        let (found, id) = best?;
+        if found > size {
+            let end = self.blocks[id].addr + size;
+            self.split_at(id, end);
+        }
+        Some(id)
     }
 
     /// The free block at `off` of the plan's range split to `size` (`None`: that range is
@@ -150,7 +182,6 @@ impl State {
         if self.blocks[id].end() > end {
             self.split_at(id, end);
         }
-        self.stats.num_plan_hits += 1;
         Some(id)
     }
 
@@ -169,11 +200,11 @@ impl State {
         if pool.is_small() {
             return;
         }
-        let missed = match self.planned_slot(size, stream) {
-            Some(Some(_)) => self.blocks[id].seg != self.planned_seg,
-            Some(None) => false,
-            None => self.steps.plan.is_some(),
-        };
+        // a miss: a request the plan has an offset for, or does not know, not served at its
+        // offset (a request it leaves to best fit, as in the laid-out step, is none)
+        let hit = std::mem::take(&mut self.steps.hit);
+        let missed =
+            self.steps.plan.is_some() && !hit && self.planned_slot(size, stream) != Some(None);
         if missed {
             self.steps.misses += 1;
             self.stats.num_plan_misses += 1;
