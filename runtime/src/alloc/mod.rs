@@ -416,7 +416,7 @@ impl CachingAllocator {
     /// dropped. [`MemoryStats`] counts marks, plans and hits. What the program computes does
     /// not change, only where its blocks sit. The limit: a step that differs from the laid-out
     /// one at the very edge of memory can run out of memory where best fit alone would not
-    /// (3 of 40 random loops with one changed step on the simulator; every loop of repeating
+    /// (3–5 of 40 random loops with changed steps on the simulator; every loop of repeating
     /// steps ran); `step_plans:False` in the configuration turns plans off.
     ///
     /// Measured on the simulator: VGG-16 from tch at 1,118 rows (77.18 GiB live, the step

@@ -27,9 +27,9 @@
 //!
 //! The limit: the range holds the laid-out step's layout. A step that differs from it at the
 //! very edge of memory (a request resized, one added) can run out of memory where best fit
-//! alone, with its own layout, would not: on the simulator, 3 of 40 random loops with one
-//! changed step, each on the tightest card where every step ran without marks; every loop of
-//! repeating steps ran (`tests/step_plan.rs`). Under the retry engine such an out-of-memory is
+//! alone, with its own layout, would not: on the simulator, 3–5 of 40 random loops with
+//! changed steps, each on the tightest card where every step ran without marks; every loop of
+//! repeating steps ran (`tests/step_plan.rs`, docs/BENCHMARKS.md). Under the retry engine such an out-of-memory is
 //! retried like any other (the release drops the plan).
 
 use rustc_hash::FxHashMap;
