@@ -217,7 +217,7 @@ fn no_module_names_a_layer_above_its_own() {
 fn the_scanner_reads_grouped_and_plain_paths() {
     let code = "use crate::{alloc::X, retry::{A, B}, Device};\n\
                 // use crate::train::Nope;\n\
-                fn f() -> crate::guard::G { todo!() }\n\
+                fn f(_: crate::guard::G) {}\n\
                 #[cfg(test)]\nmod tests { use crate::nccl::Z; }\n";
     let names: Vec<String> = named_modules(code).into_iter().map(|(n, _)| n).collect();
     assert_eq!(names, ["alloc", "retry", "Device", "guard"]);

@@ -513,6 +513,6 @@ pub(crate) enum Release {
 }
 
 /// Bytes of the whole pages (of `g` bytes) inside block `b`.
-fn whole_pages(g: u64, b: &Block) -> u64 {
+pub(super) fn whole_pages(g: u64, b: &Block) -> u64 {
     (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g))
 }

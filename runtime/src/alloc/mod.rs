@@ -341,10 +341,19 @@ impl CachingAllocator {
         if !st.pending.is_empty() {
             self.process_events(&mut st, false);
         }
+        // marked steps: the plan's offset first (`step_plan`), and the request recorded
+        let planned = if st.steps.on {
+            st.plan_take(pool, stream, size, self.total)
+        } else {
+            None
+        };
+        let id = match planned {
+            Some(id) => id,
+            None => self.take_or_grow(&mut st, pool, stream, size, bytes)?,
+        };
         if st.steps.on {
-            return self.allocate_in_step(st, pool, stream, size, bytes);
+            st.step_allocated(id, pool, size, stream);
         }
-        let id = self.take_or_grow(&mut st, pool, stream, size, bytes)?;
         st.mark_allocated(id, bytes);
         if st.history.is_some() {
             self.record_alloc(&mut st, id, stream);
@@ -373,30 +382,6 @@ impl CachingAllocator {
             Some(id) => Ok(id),
             None => self.allocate_slow(st, pool, stream, size, bytes),
         }
-    }
-
-    /// One-thread allocation once steps are marked: the plan's offset first (`step_plan`),
-    /// and the request recorded.
-    #[track_caller]
-    #[cold]
-    fn allocate_in_step(
-        &self,
-        mut st: MutexGuard<'_, State>,
-        pool: PoolKind,
-        stream: StreamId,
-        size: u64,
-        bytes: u64,
-    ) -> Result<Allocation, Error> {
-        let id = match st.plan_take(pool, stream, size, self.total) {
-            Some(id) => id,
-            None => self.take_or_grow(&mut st, pool, stream, size, bytes)?,
-        };
-        st.step_allocated(id, pool, size, stream);
-        st.mark_allocated(id, bytes);
-        if st.history.is_some() {
-            self.record_alloc(&mut st, id, stream);
-        }
-        Ok(self.handle(&st, id, bytes, stream))
     }
 
     /// Marks the end of one training step and the start of the next. Optional: a loop that

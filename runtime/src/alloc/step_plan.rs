@@ -35,7 +35,7 @@
 use rustc_hash::FxHashMap;
 
 use super::block::{BlockId, PoolKind, SegId};
-use super::growable::Release;
+use super::growable::{whole_pages, Release};
 use super::state::State;
 use super::static_layout::{plan_static_layout, LifeSpan};
 use crate::backend::{Backend, StreamId};
@@ -140,19 +140,19 @@ impl State {
         None
     }
 
+    /// The blocks of the plan's range, in address order (none without a plan).
+    fn plan_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        let first = self.steps.plan.as_ref().map(|p| self.segs[p.seg].first);
+        std::iter::successors(first, |&id| self.blocks[id].next)
+    }
+
     /// The smallest free block of the plan's range that holds `size`, split to it.
     fn best_fit_in_plan(&mut self, size: u64) -> Option<BlockId> {
-        let plan = self.steps.plan.as_ref()?;
-        let mut best: Option<(u64, BlockId)> = None;
-        let mut at = Some(self.segs[plan.seg].first);
-        while let Some(id) = at {
-            let b = &self.blocks[id];
-            if b.is_free() && b.size >= size && best.is_none_or(|(s, _)| b.size < s) {
-                best = Some((b.size, id));
-            }
-            at = b.next;
-        }
-        let (found, id) = best?;
+        let (found, id) = self
+            .plan_blocks()
+            .map(|id| (self.blocks[id].size, id))
+            .filter(|&(s, id)| self.blocks[id].is_free() && s >= size)
+            .min_by_key(|&(s, _)| s)?;
         if found > size {
             let end = self.blocks[id].addr + size;
             self.split_at(id, end);
@@ -163,19 +163,15 @@ impl State {
     /// The free block at `off` of the plan's range split to `size` (`None`: that range is
     /// still held, by a block freed later than in the laid-out step).
     fn take_at(&mut self, off: u64, size: u64) -> Option<BlockId> {
-        let plan = self.steps.plan.as_ref()?;
-        let (start, end) = (plan.base + off, plan.base + off + size);
-        let mut at = Some(self.segs[plan.seg].first);
-        while let Some(id) = at {
-            if self.blocks[id].end() > start {
-                break;
-            }
-            at = self.blocks[id].next;
-        }
-        let mut id = at.filter(|&id| {
-            let b = &self.blocks[id];
-            b.is_free() && b.addr <= start && b.end() >= end
-        })?;
+        let base = self.steps.plan.as_ref()?.base;
+        let (start, end) = (base + off, base + off + size);
+        let mut id = self
+            .plan_blocks()
+            .find(|&id| self.blocks[id].end() > start)
+            .filter(|&id| {
+                let b = &self.blocks[id];
+                b.is_free() && b.addr <= start && b.end() >= end
+            })?;
         if self.blocks[id].addr < start {
             id = self.split_at(id, start);
         }
@@ -378,21 +374,11 @@ impl State {
         if over > 0 {
             self.release_pages(backend, over, [None, None], Release::Move(stream));
         }
-        let mut mapped = self.check_limit(height).is_ok() && {
-            let r = self.reserve_range(backend, PoolKind::Large, stream, height);
-            match r {
-                Ok(hole) => self.map_whole(backend, hole, height, stream),
-                Err(_) => false,
-            }
-        };
+        let mut mapped = self.map_whole(backend, stream, height);
         if !mapped && self.releasable_pages() > 0 {
             // the device refused: move every free page, then try once more
             self.release_pages(backend, u64::MAX, [None, None], Release::Move(stream));
-            mapped = self.check_limit(height).is_ok()
-                && match self.reserve_range(backend, PoolKind::Large, stream, height) {
-                    Ok(hole) => self.map_whole(backend, hole, height, stream),
-                    Err(_) => false,
-                };
+            mapped = self.map_whole(backend, stream, height);
         }
         if let Err(e) = backend.release_spares() {
             tracing::warn!(error = %e, "releasing spare pages failed");
@@ -401,15 +387,17 @@ impl State {
         mapped.then(|| self.segs[self.planned_seg].base)
     }
 
-    /// Maps the whole of the just-reserved range `hole`; on success it becomes the plan's
-    /// range (`planned_seg`), its one free block unindexed.
-    fn map_whole(
-        &mut self,
-        backend: &dyn Backend,
-        hole: BlockId,
-        height: u64,
-        stream: StreamId,
-    ) -> bool {
+    /// Reserves a range of `height` bytes on `stream` and maps the whole of it, under the
+    /// memory limit; on success it becomes the plan's range (`planned_seg`), its one free block
+    /// unindexed. (A range reserved but not mapped is left for the caller's
+    /// `release_empty_ranges_of`.)
+    fn map_whole(&mut self, backend: &dyn Backend, stream: StreamId, height: u64) -> bool {
+        if self.check_limit(height).is_err() {
+            return false;
+        }
+        let Ok(hole) = self.reserve_range(backend, PoolKind::Large, stream, height) else {
+            return false;
+        };
         let addr = self.blocks[hole].addr;
         if backend.map(addr, height).is_err() {
             return false;
@@ -422,35 +410,26 @@ impl State {
     /// Bytes of whole pages in the plan's free blocks: what dropping it would let a release
     /// return (0 without a plan).
     pub fn plan_free_pages(&self) -> u64 {
-        let Some(plan) = &self.steps.plan else {
-            return 0;
-        };
-        let g = self.granularity;
-        let mut bytes = 0;
-        let mut at = Some(self.segs[plan.seg].first);
-        while let Some(id) = at {
-            let b = &self.blocks[id];
-            if b.is_free() {
-                bytes += (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g));
-            }
-            at = b.next;
-        }
-        bytes
+        self.plan_blocks()
+            .map(|id| &self.blocks[id])
+            .filter(|b| b.is_free())
+            .map(|b| whole_pages(self.granularity, b))
+            .sum()
     }
 
     /// Drops the installed plan: its range becomes an ordinary growable segment (its free
     /// blocks indexed, its free pages releasable).
     pub fn drop_plan(&mut self) {
-        let Some(plan) = self.steps.plan.take() else {
+        let free: Vec<BlockId> = self
+            .plan_blocks()
+            .filter(|&id| self.blocks[id].is_free())
+            .collect();
+        if self.steps.plan.take().is_none() {
             return;
-        };
+        }
         self.planned_seg = NO_SEG;
-        let mut at = Some(self.segs[plan.seg].first);
-        while let Some(id) = at {
-            at = self.blocks[id].next;
-            if self.blocks[id].is_free() {
-                self.index_insert(id);
-            }
+        for id in free {
+            self.index_insert(id);
         }
         self.steps.missed_steps = 0;
         self.stats.num_plans_dropped += 1;
