@@ -5,6 +5,12 @@
 //! bytes in use and reserved (on CUDA libtorch's allocated and reserved bytes, as
 //! `torch.cuda.max_memory_allocated` / `max_memory_reserved`; on the CPU the simulated card's
 //! charge).
+//!
+//! Each step starts with the source's `mark_step` (oomguard's allocator lays out a step that
+//! repeats the one before; libtorch's sources ignore it), counted inside the step's time. A `STEP`
+//! line per step tells what the source did in it (`MemorySource::churn`: allocator retries,
+//! unmap calls, bytes unmapped, synchronisations) and its reserved bytes after it; the `RESULT`
+//! line sums the timed steps' churn.
 
 use std::time::Instant;
 
@@ -21,6 +27,7 @@ impl Ctx {
         let (warmup, steps) = (self.args.warmup, self.args.steps);
         let mut times = Vec::with_capacity(steps);
         let mut losses = Vec::with_capacity(steps);
+        let mut timed_churn = (0u64, 0u64, 0u64, 0u64);
         for s in 0..warmup + steps {
             if s == warmup {
                 self.source.reset_peak().map_err(|e| e.to_string())?;
@@ -28,13 +35,37 @@ impl Ctx {
             let tokens = self
                 .tokens(batch, 100 + s as u64)
                 .map_err(|e| e.to_string())?;
+            let c0 = self.source.churn();
             let t = Instant::now();
+            self.source.mark_step();
             let loss = plain_step(&model, &mut opt, &tokens, self.dev, &self.charge)
                 .map_err(|e| format!("plain step {} of batch {batch}: {e}", s + 1))?;
             let secs = t.elapsed().as_secs_f64();
+            let c = self.source.churn();
+            let moved = (
+                c.alloc_retries - c0.alloc_retries,
+                c.unmaps - c0.unmaps,
+                c.unmapped_bytes - c0.unmapped_bytes,
+                c.syncs - c0.syncs,
+            );
+            let reserved = self.source.usage().map_err(|e| e.to_string())?.reserved;
+            self.emit(
+                Line::step("plain")
+                    .int("step", (s + 1) as i64)
+                    .float("ms", secs * 1e3, 1)
+                    .int("retries", moved.0 as i64)
+                    .int("unmaps", moved.1 as i64)
+                    .int("unmapped", moved.2 as i64)
+                    .int("syncs", moved.3 as i64)
+                    .int("reserved", reserved as i64),
+            );
             if s >= warmup {
                 times.push(secs);
                 losses.push(loss);
+                timed_churn.0 += moved.0;
+                timed_churn.1 += moved.1;
+                timed_churn.2 += moved.2;
+                timed_churn.3 += moved.3;
             }
         }
         let mean = times.iter().sum::<f64>() / times.len() as f64;
@@ -54,7 +85,11 @@ impl Ctx {
             .float("tokens_per_s", (batch * self.cfg.seq) as f64 / med, 1)
             .float("loss_first", losses[0], 5)
             .float("loss_last", losses[losses.len() - 1], 5)
-            .flag("losses_finite", finite);
+            .flag("losses_finite", finite)
+            .int("timed_retries", timed_churn.0 as i64)
+            .int("timed_unmaps", timed_churn.1 as i64)
+            .int("timed_unmapped", timed_churn.2 as i64)
+            .int("timed_syncs", timed_churn.3 as i64);
         let u = self.source.usage().map_err(|e| e.to_string())?;
         line = line
             .int("peak_used", u.used_peak as i64)
