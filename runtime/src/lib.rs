@@ -14,8 +14,7 @@
 //!
 //! [`source`] sits with the guards, [`export`] with the device; `tests/layers.rs` fails on any
 //! `crate::` path that names a layer above the module's own (the exceptions of today, `Error`
-//! holding the retry and leak reports and `Device` holding the guards' tracker, are listed
-//! there).
+//! holding the retry and leak reports, are listed there).
 //!
 //! ```
 //! use oomguard_runtime::{Device, ByteSize};

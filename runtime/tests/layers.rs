@@ -76,9 +76,8 @@ const ROOT_NAMES: &[(&str, &str)] = &[
 ];
 
 /// Upward references today (file under `runtime/src`, the module it names): `Error` holds the
-/// retry engine's and the leak check's reports, and `Device` holds the guards' tracker.
+/// retry engine's and the leak check's reports.
 const KNOWN_UPWARD: &[(&str, &str)] = &[
-    ("device.rs", "guard"),
     ("error.rs", "guard"),
     ("error.rs", "retry"),
 ];

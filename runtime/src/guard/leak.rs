@@ -7,8 +7,9 @@ use std::panic::Location;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::tracker::{LiveRecord, ScopeGuard, ScopeKind};
+use super::scope::ScopeGuard;
 use crate::backend::{DevicePtr, StreamId};
+use crate::device::tracker::{LiveRecord, ScopeKind};
 use crate::device::Device;
 use crate::ByteSize;
 

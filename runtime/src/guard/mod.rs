@@ -37,8 +37,8 @@ mod empty_cache;
 mod grad;
 mod leak;
 mod peak;
+mod scope;
 mod thread;
-pub(crate) mod tracker;
 
 pub use budget::MemoryBudget;
 pub use empty_cache::EmptyCacheOnDrop;

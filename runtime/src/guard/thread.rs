@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 
 use super::grad::{set_grad_mode_guard, GradMode};
 use super::leak::{LeakAction, LeakReport};
-use super::tracker::{self, Limit, Scope, ScopeKind};
+use crate::device::tracker::{self, Limit, Scope, ScopeKind};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ByteSize;
