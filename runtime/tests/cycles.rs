@@ -26,7 +26,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "runtime/device/tracker.rs",
         "runtime/error.rs",
         "runtime/guard/budget.rs",
-        "runtime/guard/leak.rs",
         "runtime/guard/scope.rs",
         "runtime/retry/classify.rs",
         "runtime/retry/commit.rs",
