@@ -11,17 +11,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Cycles today, each as the sorted files of one strongly connected component (relative to the
-/// tree's `src`, prefixed with the tree: `runtime/` or `cli/`).
+/// tree's `src`, prefixed with the tree: `runtime/` or `cli/`). The large one is `error.rs`
+/// naming the retry engine's report (the upward reference `layers.rs` lists): every file on a
+/// way from the allocator up to `retry/report.rs` joins it. Without that reference, the
+/// circles left are inside `retry/` (`classify.rs`, `commit.rs`, `report.rs`; `decision.rs`,
+/// `engine.rs`).
 const KNOWN_CYCLES: &[&[&str]] = &[
-    &["runtime/alloc/peaks.rs", "runtime/alloc/thread_cache.rs"],
     &[
-        "runtime/alloc/growable.rs",
         "runtime/alloc/history.rs",
         "runtime/alloc/mod.rs",
         "runtime/alloc/pool.rs",
         "runtime/alloc/snapshot.rs",
         "runtime/alloc/state.rs",
-        "runtime/alloc/step_plan.rs",
         "runtime/device/mod.rs",
         "runtime/device/tracker.rs",
         "runtime/error.rs",
