@@ -1,4 +1,5 @@
-//! `DeviceBuffer<T>`: an RAII handle to device memory, returned to the cache on drop.
+//! `DeviceBuffer<T>`: an RAII handle to device memory, returned to the cache on drop, and the
+//! `Device` methods that make one (`alloc`, `alloc_on`, `zeros`, `from_slice`).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -118,6 +119,44 @@ impl<T: Pod> DeviceBuffer<T> {
             )));
         }
         Ok(())
+    }
+}
+
+// The typed constructors live with the buffer, so that the device (below) knows nothing of it.
+impl Device {
+    /// An uninitialised buffer of `len` elements on the default stream (its contents are
+    /// whatever the memory held: zeros on a fresh simulated device).
+    #[track_caller]
+    pub fn alloc<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        self.alloc_on(len, 0)
+    }
+
+    /// An uninitialised buffer of `len` elements on `stream`.
+    #[track_caller]
+    pub fn alloc_on<T: Pod>(&self, len: usize, stream: StreamId) -> Result<DeviceBuffer<T>> {
+        let bytes = (len as u64)
+            .checked_mul(std::mem::size_of::<T>() as u64)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{len} elements overflow a u64 of bytes"))
+            })?;
+        let a = self.alloc_raw(bytes, stream)?;
+        Ok(DeviceBuffer::from_parts(self.clone(), a, len))
+    }
+
+    /// A buffer of `len` zeroed elements.
+    #[track_caller]
+    pub fn zeros<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let b = self.alloc::<T>(len)?;
+        self.backend().memset_zero(b.device_ptr(), b.byte_len())?;
+        Ok(b)
+    }
+
+    /// A buffer holding a copy of `data`.
+    #[track_caller]
+    pub fn from_slice<T: Pod>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut b = self.alloc::<T>(data.len())?;
+        b.copy_from_slice(data)?;
+        Ok(b)
     }
 }
 

@@ -2,6 +2,7 @@
 
 use crate::backend::BackendError;
 use crate::config::ConfigError;
+use crate::leak_report::LeakReport;
 use crate::ByteSize;
 use std::fmt;
 
@@ -161,7 +162,7 @@ pub enum Error {
     /// A leak check found device memory still held (`#[leak_check(action = error)]`).
     // `transparent`: a `Caused by:` list does not show the report twice
     #[error(transparent)]
-    Leak(#[from] crate::guard::LeakReport),
+    Leak(#[from] LeakReport),
     /// A step retried by the OOM retry engine (`#[oom_retry]`, [`crate::retry::RetryEngine`])
     /// gave up: its last error, with the report of every attempt (plans tried, the smallest
     /// one). An out-of-memory when `error` is one.

@@ -12,10 +12,11 @@
 //! - [`train`]: the framework-free part of the framework crates' training steps (outcome,
 //!   errors, row and loss checks, refusal rules).
 //!
-//! [`source`] sits with the guards, [`export`] with the device; `tests/layers.rs` fails on any
-//! `crate::` path that names a layer above the module's own (the exceptions of today, `Error`
-//! holding the retry and leak reports and `Device` holding the guards' tracker, are listed
-//! there).
+//! [`source`] sits with the guards, [`export`] with the device, [`LeakReport`] (plain data, so
+//! that [`Error`] can hold it) with the errors below the allocator; `tests/layers.rs` fails on
+//! any `crate::` path that names a layer above the module's own (the exception of today, `Error`
+//! holding the retry report, is listed there), and `tests/cycles.rs` on any circle between
+//! files.
 //!
 //! ```
 //! use oomguard_runtime::{Device, ByteSize};
@@ -38,6 +39,7 @@ pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod guard;
+mod leak_report;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod retry;
@@ -53,8 +55,9 @@ pub use error::{BudgetExceeded, Error, OomError, Result};
 pub use guard::{
     enable_grad, inference_mode, is_grad_enabled, is_inference_mode, no_grad, set_grad_enabled,
     set_grad_mode_guard, with_grad_enabled, with_inference_mode, with_no_grad, EmptyCacheOnDrop,
-    GradGuard, GradMode, LeakAction, LeakCheck, LeakReport, LeakedBuffer, MemoryBudget, PeakScope,
+    GradGuard, GradMode, LeakAction, LeakCheck, MemoryBudget, PeakScope,
 };
+pub use leak_report::{LeakReport, LeakedBuffer};
 pub use retry::{
     find_max_batch, BatchPlan, Chunk, IsOom, RetryEngine, RetryError, RetryPolicy, Step,
 };

@@ -13,6 +13,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("config", 0),
     ("backend", 0),
     ("error", 0),
+    ("leak_report", 0),
     ("alloc", 1),
     ("buffer", 2),
     ("device", 2),
@@ -68,20 +69,16 @@ const ROOT_NAMES: &[(&str, &str)] = &[
     ("GradMode", "guard"),
     ("LeakAction", "guard"),
     ("LeakCheck", "guard"),
-    ("LeakReport", "guard"),
-    ("LeakedBuffer", "guard"),
+    ("LeakReport", "leak_report"),
+    ("LeakedBuffer", "leak_report"),
     ("MemoryBudget", "guard"),
     ("PeakScope", "guard"),
     ("cudarc", ""),
 ];
 
 /// Upward references today (file under `runtime/src`, the module it names): `Error` holds the
-/// retry engine's and the leak check's reports, and `Device` holds the guards' tracker.
-const KNOWN_UPWARD: &[(&str, &str)] = &[
-    ("device.rs", "guard"),
-    ("error.rs", "guard"),
-    ("error.rs", "retry"),
-];
+/// retry engine's report (`RetriesExhausted`, `AfterCommit`).
+const KNOWN_UPWARD: &[(&str, &str)] = &[("error.rs", "retry")];
 
 fn layer(module: &str) -> Option<u8> {
     LAYERS.iter().find(|(m, _)| *m == module).map(|&(_, l)| l)

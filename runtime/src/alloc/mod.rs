@@ -10,6 +10,7 @@ mod fixed;
 mod growable;
 mod history;
 mod lending;
+mod live_bytes;
 mod peaks;
 mod pool;
 mod snapshot;
@@ -17,6 +18,7 @@ mod state;
 mod static_layout;
 mod stats;
 mod step_plan;
+mod steps;
 mod summary;
 mod thread_cache;
 
@@ -176,7 +178,7 @@ pub struct CachingAllocator {
     orphans: Arc<AtomicUsize>,
     /// Allocated bytes counted in one order in multi-thread mode (shared with the state and
     /// every cache; see `peaks`).
-    live: Arc<peaks::LiveBytes>,
+    live: Arc<live_bytes::LiveBytes>,
 }
 
 /// A function called with every out-of-memory error ([`CachingAllocator::attach_oom_observer`]).

@@ -7,10 +7,11 @@ use rustc_hash::FxHashMap;
 
 use super::block::{Arena, Block, BlockId, BlockState, PoolKind, SegId};
 use super::history::{History, TraceAction};
-use super::peaks::{LiveBytes, Peaks};
+use super::live_bytes::LiveBytes;
+use super::peaks::Peaks;
 use super::pool::{FreeIndex, MIN_BLOCK, SMALL_SIZE};
 use super::stats::{MemoryStats, ScopeStats};
-use super::step_plan::{Steps, NO_SEG};
+use super::steps::{Steps, NO_SEG};
 use super::thread_cache::CacheState;
 use super::GrowError;
 use crate::backend::{Backend, BackendError, EventId, StreamId};

@@ -34,10 +34,11 @@
 
 use rustc_hash::FxHashMap;
 
-use super::block::{BlockId, PoolKind, SegId};
+use super::block::{BlockId, PoolKind};
 use super::growable::{whole_pages, Release};
 use super::state::State;
 use super::static_layout::{plan_static_layout, LifeSpan};
+use super::steps::{Plan, Request, NO_SEG};
 use crate::backend::{Backend, StreamId};
 
 /// Block orders tried for a step's layout: VGG-16's step at 1,118 rows lays out in 1.0016 × its
@@ -47,59 +48,6 @@ const LAYOUT_TRIES: u32 = 64;
 
 /// Planned steps in a row with a miss after which the plan is dropped.
 const MISSED_STEPS_TO_DROP: u32 = 2;
-
-/// No segment: no plan is installed.
-pub(crate) const NO_SEG: SegId = SegId::MAX;
-
-/// One large request of the recorded step.
-#[derive(Clone, Copy, Debug)]
-struct Request {
-    size: u64,
-    stream: StreamId,
-    /// The step's clock (large allocations and frees so far) at the allocation.
-    start: usize,
-    /// At the free (`usize::MAX`: still live at the step's end).
-    end: usize,
-}
-
-/// The installed plan: one mapped address range and an offset for each planned request.
-///
-/// A request is matched by its size, stream and occurrence: the j-th request of a size in a
-/// step takes the offset of the j-th request of that size in the recorded step. Requests of
-/// other sizes that one step has and another lacks (gradients and optimizer state made in the
-/// first step) then shift nothing.
-#[derive(Debug)]
-struct Plan {
-    seg: SegId,
-    base: u64,
-    /// By (size, stream): each occurrence's offset, `None` for one served as before.
-    slots: FxHashMap<(u64, StreamId), Vec<Option<u64>>>,
-}
-
-/// Step marks, the recording of the current step and the installed plan.
-#[derive(Debug, Default)]
-pub(crate) struct Steps {
-    /// Steps are marked and a plan is possible: large requests are recorded.
-    pub on: bool,
-    requests: Vec<Request>,
-    /// Live recorded blocks: their request index.
-    open: FxHashMap<BlockId, u32>,
-    /// The previous step's large requests (size, stream), in order.
-    previous: Vec<(u64, StreamId)>,
-    /// The last request was served at its planned offset.
-    hit: bool,
-    /// Requests of each (size, stream) recorded so far in this step.
-    seen: FxHashMap<(u64, StreamId), u32>,
-    clock: usize,
-    /// `unmapped_bytes_total` and `num_alloc_retries` at the step's start, or after the last
-    /// `empty_cache` (whose unmaps are not the step's moves).
-    moved_at: (u64, u64),
-    /// The step moved pages or retried before the last `empty_cache`.
-    moved_before_empty: bool,
-    plan: Option<Plan>,
-    misses: u64,
-    missed_steps: u32,
-}
 
 impl State {
     /// Serves a large request from the installed plan: at its offset when it is the request the

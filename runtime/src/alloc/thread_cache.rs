@@ -52,7 +52,7 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 
 use super::block::BlockId;
-use super::peaks::LiveBytes;
+use super::live_bytes::LiveBytes;
 use super::stats::{MemoryStats, Stat};
 use crate::backend::StreamId;
 

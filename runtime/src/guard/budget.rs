@@ -4,7 +4,8 @@
 
 use std::panic::Location;
 
-use super::tracker::{Limit, ScopeGuard, ScopeKind};
+use super::scope::ScopeGuard;
+use crate::device::tracker::{Limit, ScopeKind};
 use crate::device::Device;
 use crate::error::Result;
 use crate::ByteSize;

@@ -37,16 +37,17 @@ mod empty_cache;
 mod grad;
 mod leak;
 mod peak;
+mod scope;
 mod thread;
-pub(crate) mod tracker;
 
+pub use crate::leak_report::{LeakReport, LeakedBuffer};
 pub use budget::MemoryBudget;
 pub use empty_cache::EmptyCacheOnDrop;
 pub use grad::{
     enable_grad, inference_mode, is_grad_enabled, is_inference_mode, no_grad, set_grad_enabled,
     set_grad_mode_guard, with_grad_enabled, with_inference_mode, with_no_grad, GradGuard, GradMode,
 };
-pub use leak::{LeakAction, LeakCheck, LeakReport, LeakedBuffer};
+pub use leak::{LeakAction, LeakCheck};
 pub use peak::PeakScope;
 pub use thread::{
     thread_budget, thread_budget_fraction, thread_leak_check, thread_leak_check_with_budget,

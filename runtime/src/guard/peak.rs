@@ -3,7 +3,8 @@
 use std::panic::Location;
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::tracker::{ScopeGuard, ScopeKind};
+use super::scope::ScopeGuard;
+use crate::device::tracker::ScopeKind;
 use crate::device::Device;
 use crate::ByteSize;
 

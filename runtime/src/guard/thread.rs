@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use super::grad::{set_grad_mode_guard, GradMode};
-use super::leak::{LeakAction, LeakReport};
-use super::tracker::{self, Limit, Scope, ScopeKind};
+use super::leak::LeakAction;
+use crate::device::tracker::{self, Limit, Scope, ScopeKind};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::leak_report::LeakReport;
 use crate::ByteSize;
 
 /// Opens a scope for every device, detached when `attached` is false (async use).

@@ -11,19 +11,20 @@
 //! scope has its own counters in an `Arc`; a recorded allocation holds the `Arc`s of the scopes
 //! it was charged to and credits them back when it is freed, on whatever thread, also after the
 //! scope has closed (the counters of a closed scope are then simply never read again).
+//!
+//! This is the device's side of the guards: the guards that open and close scopes, and hold the
+//! device while they do, live in [`crate::guard`] (`guard/scope.rs`).
 
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 use std::backtrace::{Backtrace, BacktraceStatus};
 use std::cell::RefCell;
-use std::marker::PhantomData;
 use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::alloc::{Allocation, CachingAllocator, MIN_BLOCK};
 use crate::backend::StreamId;
-use crate::device::Device;
 use crate::error::{BudgetExceeded, Error, Result};
 
 thread_local! {
@@ -203,7 +204,7 @@ impl Tracker {
     }
 
     /// Opens a thread-scoped scope on the calling thread.
-    fn open_scope(&self, kind: ScopeKind, opened_at: &'static Location<'static>) -> Arc<Scope> {
+    pub fn open_scope(&self, kind: ScopeKind, opened_at: &'static Location<'static>) -> Arc<Scope> {
         let scope = new_scope(self.id(), kind, opened_at);
         self.open.fetch_add(1, Relaxed);
         // During thread teardown the stack is gone: the scope then charges nothing.
@@ -212,14 +213,14 @@ impl Tracker {
     }
 
     /// Moves a thread-scoped scope of the calling thread to the device-wide list.
-    fn make_wide(&self, scope: &Arc<Scope>) {
+    pub fn make_wide(&self, scope: &Arc<Scope>) {
         remove_from_thread(scope);
         lock(&self.wide).push(scope.clone());
         self.wide_open.fetch_add(1, Relaxed);
     }
 
     /// Closes a scope: it is charged by no further allocation.
-    fn close(&self, scope: &Arc<Scope>, wide: bool) {
+    pub fn close(&self, scope: &Arc<Scope>, wide: bool) {
         if wide {
             lock(&self.wide).retain(|s| !Arc::ptr_eq(s, scope));
             self.wide_open.fetch_sub(1, Relaxed);
@@ -544,51 +545,5 @@ fn credit(t: &Tracked, dev: usize) {
     uncharge(&t.scopes, t.alloc.size, dev);
     for s in &t.scopes {
         s.live_allocations.fetch_sub(1, Relaxed);
-    }
-}
-
-/// An open scope on a device; closes it on drop. Shared by the memory guards. Not `Send`: a
-/// thread-scoped scope lives in the opening thread's stack and must close there.
-pub(crate) struct ScopeGuard {
-    device: Device,
-    pub scope: Arc<Scope>,
-    wide: bool,
-    _not_send: PhantomData<*const ()>,
-}
-
-impl ScopeGuard {
-    /// Opens a scope of `kind` on `device`, charged by the calling thread's allocations.
-    pub fn open(device: &Device, kind: ScopeKind, opened_at: &'static Location<'static>) -> Self {
-        let scope = device.tracker().open_scope(kind, opened_at);
-        Self {
-            device: device.clone(),
-            scope,
-            wide: false,
-            _not_send: PhantomData,
-        }
-    }
-
-    /// From now on, charged by the allocations of every thread.
-    pub fn make_wide(&mut self) {
-        if !self.wide {
-            self.device.tracker().make_wide(&self.scope);
-            self.wide = true;
-        }
-    }
-
-    /// Whether it is charged by every thread's allocations.
-    pub fn is_wide(&self) -> bool {
-        self.wide
-    }
-
-    /// The device it is open on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-}
-
-impl Drop for ScopeGuard {
-    fn drop(&mut self) {
-        self.device.tracker().close(&self.scope, self.wide);
     }
 }

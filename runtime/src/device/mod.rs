@@ -1,17 +1,18 @@
-//! `Device`: a backend and its caching allocator, shared by every buffer allocated from it.
+//! `Device`: a backend and its caching allocator, shared by every buffer allocated from it, and
+//! the accounting of the memory guards open on it ([`tracker`]).
+
+pub(crate) mod tracker;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use bytemuck::Pod;
+use self::tracker::Tracker;
 
 use crate::alloc::{Allocation, CachingAllocator, MemoryStats, SegmentInfo};
 use crate::backend::sim::SimDevice;
 use crate::backend::{Backend, MemInfo, StreamId};
-use crate::buffer::DeviceBuffer;
 use crate::config::AllocatorConfig;
-use crate::error::{Error, Result};
-use crate::guard::tracker::Tracker;
+use crate::error::Result;
 use crate::ByteSize;
 
 /// A device with its caching allocator. Cheap to clone; clones share the allocator. Buffers keep
@@ -103,7 +104,7 @@ impl Device {
     }
 
     /// A host-backed simulated device of `capacity`, configured from `OOMGUARD_ALLOC_CONF`;
-    /// [`Error::Config`] (naming the key) when the variable holds an invalid configuration.
+    /// [`Error::Config`](crate::Error::Config) (naming the key) when the variable holds an invalid configuration.
     pub fn try_sim(capacity: ByteSize) -> Result<Self> {
         Ok(Self::new(
             SimDevice::new(capacity),
@@ -239,41 +240,6 @@ impl Device {
             inner.tracker.release(&a);
         }
         inner.allocator.free(a)
-    }
-
-    /// An uninitialised buffer of `len` elements on the default stream (its contents are
-    /// whatever the memory held: zeros on a fresh simulated device).
-    #[track_caller]
-    pub fn alloc<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        self.alloc_on(len, 0)
-    }
-
-    /// An uninitialised buffer of `len` elements on `stream`.
-    #[track_caller]
-    pub fn alloc_on<T: Pod>(&self, len: usize, stream: StreamId) -> Result<DeviceBuffer<T>> {
-        let bytes = (len as u64)
-            .checked_mul(std::mem::size_of::<T>() as u64)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("{len} elements overflow a u64 of bytes"))
-            })?;
-        let a = self.alloc_raw(bytes, stream)?;
-        Ok(DeviceBuffer::from_parts(self.clone(), a, len))
-    }
-
-    /// A buffer of `len` zeroed elements.
-    #[track_caller]
-    pub fn zeros<T: Pod>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let b = self.alloc::<T>(len)?;
-        self.backend().memset_zero(b.device_ptr(), b.byte_len())?;
-        Ok(b)
-    }
-
-    /// A buffer holding a copy of `data`.
-    #[track_caller]
-    pub fn from_slice<T: Pod>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
-        let mut b = self.alloc::<T>(data.len())?;
-        b.copy_from_slice(data)?;
-        Ok(b)
     }
 
     /// A copy of the allocator's statistics.

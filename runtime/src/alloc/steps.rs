@@ -1,0 +1,62 @@
+//! The data of step plans (`step_plan`): step marks, the recording of the current step and
+//! the installed plan, held in the allocator's state. Kept apart from the operations on the
+//! state that use them, so that the state names its fields' types without naming those
+//! operations.
+
+use rustc_hash::FxHashMap;
+
+use super::block::{BlockId, SegId};
+use crate::backend::StreamId;
+
+/// No segment: no plan is installed.
+pub(crate) const NO_SEG: SegId = SegId::MAX;
+
+/// One large request of the recorded step.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Request {
+    pub(super) size: u64,
+    pub(super) stream: StreamId,
+    /// The step's clock (large allocations and frees so far) at the allocation.
+    pub(super) start: usize,
+    /// At the free (`usize::MAX`: still live at the step's end).
+    pub(super) end: usize,
+}
+
+/// The installed plan: one mapped address range and an offset for each planned request.
+///
+/// A request is matched by its size, stream and occurrence: the j-th request of a size in a
+/// step takes the offset of the j-th request of that size in the recorded step. Requests of
+/// other sizes that one step has and another lacks (gradients and optimizer state made in the
+/// first step) then shift nothing.
+#[derive(Debug)]
+pub(super) struct Plan {
+    pub(super) seg: SegId,
+    pub(super) base: u64,
+    /// By (size, stream): each occurrence's offset, `None` for one served as before.
+    pub(super) slots: FxHashMap<(u64, StreamId), Vec<Option<u64>>>,
+}
+
+/// Step marks, the recording of the current step and the installed plan.
+#[derive(Debug, Default)]
+pub(crate) struct Steps {
+    /// Steps are marked and a plan is possible: large requests are recorded.
+    pub(super) on: bool,
+    pub(super) requests: Vec<Request>,
+    /// Live recorded blocks: their request index.
+    pub(super) open: FxHashMap<BlockId, u32>,
+    /// The previous step's large requests (size, stream), in order.
+    pub(super) previous: Vec<(u64, StreamId)>,
+    /// The last request was served at its planned offset.
+    pub(super) hit: bool,
+    /// Requests of each (size, stream) recorded so far in this step.
+    pub(super) seen: FxHashMap<(u64, StreamId), u32>,
+    pub(super) clock: usize,
+    /// `unmapped_bytes_total` and `num_alloc_retries` at the step's start, or after the last
+    /// `empty_cache` (whose unmaps are not the step's moves).
+    pub(super) moved_at: (u64, u64),
+    /// The step moved pages or retried before the last `empty_cache`.
+    pub(super) moved_before_empty: bool,
+    pub(super) plan: Option<Plan>,
+    pub(super) misses: u64,
+    pub(super) missed_steps: u32,
+}
