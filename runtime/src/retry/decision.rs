@@ -6,11 +6,14 @@
 //! Two steps: [`vote`], this rank's status and proposed plan from its own attempt; then
 //! [`settle`], the action once the ranks agreed (the worst status of all, the smallest plan).
 
-use super::classify::OomRequest;
-use super::engine::MAX_ATTEMPTS;
+use super::oom_request::OomRequest;
 use super::plan::BatchPlan;
 use super::policy::{Pressure, RetryContext};
 use super::report::StopReason;
+
+/// Most failed attempts of one step, whatever the policy says: a policy that never gives up
+/// cannot loop forever.
+pub const MAX_ATTEMPTS: u32 = 64;
 
 /// A rank's status, ordered so that the maximum over ranks is the one that counts.
 pub(crate) type Status = u64;

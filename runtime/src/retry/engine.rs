@@ -12,16 +12,16 @@ use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::classify::{IsOom, OomRequest};
+use super::classify::IsOom;
 use super::clock::{Clock, SystemClock};
 use super::consensus::{Consensus, ConsensusError, SingleProcess};
-use super::decision::{self, Facts, Outcome, Settled, Status, FATAL, OK};
+use super::decision::{self, Facts, Outcome, Settled, Status, FATAL, MAX_ATTEMPTS, OK};
 use super::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
+use super::oom_request::OomRequest;
 use super::plan::{BatchPlan, Chunk};
 use super::policy::{training_policy, Pressure, RetryContext, RetryPolicy};
-use super::report::{
-    AttemptOutcome, AttemptRecord, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
-};
+use super::report::{AttemptOutcome, AttemptRecord, Regrow, RetryReport};
+use super::result::{FailedAttempt, Retried, RetryError};
 use super::thrash::{Observed, SpeedAction, SpeedBook, ThrashDetector};
 use crate::source::{Churn, MemorySource};
 use crate::Device;
@@ -903,10 +903,6 @@ impl Target {
         }
     }
 }
-
-/// Most failed attempts of one step, whatever the policy says: a policy that never gives up
-/// cannot loop forever.
-pub const MAX_ATTEMPTS: u32 = 64;
 
 /// The state of a loop set up in full (every step but a first attempt that ran without one).
 struct FullLoop<E> {
