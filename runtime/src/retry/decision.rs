@@ -1,6 +1,6 @@
 //! What the retry engine does after an attempt, as pure functions of the loop's state, the
 //! attempt's outcome and the ranks' agreement: no clock, no thread-local, no device. The
-//! engine's loop (`engine.rs`) reads the clock and the source, empties caches, agrees with the
+//! engine's loop (`engine/`) reads the clock and the source, empties caches, agrees with the
 //! other ranks and writes the report around them; what to do next is decided here.
 //!
 //! Two steps: [`vote`], this rank's status and proposed plan from its own attempt; then
