@@ -120,7 +120,7 @@ fn an_unreadable_or_unwritable_file_is_reported() {
 /// again and again. Every stale lock must be taken over by exactly one writer: when two both
 /// removed it, one deleted the other's fresh lock, both saved at once and plans were lost (on
 /// old main, at a normal machine load: plans lost in 3 of 3 runs). The race is one of timing;
-/// the unit test `a_stale_lock_is_taken_over_by_exactly_one_writer` in `retry/memory.rs`
+/// the unit test `a_stale_lock_is_taken_over_by_exactly_one_writer` in `retry/memory/tests.rs`
 /// forces it.
 #[test]
 fn stale_locks_are_taken_over_by_one_writer_and_nothing_is_lost() {

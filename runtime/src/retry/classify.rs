@@ -8,6 +8,7 @@
 use std::error::Error as StdError;
 
 use super::commit::{AfterCommit, AfterCommitIo, UpdateApplied};
+use super::oom_request::OomRequest;
 use super::report::RetryReport;
 use crate::backend::BackendError;
 use crate::error::{BudgetExceeded, Error, OomError};
@@ -101,41 +102,6 @@ pub trait IsOom {
         Self: Sized,
     {
         self
-    }
-}
-
-/// One failed request against the most that could ever serve it ([`IsOom::oom_request`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OomRequest {
-    /// Bytes the failed request asked for.
-    pub requested: u64,
-    /// The device's total capacity, or the budget's limit ([`OomRequest::budget`]).
-    pub capacity: u64,
-    /// Whether `capacity` is a memory budget's limit rather than the device's capacity.
-    pub budget: bool,
-}
-
-impl OomRequest {
-    /// Whether the request is larger than the whole capacity: no emptied cache, no freed
-    /// buffer makes it fit; only a smaller request can.
-    pub fn exceeds_capacity(&self) -> bool {
-        self.requested > self.capacity
-    }
-}
-
-impl std::fmt::Display for OomRequest {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let what = if self.budget {
-            "the budget's whole limit"
-        } else {
-            "the device's whole capacity"
-        };
-        write!(
-            f,
-            "a request of {} against {what} of {}",
-            crate::ByteSize(self.requested),
-            crate::ByteSize(self.capacity)
-        )
     }
 }
 
@@ -540,99 +506,4 @@ fn known_is_oom(e: &(dyn StdError + 'static)) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::backend::BackendErrorKind;
-    use std::fmt;
-
-    #[derive(Debug)]
-    struct Outer(Box<dyn StdError + Send + Sync>);
-    impl fmt::Display for Outer {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            // A message that mentions memory must not make it an OOM: classification is typed.
-            f.write_str("CUDA out of memory (not really)")
-        }
-    }
-    impl StdError for Outer {
-        fn source(&self) -> Option<&(dyn StdError + 'static)> {
-            Some(&*self.0)
-        }
-    }
-
-    #[derive(Debug)]
-    struct Plain;
-    impl fmt::Display for Plain {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("out of memory")
-        }
-    }
-    impl StdError for Plain {}
-
-    fn oom() -> OomError {
-        OomError {
-            requested: 1,
-            device: 0,
-            device_total: 1,
-            device_free: 0,
-            allocated: 0,
-            reserved_unallocated: 0,
-            largest_free_block: 0,
-            cause: None,
-            expandable_segments: false,
-        }
-    }
-
-    #[test]
-    fn own_types() {
-        assert!(IsOom::is_oom(&Error::Oom(oom())));
-        assert!(IsOom::is_oom(&Error::BudgetExceeded(BudgetExceeded {
-            requested: 1,
-            in_use: 1,
-            limit: 1
-        })));
-        assert!(!IsOom::is_oom(&Error::InvalidArgument("x".into())));
-        assert!(IsOom::is_oom(&BackendError::oom("alloc", "x")));
-        assert!(!IsOom::is_oom(&BackendError::new(
-            BackendErrorKind::Other,
-            "alloc",
-            "out of memory"
-        )));
-        assert!(IsOom::is_oom(&Box::new(oom())));
-    }
-
-    #[test]
-    fn walks_source_chains_by_type() {
-        let nested: Box<dyn StdError + Send + Sync> =
-            Box::new(Outer(Box::new(Outer(Box::new(Error::Oom(oom()))))));
-        assert!(nested.is_oom());
-        let backend: Box<dyn StdError + Send + Sync> =
-            Box::new(Outer(Box::new(BackendError::oom("map", "x"))));
-        assert!(backend.is_oom());
-        let not: Box<dyn StdError + Send + Sync> = Box::new(Outer(Box::new(Plain)));
-        assert!(!not.is_oom(), "messages are never matched");
-        let plain: &(dyn StdError + 'static) = &Plain;
-        assert!(!plain.is_oom());
-    }
-
-    #[cfg(feature = "cuda")]
-    #[test]
-    fn cudarc_errors_by_code() {
-        use cudarc::cublas::result::CublasError;
-        use cudarc::cublas::sys::cublasStatus_t;
-        use cudarc::driver::result::DriverError;
-        use cudarc::driver::sys::CUresult;
-        assert!(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).is_oom());
-        assert!(!DriverError(CUresult::CUDA_ERROR_INVALID_VALUE).is_oom());
-        assert!(CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED).is_oom());
-        assert!(!CublasError(cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED).is_oom());
-        // nested in a user's error, as candle nests cudarc's
-        let nested: Box<dyn StdError + Send + Sync> = Box::new(Outer(Box::new(DriverError(
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-        ))));
-        assert!(nested.is_oom());
-        let blas: Box<dyn StdError + Send + Sync> = Box::new(Outer(Box::new(CublasError(
-            cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED,
-        ))));
-        assert!(blas.is_oom());
-    }
-}
+mod tests;

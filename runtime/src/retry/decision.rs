@@ -1,16 +1,19 @@
 //! What the retry engine does after an attempt, as pure functions of the loop's state, the
 //! attempt's outcome and the ranks' agreement: no clock, no thread-local, no device. The
-//! engine's loop (`engine.rs`) reads the clock and the source, empties caches, agrees with the
+//! engine's loop (`engine/`) reads the clock and the source, empties caches, agrees with the
 //! other ranks and writes the report around them; what to do next is decided here.
 //!
 //! Two steps: [`vote`], this rank's status and proposed plan from its own attempt; then
 //! [`settle`], the action once the ranks agreed (the worst status of all, the smallest plan).
 
-use super::classify::OomRequest;
-use super::engine::MAX_ATTEMPTS;
+use super::oom_request::OomRequest;
 use super::plan::BatchPlan;
 use super::policy::{Pressure, RetryContext};
 use super::report::StopReason;
+
+/// Most failed attempts of one step, whatever the policy says: a policy that never gives up
+/// cannot loop forever.
+pub const MAX_ATTEMPTS: u32 = 64;
 
 /// A rank's status, ordered so that the maximum over ranks is the one that counts.
 pub(crate) type Status = u64;

@@ -61,12 +61,14 @@ mod engine;
 mod finder;
 mod gradients;
 mod memory;
+mod oom_request;
 mod plan;
 mod policy;
 mod report;
+mod result;
 mod thrash;
 
-pub use classify::{chain_is_oom, IsOom, OomRequest};
+pub use classify::{chain_is_oom, IsOom};
 #[cfg(feature = "burn")]
 pub use classify_burn::cubecl_text_is_oom;
 pub use classify_tch::{
@@ -77,9 +79,9 @@ pub use classify_tch::{
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use commit::{note_commit, AfterCommit, UpdateApplied};
 pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
+pub use decision::MAX_ATTEMPTS;
 pub use engine::{
     RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
-    MAX_ATTEMPTS,
 };
 pub use finder::{
     find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial, LARGER_BATCH_SHARE,
@@ -89,6 +91,7 @@ pub use gradients::GradientSync;
 pub use memory::{
     DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode, LOCK_WAIT, STALE_LOCK,
 };
+pub use oom_request::OomRequest;
 pub use plan::{BatchPlan, Chunk, PlanError};
 pub use policy::{
     inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,
@@ -96,7 +99,7 @@ pub use policy::{
 };
 pub use report::{
     clear_last_report, last_report, record_commit_error, record_hint, AttemptOutcome,
-    AttemptRecord, CommitFailure, FailedAttempt, Regrow, Retried, RetryError, RetryReport,
-    SpeedDecision, StopReason,
+    AttemptRecord, CommitFailure, Regrow, RetryReport, SpeedDecision, StopReason,
 };
+pub use result::{FailedAttempt, Retried, RetryError};
 pub use thrash::ThrashDetector;

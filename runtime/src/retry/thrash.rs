@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use super::memory::{Limits, MemoryKey};
 use super::plan::BatchPlan;
+use super::report::SpeedDecision;
 use crate::source::Churn;
 
 /// Counts consecutive thrashing steps.
@@ -129,11 +130,11 @@ pub(crate) enum SpeedAction {
     /// Nothing to change.
     None,
     /// Start a trial of the smaller plan: learn its limits.
-    Try(BatchPlan, super::report::SpeedDecision),
+    Try(BatchPlan, SpeedDecision),
     /// The trial ended; with `Some(limits)` the larger plan won: restore them.
-    Chose(super::report::SpeedDecision, Option<Limits>),
+    Chose(SpeedDecision, Option<Limits>),
     /// The plan churned through a window but its smaller plan lost before: stay.
-    Stayed(super::report::SpeedDecision),
+    Stayed(SpeedDecision),
 }
 
 /// What one successful step tells the speed book.
@@ -175,66 +176,14 @@ impl SpeedBook {
     /// Takes one successful step at a site whose detector tripped without an allocator retry, or
     /// that churned, or while a trial is under way; says what the engine must change.
     pub(crate) fn observe(&self, o: Observed<'_>) -> SpeedAction {
-        use super::report::SpeedDecision;
         let mut sites = self.sites();
         let site = match sites.get_mut(o.key) {
             Some(s) => s,
             None if o.churn.any() => sites.entry(o.key.clone()).or_default(),
             None => return SpeedAction::None,
         };
-        if let Some(t) = &mut site.trial {
-            if o.plan != t.smaller {
-                // the plan changed under the trial (an out-of-memory, a regrow, another rank):
-                // nothing to compare
-                tracing::debug!(
-                    target: "oomguard::retry",
-                    site = %o.key.site,
-                    plan = %o.plan,
-                    trial = %t.smaller,
-                    "speed trial abandoned: the plan changed"
-                );
-                site.trial = None;
-                self.trials.fetch_sub(1, Relaxed);
-            } else {
-                if t.settle_left > 0 {
-                    t.settle_left -= 1;
-                } else {
-                    t.samples.push(o.per_row);
-                }
-                if t.samples.len() < t.needed as usize {
-                    return SpeedAction::None;
-                }
-                let t = site.trial.take().expect("matched above");
-                self.trials.fetch_sub(1, Relaxed);
-                site.churning.clear();
-                site.plan = None;
-                let smaller_per_row = median(&t.samples);
-                let smaller_wins = smaller_per_row < t.thrashing_per_row;
-                let decision = SpeedDecision::Chose {
-                    thrashing: t.thrashing,
-                    smaller: t.smaller,
-                    thrashing_per_row: Duration::from_nanos(t.thrashing_per_row),
-                    smaller_per_row: Duration::from_nanos(smaller_per_row),
-                    kept: if smaller_wins { t.smaller } else { t.thrashing },
-                };
-                if smaller_wins {
-                    site.loss = None;
-                    return SpeedAction::Chose(decision, None);
-                }
-                let count = match site.loss {
-                    Some(l) if l.thrashing == t.thrashing && l.smaller == t.smaller => l.count + 1,
-                    _ => 1,
-                };
-                site.loss = Some(Loss {
-                    thrashing: t.thrashing,
-                    smaller: t.smaller,
-                    thrashing_per_row: t.thrashing_per_row,
-                    smaller_per_row,
-                    windows_left: WINDOWS_AFTER_LOSS.saturating_mul(1 << (count - 1).min(16)),
-                    count,
-                });
-                return SpeedAction::Chose(decision, Some(t.limits));
-            }
+        if let Some(action) = self.trial_step(site, &o) {
+            return action;
         }
         // The churning steps of the plan in a row, for its time per row.
         if !o.churn.any() || site.plan != Some(o.plan) {
@@ -287,6 +236,65 @@ impl SpeedBook {
                 steps: needed,
             },
         )
+    }
+
+    /// A step of `site`'s trial under way, if any: `Some` with what the engine must do (the
+    /// trial goes on, or it ended with a choice); `None` when there is no trial, or it was
+    /// abandoned because the plan changed under it.
+    fn trial_step(&self, site: &mut SiteSpeed, o: &Observed<'_>) -> Option<SpeedAction> {
+        let t = site.trial.as_mut()?;
+        if o.plan != t.smaller {
+            // the plan changed under the trial (an out-of-memory, a regrow, another rank):
+            // nothing to compare
+            tracing::debug!(
+                target: "oomguard::retry",
+                site = %o.key.site,
+                plan = %o.plan,
+                trial = %t.smaller,
+                "speed trial abandoned: the plan changed"
+            );
+            site.trial = None;
+            self.trials.fetch_sub(1, Relaxed);
+            return None;
+        }
+        if t.settle_left > 0 {
+            t.settle_left -= 1;
+        } else {
+            t.samples.push(o.per_row);
+        }
+        if t.samples.len() < t.needed as usize {
+            return Some(SpeedAction::None);
+        }
+        let t = site.trial.take().expect("matched above");
+        self.trials.fetch_sub(1, Relaxed);
+        site.churning.clear();
+        site.plan = None;
+        let smaller_per_row = median(&t.samples);
+        let smaller_wins = smaller_per_row < t.thrashing_per_row;
+        let decision = SpeedDecision::Chose {
+            thrashing: t.thrashing,
+            smaller: t.smaller,
+            thrashing_per_row: Duration::from_nanos(t.thrashing_per_row),
+            smaller_per_row: Duration::from_nanos(smaller_per_row),
+            kept: if smaller_wins { t.smaller } else { t.thrashing },
+        };
+        if smaller_wins {
+            site.loss = None;
+            return Some(SpeedAction::Chose(decision, None));
+        }
+        let count = match site.loss {
+            Some(l) if l.thrashing == t.thrashing && l.smaller == t.smaller => l.count + 1,
+            _ => 1,
+        };
+        site.loss = Some(Loss {
+            thrashing: t.thrashing,
+            smaller: t.smaller,
+            thrashing_per_row: t.thrashing_per_row,
+            smaller_per_row,
+            windows_left: WINDOWS_AFTER_LOSS.saturating_mul(1 << (count - 1).min(16)),
+            count,
+        });
+        Some(SpeedAction::Chose(decision, Some(t.limits)))
     }
 
     /// Forgets a site's speed (its detector moved it down for allocator retries).

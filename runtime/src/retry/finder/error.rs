@@ -1,0 +1,67 @@
+//! [`FinderError`]: why [`find_max_batch`](crate::retry::find_max_batch) found nothing.
+
+use std::fmt;
+
+use crate::retry::report::RetryReport;
+
+use super::report::Trial;
+
+/// [`find_max_batch`](crate::retry::find_max_batch) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FinderError<E: fmt::Debug + fmt::Display> {
+    /// The step failed with an error that is not out-of-memory.
+    #[error("the step failed: {0}")]
+    Step(E),
+    /// Not even one row fits.
+    #[error("out of memory even with 1 row (after {} runs)", .0.len())]
+    NothingFits(Vec<Trial>),
+    /// The options were wrong.
+    #[error("invalid finder options: {0}")]
+    InvalidArgument(String),
+    /// The device could not be queried.
+    #[error("device error: {0}")]
+    Device(#[from] crate::Error),
+    /// The step retried out-of-memory itself (it runs an OOM retry engine or `#[oom_retry]`
+    /// that shrank or split its batch): its success says nothing about the rows asked for, so
+    /// the search would overestimate the maximum. Give the finder the step without its retry.
+    #[error("the step retried internally at {rows} rows (it ran {report}); find_max_batch needs the step without its OOM retry")]
+    RetriesInside {
+        /// The rows asked for.
+        rows: usize,
+        /// The inner retry's report.
+        report: Box<RetryReport>,
+    },
+    /// A retry engine inside the step ran the batch split into micro-batches (a plan remembered
+    /// from earlier steps or a plan file, or a split start plan), so the trial measured one
+    /// micro-batch's memory, not the rows asked for: its success says nothing about them.
+    #[error("the step's retry engine ran {rows} rows split ({plan}{remembered}), so the trial measured a micro-batch, not {rows} rows; give find_max_batch the step without its OOM retry, or an engine with nothing remembered for it (a new RetryEngine, no plan file)", plan = .report.final_plan, remembered = if .report.from_memory { ", remembered from earlier steps" } else { "" })]
+    SplitInside {
+        /// The rows asked for.
+        rows: usize,
+        /// The inner step's report.
+        report: Box<RetryReport>,
+    },
+    /// The search found a batch, but no batch down to the smallest verified ran
+    /// [`FinderOptions::verify_steps`](crate::retry::FinderOptions::verify_steps) consecutive steps (in [`MAX_VERIFICATIONS`](crate::retry::MAX_VERIFICATIONS) runs): the
+    /// source fragments over a loop of steps more than the step-down reached.
+    #[error("the search found {found} rows, but no batch down to {smallest} rows ran {steps} consecutive steps ({} verification runs): the memory source fragments over a loop of steps; empty the cache between steps, or use oomguard's allocator", .verification.len())]
+    LoopFails {
+        /// The batch the search found.
+        found: usize,
+        /// The smallest batch verified.
+        smallest: usize,
+        /// Steps each verification ran for.
+        steps: u32,
+        /// The verification runs.
+        verification: Vec<Trial>,
+    },
+    /// Every trial that ran measured a peak of 0 bytes: the step's memory comes from
+    /// somewhere this source does not see, and a search would return `max` untested.
+    #[error("the step's memory is invisible to the {measured}: its peak was 0 bytes at every size tried ({rows:?} rows). The step allocates from another source (candle's CUDA tensors come from the driver pool: pass oomguard_candle's memory_source or a DriverPool, not a Device), or allocates nothing")]
+    Unmeasured {
+        /// The source measured.
+        measured: crate::source::SourceInfo,
+        /// The rows of the trials that ran.
+        rows: Vec<usize>,
+    },
+}

@@ -1,0 +1,152 @@
+//! The plan file: its JSON format, read and written (merged with other writers') under its lock.
+
+use rustc_hash::FxHashMap as HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::key::MemoryKey;
+use super::limits::Limits;
+use super::lock::{FileLock, STALE_LOCK};
+
+/// Reading or writing the plan file failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// The file could not be read or written.
+    #[error("plan memory file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not a plan memory file of this version.
+    #[error("plan memory file {path} is not valid: {message}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+const VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct FileFormat {
+    version: u32,
+    plans: Vec<FileEntry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct FileEntry {
+    #[serde(flatten)]
+    key: MemoryKey,
+    limits: Limits,
+}
+
+/// Writes `ours` to the plan file at `path` under its lock, merged with what other writers
+/// saved since it was read when `keep_theirs` (their keys are kept, ours win).
+pub(super) fn write_file<'a>(
+    path: &Path,
+    ours: impl Iterator<Item = (&'a MemoryKey, Limits)>,
+    keep_theirs: bool,
+) -> Result<(), MemoryError> {
+    let io = |source| MemoryError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let lock = FileLock::acquire(path).map_err(io)?;
+    let mut merged: HashMap<MemoryKey, Limits> = HashMap::default();
+    if keep_theirs {
+        // Another writer's plans since we read the file: keep them. A file that became
+        // unreadable is replaced (and said so).
+        match read_file(path) {
+            Ok(theirs) => merged.extend(theirs),
+            Err(e) => {
+                tracing::warn!(target: "oomguard::retry", error = %e, "replacing the plan file")
+            }
+        }
+    }
+    for (k, limits) in ours {
+        merged.insert(k.clone(), limits);
+    }
+    let mut plans: Vec<FileEntry> = merged
+        .into_iter()
+        .filter(|(_, l)| *l != Limits::NONE)
+        .map(|(key, limits)| FileEntry { key, limits })
+        .collect();
+    plans.sort_by(|a, b| {
+        (
+            &a.key.site,
+            &a.key.device.name,
+            a.key.device.ordinal,
+            a.key.mode as u8,
+        )
+            .cmp(&(
+                &b.key.site,
+                &b.key.device.name,
+                b.key.device.ordinal,
+                b.key.mode as u8,
+            ))
+    });
+    let text = serde_json::to_string_pretty(&FileFormat {
+        version: VERSION,
+        plans,
+    })
+    .map_err(|e| MemoryError::Format {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    // A unique temporary name: two writers never write the same temporary file.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("json.{}.{seq}.tmp", std::process::id()));
+    if let Err(e) = std::fs::write(&tmp, text) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    if !lock.held() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the lock on {} was taken over by another writer while this one stalled \
+                 (more than {STALE_LOCK:?}): not written",
+                path.display()
+            ),
+        )));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(e)
+    })
+}
+
+/// The entries of a plan file (none when it does not exist).
+pub(super) fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(MemoryError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let file: FileFormat = serde_json::from_str(&text).map_err(|e| MemoryError::Format {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    if file.version != VERSION {
+        return Err(MemoryError::Format {
+            path: path.to_path_buf(),
+            message: format!(
+                "version {} (this oomguard reads version {VERSION})",
+                file.version
+            ),
+        });
+    }
+    Ok(file.plans.into_iter().map(|e| (e.key, e.limits)).collect())
+}
