@@ -306,18 +306,109 @@ fn a_request_that_needs_the_plans_free_pages_is_served() {
 }
 
 #[test]
-fn a_loop_that_settles_by_itself_gets_no_plan() {
+fn a_loop_with_room_to_spare_gets_a_plan_that_gives_its_extra_pages_back() {
     let step = vgg_step();
-    // on a card with room to spare, best fit settles after its first step
+    let peak_live = 82_872_953_496u64;
+    // on a card with room to spare, best fit settles after its first step, at 1.0826 x the
+    // step's peak live bytes; the plan lays the step out in 1.0016 x
+    for threads in [false, true] {
+        let a = Arc::new(allocator(160 * GIB));
+        let moves = run(&a, &step, 2, true, threads);
+        assert_eq!(moves[1], Moves::default(), "threads {threads}: {moves:?}");
+        let before = a.stats();
+        assert_eq!(before.num_plans_installed, 0);
+        assert!(
+            before.reserved_bytes.all.current as f64 >= 1.05 * peak_live as f64,
+            "threads {threads}: best fit alone reserved {}",
+            before.reserved_bytes.all.current
+        );
+        // the third mark: the second step repeated the first, with room: the plan
+        let moves = run(&a, &step, 4, true, threads);
+        let s = a.stats();
+        assert_eq!(s.num_plans_installed, 1, "threads {threads}");
+        for (i, m) in moves.iter().enumerate() {
+            assert_eq!(
+                *m,
+                Moves::default(),
+                "threads {threads}: step {i}: {moves:?}"
+            );
+        }
+        let reserved = s.reserved_bytes.all.current;
+        assert!(
+            reserved >= peak_live && reserved as f64 <= 1.005 * peak_live as f64,
+            "threads {threads}: reserved {reserved} after the plan"
+        );
+        // the free pages went back before the range was mapped: reserved never rose for it
+        assert_eq!(
+            s.reserved_bytes.all.peak, before.reserved_bytes.all.peak,
+            "threads {threads}"
+        );
+        assert_eq!(s.num_plan_misses, 0);
+        assert_eq!(s.num_ooms, 0);
+    }
+}
+
+/// A step of `n` blocks of 64 MiB, all live at once, then all freed.
+fn uniform_step(n: u64) -> Vec<Event> {
+    let alloc = (0..n).map(|id| Event {
+        alloc: true,
+        id,
+        bytes: 64 * MIB,
+        thread: 1,
+    });
+    let free = (0..n).map(|id| Event {
+        alloc: false,
+        id,
+        bytes: 64 * MIB,
+        thread: 1,
+    });
+    alloc.chain(free).collect()
+}
+
+#[test]
+fn a_loop_that_best_fit_lays_out_as_tightly_gets_no_plan() {
+    let step = uniform_step(16);
     let a = Arc::new(allocator(160 * GIB));
-    let moves = run(&a, &step, 4, true, false);
+    let moves = run(&a, &step, 6, true, false);
     for (i, m) in moves.iter().enumerate().skip(1) {
         assert_eq!(*m, Moves::default(), "step {i}: {moves:?}");
     }
     let s = a.stats();
-    assert_eq!(s.num_step_marks, 4);
+    assert_eq!(s.num_step_marks, 6);
+    // laid out once (a plan would save nothing), never installed
     assert_eq!(s.num_plans_installed, 0);
     assert_eq!(s.num_plan_hits + s.num_plan_misses, 0);
+}
+
+#[test]
+fn after_a_plan_is_dropped_for_its_misses_room_alone_installs_no_other() {
+    let step = vgg_step();
+    let a = Arc::new(allocator(160 * GIB));
+    run(&a, &step, 3, true, false);
+    assert_eq!(a.stats().num_plans_installed, 1);
+    // steps of other sizes: the plan misses, and is dropped after two such steps
+    let other: Vec<Event> = step
+        .iter()
+        .map(|e| Event {
+            bytes: if e.bytes > MIB {
+                e.bytes / 2 + 3 * MIB / 2
+            } else {
+                e.bytes
+            },
+            ..*e
+        })
+        .collect();
+    run(&a, &other, 3, true, false);
+    let s = a.stats();
+    assert_eq!(s.num_plans_dropped, 1, "{s:?}");
+    // the first steps again, with room: the loop varies, so no new plan moves its pages
+    let moves = run(&a, &step, 4, true, false);
+    let s = a.stats();
+    assert_eq!(s.num_plans_installed, 1, "{s:?}");
+    assert_eq!(s.num_ooms, 0);
+    for (i, m) in moves.iter().enumerate().skip(1) {
+        assert_eq!(m.unmapped, 0, "step {i}: {moves:?}");
+    }
 }
 
 #[test]

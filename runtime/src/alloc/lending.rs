@@ -331,7 +331,9 @@ impl CachingAllocator {
     fn remove_cache(&self, st: &mut State, index: u32) {
         self.fold_caches(st);
         if let Some(e) = self.caches.write().get_mut(index as usize) {
-            *e = None;
+            if let Some(c) = e.take() {
+                c.state.lock().uncount_large();
+            }
         }
     }
 
@@ -363,7 +365,7 @@ impl CachingAllocator {
         let own = self.own_cache_index();
         for c in self.cache_list() {
             let mut cs = c.state.lock();
-            if cs.large.is_none() {
+            if !cs.large_counted() {
                 continue;
             }
             let is_own = own == Some(c.index);

@@ -12,8 +12,21 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 /// touched) in one-thread mode, where the statistics under the lock are exact already.
 #[derive(Debug, Default)]
 pub(crate) struct LiveBytes {
-    current: AtomicU64,
-    peak: AtomicU64,
+    current: Line,
+    // on a line of its own: read on every count, written only when a new peak is reached
+    peak: Line,
+}
+
+/// An atomic on a cache line (two, against adjacent-line prefetch) of its own.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Line(AtomicU64);
+
+impl std::ops::Deref for Line {
+    type Target = AtomicU64;
+    fn deref(&self) -> &AtomicU64 {
+        &self.0
+    }
 }
 
 impl LiveBytes {

@@ -59,4 +59,10 @@ pub(crate) struct Steps {
     pub(super) plan: Option<Plan>,
     pub(super) misses: u64,
     pub(super) missed_steps: u32,
+    /// The step sequence that repeats now was laid out for room (a step with room to spare,
+    /// nothing moved) and found not worth a plan: not laid out again until the steps change.
+    pub(super) room_checked: bool,
+    /// A plan was dropped for its misses: no more plans for room alone (a loop whose steps
+    /// vary would move its pages at every new plan).
+    pub(super) room_refused: bool,
 }

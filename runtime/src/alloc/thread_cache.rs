@@ -117,7 +117,12 @@ pub(crate) struct CacheState {
     pub large: Option<u32>,
     /// The large slot handed out last.
     last_large: Option<u32>,
-    /// Large blocks parked in every cache of the allocator (shared by them).
+    /// This cache is counted in `parked_large`: it parked a large block since the shared state
+    /// last took its parked blocks back (set while `large` is, and possibly after: a repeated
+    /// pair of one size then touches no shared counter).
+    large_counted: bool,
+    /// Caches counted as holding a parked large block (shared by the allocator's caches): at
+    /// least the number that hold one, so 0 means none does.
     pub parked_large: Arc<AtomicUsize>,
     /// The owning thread has exited: frees return blocks to the shared state.
     pub owner_gone: bool,
@@ -209,8 +214,8 @@ impl CacheState {
         let i = self.lists.get_mut(&(stream, size))?.pop()?;
         self.cached -= 1;
         if self.large == Some(i) {
+            // (stays counted: the next park of this pair's block need not count it again)
             self.large = None;
-            self.parked_large.fetch_sub(1, Ordering::Relaxed);
         }
         let s = &self.slots[i as usize];
         let (small, split) = (s.small, s.split);
@@ -265,15 +270,18 @@ impl CacheState {
         if (!s.small && !large_ok) || !s.other_streams.is_empty() || self.owner_gone {
             return false;
         }
-        if !s.small {
-            self.large = Some(i);
-            self.parked_large.fetch_add(1, Ordering::Relaxed);
-        }
         let (small, size, split, oversize, req) =
             (s.small, s.size, s.split, s.oversize, s.requested);
         let list = self.lists.entry((s.stream, size)).or_default();
         if list.len() >= CACHE_CAP {
             return false;
+        }
+        if !small {
+            self.large = Some(i);
+            if !self.large_counted {
+                self.large_counted = true;
+                self.parked_large.fetch_add(1, Ordering::Relaxed);
+            }
         }
         list.push(i);
         self.cached += 1;
@@ -289,11 +297,11 @@ impl CacheState {
         true
     }
 
-    /// Takes the parked large slot out of its list, if there is one: the caller returns its
-    /// block to the shared state.
+    /// Takes the parked large slot out of its list, if there is one (the caller returns its
+    /// block to the shared state), and stops counting this cache in `parked_large`.
     pub fn take_large(&mut self) -> Option<u32> {
+        self.uncount_large();
         let i = self.large.take()?;
-        self.parked_large.fetch_sub(1, Ordering::Relaxed);
         let s = &self.slots[i as usize];
         if let Some(list) = self.lists.get_mut(&(s.stream, s.size)) {
             list.retain(|&j| j != i);
@@ -302,12 +310,23 @@ impl CacheState {
         Some(i)
     }
 
+    /// Whether this cache is counted in `parked_large` (it may hold a parked large block).
+    pub fn large_counted(&self) -> bool {
+        self.large_counted
+    }
+
+    /// Stops counting this cache in `parked_large` (it holds no parked large block).
+    pub fn uncount_large(&mut self) {
+        if std::mem::take(&mut self.large_counted) {
+            self.parked_large.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     /// Takes every cached slot out of the lists (emptied for reuse): the caller returns their
     /// blocks to the shared state.
     pub fn drain_cached(&mut self) -> Vec<u32> {
-        if self.large.take().is_some() {
-            self.parked_large.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.large = None;
+        self.uncount_large();
         let mut out = Vec::with_capacity(self.cached);
         for list in self.lists.values_mut() {
             out.append(list);
