@@ -863,3 +863,25 @@ fn a_growable_cache_is_kept_between_trials_a_fixed_one_emptied() {
         s.segment.all.freed
     );
 }
+
+/// The verification loop runs like `train_step`'s loop, which marks each step (so that a loop
+/// at the edge of memory settles on a step plan there as in training); the search's trials,
+/// two steps at each new size, are left unmarked (a plan laid out for one size would meet the
+/// next).
+#[test]
+fn the_verification_marks_each_step_and_the_trials_do_not() {
+    let m = Model {
+        capacity: ByteSize::gib(2),
+        params: 64 * MIB,
+        layers: 8,
+        act_per_row: MIB,
+        workspace: 32 * MIB,
+    };
+    let (dev, _weights) = m.device();
+    let report = find_max_batch(&dev, FinderOptions::default(), |rows| m.step(&dev, rows)).unwrap();
+    assert!(!report.verification.is_empty());
+    let verified: u64 = report.verification.iter().map(|t| t.steps as u64).sum();
+    let searched: u64 = report.trials.iter().map(|t| t.steps as u64).sum();
+    assert!(verified >= 32 && searched > 0, "{verified} {searched}");
+    assert_eq!(dev.stats().num_step_marks, verified);
+}

@@ -28,7 +28,9 @@
 //! - `--seeded FACTOR` (instead of the plain steps): `oomguard_tch::find_max_batch_train` (the
 //!   training step's own attempt, up to the `--max` bound's HI, 1,536 without one), then
 //!   `--steps` `train_step`s at FACTOR × the batch found from an engine seeded with
-//!   `start_from_finder`: one `SEEDED` line each (ms, plan, retries), then `RESULT
+//!   `start_from_finder`: a `FINDER` line per finder trial and verification run (rows, steps,
+//!   seconds, peaks) and one for the allocator's moves over the finder, then one `SEEDED` line
+//!   per step (ms, plan, retries), then `RESULT
 //!   phase=seeded` (the batch found, the seed, the retries of all steps). A GPU phase: on the
 //!   CPU the finder sees no device memory and says so.
 //! - `--no-mark-steps`: the plain steps under oomguard's allocator are not marked (by default
@@ -525,6 +527,7 @@ impl Run {
     /// found from an engine seeded with it.
     fn seeded(&mut self, factor: f64, hi: usize) -> Result<(), Error> {
         let source = self.source()?;
+        let m0 = self.alloc.moves();
         let t = Instant::now();
         let model = &self.model;
         let args = &self.args;
@@ -545,6 +548,22 @@ impl Run {
         )
         .map_err(|e| Error::Batch(format!("the training finder: {e}")))?;
         let finder_secs = t.elapsed().as_secs_f64();
+        let moved = self.alloc.moves().minus(m0);
+        // each trial and verification run: its rows, steps, time and peaks (where the time goes)
+        for (kind, trials) in [("trial", &found.trials), ("verify", &found.verification)] {
+            for (i, tr) in trials.iter().enumerate() {
+                println!(
+                    "FINDER {kind}={} rows={} steps={} secs={:.2} peak={:?} reserved_peak={}",
+                    i + 1,
+                    tr.rows,
+                    tr.steps,
+                    tr.elapsed.as_secs_f64(),
+                    tr.peak_bytes,
+                    tr.reserved_peak_bytes,
+                );
+            }
+        }
+        println!("FINDER moves {}", moved.text());
         let rows = (found.max_batch as f64 * factor).round() as usize;
         let seed = found.micro_batch_for(rows);
         let engine = oomguard::retry::RetryEngine::new().start_from_finder(&found);

@@ -27,7 +27,9 @@ use super::trial::TrialRunner;
 /// ([`MemorySource::retry_empties_cache`]: fixed segments, libtorch's and the driver's caches;
 /// not oomguard's growable segments, whose free pages move to any request).
 /// Then the batch found runs [`FinderOptions::verify_steps`] consecutive steps (32 by default;
-/// one more run, not counted in [`FinderReport::runs`]), and goes on, up to
+/// one more run, not counted in [`FinderReport::runs`]; each step marked on the source with
+/// [`MemorySource::mark_step`], as `train_step` marks its steps, so that a loop at the edge of
+/// memory settles on a step plan there as it will in training), and goes on, up to
 /// [`VERIFY_EXTENSION`] times as many, while the most memory the source held still rose over the
 /// second half of the steps (by more than 0.1% of the memory available: the loop has not
 /// settled). A source that fragments over a loop of steps makes it fail there (candle on the

@@ -152,6 +152,7 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
         let mut held: Vec<u64> = Vec::new();
         let mut rise = 0;
         let mut usage_error = None;
+        let verifying = extend_to > steps_per_trial;
         let (res, peak, reserved_peak) = measure_peak(device, || {
             step_report::watch_steps(true);
             let mut res = Ok(());
@@ -163,6 +164,13 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
                     }
                 }
                 steps += 1;
+                if verifying {
+                    // a loop at one size, as `train_step`'s (which marks each step it runs):
+                    // at the edge of memory it settles on a step plan there as it will in
+                    // training (a trial's two steps at a new size are left unmarked, so no
+                    // plan laid out for one size meets the next)
+                    device.mark_step();
+                }
                 if let Err(e) = step(rows) {
                     res = Err(e);
                     break;
