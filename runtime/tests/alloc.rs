@@ -604,3 +604,46 @@ fn page_recycle_threshold_maps_instead_of_moving_below_it() {
     assert_eq!(c.num_ooms, 0);
     capped.check_invariants().unwrap();
 }
+
+/// The large block freed last waits at its exact size (a repeated alloc+free pair takes it back
+/// at once), and is merged before any other large request looks for a free block: best fit
+/// sees the space it would see had it been merged at the free, and so do the statistics and
+/// the snapshot. In both segment kinds.
+#[test]
+fn the_large_block_freed_last_is_reused_at_once_and_merged_before_anything_else() {
+    const MIB: u64 = 1 << 20;
+    // (fixed segments: two large blocks share a 20 MiB segment below 10 MiB, as in PyTorch)
+    for (cfg, size) in [
+        ("expandable_segments:True", 64 * MIB),
+        ("expandable_segments:False", 4 * MIB),
+    ] {
+        let (_sim, a) = allocator(ByteSize::gib(1), cfg);
+        let x = a.allocate(size, 0).unwrap();
+        let y = a.allocate(size, 0).unwrap();
+        let (x_ptr, y_ptr) = (x.ptr, y.ptr);
+        assert_eq!(y_ptr, x_ptr + size, "{cfg}: adjacent");
+        a.free(y).unwrap();
+        // the pair: the same block again
+        let y = a.allocate(size, 0).unwrap();
+        assert_eq!(y.ptr, y_ptr, "{cfg}");
+        a.free(y).unwrap();
+        a.free(x).unwrap();
+        // seen merged: one free block of both where x and y were
+        assert!(a.stats().largest_free_block >= 2 * size, "{cfg}");
+        let free_at_x = a
+            .snapshot()
+            .iter()
+            .flat_map(|s| s.blocks.clone())
+            .find(|b| b.addr == x_ptr)
+            .unwrap();
+        assert_eq!(free_at_x.status, BlockStatus::Free, "{cfg}");
+        assert!(free_at_x.size >= 2 * size, "{cfg}: {free_at_x:?}");
+        let reserved = a.stats().reserved_bytes.all.current;
+        // a request that needs both: served where they were, nothing new reserved
+        let z = a.allocate(2 * size, 0).unwrap();
+        assert_eq!(z.ptr, x_ptr, "{cfg}");
+        assert_eq!(a.stats().reserved_bytes.all.current, reserved, "{cfg}");
+        a.free(z).unwrap();
+        a.check_invariants().unwrap();
+    }
+}

@@ -376,6 +376,9 @@ impl CachingAllocator {
         if let Some(id) = st.take_parked(stream, size) {
             return Ok(id);
         }
+        if !pool.is_small() {
+            st.unpark_large();
+        }
         if let Some(id) = st.take_free(pool, stream, size) {
             return Ok(id);
         }
@@ -827,6 +830,8 @@ impl CachingAllocator {
     /// its pool.
     pub fn stats(&self) -> MemoryStats {
         let mut st = self.lock();
+        // (the largest free block as merged: a parked large block is free memory)
+        st.unpark_large();
         self.fold_caches(&mut st);
         let mut s = st.stats;
         s.largest_free_block = st.largest_free();

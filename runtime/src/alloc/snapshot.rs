@@ -57,7 +57,9 @@ pub struct SegmentInfo {
 impl CachingAllocator {
     /// The segments and their blocks, in address order.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
-        let st = self.lock();
+        let mut st = self.lock();
+        // (free blocks as merged: a parked large block is free memory beside its neighbours)
+        st.unpark_large();
         self.with_caches_locked(|locked| snapshot(&st, locked))
     }
 

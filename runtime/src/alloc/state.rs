@@ -72,6 +72,8 @@ pub(crate) struct State {
     pub quick: FxHashMap<(StreamId, u64), Vec<BlockId>>,
     /// Number of parked blocks.
     pub parked: usize,
+    /// The one large block parked (see `park_or_release`).
+    pub large_parked: Option<BlockId>,
     /// Recorded events, when recording.
     pub history: Option<History>,
     /// The generation of the next allocation: allocations are numbered 1, 2, … and a number is
@@ -127,6 +129,7 @@ impl State {
             refused_at: u64::MAX,
             quick: FxHashMap::default(),
             parked: 0,
+            large_parked: None,
             history: None,
             next_generation: 1,
             scopes: Vec::new(),
@@ -207,6 +210,9 @@ impl State {
     pub fn take_parked(&mut self, stream: StreamId, size: u64) -> Option<BlockId> {
         let id = self.quick.get_mut(&(stream, size))?.pop()?;
         self.parked -= 1;
+        if self.large_parked == Some(id) {
+            self.large_parked = None;
+        }
         self.count_inactive_split(id, false);
         self.blocks[id].state = BlockState::Free;
         Some(id)
@@ -222,13 +228,24 @@ impl State {
             // frees reach here only when a thread cache could not take the block
             return self.release_block(id);
         }
-        // Large blocks are never parked: merged at once, they are there for best fit when a
-        // neighbour is freed later. Parked, they kept a training loop's layout from settling
-        // (candle_gpt's requests at the card's limit moved 2.5-5 GiB of pages every step; with
-        // them merged, none after the first step: cli/benches/page_moves.rs), and in fixed
-        // segments they raise PyTorch-mode fragmentation.
+        // Large blocks are merged, not kept in quick lists: merged, they are there for best fit
+        // when a neighbour is freed later. Parked, they kept a training loop's layout from
+        // settling (candle_gpt's requests at the card's limit moved 2.5-5 GiB of pages every
+        // step; with them merged, none after the first step: cli/benches/page_moves.rs), and in
+        // fixed segments they raise PyTorch-mode fragmentation. One exception keeps a repeated
+        // large alloc+free pair off best fit: the one large block freed last, when no neighbour
+        // would merge with it, is parked until a neighbour is freed (`release_block`) or the
+        // next large request that it does not serve at its exact size, which merge it first
+        // (`unpark_large`): best fit sees what it would see had it been merged at the free. Not
+        // with steps marked (a step plan sees every large request).
         if !b.pool.is_small() {
-            return self.release_block(id);
+            let merges = |n: Option<BlockId>| {
+                n.is_some_and(|n| self.blocks[n].is_free() && self.blocks[n].mapped == b.mapped)
+            };
+            if self.large_parked.is_some() || self.steps.on || merges(b.prev) || merges(b.next) {
+                return self.release_block(id);
+            }
+            self.large_parked = Some(id);
         }
         let list = self.quick.entry((b.stream, b.size)).or_default();
         if list.len() >= QUICK_CAP {
@@ -254,6 +271,7 @@ impl State {
         if self.parked == 0 {
             return;
         }
+        self.large_parked = None;
         let mut lists = std::mem::take(&mut self.quick);
         for list in lists.values_mut() {
             for id in list.drain(..) {
@@ -263,6 +281,20 @@ impl State {
         self.parked = 0;
         // keep the map's allocations for the next round
         self.quick = lists;
+    }
+
+    /// Merges and indexes the parked large block, if there is one (before a large request that
+    /// it did not serve looks for a free block or grows, and at a step mark).
+    pub fn unpark_large(&mut self) {
+        let Some(id) = self.large_parked.take() else {
+            return;
+        };
+        let b = &self.blocks[id];
+        if let Some(list) = self.quick.get_mut(&(b.stream, b.size)) {
+            list.retain(|&j| j != id);
+        }
+        self.parked -= 1;
+        self.unpark(id);
     }
 
     /// A parked block (counted as parked: inactive split where it is one) merged and indexed.
@@ -353,6 +385,13 @@ impl State {
 
     /// Returns a block (allocated or pending) to the cache: merges it with free neighbours.
     pub fn release_block(&mut self, id: BlockId) {
+        if let Some(p) = self.large_parked {
+            let b = &self.blocks[id];
+            if b.prev == Some(p) || b.next == Some(p) {
+                // merged as it would have been at its free
+                self.unpark_large();
+            }
+        }
         let b = &mut self.blocks[id];
         let (small, size) = (b.pool.is_small(), b.size);
         let (addr, stream, requested) = (b.addr, b.stream, b.requested);

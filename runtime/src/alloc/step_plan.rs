@@ -191,6 +191,8 @@ impl State {
     /// per run of repeating steps, and not after a plan was dropped for its misses).
     pub fn mark_step(&mut self, backend: &dyn Backend, total: u64) {
         self.stats.num_step_marks += 1;
+        // (parking stops while steps are marked: the plan sees every large request)
+        self.unpark_large();
         if self.steps.on {
             if self.steps.plan.is_some() {
                 if self.steps.misses > 0 {
