@@ -19,8 +19,8 @@
 //!   training finders, so that a seeded engine leaves room for a larger batch's tensors;
 //! - [`TrainFramework`] / [`TrainUpdate`]: the contract a framework implements (its batch's
 //!   rows, a chunk's loss, a weighted backward, taking the gradients, the optimizer's update,
-//!   catching its out-of-memory panics), and over it the one skeleton: [`train_step`],
-//!   [`attempt`] and [`find_max_batch_train`].
+//!   catching its out-of-memory panics), and over it the one skeleton: [`train_step`]
+//!   ([`train_step_kept`]), [`attempt`] and [`find_max_batch_train`].
 
 mod batch;
 mod error;
@@ -39,5 +39,5 @@ pub use gradients::{missing_gradients, name_list, NAMED};
 pub use held_batch::HeldBatch;
 pub use loss::{one_value, LossSum};
 pub use refusal::{drops_rows, keep_rows, DropsRows, KEEP_ROWS_HINT};
-pub use step::{attempt, find_max_batch_train, train_step, Stepped};
+pub use step::{attempt, find_max_batch_train, train_step, train_step_kept, StepFailure, Stepped};
 pub use trained::TrainedStep;

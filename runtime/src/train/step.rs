@@ -6,7 +6,9 @@ use std::fmt;
 
 use super::framework::{Gradients, TrainFramework, TrainUpdate};
 use super::{keep_rows, HeldBatch, TrainStepError, TrainedStep, KEEP_ROWS_HINT};
-use crate::retry::{BatchPlan, FinderError, FinderOptions, FinderReport, RetryEngine};
+use crate::retry::{
+    BatchPlan, FinderError, FinderOptions, FinderReport, RetryEngine, RetryError, RetryReport,
+};
 use crate::source::MemorySource;
 
 /// One attempt over `plan`: every chunk's loss, backpropagated weighted into one accumulator,
@@ -39,7 +41,7 @@ pub struct Stepped<U> {
 /// The batch's rows come from [`TrainFramework::batch_rows`] (refused as
 /// [`TrainStepError::InvalidBatch`] when the tensors disagree, or do not say); an engine whose
 /// policy would drop rows is refused before anything runs ([`TrainStepError::PolicyDropsRows`],
-/// [`keep_rows`]). Then [`RetryEngine::run`] reruns [`attempt`] (under
+/// [`keep_rows`]). Then ([`train_step_kept`]) [`RetryEngine::run`] reruns [`attempt`] (under
 /// [`TrainFramework::catch`]) with smaller plans after each out-of-memory, and runs
 /// [`TrainUpdate::update`] once (under `catch` too) on the gradients of the attempt that
 /// succeeded: its error is [`TrainStepError::Update`], never retried. The plan is remembered
@@ -66,6 +68,50 @@ where
     };
     // The same engine (remembered plans, consensus, regrow), its policy unable to drop rows.
     let engine = keep_rows(engine, rows, KEEP_ROWS_HINT)?;
+    Ok(train_step_kept(&engine, source, parts, batch, rows)?)
+}
+
+/// Why [`train_step_kept`] failed: the two failures of a step that passed its refusals (the
+/// variants of [`TrainStepError`] of the same names, which it converts into).
+#[derive(Debug)]
+pub enum StepFailure<E> {
+    /// The attempts failed: not an out-of-memory, or out-of-memory at the smallest plan the
+    /// policy allows.
+    Retry(RetryError<E>),
+    /// The update failed; not retried.
+    Update {
+        /// The update's error.
+        error: E,
+        /// How the attempts went.
+        report: Box<RetryReport>,
+    },
+}
+
+impl<E> From<StepFailure<E>> for TrainStepError<E> {
+    fn from(f: StepFailure<E>) -> Self {
+        match f {
+            StepFailure::Retry(e) => TrainStepError::Retry(e),
+            StepFailure::Update { error, report } => TrainStepError::Update { error, report },
+        }
+    }
+}
+
+/// [`train_step`] after its refusals: `engine` is what [`keep_rows`] returned for `rows` (a
+/// framework whose refusal is its own error calls `keep_rows` itself, then this). Reruns
+/// [`attempt`] until it fits, then [`TrainUpdate::update`] once; errors are
+/// [`TrainStepError::Retry`] and [`TrainStepError::Update`] only.
+#[track_caller]
+pub fn train_step_kept<F, S>(
+    engine: &RetryEngine,
+    source: &S,
+    parts: &mut F,
+    batch: &F::Batch,
+    rows: usize,
+) -> Result<Stepped<F::Updated>, StepFailure<F::Error>>
+where
+    F: TrainUpdate,
+    S: MemorySource + Clone,
+{
     // Both phases need the parts: the attempt its loss, the commit its optimizer.
     let parts = RefCell::new(parts);
     let retried = engine
@@ -78,14 +124,14 @@ where
                 (updated, g.loss, g.rows)
             },
         )
-        .map_err(TrainStepError::Retry)?;
+        .map_err(StepFailure::Retry)?;
     let report = retried.report;
     match retried.value {
         (Ok(updated), loss, rows) => Ok(Stepped {
             step: TrainedStep { loss, rows, report },
             updated,
         }),
-        (Err(error), ..) => Err(TrainStepError::Update {
+        (Err(error), ..) => Err(StepFailure::Update {
             error,
             report: Box::new(report),
         }),
