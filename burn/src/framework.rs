@@ -52,8 +52,8 @@ where
         (self.chunk_loss)(self.model, chunk, batch)
     }
 
-    fn accumulator(&self) -> GradAccumulator<B, M> {
-        GradAccumulator::new()
+    fn accumulator(&mut self) -> Result<GradAccumulator<B, M>, Error> {
+        Ok(GradAccumulator::new())
     }
 
     fn backward(

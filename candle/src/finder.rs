@@ -5,7 +5,9 @@ use candle_core::Tensor;
 use oomguard::retry::{Chunk, FinderError, FinderOptions, FinderReport};
 use oomguard::source::MemorySource;
 
-use crate::framework::{CandleStep, HeldTensors};
+use oomguard::train::SliceBatch;
+
+use crate::framework::CandleStep;
 use crate::params::Params;
 
 /// The largest batch for which [`train_step`](crate::train_step)'s own attempt fits on
@@ -90,7 +92,7 @@ where
         source,
         opts,
         &mut step,
-        |rows| make_batch(rows).map(HeldTensors),
+        |rows| make_batch(rows).map(SliceBatch),
         accumulation,
     )
 }

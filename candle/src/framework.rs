@@ -1,8 +1,6 @@
 //! candle's side of oomguard's training-step contract ([`TrainFramework`]): the batch's tensors,
 //! a chunk's rows by `narrow`, [`GradAccumulator`]'s weighted backward, candle-nn's optimizer.
 
-use std::borrow::Borrow;
-
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use candle_nn::Optimizer;
@@ -43,8 +41,8 @@ where
         (self.chunk_loss)(chunk, &rows)
     }
 
-    fn accumulator(&self) -> GradAccumulator {
-        GradAccumulator::new(&self.params)
+    fn accumulator(&mut self) -> candle_core::Result<GradAccumulator> {
+        Ok(GradAccumulator::new(&self.params))
     }
 
     fn backward(
@@ -79,15 +77,5 @@ where
 
     fn update(&mut self, grads: GradStore) -> candle_core::Result<()> {
         self.optimizer.step(&grads)
-    }
-}
-
-/// A finder's batch of any type that gives its tensors (`AsRef<[Tensor]>`), as the generic
-/// finder borrows it.
-pub(crate) struct HeldTensors<Bt>(pub(crate) Bt);
-
-impl<Bt: AsRef<[Tensor]>> Borrow<[Tensor]> for HeldTensors<Bt> {
-    fn borrow(&self) -> &[Tensor] {
-        self.0.as_ref()
     }
 }

@@ -53,8 +53,9 @@ pub trait TrainFramework {
     fn chunk_loss(&mut self, batch: &Self::Batch, chunk: &Chunk)
         -> Result<Self::Loss, Self::Error>;
 
-    /// An empty accumulator for one attempt.
-    fn accumulator(&self) -> Self::Accumulator;
+    /// Begins an attempt: an empty accumulator, after the framework's checks of its
+    /// parameters (an error ends the attempt).
+    fn accumulator(&mut self) -> Result<Self::Accumulator, Self::Error>;
 
     /// Backpropagates `loss` weighted by `chunk.weight()` and adds the gradients into `acc`;
     /// refuses a loss that is not one value, and a chunk whose rows were added already.
@@ -79,6 +80,13 @@ pub trait TrainFramework {
     fn catch<T>(f: impl FnOnce() -> Result<T, Self::Error>) -> Result<T, Self::Error> {
         f()
     }
+
+    /// Drops the gradients an attempt left in the framework's own tensors (a framework that
+    /// accumulates into its parameters, as libtorch's `.grad()`): called after a failed
+    /// attempt (before the engine empties the cache), after a step that failed, and after each
+    /// run of the finder, so that no gradient is left for a later update. The default does
+    /// nothing: a framework whose gradients live in the accumulator drops them with it.
+    fn discard_gradients(&mut self) {}
 }
 
 /// A [`TrainFramework`] that also owns the optimizer: its update, run once per step on the
@@ -91,4 +99,15 @@ pub trait TrainUpdate: TrainFramework {
     /// The optimizer's step on `grads`. It is never retried: it may have updated some
     /// parameters before it failed.
     fn update(&mut self, grads: Self::Grads) -> Result<Self::Updated, Self::Error>;
+}
+
+/// A finder's batch of any type that gives its items as a slice (`AsRef<[T]>`, e.g. a `Vec` or
+/// an array of tensors), borrowed as the slice a [`TrainFramework::Batch`] of `[T]` is.
+#[derive(Debug)]
+pub struct SliceBatch<Bt>(pub Bt);
+
+impl<T, Bt: AsRef<[T]>> std::borrow::Borrow<[T]> for SliceBatch<Bt> {
+    fn borrow(&self) -> &[T] {
+        self.0.as_ref()
+    }
 }

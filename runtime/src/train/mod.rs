@@ -34,7 +34,7 @@ mod trained;
 
 pub use batch::{batch_rows, rows_match};
 pub use error::TrainStepError;
-pub use framework::{Gradients, TrainFramework, TrainUpdate};
+pub use framework::{Gradients, SliceBatch, TrainFramework, TrainUpdate};
 pub use gradients::{missing_gradients, name_list, NAMED};
 pub use held_batch::HeldBatch;
 pub use loss::{one_value, LossSum};

@@ -19,7 +19,7 @@ pub fn attempt<F: TrainFramework>(
     batch: &F::Batch,
     plan: &BatchPlan,
 ) -> Result<Gradients<F::Grads>, F::Error> {
-    let mut acc = parts.accumulator();
+    let mut acc = parts.accumulator()?;
     for c in plan.chunks() {
         let loss = parts.chunk_loss(batch, &c)?;
         parts.backward(&mut acc, loss, &c)?;
@@ -118,23 +118,35 @@ where
         .run(
             source,
             rows,
-            |plan: &BatchPlan| F::catch(|| attempt(&mut **parts.borrow_mut(), batch, plan)),
+            |plan: &BatchPlan| {
+                let tried = F::catch(|| attempt(&mut **parts.borrow_mut(), batch, plan));
+                if tried.is_err() {
+                    parts.borrow_mut().discard_gradients();
+                }
+                tried
+            },
             |g: Gradients<F::Grads>| {
                 let updated = F::catch(|| parts.borrow_mut().update(g.grads));
                 (updated, g.loss, g.rows)
             },
         )
-        .map_err(StepFailure::Retry)?;
+        .map_err(|e| {
+            parts.borrow_mut().discard_gradients();
+            StepFailure::Retry(e)
+        })?;
     let report = retried.report;
     match retried.value {
         (Ok(updated), loss, rows) => Ok(Stepped {
             step: TrainedStep { loss, rows, report },
             updated,
         }),
-        (Err(error), ..) => Err(StepFailure::Update {
-            error,
-            report: Box::new(report),
-        }),
+        (Err(error), ..) => {
+            parts.borrow_mut().discard_gradients();
+            Err(StepFailure::Update {
+                error,
+                report: Box::new(report),
+            })
+        }
     }
 }
 
@@ -143,7 +155,8 @@ where
 /// `make_batch(rows)` (measured with [`HeldBatch`], held for the whole run), checks its rows
 /// ([`TrainFramework::batch_rows`]: another number is [`TrainFramework::batch_error`], which
 /// ends the search), and runs the attempt over the whole batch in one chunk, holding the
-/// gradients until the run ends, all under [`TrainFramework::catch`]. Nothing is updated.
+/// gradients until the run ends, all under [`TrainFramework::catch`], then
+/// [`TrainFramework::discard_gradients`]. Nothing is updated.
 /// `accumulation_bytes`: the report's [`FinderReport::accumulation_bytes`] (what a split step
 /// holds of summed gradients while its later chunks run).
 pub fn find_max_batch_train<F, S, Bt>(
@@ -161,7 +174,7 @@ where
 {
     let held = HeldBatch::new();
     let found = crate::retry::find_max_batch(source, opts, |rows| {
-        F::catch(|| {
+        let run = F::catch(|| {
             let batch = held.measure(source, rows, || make_batch(rows))?;
             let batch = batch.borrow();
             match parts.batch_rows(batch) {
@@ -176,7 +189,10 @@ where
             let plan = BatchPlan::whole(rows)
                 .map_err(|e| F::batch_error(format!("a batch of {rows} rows: {e}")))?;
             Ok(attempt(parts, batch, &plan)?.loss)
-        })
+        });
+        // Nothing steps after a run: no gradient is left for a later update.
+        parts.discard_gradients();
+        run
     })?;
     let mut found = held.into_report(found);
     found.accumulation_bytes = accumulation_bytes;
