@@ -88,11 +88,6 @@ where
         chunk_loss,
         optimizer: (),
     };
-    oomguard::train::find_max_batch_train(
-        source,
-        opts,
-        &mut step,
-        |rows| make_batch(rows).map(SliceBatch),
-        accumulation,
-    )
+    let make = |rows| make_batch(rows).map(SliceBatch);
+    oomguard::train::find_max_batch_train(source, opts, &mut step, make, accumulation)
 }

@@ -132,11 +132,6 @@ where
     // A split step holds the gradients accumulated so far (`.grad()`) while each later chunk
     // runs.
     let accumulation = Some(step.trained_bytes());
-    oomguard::train::find_max_batch_train(
-        source,
-        opts,
-        &mut step,
-        |rows| make_batch(rows).map(SliceBatch),
-        accumulation,
-    )
+    let make = |rows| make_batch(rows).map(SliceBatch);
+    oomguard::train::find_max_batch_train(source, opts, &mut step, make, accumulation)
 }

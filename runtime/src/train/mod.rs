@@ -30,6 +30,8 @@ mod held_batch;
 mod loss;
 mod refusal;
 mod step;
+#[cfg(test)]
+mod step_tests;
 mod trained;
 
 pub use batch::{batch_rows, rows_match};
