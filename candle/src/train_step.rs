@@ -28,7 +28,7 @@ pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
 ///   through one (`Tensor::arange(0u32, n, &dev)`).
 /// - `params`: every variable the optimizer updates (a `&Var`, a slice of `Var`s, a `&VarMap`, or
 ///   [`Params`] with frozen ones). Each must receive a gradient, and every float variable the
-///   loss depends on must be listed: see [`GradAccumulator`].
+///   loss depends on must be listed: see [`GradAccumulator`](crate::GradAccumulator).
 /// - `chunk_loss(chunk, rows)`: the loss of one micro-batch, given its rows of each of
 ///   `batch`'s tensors in order. **It must be the chunk's per-row mean loss** (a scalar: a sum
 ///   makes the update depend on the split), and must not use statistics of the whole batch
@@ -36,7 +36,7 @@ pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
 ///
 /// Each attempt runs `chunk_loss` for every chunk of the engine's plan (the first attempt: the
 /// plan remembered for this call site and source, else the whole batch), backpropagating each
-/// chunk's loss and weighting its gradients by its share of the batch ([`GradAccumulator`]).
+/// chunk's loss and weighting its gradients by its share of the batch ([`GradAccumulator`](crate::GradAccumulator)).
 /// On OOM the attempt's tensors are dropped, the source's cache emptied, and the attempt reruns
 /// with more, smaller micro-batches. The optimizer steps once, on the summed gradients, after
 /// every chunk succeeded, and never reruns. Every row contributes to the update, whatever the
