@@ -4,11 +4,13 @@
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
-use oomguard::retry::{BatchPlan, Chunk, FinderError, FinderOptions, FinderReport};
+use std::marker::PhantomData;
+
+use oomguard::retry::{Chunk, FinderError, FinderOptions, FinderReport};
 use oomguard::source::MemorySource;
 
 use crate::compat;
-use crate::train::attempt;
+use crate::framework::BurnStep;
 use crate::{catch_oom, Error};
 
 /// The largest batch for which `step(rows)` runs without out-of-memory on `source`
@@ -111,8 +113,8 @@ pub fn find_max_batch_train<S, B, M, Bt>(
     source: &S,
     opts: FinderOptions,
     model: &M,
-    mut make_batch: impl FnMut(usize) -> Result<Bt, Error>,
-    mut chunk_loss: impl FnMut(&M, &Chunk, &Bt) -> Result<Tensor<B, 1>, Error>,
+    make_batch: impl FnMut(usize) -> Result<Bt, Error>,
+    chunk_loss: impl FnMut(&M, &Chunk, &Bt) -> Result<Tensor<B, 1>, Error>,
 ) -> Result<FinderReport, FinderError<Error>>
 where
     S: MemorySource + ?Sized,
@@ -123,21 +125,14 @@ where
     // runs out of memory would stay unallocated for good.
     let mut model = model.clone();
     catch_oom(|| compat::materialize::<B, M>(&mut model)).map_err(FinderError::Step)?;
-    let held = oomguard::train::HeldBatch::new();
-    let found = oomguard::retry::find_max_batch(source, opts, |rows| {
-        catch_oom(|| {
-            let batch = held.measure(source, rows, || make_batch(rows))?;
-            let plan = BatchPlan::whole(rows)
-                .map_err(|e| Error::Rows(format!("a batch of {rows} rows: {e}")))?;
-            let done = attempt(&plan, &model, &mut |m: &M, c: &Chunk| {
-                chunk_loss(m, c, &batch)
-            })?;
-            Ok::<_, Error>(done.loss)
-        })
-    })?;
-    let mut found = held.into_report(found);
     // A split step holds the gradients accumulated so far while each later chunk runs.
-    found.accumulation_bytes =
-        Some((model.num_params() * std::mem::size_of::<B::FloatElem>()) as u64);
-    Ok(found)
+    let accumulation = Some((model.num_params() * std::mem::size_of::<B::FloatElem>()) as u64);
+    let mut step = BurnStep {
+        model: &model,
+        chunk_loss,
+        optimizer: (),
+        lr: 0.0,
+        batch: PhantomData,
+    };
+    oomguard::train::find_max_batch_train(source, opts, &mut step, make_batch, accumulation)
 }

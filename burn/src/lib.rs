@@ -67,6 +67,7 @@ pub mod compat;
 mod cuda_source;
 mod error;
 mod finder;
+mod framework;
 mod source;
 mod split;
 mod train;

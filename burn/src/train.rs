@@ -2,17 +2,19 @@
 //! micro-batches of a [`BatchPlan`], one optimizer step after all of them succeeded.
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
-use oomguard::retry::{BatchPlan, Chunk, RetryEngine, RetryError, RetryReport};
+use oomguard::retry::{Chunk, RetryEngine, RetryError, RetryReport};
 use oomguard::source::MemorySource;
-use oomguard::train::{keep_rows, one_value, LossSum, KEEP_ROWS_HINT};
+use oomguard::train::{keep_rows, one_value, LossSum, StepFailure, KEEP_ROWS_HINT};
 use oomguard::IsOom;
 
 use crate::compat;
+use crate::framework::BurnStep;
 use crate::{catch_oom, Error};
 
 /// Sums the gradients of the micro-batches of one attempt (burn's `GradientsAccumulator`):
@@ -26,7 +28,7 @@ use crate::{catch_oom, Error};
 pub struct GradAccumulator<B: AutodiffBackend, M> {
     sum: compat::Summed<M>,
     losses: LossSum,
-    device: Option<B::Device>,
+    pub(crate) device: Option<B::Device>,
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Default for GradAccumulator<B, M> {
@@ -252,70 +254,20 @@ where
             }))
         }
     };
-    let current: &M = model;
-    let retried = engine
-        .run(
-            source,
-            batch,
-            |plan: &BatchPlan| catch_oom(|| attempt(plan, current, &mut chunk_loss)),
-            |a: Attempt<B>| {
-                let updated = catch_oom(|| {
-                    let updated = compat::optimizer_step(optimizer, lr, current.clone(), a.grads);
-                    if let Some(d) = &a.device {
-                        compat::sync::<B>(d)?;
-                    }
-                    Ok::<_, Error>(updated)
-                });
-                (updated, a.loss, a.rows)
-            },
-        )
-        .map_err(TrainStepError::Retry)?;
-    let report = retried.report;
-    match retried.value {
-        (Ok(updated), loss, rows) => {
-            *model = updated;
-            Ok(TrainedStep { loss, rows, report })
-        }
-        (Err(error), ..) => Err(TrainStepError::Update {
-            error,
-            report: Box::new(report),
-        }),
-    }
-}
-
-/// What one successful attempt leaves for the optimizer: the summed gradients, the batch's mean
-/// loss, the rows backpropagated and the device the losses were on (synchronised after the
-/// update).
-pub(crate) struct Attempt<B: AutodiffBackend> {
-    pub(crate) grads: GradientsParams,
-    pub(crate) loss: f64,
-    pub(crate) rows: usize,
-    pub(crate) device: Option<B::Device>,
-}
-
-/// One attempt of [`train_step`] (and of each run of
-/// [`find_max_batch_train`](crate::find_max_batch_train)): every chunk of `plan`'s loss
-/// backpropagated into a [`GradAccumulator`], then the gradients checked and collected. The
-/// caller runs it under [`catch_oom`].
-pub(crate) fn attempt<B, M>(
-    plan: &BatchPlan,
-    model: &M,
-    chunk_loss: &mut impl FnMut(&M, &Chunk) -> Result<Tensor<B, 1>, Error>,
-) -> Result<Attempt<B>, Error>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-{
-    let mut acc = GradAccumulator::<B, M>::new();
-    for c in plan.chunks() {
-        let loss = chunk_loss(model, &c)?;
-        acc.backward(model, loss, &c)?;
-    }
-    let (loss, rows, device) = (acc.loss(), acc.rows(), acc.device.clone());
-    Ok(Attempt {
-        grads: acc.into_grads(model)?,
-        loss,
-        rows,
-        device,
-    })
+    let mut step = BurnStep {
+        model: &*model,
+        chunk_loss: |m: &M, c: &Chunk, _: &()| chunk_loss(m, c),
+        optimizer,
+        lr,
+        batch: PhantomData,
+    };
+    let done =
+        oomguard::train::train_step_kept(&engine, source, &mut step, &(), batch).map_err(|e| {
+            match e {
+                StepFailure::Retry(e) => TrainStepError::Retry(e),
+                StepFailure::Update { error, report } => TrainStepError::Update { error, report },
+            }
+        })?;
+    *model = done.updated;
+    Ok(done.step)
 }

@@ -2,12 +2,13 @@
 //! attempt.
 
 use candle_core::Tensor;
-use oomguard::retry::{BatchPlan, Chunk, FinderError, FinderOptions, FinderReport};
+use oomguard::retry::{Chunk, FinderError, FinderOptions, FinderReport};
 use oomguard::source::MemorySource;
-use oomguard::train::batch_rows;
 
+use oomguard::train::SliceBatch;
+
+use crate::framework::CandleStep;
 use crate::params::Params;
-use crate::train_step::attempt;
 
 /// The largest batch for which [`train_step`](crate::train_step)'s own attempt fits on
 /// `source`: [`oomguard::retry::find_max_batch`] where a run of `rows` rows is exactly the
@@ -73,30 +74,20 @@ pub fn find_max_batch_train<S, Bt>(
     opts: FinderOptions,
     params: impl Into<Params>,
     mut make_batch: impl FnMut(usize) -> candle_core::Result<Bt>,
-    mut chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor>,
+    chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor>,
 ) -> Result<FinderReport, FinderError<candle_core::Error>>
 where
     S: MemorySource + ?Sized,
     Bt: AsRef<[Tensor]>,
 {
     let params = params.into();
-    let held = oomguard::train::HeldBatch::new();
-    let found = oomguard::retry::find_max_batch(source, opts, |rows| {
-        let batch = held.measure(source, rows, || make_batch(rows))?;
-        let tensors: Vec<&Tensor> = batch.as_ref().iter().collect();
-        let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.dims()).collect();
-        match batch_rows(&shapes) {
-            Ok(n) if n == rows => {}
-            Ok(n) => candle_core::bail!("make_batch({rows}) gave a batch of {n} rows"),
-            Err(e) => candle_core::bail!("make_batch({rows}): {e}"),
-        }
-        let plan = BatchPlan::whole(rows)
-            .map_err(|e| candle_core::Error::msg(format!("a batch of {rows} rows: {e}")))?;
-        let done = attempt(&plan, &tensors, &params, &mut chunk_loss)?;
-        Ok(done.loss)
-    })?;
-    let mut found = held.into_report(found);
     // A split step holds the gradients accumulated so far while each later chunk runs.
-    found.accumulation_bytes = Some(params.trained_bytes());
-    Ok(found)
+    let accumulation = Some(params.trained_bytes());
+    let mut step = CandleStep {
+        params,
+        chunk_loss,
+        optimizer: (),
+    };
+    let make = |rows| make_batch(rows).map(SliceBatch);
+    oomguard::train::find_max_batch_train(source, opts, &mut step, make, accumulation)
 }

@@ -103,6 +103,7 @@
 
 mod accumulator;
 mod finder;
+mod framework;
 mod oom;
 mod params;
 mod rows;

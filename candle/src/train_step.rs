@@ -1,13 +1,11 @@
 //! One optimizer step over a batch, kept alive through out-of-memory.
 
-use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use candle_nn::Optimizer;
-use oomguard::retry::{BatchPlan, Chunk, RetryEngine};
+use oomguard::retry::{Chunk, RetryEngine};
 use oomguard::source::MemorySource;
-use oomguard::train::{batch_rows, keep_rows, KEEP_ROWS_HINT};
 
-use crate::accumulator::GradAccumulator;
+use crate::framework::CandleStep;
 use crate::params::Params;
 
 pub use oomguard::train::TrainedStep;
@@ -30,7 +28,7 @@ pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
 ///   through one (`Tensor::arange(0u32, n, &dev)`).
 /// - `params`: every variable the optimizer updates (a `&Var`, a slice of `Var`s, a `&VarMap`, or
 ///   [`Params`] with frozen ones). Each must receive a gradient, and every float variable the
-///   loss depends on must be listed: see [`GradAccumulator`].
+///   loss depends on must be listed: see [`GradAccumulator`](crate::GradAccumulator).
 /// - `chunk_loss(chunk, rows)`: the loss of one micro-batch, given its rows of each of
 ///   `batch`'s tensors in order. **It must be the chunk's per-row mean loss** (a scalar: a sum
 ///   makes the update depend on the split), and must not use statistics of the whole batch
@@ -38,7 +36,7 @@ pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
 ///
 /// Each attempt runs `chunk_loss` for every chunk of the engine's plan (the first attempt: the
 /// plan remembered for this call site and source, else the whole batch), backpropagating each
-/// chunk's loss and weighting its gradients by its share of the batch ([`GradAccumulator`]).
+/// chunk's loss and weighting its gradients by its share of the batch ([`GradAccumulator`](crate::GradAccumulator)).
 /// On OOM the attempt's tensors are dropped, the source's cache emptied, and the attempt reruns
 /// with more, smaller micro-batches. The optimizer steps once, on the summed gradients, after
 /// every chunk succeeded, and never reruns. Every row contributes to the update, whatever the
@@ -64,69 +62,17 @@ pub fn train_step<S, O>(
     batch: &[&Tensor],
     params: impl Into<Params>,
     optimizer: &mut O,
-    mut chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor>,
+    chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor>,
 ) -> Result<TrainedStep, TrainStepError>
 where
     S: MemorySource + Clone,
     O: Optimizer,
 {
-    let shapes: Vec<&[usize]> = batch.iter().map(|t| t.dims()).collect();
-    let rows = batch_rows(&shapes).map_err(TrainStepError::InvalidBatch)?;
-    // The same engine (remembered plans, consensus, regrow), its policy unable to drop rows.
-    let engine = keep_rows(engine, rows, KEEP_ROWS_HINT)?;
-    let params = params.into();
-    let retried = engine
-        .run(
-            source,
-            rows,
-            |plan: &BatchPlan| attempt(plan, batch, &params, &mut chunk_loss),
-            |a: Attempt| optimizer.step(&a.grads).map(|()| (a.loss, a.rows)),
-        )
-        .map_err(TrainStepError::Retry)?;
-    match retried.value {
-        Ok((loss, rows)) => Ok(TrainedStep {
-            loss,
-            rows,
-            report: retried.report,
-        }),
-        Err(error) => Err(TrainStepError::Update {
-            error,
-            report: Box::new(retried.report),
-        }),
-    }
-}
-
-/// What one successful attempt leaves for the optimizer: the summed gradients, the batch's mean
-/// loss and the rows backpropagated.
-pub(crate) struct Attempt {
-    pub(crate) grads: GradStore,
-    pub(crate) loss: f64,
-    pub(crate) rows: usize,
-}
-
-/// One attempt of [`train_step`] (and of each run of
-/// [`find_max_batch_train`](crate::find_max_batch_train)): every chunk of `plan` sliced from
-/// `batch`, its loss backpropagated and weighted into a [`GradAccumulator`], then the gradients
-/// checked and collected.
-pub(crate) fn attempt(
-    plan: &BatchPlan,
-    batch: &[&Tensor],
-    params: &Params,
-    chunk_loss: &mut impl FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Attempt> {
-    let mut acc = GradAccumulator::new(params);
-    for c in plan.chunks() {
-        let chunk_rows = batch
-            .iter()
-            .map(|t| crate::rows::chunk_rows(t, &c))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let loss = chunk_loss(&c, &chunk_rows)?;
-        acc.backward(&loss, &c)?;
-    }
-    let (loss, rows) = (acc.loss(), acc.rows());
-    Ok(Attempt {
-        grads: acc.into_grads()?,
-        loss,
-        rows,
-    })
+    let tensors: Vec<Tensor> = batch.iter().map(|t| (*t).clone()).collect();
+    let mut step = CandleStep {
+        params: params.into(),
+        chunk_loss,
+        optimizer,
+    };
+    oomguard::train::train_step(engine, source, &mut step, &tensors[..]).map(|done| done.step)
 }

@@ -1,16 +1,13 @@
 //! `find_max_batch` on a tch step: the runtime's finder, with each run under [`catch_oom`];
 //! `find_max_batch_train`, the finder over [`train_step`](crate::train_step)'s own attempt.
 
-use std::cell::RefCell;
-
-use oomguard::retry::{BatchPlan, Chunk, FinderError, FinderOptions, FinderReport};
+use oomguard::retry::{Chunk, FinderError, FinderOptions, FinderReport};
 use oomguard::source::MemorySource;
-use oomguard::train::batch_rows;
+use oomguard::train::SliceBatch;
 use tch::{nn, Tensor};
 
-use crate::catch::catch_torch;
+use crate::framework::TchStep;
 use crate::quiet_panics::QuietOomPanics;
-use crate::train_step::{attempt, dims, reset_grads, trained_variables};
 use crate::{catch_oom, Error};
 
 /// The largest batch for which `step(rows)` runs without out-of-memory on `source`
@@ -124,49 +121,17 @@ pub fn find_max_batch_train<S, B>(
     vs: &nn::VarStore,
     optimizer: &mut nn::Optimizer,
     mut make_batch: impl FnMut(usize) -> Result<B, Error>,
-    mut chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
+    chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
 ) -> Result<FinderReport, FinderError<Error>>
 where
     S: MemorySource + ?Sized,
     B: AsRef<[Tensor]>,
 {
     let _quiet = QuietOomPanics::enter();
-    let trained = trained_variables(vs);
-    let optimizer = RefCell::new(optimizer);
-    let held = oomguard::train::HeldBatch::new();
-    let found = oomguard::retry::find_max_batch(source, opts, |rows| {
-        let run = catch_torch(|| {
-            let batch = held.measure(source, rows, || make_batch(rows))?;
-            let tensors: Vec<&Tensor> = batch.as_ref().iter().collect();
-            let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| dims(t)).collect();
-            let shapes: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
-            match batch_rows(&shapes) {
-                Ok(n) if n == rows => {}
-                Ok(n) => {
-                    return Err(Error::Batch(format!(
-                        "make_batch({rows}) gave a batch of {n} rows"
-                    )))
-                }
-                Err(e) => return Err(Error::Batch(format!("make_batch({rows}): {e}"))),
-            }
-            let plan = BatchPlan::whole(rows)
-                .map_err(|e| Error::Batch(format!("a batch of {rows} rows: {e}")))?;
-            let sum = attempt(&plan, &tensors, &trained, &optimizer, &mut chunk_loss)?;
-            Ok(sum.loss())
-        });
-        // As after train_step's failed attempt, and with nothing stepped: no gradient is left
-        // for a later optimizer.step() to apply.
-        reset_grads(&optimizer);
-        run
-    })?;
-    let mut found = held.into_report(found);
+    let mut step = TchStep::new(vs, optimizer, chunk_loss);
     // A split step holds the gradients accumulated so far (`.grad()`) while each later chunk
     // runs.
-    found.accumulation_bytes = Some(
-        trained
-            .iter()
-            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
-            .sum(),
-    );
-    Ok(found)
+    let accumulation = Some(step.trained_bytes());
+    let make = |rows| make_batch(rows).map(SliceBatch);
+    oomguard::train::find_max_batch_train(source, opts, &mut step, make, accumulation)
 }

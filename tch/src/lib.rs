@@ -98,6 +98,7 @@ pub mod cuda_allocator;
 mod device_stats;
 mod error;
 mod finder;
+mod framework;
 mod libtorch_cuda_source;
 pub mod memory_history;
 mod memory_summary;

@@ -1,15 +1,11 @@
 //! One optimizer step of a tch model over a batch, kept alive through out-of-memory: the batch
 //! rerun as micro-batches, libtorch accumulating the weighted gradients, one optimizer step.
 
-use std::cell::RefCell;
-use std::collections::HashSet;
-
-use oomguard::retry::{BatchPlan, Chunk, RetryEngine};
+use oomguard::retry::{Chunk, RetryEngine};
 use oomguard::source::MemorySource;
-use oomguard::train::{batch_rows, keep_rows, one_value, LossSum, KEEP_ROWS_HINT};
-use tch::{nn, Kind, Tensor};
+use tch::{nn, Tensor};
 
-use crate::catch::catch_torch;
+use crate::framework::TchStep;
 use crate::quiet_panics::QuietOomPanics;
 use crate::Error;
 
@@ -110,158 +106,14 @@ pub fn train_step<S>(
     batch: &[&Tensor],
     vs: &nn::VarStore,
     optimizer: &mut nn::Optimizer,
-    mut chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
+    chunk_loss: impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
 ) -> Result<TrainedStep, TrainStepError>
 where
     S: MemorySource + Clone,
 {
-    let shapes: Vec<Vec<usize>> = batch.iter().map(|t| dims(t)).collect();
-    let shapes: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
-    let rows = batch_rows(&shapes).map_err(TrainStepError::InvalidBatch)?;
-    let engine = keep_rows(engine, rows, KEEP_ROWS_HINT)?;
-    let trained = trained_variables(vs);
-    // Both phases need the optimizer: the attempt resets its gradients, the commit steps it.
-    let optimizer = RefCell::new(optimizer);
-    // The out-of-memory panics caught below are the report's attempts: not printed as well.
-    let quiet = QuietOomPanics::enter();
-    let retried = engine.run(
-        source,
-        rows,
-        |plan: &BatchPlan| {
-            let r = catch_torch(|| attempt(plan, batch, &trained, &optimizer, &mut chunk_loss));
-            if r.is_err() {
-                // The failed attempt's partial sums go now, before the engine empties the cache.
-                reset_grads(&optimizer);
-            }
-            r
-        },
-        |sum: LossSum| {
-            let stepped = catch_torch(|| {
-                optimizer.borrow_mut().step();
-                Ok(())
-            });
-            (stepped, sum)
-        },
-    );
-    drop(quiet);
-    match retried {
-        Ok(done) => match done.value {
-            (Ok(()), sum) => Ok(TrainedStep {
-                loss: sum.loss(),
-                rows: sum.rows(),
-                report: done.report,
-            }),
-            (Err(error), _) => {
-                reset_grads(&optimizer);
-                Err(TrainStepError::Update {
-                    error,
-                    report: Box::new(done.report),
-                })
-            }
-        },
-        Err(e) => {
-            reset_grads(&optimizer);
-            Err(TrainStepError::Retry(e))
-        }
-    }
-}
-
-/// One attempt: every chunk of `plan` backpropagated into `.grad`, then the gradients checked.
-pub(crate) fn attempt(
-    plan: &BatchPlan,
-    batch: &[&Tensor],
-    trained: &[(String, Tensor)],
-    optimizer: &RefCell<&mut nn::Optimizer>,
-    chunk_loss: &mut impl FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
-) -> Result<LossSum, Error> {
-    not_optimized(trained, &optimizer.borrow())?;
-    // A failed attempt's partial gradients never reach the next one.
-    optimizer.borrow_mut().zero_grad();
-    let mut sum = LossSum::new();
-    for c in plan.chunks() {
-        let (start, len) = (c.start() as i64, c.len() as i64);
-        let rows = batch
-            .iter()
-            .map(|t| t.f_narrow(0, start, len))
-            .collect::<Result<Vec<_>, _>>()?;
-        let loss = chunk_loss(&c, &rows)?;
-        drop(rows);
-        one_value(
-            loss.numel(),
-            &dims(&loss),
-            c.rows(),
-            "`loss.mean(Kind::Float)`",
-        )
-        .map_err(Error::Loss)?;
-        sum.admit(&c).map_err(Error::Loss)?;
-        let weighted = match loss.kind() {
-            Kind::Half | Kind::BFloat16 => loss.f_to_kind(Kind::Float)?,
-            _ => loss.shallow_clone(),
-        };
-        let weighted = if c.weight() == 1.0 {
-            weighted
-        } else {
-            weighted.f_mul_scalar(c.weight())?
-        };
-        weighted.f_backward()?;
-        // Reading the value waits for the device: this chunk's errors surface here.
-        let value = loss.f_reshape([-1])?.f_double_value(&[0])?;
-        sum.add_mean(&c, value);
-    }
-    sum.covers_batch().map_err(Error::Loss)?;
-    let missing: Vec<String> = trained
-        .iter()
-        .filter(|(_, t)| t.requires_grad() && !t.grad().defined())
-        .map(|(name, _)| name.clone())
-        .collect();
-    if !missing.is_empty() {
-        let trained = trained.iter().filter(|(_, t)| t.requires_grad()).count();
-        return Err(Error::NoGradient {
-            params: missing,
-            trained,
-        });
-    }
-    Ok(sum)
-}
-
-/// The variables of `vs` that require a gradient, with their names, sorted by name.
-pub(crate) fn trained_variables(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    let mut vars: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .filter(|(_, t)| t.requires_grad())
-        .collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    vars
-}
-
-/// [`Error::NotOptimized`] when a trained variable is not among the optimizer's (compared by
-/// storage: tch hands out shallow clones of the same tensors).
-fn not_optimized(trained: &[(String, Tensor)], optimizer: &nn::Optimizer) -> Result<(), Error> {
-    let theirs: HashSet<usize> = optimizer
-        .trainable_variables()
-        .iter()
-        .map(|t| t.data_ptr() as usize)
-        .collect();
-    let params: Vec<String> = trained
-        .iter()
-        .filter(|(_, t)| t.numel() > 0 && !theirs.contains(&(t.data_ptr() as usize)))
-        .map(|(name, _)| name.clone())
-        .collect();
-    if params.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::NotOptimized { params })
-    }
-}
-
-/// Sets the optimizer's gradients to undefined (libtorch's `zero_grad(set_to_none = true)`).
-pub(crate) fn reset_grads(optimizer: &RefCell<&mut nn::Optimizer>) {
-    // It frees tensors and allocates nothing: a panic here is a bug, and continues.
-    optimizer.borrow_mut().zero_grad();
-}
-
-/// A tensor's shape as `usize`s (libtorch's sizes are never negative).
-pub(crate) fn dims(t: &Tensor) -> Vec<usize> {
-    t.size().iter().map(|&d| d as usize).collect()
+    let tensors: Vec<Tensor> = batch.iter().map(|t| t.shallow_clone()).collect();
+    let mut step = TchStep::new(vs, optimizer, chunk_loss);
+    // The out-of-memory panics caught in the step are the report's attempts: not printed as well.
+    let _quiet = QuietOomPanics::enter();
+    oomguard::train::train_step(engine, source, &mut step, &tensors[..]).map(|done| done.step)
 }

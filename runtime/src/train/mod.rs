@@ -16,20 +16,30 @@
 //!   drop rows is refused before anything runs; the step always counts as training);
 //! - [`missing_gradients`] / [`name_list`]: the text naming parameters that got no gradient;
 //! - [`HeldBatch`]: the bytes per row a batch holds for the whole step, measured by the
-//!   training finders, so that a seeded engine leaves room for a larger batch's tensors.
+//!   training finders, so that a seeded engine leaves room for a larger batch's tensors;
+//! - [`TrainFramework`] / [`TrainUpdate`]: the contract a framework implements (its batch's
+//!   rows, a chunk's loss, a weighted backward, taking the gradients, the optimizer's update,
+//!   catching its out-of-memory panics), and over it the one skeleton: [`train_step`]
+//!   ([`train_step_kept`]), [`attempt`] and [`find_max_batch_train`].
 
 mod batch;
 mod error;
+mod framework;
 mod gradients;
 mod held_batch;
 mod loss;
 mod refusal;
+mod step;
+#[cfg(test)]
+mod step_tests;
 mod trained;
 
 pub use batch::{batch_rows, rows_match};
 pub use error::TrainStepError;
+pub use framework::{Gradients, SliceBatch, TrainFramework, TrainUpdate};
 pub use gradients::{missing_gradients, name_list, NAMED};
 pub use held_batch::HeldBatch;
 pub use loss::{one_value, LossSum};
 pub use refusal::{drops_rows, keep_rows, DropsRows, KEEP_ROWS_HINT};
+pub use step::{attempt, find_max_batch_train, train_step, train_step_kept, StepFailure, Stepped};
 pub use trained::TrainedStep;

@@ -1,0 +1,182 @@
+//! tch's side of oomguard's training-step contract ([`TrainFramework`]): the batch's tensors, a
+//! chunk's rows by `narrow`, libtorch accumulating each weighted backward into the parameters'
+//! `.grad()`, the optimizer's step, and libtorch's out-of-memory panics caught.
+
+use std::collections::HashSet;
+
+use oomguard::retry::Chunk;
+use oomguard::train::{batch_rows, one_value, Gradients, LossSum, TrainFramework, TrainUpdate};
+use tch::{nn, Kind, Tensor};
+
+use crate::catch::catch_torch;
+use crate::Error;
+
+/// A tch step: the trained variables (name, tensor; sorted by name), the optimizer (both
+/// phases need it: an attempt resets its gradients, the update steps it) and the user's chunk
+/// loss.
+pub(crate) struct TchStep<'o, L> {
+    pub(crate) trained: Vec<(String, Tensor)>,
+    pub(crate) optimizer: &'o mut nn::Optimizer,
+    pub(crate) chunk_loss: L,
+}
+
+impl<'o, L> TchStep<'o, L> {
+    /// A step over `vs`'s variables that require a gradient.
+    pub(crate) fn new(vs: &nn::VarStore, optimizer: &'o mut nn::Optimizer, chunk_loss: L) -> Self {
+        let mut trained: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect();
+        trained.sort_by(|a, b| a.0.cmp(&b.0));
+        Self {
+            trained,
+            optimizer,
+            chunk_loss,
+        }
+    }
+
+    /// The bytes of the trained variables' gradients (what a split step holds while its later
+    /// chunks run).
+    pub(crate) fn trained_bytes(&self) -> u64 {
+        self.trained
+            .iter()
+            .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// [`Error::NotOptimized`]: trained variables the optimizer does not hold.
+    fn not_optimized(&self) -> Result<(), Error> {
+        let theirs: HashSet<usize> = self
+            .optimizer
+            .trainable_variables()
+            .iter()
+            .map(|t| t.data_ptr() as usize)
+            .collect();
+        let params: Vec<String> = self
+            .trained
+            .iter()
+            .filter(|(_, t)| t.numel() > 0 && !theirs.contains(&(t.data_ptr() as usize)))
+            .map(|(name, _)| name.clone())
+            .collect();
+        if params.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::NotOptimized { params })
+        }
+    }
+}
+
+impl<L> TrainFramework for TchStep<'_, L>
+where
+    L: FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
+{
+    type Error = Error;
+    type Batch = [Tensor];
+    type Loss = Tensor;
+    type Accumulator = LossSum;
+    type Grads = ();
+
+    fn batch_rows(&self, batch: &[Tensor]) -> Result<Option<usize>, String> {
+        let shapes: Vec<Vec<usize>> = batch.iter().map(dims).collect();
+        let shapes: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
+        batch_rows(&shapes).map(Some)
+    }
+
+    fn chunk_loss(&mut self, batch: &[Tensor], chunk: &Chunk) -> Result<Tensor, Error> {
+        let (start, len) = (chunk.start() as i64, chunk.len() as i64);
+        let rows = batch
+            .iter()
+            .map(|t| t.f_narrow(0, start, len))
+            .collect::<Result<Vec<_>, _>>()?;
+        (self.chunk_loss)(chunk, &rows)
+    }
+
+    fn accumulator(&mut self) -> Result<LossSum, Error> {
+        self.not_optimized()?;
+        // A failed attempt's partial gradients never reach the next one.
+        self.optimizer.zero_grad();
+        Ok(LossSum::new())
+    }
+
+    fn backward(&self, sum: &mut LossSum, loss: Tensor, c: &Chunk) -> Result<(), Error> {
+        one_value(
+            loss.numel(),
+            &dims(&loss),
+            c.rows(),
+            "`loss.mean(Kind::Float)`",
+        )
+        .map_err(Error::Loss)?;
+        sum.admit(c).map_err(Error::Loss)?;
+        let weighted = match loss.kind() {
+            Kind::Half | Kind::BFloat16 => loss.f_to_kind(Kind::Float)?,
+            _ => loss.shallow_clone(),
+        };
+        let weighted = if c.weight() == 1.0 {
+            weighted
+        } else {
+            weighted.f_mul_scalar(c.weight())?
+        };
+        weighted.f_backward()?;
+        // Reading the value waits for the device: this chunk's errors surface here.
+        let value = loss.f_reshape([-1])?.f_double_value(&[0])?;
+        sum.add_mean(c, value);
+        Ok(())
+    }
+
+    fn gradients(&self, sum: LossSum) -> Result<Gradients<()>, Error> {
+        sum.covers_batch().map_err(Error::Loss)?;
+        let missing: Vec<String> = self
+            .trained
+            .iter()
+            .filter(|(_, t)| t.requires_grad() && !t.grad().defined())
+            .map(|(name, _)| name.clone())
+            .collect();
+        if !missing.is_empty() {
+            let trained = self
+                .trained
+                .iter()
+                .filter(|(_, t)| t.requires_grad())
+                .count();
+            return Err(Error::NoGradient {
+                params: missing,
+                trained,
+            });
+        }
+        Ok(Gradients {
+            grads: (),
+            loss: sum.loss(),
+            rows: sum.rows(),
+        })
+    }
+
+    fn batch_error(message: String) -> Error {
+        Error::Batch(message)
+    }
+
+    fn catch<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+        catch_torch(f)
+    }
+
+    fn discard_gradients(&mut self) {
+        // It frees tensors and allocates nothing: a panic here is a bug, and continues.
+        self.optimizer.zero_grad();
+    }
+}
+
+impl<L> TrainUpdate for TchStep<'_, L>
+where
+    L: FnMut(&Chunk, &[Tensor]) -> Result<Tensor, Error>,
+{
+    type Updated = ();
+
+    fn update(&mut self, (): ()) -> Result<(), Error> {
+        self.optimizer.step();
+        Ok(())
+    }
+}
+
+/// A tensor's shape, as `usize`s.
+pub(crate) fn dims(t: &Tensor) -> Vec<usize> {
+    t.size().iter().map(|&d| d as usize).collect()
+}
