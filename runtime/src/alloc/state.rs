@@ -245,13 +245,16 @@ impl State {
             if self.large_parked.is_some() || self.steps.on || merges(b.prev) || merges(b.next) {
                 return self.release_block(id);
             }
-            self.large_parked = Some(id);
         }
         let list = self.quick.entry((b.stream, b.size)).or_default();
         if list.len() >= QUICK_CAP {
             return self.release_block(id);
         }
         list.push(id);
+        if !b.pool.is_small() {
+            // (set once it is in its list: never names a block that was not parked)
+            self.large_parked = Some(id);
+        }
         self.parked += 1;
         self.count_inactive_split(id, true);
         let b = &mut self.blocks[id];
