@@ -3,6 +3,7 @@
 use crate::backend::BackendError;
 use crate::config::ConfigError;
 use crate::leak_report::LeakReport;
+use crate::retry_report::{PlanError, RetryReport};
 use crate::ByteSize;
 use std::fmt;
 
@@ -172,7 +173,7 @@ pub enum Error {
         #[source]
         error: Box<Error>,
         /// Every attempt of the step.
-        report: Box<crate::retry::RetryReport>,
+        report: Box<RetryReport>,
     },
     /// An error after an update was applied: the commit phase of a retried step failed (an
     /// out-of-memory included), or a step nested in its attempt committed before the attempt
@@ -187,7 +188,7 @@ pub enum Error {
         #[source]
         error: Box<Error>,
         /// The report of the step.
-        report: Box<crate::retry::RetryReport>,
+        report: Box<RetryReport>,
     },
 }
 
@@ -201,6 +202,22 @@ impl Error {
             Error::RetriesExhausted { error, .. } => error.is_oom(),
             _ => false,
         }
+    }
+}
+
+/// A bad plan is a bad argument: `?` on a [`PlanError`] in a function returning oomguard's
+/// `Result` gives [`Error::InvalidArgument`].
+///
+/// ```
+/// use oomguard_runtime::retry::BatchPlan;
+/// fn plan() -> oomguard_runtime::Result<BatchPlan> {
+///     Ok(BatchPlan::whole(0)?)
+/// }
+/// assert!(matches!(plan(), Err(oomguard_runtime::Error::InvalidArgument(_))));
+/// ```
+impl From<PlanError> for Error {
+    fn from(e: PlanError) -> Self {
+        Error::InvalidArgument(e.to_string())
     }
 }
 

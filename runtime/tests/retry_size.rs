@@ -670,12 +670,13 @@ fn no_retry_function_is_over_100_lines() {
 #[test]
 fn retry_imports_have_no_cycle() {
     let files = rust_files(&retry_dir());
-    // The graph is not empty: the scanner does see the engine's imports.
+    // The graph is not empty: the scanner does see the engine's imports (of the remembered
+    // plans; the batch plan itself lies outside `retry/`, in `retry_report/`).
     let edges = import_edges(&files);
     assert!(
         edges
             .iter()
-            .any(|e| e.from.contains("engine") && e.to.contains("plan")),
+            .any(|e| e.from.contains("engine") && e.to.contains("memory/")),
         "the engine's imports were not found: {edges:?}"
     );
     let cycles = cycle_messages(&files);

@@ -8,10 +8,9 @@
 use std::error::Error as StdError;
 
 use super::commit::{AfterCommit, AfterCommitIo, UpdateApplied};
-use super::oom_request::OomRequest;
-use super::report::RetryReport;
 use crate::backend::BackendError;
 use crate::error::{BudgetExceeded, Error, OomError};
+use crate::retry_report::{OomRequest, RetryReport};
 
 /// Whether an error means the device ran out of memory (so a smaller footprint may succeed).
 ///

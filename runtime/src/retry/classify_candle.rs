@@ -11,8 +11,8 @@
 use std::error::Error as StdError;
 
 use super::classify::{chain_is_budget, chain_is_oom, chain_oom_in_use, chain_oom_request};
-use super::oom_request::OomRequest;
 use super::IsOom;
+use crate::retry_report::OomRequest;
 
 impl IsOom for candle_core::Error {
     fn is_oom(&self) -> bool {

@@ -15,7 +15,7 @@
 use std::cell::Cell;
 use std::fmt;
 
-use super::report::RetryReport;
+use crate::retry_report::RetryReport;
 
 thread_local! {
     /// Commits started on this thread (never reset: attempts compare two readings).
@@ -36,7 +36,7 @@ pub fn note_commit() {
     let _ = COMMITS.try_with(|c| {
         let n = c.get() + 1;
         c.set(n);
-        super::report::mark_last_committed(n);
+        super::last_report::mark_last_committed(n);
     });
 }
 

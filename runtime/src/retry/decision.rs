@@ -6,10 +6,8 @@
 //! Two steps: [`vote`], this rank's status and proposed plan from its own attempt; then
 //! [`settle`], the action once the ranks agreed (the worst status of all, the smallest plan).
 
-use super::oom_request::OomRequest;
-use super::plan::BatchPlan;
 use super::policy::{Pressure, RetryContext};
-use super::report::StopReason;
+use crate::retry_report::{BatchPlan, OomRequest, StopReason};
 
 /// Most failed attempts of one step, whatever the policy says: a policy that never gives up
 /// cannot loop forever.

@@ -60,11 +60,9 @@ mod decision;
 mod engine;
 mod finder;
 mod gradients;
+mod last_report;
 mod memory;
-mod oom_request;
-mod plan;
 mod policy;
-mod report;
 mod result;
 mod thrash;
 
@@ -88,18 +86,16 @@ pub use finder::{
     MAX_VERIFICATIONS, VERIFY_EXTENSION,
 };
 pub use gradients::GradientSync;
-pub use memory::{
-    DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, StepMode, LOCK_WAIT, STALE_LOCK,
-};
-pub use oom_request::OomRequest;
-pub use plan::{BatchPlan, Chunk, PlanError};
+pub use last_report::{clear_last_report, last_report, record_commit_error, record_hint};
+pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, LOCK_WAIT, STALE_LOCK};
 pub use policy::{
     inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,
     KeepsRows, MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
 };
-pub use report::{
-    clear_last_report, last_report, record_commit_error, record_hint, AttemptOutcome,
-    AttemptRecord, CommitFailure, Regrow, RetryReport, SpeedDecision, StopReason,
-};
 pub use result::{FailedAttempt, Retried, RetryError};
 pub use thrash::ThrashDetector;
+// The report's plain data lies below the errors (`Error` holds a report); its paths are here.
+pub use crate::retry_report::{
+    AttemptOutcome, AttemptRecord, BatchPlan, Chunk, CommitFailure, OomRequest, PlanError, Regrow,
+    RetryReport, SpeedDecision, StepMode, StopReason,
+};

@@ -25,7 +25,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::plan::{BatchPlan, PlanError};
+use crate::retry_report::{BatchPlan, PlanError};
 
 /// Why the engine asks for a smaller plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

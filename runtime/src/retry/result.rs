@@ -5,8 +5,7 @@ use std::fmt;
 
 use crate::retry::classify::IsOom;
 use crate::retry::consensus::ConsensusError;
-use crate::retry::plan::BatchPlan;
-use crate::retry::report::{held_path, message_line, RetryReport};
+use crate::retry_report::{held_path, message_line, BatchPlan, RetryReport};
 
 /// A step's value with the report of how it was obtained.
 #[derive(Clone, Debug)]

@@ -17,8 +17,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::memory::{Limits, MemoryKey};
-use super::plan::BatchPlan;
-use super::report::SpeedDecision;
+use crate::retry_report::{BatchPlan, SpeedDecision};
 use crate::source::Churn;
 
 /// Counts consecutive thrashing steps.

@@ -39,16 +39,15 @@ use crate::Device;
 
 #[cfg(feature = "cuda")]
 mod ballast;
-mod churn;
 #[cfg(feature = "cuda")]
 mod driver_pool;
 pub mod guards;
 #[cfg(any(feature = "cuda", test))]
 mod pool_state;
 
+pub use crate::retry_report::Churn;
 #[cfg(feature = "cuda")]
 pub use ballast::{Ballast, BALLAST_PAGE};
-pub use churn::Churn;
 #[cfg(feature = "cuda")]
 pub use driver_pool::{DriverPool, DriverPoolBuilder};
 

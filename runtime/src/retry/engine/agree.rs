@@ -2,7 +2,7 @@
 
 use crate::retry::consensus::ConsensusError;
 use crate::retry::decision::Status;
-use crate::retry::plan::BatchPlan;
+use crate::retry_report::BatchPlan;
 
 use super::config::RetryEngine;
 

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::retry::clock::{Clock, SystemClock};
 use crate::retry::consensus::{Consensus, SingleProcess};
 use crate::retry::finder::FinderReport;
-use crate::retry::memory::{Limits, MemoryError, MemoryKey, PlanMemory, StepMode};
-use crate::retry::plan::BatchPlan;
+use crate::retry::memory::{Limits, MemoryError, MemoryKey, PlanMemory};
 use crate::retry::policy::{training_policy, RetryPolicy};
 use crate::retry::thrash::{SpeedBook, ThrashDetector};
+use crate::retry_report::{BatchPlan, StepMode};
 use crate::source::MemorySource;
 
 type ModeHook = Arc<dyn Fn() -> StepMode + Send + Sync>;

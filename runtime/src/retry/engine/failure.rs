@@ -8,9 +8,9 @@ use std::time::Instant;
 use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::decision::Settled;
-use crate::retry::plan::BatchPlan;
-use crate::retry::report::{self, AttemptOutcome, AttemptRecord, Regrow};
+use crate::retry::last_report;
 use crate::retry::result::{FailedAttempt, RetryError};
+use crate::retry_report::{AttemptOutcome, AttemptRecord, BatchPlan, Regrow};
 
 use super::full_loop::{Attempted, FullLoop};
 
@@ -87,7 +87,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 "the attempt failed after a nested step committed: not retried \
                  (a retry would apply its update again)"
             );
-            let (seq, inner) = report::committed_since(self.commits_before)
+            let (seq, inner) = last_report::committed_since(self.commits_before)
                 .map_or((commit::commits(), None), |(s, r)| (s, Some(r)));
             self.report.failure = Some(match &inner {
                 Some(_) => text,
@@ -98,13 +98,13 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 ),
             });
             self.report.nested_commit = inner.map(Box::new);
-            report::set_last_report(&self.report);
+            last_report::set_last_report(&self.report);
             // enclosing steps find this report, which holds the nested one
-            report::mark_last_committed(seq);
+            last_report::mark_last_committed(seq);
             e.after_commit(&self.report)
         } else {
             self.report.failure = Some(text);
-            report::set_last_report(&self.report);
+            last_report::set_last_report(&self.report);
             e
         };
         RetryError::Step {
@@ -118,7 +118,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         self.done = true;
         self.report.final_plan = plan;
         self.report.elapsed = now.saturating_duration_since(self.started);
-        report::set_last_report(&self.report);
+        last_report::set_last_report(&self.report);
         tracing::error!(
             target: "oomguard::retry",
             site = %self.report.site,

@@ -8,11 +8,10 @@ use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::consensus::ConsensusError;
 use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL, MAX_ATTEMPTS};
+use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
-use crate::retry::oom_request::OomRequest;
-use crate::retry::plan::BatchPlan;
-use crate::retry::report::{self, RetryReport};
 use crate::retry::result::{FailedAttempt, RetryError};
+use crate::retry_report::{BatchPlan, OomRequest, RetryReport};
 use crate::Device;
 
 use super::config::RetryEngine;
@@ -218,7 +217,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         self.done = true;
         self.report.failure = Some(e.to_string());
         self.report.elapsed = now.saturating_duration_since(self.started);
-        report::set_last_report(&self.report);
+        last_report::set_last_report(&self.report);
         RetryError::Consensus(e)
     }
 }

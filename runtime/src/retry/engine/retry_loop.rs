@@ -5,10 +5,10 @@ use std::ops::ControlFlow;
 use std::time::Instant;
 
 use crate::retry::classify::IsOom;
-use crate::retry::memory::{MemoryKey, StepMode};
-use crate::retry::plan::BatchPlan;
-use crate::retry::report::{self, RetryReport};
+use crate::retry::last_report;
+use crate::retry::memory::MemoryKey;
 use crate::retry::result::RetryError;
+use crate::retry_report::{BatchPlan, RetryReport, StepMode};
 use crate::Device;
 
 use super::config::RetryEngine;
@@ -181,7 +181,7 @@ impl<E: IsOom + fmt::Display> RetryLoop<E> {
                         .saturating_duration_since(l.started);
                     l.elapsed = Some(elapsed);
                     l.report.take();
-                    report::set_last_clean(l.site, l.mode, l.plan, elapsed);
+                    last_report::set_last_clean(l.site, l.mode, l.plan, elapsed);
                     return ControlFlow::Break(Ok(v));
                 }
                 other => other,

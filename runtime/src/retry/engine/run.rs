@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use crate::retry::classify::IsOom;
 use crate::retry::commit;
+use crate::retry::last_report;
 use crate::retry::memory::MemoryKey;
-use crate::retry::plan::BatchPlan;
-use crate::retry::report::{self, RetryReport};
 use crate::retry::result::{Retried, RetryError};
+use crate::retry_report::{BatchPlan, RetryReport};
 use crate::source::MemorySource;
 
 use super::config::RetryEngine;
@@ -187,7 +187,7 @@ impl RetryEngine {
                 memo.set(mem.generation(), epoch, mode);
             }
         }
-        report::clear_last_report();
+        last_report::clear_last_report();
         Ok(RetryLoop {
             state: LoopState::Lazy(LazyLoop {
                 engine: self.clone(),

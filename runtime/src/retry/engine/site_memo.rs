@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, AtomicU8};
 
-use crate::retry::memory::StepMode;
+use crate::retry_report::StepMode;
 
 /// What [`RetryEngine::begin_any_memo`](crate::retry::RetryEngine::begin_any_memo) remembers about one call site between calls: the plan
 /// memory's generation and the thread's device at which nothing was remembered for the site.

@@ -6,10 +6,10 @@ use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::consensus::ConsensusError;
 use crate::retry::decision::{FATAL, OK};
-use crate::retry::memory::{Limits, MemoryKey, StepMode};
-use crate::retry::plan::BatchPlan;
-use crate::retry::report::{self, RetryReport};
+use crate::retry::last_report;
+use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::RetryError;
+use crate::retry_report::{BatchPlan, RetryReport, StepMode};
 use crate::Device;
 
 use super::config::RetryEngine;
@@ -25,7 +25,7 @@ impl RetryEngine {
         batch: usize,
         micro_cap: Option<usize>,
     ) -> Result<RetryLoop<E>, RetryError<E>> {
-        report::clear_last_report();
+        last_report::clear_last_report();
         if batch == 0 {
             // Other ranks wait for this rank in the starting agreement: take part, so that they
             // stop too instead of waiting forever.

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use crate::retry::classify::IsOom;
-use crate::retry::plan::{BatchPlan, Chunk};
+use crate::retry_report::{BatchPlan, Chunk};
 
 /// A training (or evaluation) step processed micro-batch by micro-batch; see the
 /// [contract](crate::retry#the-contract).

@@ -2,11 +2,11 @@
 
 use std::time::{Duration, Instant};
 
+use crate::retry::last_report;
 use crate::retry::memory::{Entry, Limits, MemoryKey};
-use crate::retry::plan::BatchPlan;
 use crate::retry::policy::{Pressure, RetryContext};
-use crate::retry::report::{self, Regrow, RetryReport};
 use crate::retry::thrash::{self, Observed, SpeedAction, ThrashDetector};
+use crate::retry_report::{BatchPlan, Regrow, RetryReport};
 use crate::source::Churn;
 
 use super::config::RetryEngine;
@@ -42,7 +42,7 @@ impl<E> FullLoop<E> {
             self.regrow,
         );
         self.report.elapsed = now.saturating_duration_since(self.started);
-        report::set_last_report(&self.report);
+        last_report::set_last_report(&self.report);
     }
 }
 

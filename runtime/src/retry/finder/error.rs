@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::retry::report::RetryReport;
+use crate::retry_report::RetryReport;
 
 use super::report::Trial;
 

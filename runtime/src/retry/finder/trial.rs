@@ -4,7 +4,8 @@ use std::fmt;
 use std::time::Instant;
 
 use crate::retry::classify::IsOom;
-use crate::retry::report::{self as step_report, RetryReport};
+use crate::retry::last_report;
+use crate::retry_report::RetryReport;
 use crate::source::MemorySource;
 
 use super::error::FinderError;
@@ -154,7 +155,7 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
         let mut usage_error = None;
         let verifying = extend_to > steps_per_trial;
         let (res, peak, reserved_peak) = measure_peak(device, || {
-            step_report::watch_steps(true);
+            last_report::watch_steps(true);
             let mut res = Ok(());
             loop {
                 if steps >= steps_per_trial {
@@ -185,7 +186,7 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
                     }
                 }
             }
-            inner = step_report::watch_steps(false);
+            inner = last_report::watch_steps(false);
             usage_error.map_or(Ok(res), Err)
         })?;
         let result = res?;

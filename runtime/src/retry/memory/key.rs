@@ -5,20 +5,11 @@ use std::panic::Location;
 
 use serde::{Deserialize, Serialize};
 
+use crate::retry_report::StepMode;
 use crate::source::MemorySource;
 
-/// Whether a step trains (builds gradients) or evaluates. Train and eval steps at the same call
-/// site need different memory, so they are remembered separately.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StepMode {
-    /// Gradients are recorded (the default).
-    #[default]
-    Train,
-    /// No gradients (evaluation, inference).
-    Eval,
-}
-
+// `current` reads the guards' grad mode, a layer above `StepMode` (plain data, which an
+// `Error`'s report holds): it is implemented here, in the retry layer.
 impl StepMode {
     /// The mode of the current thread: [`StepMode::Train`] while gradients are recorded
     /// ([`crate::is_grad_enabled`]), [`StepMode::Eval`] under `no_grad` or `inference_mode`.

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::retry::plan::BatchPlan;
+use crate::retry_report::BatchPlan;
 
 /// Caps learned from out-of-memory retries; `None`: no cap.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -10,7 +10,7 @@ mod store;
 mod tests;
 
 pub use file::MemoryError;
-pub use key::{DeviceKey, MemoryKey, StepMode};
+pub use key::{DeviceKey, MemoryKey};
 pub use limits::Limits;
 pub use lock::{LOCK_WAIT, STALE_LOCK};
 pub(crate) use store::Entry;

@@ -1,6 +1,6 @@
 use super::lock::{FileLock, STALE_HOOK};
 use super::*;
-use crate::retry::plan::BatchPlan;
+use crate::retry_report::BatchPlan;
 use std::time::Duration;
 
 #[test]

@@ -8,7 +8,7 @@ use std::fmt;
 /// allocator. Mapping new pages while there is room is not churn: the first steps of any loop do
 /// it, and a settled loop stops. Counters only grow; [`Churn::since`] gives a step's share.
 ///
-/// Made by [`MemorySource::churn`](super::MemorySource::churn); a source that cannot tell
+/// Made by [`MemorySource::churn`](crate::source::MemorySource::churn); a source that cannot tell
 /// leaves a counter at 0 (the default implementation counts allocator retries only).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]

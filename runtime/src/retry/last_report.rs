@@ -1,11 +1,7 @@
 //! The last report of each thread ([`last_report`]), and the marks the commits and the batch
 //! finder leave on it.
 
-use crate::retry::memory::StepMode;
-use crate::retry::plan::BatchPlan;
-use crate::source::Churn;
-
-use super::record::{CommitFailure, RetryReport};
+use crate::retry_report::{BatchPlan, Churn, CommitFailure, RetryReport, StepMode};
 
 /// This thread's last report; `valid` false once cleared (the report's buffers are kept, so
 /// that the next one reuses them instead of allocating).

@@ -2,12 +2,11 @@
 
 use std::time::Duration;
 
-use crate::retry::memory::StepMode;
-use crate::retry::oom_request::OomRequest;
-use crate::retry::plan::BatchPlan;
-use crate::source::Churn;
-
+use super::churn::Churn;
+use super::oom_request::OomRequest;
+use super::plan::BatchPlan;
 use super::speed::SpeedDecision;
+use super::step_mode::StepMode;
 
 /// Why an attempt did not count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

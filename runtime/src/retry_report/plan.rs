@@ -31,22 +31,6 @@ pub struct BatchPlan {
 #[error("invalid batch plan: {0}")]
 pub struct PlanError(pub String);
 
-/// A bad plan is a bad argument: `?` on a [`PlanError`] in a function returning oomguard's
-/// `Result` gives [`Error::InvalidArgument`](crate::Error::InvalidArgument).
-///
-/// ```
-/// use oomguard_runtime::retry::BatchPlan;
-/// fn plan() -> oomguard_runtime::Result<BatchPlan> {
-///     Ok(BatchPlan::whole(0)?)
-/// }
-/// assert!(matches!(plan(), Err(oomguard_runtime::Error::InvalidArgument(_))));
-/// ```
-impl From<PlanError> for crate::Error {
-    fn from(e: PlanError) -> Self {
-        crate::Error::InvalidArgument(e.to_string())
-    }
-}
-
 impl BatchPlan {
     /// `batch` rows in `chunks` micro-batches. Needs `1 <= chunks <= batch`.
     pub fn new(batch: usize, chunks: usize) -> Result<Self, PlanError> {

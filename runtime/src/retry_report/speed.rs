@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::retry::plan::BatchPlan;
+use super::plan::BatchPlan;
 
 /// What the engine did, for speed, about a plan whose steps churn without allocator retries
 /// (pages moved, synchronisations inside the allocator; a step with allocator retries moves
