@@ -99,9 +99,10 @@ where
     // Room for the step: what the device can still give (the cache is empty), capped by the
     // allocator's limit.
     let budget = device.available()?;
+    let baseline = device.usage()?.used;
 
     let mut trials: Vec<Trial> = Vec::new();
-    let mut runner = TrialRunner::new(device, step, budget, opts.max);
+    let mut runner = TrialRunner::new(device, step, budget, baseline, opts.max);
     let (state, stopped_by_trials) = search(&mut runner, budget, opts, &mut trials)?;
     if state.l == 0 {
         device.empty_cache()?;

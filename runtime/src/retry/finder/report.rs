@@ -10,11 +10,11 @@ use super::fit::LinearFit;
 pub struct Trial {
     /// Rows it ran with.
     pub rows: usize,
-    /// Peak bytes allocated during the trial's steps above what was allocated before them;
-    /// `None`: out of memory.
+    /// Peak bytes allocated during the trial's steps above what was allocated when the finder
+    /// started (so memory an earlier trial left allocated counts in it); `None`: out of memory.
     pub peak_bytes: Option<u64>,
     /// Peak bytes the source held (used plus cached) during the steps, above what was in use
-    /// before them (how much more than `peak_bytes` the source needed: fragmentation, rounding,
+    /// when the finder started (how much more than `peak_bytes` the source needed: fragmentation, rounding,
     /// and a cache kept from the trials before).
     pub reserved_peak_bytes: u64,
     /// Step runs the trial made (fewer than `steps_per_trial` when one ran out of memory; more

@@ -11,21 +11,24 @@ use crate::source::MemorySource;
 use super::error::FinderError;
 use super::report::{rise_tolerance, Trial};
 
-/// Peak bytes allocated and held while `f` runs, above what was allocated and held when it
-/// started (what a `PeakScope` around `f` reports: this is the one place to switch to it).
+/// Peak bytes allocated and held while `f` runs, above `baseline`: what was allocated when the
+/// finder started, not when this trial did. Memory an earlier trial left allocated (a library's
+/// workspace made at the first backward, state a step makes once) is then in every trial's
+/// peak, as it will be in every step that follows; measured from each trial's start, only the
+/// trial that made it carried it, and the fit's slope came out low.
 fn measure_peak<S: MemorySource + ?Sized, T>(
     device: &S,
+    baseline: u64,
     f: impl FnOnce() -> T,
 ) -> Result<(T, u64, u64), crate::Error> {
     device.reset_peak()?;
-    let before = device.usage()?;
     let out = f();
     let after = device.usage()?;
-    // (held: above what was in use before, so that memory a kept cache already held counts)
+    // (held: above what was in use, so that memory a kept cache already held counts)
     Ok((
         out,
-        after.used_peak.saturating_sub(before.used),
-        after.reserved_peak.saturating_sub(before.used),
+        after.used_peak.saturating_sub(baseline),
+        after.reserved_peak.saturating_sub(baseline),
     ))
 }
 
@@ -44,6 +47,8 @@ pub(super) struct TrialRunner<'a, S: ?Sized, F> {
     step: F,
     /// Bytes available to the step's peak.
     budget: u64,
+    /// Bytes allocated when the finder started: every trial's peak is measured above it.
+    baseline: u64,
     /// The largest batch worth having ([`FinderOptions::max`](super::FinderOptions::max)).
     max: usize,
 }
@@ -65,11 +70,12 @@ struct Ran<E> {
 }
 
 impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
-    pub(super) fn new(device: &'a S, step: F, budget: u64, max: usize) -> Self {
+    pub(super) fn new(device: &'a S, step: F, budget: u64, baseline: u64, max: usize) -> Self {
         Self {
             device,
             step,
             budget,
+            baseline,
             max,
         }
     }
@@ -154,7 +160,7 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
         let mut rise = 0;
         let mut usage_error = None;
         let verifying = extend_to > steps_per_trial;
-        let (res, peak, reserved_peak) = measure_peak(device, || {
+        let (res, peak, reserved_peak) = measure_peak(device, self.baseline, || {
             last_report::watch_steps(true);
             let mut res = Ok(());
             loop {
