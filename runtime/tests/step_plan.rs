@@ -237,6 +237,30 @@ fn with_marks_the_vgg_step_settles_on_one_thread_and_with_the_autograd_thread() 
     }
 }
 
+/// A card between the step's peak live bytes and its laid-out range: best fit runs every step
+/// (moving pages), a plan cannot be mapped. The plan is tried once, not at every step: each try
+/// gave every free page back first, and the next step mapped them again (more than the card
+/// moved a step, as the finder's verification at 1,100 rows did on the H100).
+#[test]
+fn a_plan_too_tall_for_the_card_is_tried_once_and_the_loop_runs_by_best_fit() {
+    let step = vgg_step();
+    let card = 77 * GIB + 300 * MIB;
+    for threads in [false, true] {
+        let a = Arc::new(allocator(card));
+        let moves = run(&a, &step, STEPS, true, threads);
+        let s = a.stats();
+        assert_eq!(s.num_plans_installed, 0, "threads {threads}: {moves:?}");
+        assert_eq!(s.num_plans_refused, 1, "threads {threads}: {moves:?}");
+        assert_eq!(s.num_ooms, 0, "threads {threads}");
+        for (i, m) in moves.iter().enumerate().skip(2) {
+            assert!(
+                m.unmapped < card / 2 && m.mapped < card / 2,
+                "threads {threads}: step {i} moved too much: {moves:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_step_that_changes_drops_its_plan_and_is_still_served() {
     let step = vgg_step();

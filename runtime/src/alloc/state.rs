@@ -486,16 +486,22 @@ impl State {
         self.stats.reserved_bytes.all.current
     }
 
-    /// Where growing stops being free: the memory limit (the device's capacity `total` without
-    /// one; 0: unknown), lowered to the `page_recycle_threshold` share of it (or the high-water
-    /// mark, when higher). Past it, growable segments move free pages instead of mapping new ones.
-    pub fn soft_cap(&self, total: u64) -> u64 {
-        let cap = match (self.limit, total) {
+    /// The most this allocator may hold: the memory limit, or the device's capacity `total`
+    /// without one (0: unknown, no cap).
+    pub fn cap(&self, total: u64) -> u64 {
+        match (self.limit, total) {
             (Some(l), 0) => l,
             (Some(l), t) => l.min(t),
             (None, 0) => u64::MAX,
             (None, t) => t,
-        };
+        }
+    }
+
+    /// Where growing stops being free: the memory limit (the device's capacity `total` without
+    /// one; 0: unknown), lowered to the `page_recycle_threshold` share of it (or the high-water
+    /// mark, when higher). Past it, growable segments move free pages instead of mapping new ones.
+    pub fn soft_cap(&self, total: u64) -> u64 {
+        let cap = self.cap(total);
         match self.cfg.page_recycle_threshold {
             Some(t) => ((cap as f64 * t) as u64).max(self.high_water),
             None => cap,

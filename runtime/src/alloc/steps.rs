@@ -65,4 +65,9 @@ pub(crate) struct Steps {
     /// A plan was dropped for its misses: no more plans for room alone (a loop whose steps
     /// vary would move its pages at every new plan).
     pub(super) room_refused: bool,
+    /// The step sequence that repeats now was laid out and its plan could not be mapped (the
+    /// layout is taller than the memory the step's pages can give): not tried again until the
+    /// steps change or `empty_cache` runs. Each try gives every free page back, and the next
+    /// step maps them again: at the edge of memory that moved more than the card every step.
+    pub(super) plan_unfit: bool,
 }
