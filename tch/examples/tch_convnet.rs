@@ -65,6 +65,8 @@ struct Moves {
     plans: i64,
     dropped: i64,
     misses: i64,
+    /// step plans laid out that could not be mapped (oomguard's allocator only)
+    refused: i64,
 }
 
 impl Moves {
@@ -80,6 +82,7 @@ impl Moves {
             plans: self.plans - o.plans,
             dropped: self.dropped - o.dropped,
             misses: self.misses - o.misses,
+            refused: self.refused - o.refused,
         }
     }
     fn plus(self, o: Self) -> Self {
@@ -94,11 +97,12 @@ impl Moves {
             plans: self.plans + o.plans,
             dropped: self.dropped + o.dropped,
             misses: self.misses + o.misses,
+            refused: self.refused + o.refused,
         }
     }
     fn text(&self) -> String {
         format!(
-            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={} plans={} plans_dropped={} plan_misses={}",
+            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={} plans={} plans_dropped={} plan_misses={} plans_refused={}",
             self.maps,
             self.unmaps,
             self.unmapped,
@@ -108,7 +112,8 @@ impl Moves {
             self.ooms,
             self.plans,
             self.dropped,
-            self.misses
+            self.misses,
+            self.refused
         )
     }
 }
@@ -136,6 +141,7 @@ impl Alloc {
                     plans: s.num_plans_installed as i64,
                     dropped: s.num_plans_dropped as i64,
                     misses: s.num_plan_misses as i64,
+                    refused: s.num_plans_refused as i64,
                 }
             }
             // libtorch counts device allocations and frees (maps and unmaps of expandable
