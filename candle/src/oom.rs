@@ -1,7 +1,7 @@
 //! Out-of-memory in candle code on any device, CPU included: an oomguard error carried inside
 //! a `candle_core::Error` that stays classified, and memory charged to an oomguard device.
 
-use oomguard::DeviceBuffer;
+pub use oomguard::Charge;
 
 /// An oomguard error as a candle error, still classified by [`IsOom`](oomguard::IsOom): boxed in
 /// `candle_core::Error::Cuda`, where candle's own CUDA errors are, so an out-of-memory is
@@ -19,20 +19,6 @@ use oomguard::DeviceBuffer;
 /// ```
 pub fn into_candle_error(e: oomguard::Error) -> candle_core::Error {
     candle_core::Error::Cuda(Box::new(e))
-}
-
-/// `bytes` of an oomguard device's memory, held until dropped: what a candle step charges to a
-/// simulated card ([`oomguard::Device::sim`]) to stand for the memory its tensors would take
-/// on a GPU. Made by [`charge`].
-#[must_use = "the memory is given back when this is dropped: hold it while the tensors it stands for live"]
-#[derive(Debug)]
-pub struct Charge(DeviceBuffer<u8>);
-
-impl Charge {
-    /// The bytes held.
-    pub fn bytes(&self) -> usize {
-        self.0.len()
-    }
 }
 
 /// Takes `bytes` of `device`'s memory until the returned [`Charge`] drops, for testing candle
@@ -57,8 +43,5 @@ impl Charge {
 /// A leak check names the line that called `charge` (it is `#[track_caller]`).
 #[track_caller]
 pub fn charge(device: &oomguard::Device, bytes: usize) -> candle_core::Result<Charge> {
-    device
-        .alloc::<u8>(bytes)
-        .map(Charge)
-        .map_err(into_candle_error)
+    device.charge(bytes).map_err(into_candle_error)
 }

@@ -30,6 +30,7 @@
 pub mod alloc;
 pub mod backend;
 mod buffer;
+mod charge;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -50,6 +51,7 @@ pub mod train;
 
 pub use alloc::{Allocation, CachingAllocator, MemoryStats};
 pub use buffer::DeviceBuffer;
+pub use charge::Charge;
 pub use config::{AllocatorConfig, ConfigError};
 pub use device::Device;
 pub use error::{BudgetExceeded, Error, OomError, Result};

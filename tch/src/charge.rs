@@ -1,23 +1,9 @@
 //! Memory charged to an oomguard device by tch code on the CPU: the way to test a step's
 //! out-of-memory handling without a GPU.
 
-use oomguard::DeviceBuffer;
+pub use oomguard::Charge;
 
 use crate::Error;
-
-/// `bytes` of an oomguard device's memory, held until dropped: what a tch step charges to a
-/// simulated card ([`oomguard::Device::sim`]) to stand for the memory its tensors would take
-/// on a GPU. Made by [`charge`].
-#[must_use = "the memory is given back when this is dropped: hold it while the tensors it stands for live"]
-#[derive(Debug)]
-pub struct Charge(DeviceBuffer<u8>);
-
-impl Charge {
-    /// The bytes held.
-    pub fn bytes(&self) -> usize {
-        self.0.len()
-    }
-}
 
 /// Takes `bytes` of `device`'s memory until the returned [`Charge`] drops, for testing tch
 /// code's out-of-memory handling on CPU, where libtorch has no memory source: an out-of-memory
@@ -46,8 +32,5 @@ impl Charge {
 /// A leak check names the line that called `charge` (it is `#[track_caller]`).
 #[track_caller]
 pub fn charge(device: &oomguard::Device, bytes: usize) -> Result<Charge, Error> {
-    device
-        .alloc::<u8>(bytes)
-        .map(Charge)
-        .map_err(Error::Oomguard)
+    device.charge(bytes).map_err(Error::Oomguard)
 }
