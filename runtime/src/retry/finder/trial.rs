@@ -57,9 +57,9 @@ pub(super) struct TrialRunner<'a, S: ?Sized, F> {
 struct Ran<E> {
     /// `Err`: the step that failed (the trial stopped there).
     result: Result<(), E>,
-    /// Peak bytes allocated above what was allocated before the steps.
+    /// Peak bytes allocated above what was allocated when the finder started.
     peak: u64,
-    /// Peak bytes held above what was allocated before the steps.
+    /// Peak bytes held above what was allocated when the finder started.
     reserved_peak: u64,
     /// Steps run.
     steps: u32,
