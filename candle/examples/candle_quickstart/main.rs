@@ -16,20 +16,20 @@ use oomguard::ByteSize;
 use oomguard_candle::{charge, find_max_batch_train, train_step};
 
 /// The tensors' device, the memory the step is measured on, and sizes whose whole batch
-/// exceeds the budget there: [rows, inputs, hidden] and the budget.
-fn setup() -> Result<(Device, oomguard::Device, [usize; 3], ByteSize), Box<dyn Error>> {
+/// exceeds the budget there: [rows, inputs, hidden, budget in KiB].
+fn setup() -> Result<(Device, oomguard::Device, [usize; 4]), Box<dyn Error>> {
     #[cfg(feature = "allocator-hook")]
     if let Ok(dev) = Device::new_cuda(0) {
         // Before the model is made, so that every candle CUDA tensor is an oomguard block.
         let memory = oomguard_candle::alloc_hook::install(&dev)?;
-        return Ok((dev, memory, [1 << 16, 256, 2048], ByteSize::gib(1))); // 2.2 GiB a batch
+        return Ok((dev, memory, [1 << 16, 256, 2048, 1 << 20])); // 2.2 GiB a batch
     }
     let card = oomguard::Device::sim(ByteSize::gib(1));
-    Ok((Device::Cpu, card, [512, 16, 64], ByteSize::kib(256))) // 560 KiB a batch
+    Ok((Device::Cpu, card, [512, 16, 64, 256])) // 560 KiB a batch
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
-    let (dev, memory, [batch, inputs, hidden], budget) = setup()?;
+    let (dev, memory, [batch, inputs, hidden, budget_kib]) = setup()?;
     println!("device: {dev:?}, simulated card: {}", dev.is_cpu());
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     };
     let before = copies(&varmap)?;
 
-    let _budget = memory.thread_budget(budget);
+    let _budget = memory.thread_budget(ByteSize::kib(budget_kib as u64));
     // The largest batch train_step's own attempt runs in, within the budget; it trains nothing.
     let opts = FinderOptions {
         max: batch,
