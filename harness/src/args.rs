@@ -24,6 +24,15 @@ pub struct Spec {
     pub allocators: &'static [&'static str],
     /// `--max-cap`'s default, without and with `--tiny`.
     pub max_cap: (i64, i64),
+    /// The example's own options (names without `--`), each taking a value: kept in
+    /// [`Args::options`] for the example to read ([`Args::option`]).
+    pub options: &'static [&'static str],
+    /// Whether arguments not starting with `--` are taken: the first as a phase (as
+    /// `--phase`), the others kept in [`Args::positional`]. Without a phase, [`Spec::default_phases`]
+    /// run.
+    pub positional: bool,
+    /// The phases run when none is named (empty: a phase must be named).
+    pub default_phases: &'static [&'static str],
 }
 
 impl Spec {
@@ -44,16 +53,18 @@ pub enum DeviceArg {
 }
 
 impl DeviceArg {
-    /// `cpu`, `cuda` or `cuda:N`.
+    /// `cpu`, `cuda`, `cuda:N` or `N` (a CUDA ordinal).
     pub fn parse(v: &str) -> Result<Self, String> {
         match v {
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda(0)),
             _ => v
                 .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
+                .unwrap_or(v)
+                .parse()
+                .ok()
                 .map(Self::Cuda)
-                .ok_or_else(|| format!("--device {v:?}: cpu, cuda or cuda:N")),
+                .ok_or_else(|| format!("--device {v:?}: cpu, cuda, cuda:N or N")),
         }
     }
 
@@ -121,6 +132,8 @@ pub struct Args {
     pub max_cap: i64,
     /// `--oom-factor`: `oom`'s batch over the largest (default 2).
     pub oom_factor: f64,
+    /// `--oom-batch`: `oom`'s batch, given (then the largest batch is not measured).
+    pub oom_batch: Option<i64>,
     /// `--equiv-batch`: a multiple of 4 (default 8).
     pub equiv_batch: i64,
     /// `--equiv-steps` (default 3).
@@ -133,6 +146,24 @@ pub struct Args {
     pub json: bool,
     /// `--allocator`: one of [`Spec::allocators`].
     pub allocator: String,
+    /// The example's own options ([`Spec::options`]), as given.
+    pub options: Vec<(String, String)>,
+    /// Arguments after the phase that do not start with `--` ([`Spec::positional`]).
+    pub positional: Vec<String>,
+}
+
+impl Args {
+    /// The example's option `name` ([`Spec::options`]; the last one given), parsed; `Err` names
+    /// the option and the value.
+    pub fn option<T: std::str::FromStr>(&self, name: &str) -> Result<Option<T>, String> {
+        match self.options.iter().rev().find(|(k, _)| k == name) {
+            None => Ok(None),
+            Some((_, v)) => v
+                .parse()
+                .map(Some)
+                .map_err(|_| format!("--{name} {v:?}: not a valid value")),
+        }
+    }
 }
 
 /// What [`parse`] found.
@@ -148,6 +179,7 @@ pub enum Parsed {
 /// wrong with the command line.
 pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
     let mut kv: Vec<(String, Option<String>)> = Vec::new();
+    let mut positional = Vec::new();
     let mut i = 0;
     while i < raw.len() {
         let a = &raw[i];
@@ -155,7 +187,15 @@ pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
             return Ok(Parsed::Help);
         }
         let Some(name) = a.strip_prefix("--") else {
-            return Err(format!("unexpected argument {a:?}"));
+            if !spec.positional {
+                return Err(format!("unexpected argument {a:?}"));
+            }
+            if positional.is_empty() && kv.iter().all(|(k, _)| k != "phase") {
+                kv.push(("phase".into(), Some(a.clone())));
+            }
+            positional.push(a.clone());
+            i += 1;
+            continue;
         };
         if name == "tiny" || name == "json" {
             kv.push((name.to_string(), None));
@@ -187,12 +227,16 @@ pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
         max: None,
         max_cap: if tiny { spec.max_cap.1 } else { spec.max_cap.0 },
         oom_factor: 2.0,
+        oom_batch: None,
         equiv_batch: 8,
         equiv_steps: 3,
         find_steps: 100,
         overhead_rounds: 12,
         json: false,
         allocator: spec.allocators.first().copied().unwrap_or("").to_string(),
+        options: Vec::new(),
+        // The first is the phase.
+        positional: positional.into_iter().skip(1).collect(),
     };
     fn num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, String> {
         v.parse().map_err(|_| format!("--{k} {v:?}: not a number"))
@@ -243,15 +287,20 @@ pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
             "max" => a.max = Some(num(k, v)?),
             "max-cap" => a.max_cap = num(k, v)?,
             "oom-factor" => a.oom_factor = num(k, v)?,
+            "oom-batch" => a.oom_batch = Some(num(k, v)?),
             "equiv-batch" => a.equiv_batch = num(k, v)?,
             "equiv-steps" => a.equiv_steps = num(k, v)?,
             "find-steps" => a.find_steps = num(k, v)?,
             "overhead-rounds" => a.overhead_rounds = num(k, v)?,
+            _ if spec.options.contains(&k.as_str()) => a.options.push((k.clone(), v.clone())),
             _ => return Err(format!("unknown option --{k}")),
         }
     }
     if a.phases.is_empty() {
-        return Err("no --phase given".into());
+        if spec.default_phases.is_empty() {
+            return Err("no --phase given".into());
+        }
+        a.phases = spec.default_phases.iter().map(|s| s.to_string()).collect();
     }
     check(&a)?;
     Ok(Parsed::Run(Box::new(a)))
@@ -259,8 +308,15 @@ pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
 
 /// The checks of the numbers that hold for every example.
 fn check(a: &Args) -> Result<(), String> {
-    if a.batch < 1 || a.grads_batch < 1 || a.max_cap < 1 || a.max.is_some_and(|m| m < 1) {
-        return Err("--batch, --grads-batch, --max and --max-cap must be at least 1".into());
+    if a.batch < 1
+        || a.grads_batch < 1
+        || a.max_cap < 1
+        || a.max.is_some_and(|m| m < 1)
+        || a.oom_batch.is_some_and(|m| m < 1)
+    {
+        return Err(
+            "--batch, --grads-batch, --max, --max-cap and --oom-batch must be at least 1".into(),
+        );
     }
     if a.steps == 0 || a.grads_steps < 2 || a.equiv_steps == 0 || a.overhead_rounds == 0 {
         return Err(
@@ -305,6 +361,15 @@ mod tests {
         extra_phases: &["x"],
         allocators: &["native", "oomguard"],
         max_cap: (4096, 1024),
+        options: &["big"],
+        positional: false,
+        default_phases: &[],
+    };
+
+    const POSITIONAL: Spec = Spec {
+        positional: true,
+        default_phases: &["a", "b"],
+        ..SPEC
     };
 
     fn run(cli: &str) -> Result<Args, String> {
@@ -344,6 +409,36 @@ mod tests {
     }
 
     #[test]
+    fn own_options_and_positional_phases() {
+        let raw = |cli: &str| -> Vec<String> { cli.split_whitespace().map(String::from).collect() };
+        let Ok(Parsed::Run(a)) = parse(&raw("x out/p --big 56 --device 1 --big 7"), &POSITIONAL)
+        else {
+            panic!("did not parse");
+        };
+        assert_eq!(a.phases, ["x"]);
+        assert_eq!(a.positional, ["out/p"]);
+        assert_eq!(a.device, DeviceArg::Cuda(1));
+        assert_eq!(a.option::<usize>("big"), Ok(Some(7)));
+        assert_eq!(a.option::<usize>("factor"), Ok(None));
+        assert!(a.option::<u8>("big").is_ok());
+        let Ok(Parsed::Run(a)) = parse(&raw("--big x"), &POSITIONAL) else {
+            panic!("did not parse");
+        };
+        assert_eq!(a.phases, ["a", "b"]);
+        assert!(a
+            .option::<usize>("big")
+            .unwrap_err()
+            .contains("--big \"x\""));
+        assert_eq!(
+            parse(&raw("y"), &POSITIONAL),
+            Err("unknown phase \"y\"".to_string())
+        );
+        // Without `positional`, a bare argument is refused; without defaults, a phase is needed.
+        assert!(parse(&raw("x"), &SPEC).is_err());
+        assert!(parse(&raw("--big 3"), &SPEC).is_err());
+    }
+
+    #[test]
     fn help() {
         let raw = vec!["--phase".to_string(), "a".into(), "-h".into()];
         assert_eq!(parse(&raw, &SPEC), Ok(Parsed::Help));
@@ -359,7 +454,8 @@ mod tests {
             ("--phase a --batch 0", "at least 1"),
             ("--phase a --frobnicate 1", "unknown option --frobnicate"),
             ("--phase a stray", "unexpected argument \"stray\""),
-            ("--phase a --device gpu", "cpu, cuda or cuda:N"),
+            ("--phase a --device gpu", "cpu, cuda, cuda:N or N"),
+            ("--phase a --oom-batch 0", "at least 1"),
             ("--phase a --allocator pool", "native or oomguard"),
             ("--phase a --equiv-batch 6", "a multiple of 4"),
             ("--phase a --oom-factor 1", "more than 1"),

@@ -1,5 +1,5 @@
-//! `oom`: a batch of `--oom-factor` × the largest batch of a plain step (`max`), which a plain
-//! step cannot run, through the guarded step from a fresh engine: step 1 meets a real
+//! `oom`: a batch of `--oom-factor` × the largest batch of a plain step (`max`), or
+//! `--oom-batch`, which a plain step cannot run, through the guarded step from a fresh engine: step 1 meets a real
 //! out-of-memory and survives it as micro-batches (its attempts are printed); steps 2 to 4 start
 //! from the plan remembered, with no retry. Every step trains every row; the losses and the
 //! parameters stay finite.
@@ -15,10 +15,19 @@ use crate::runner::{Outcome, PhaseResult, Runner};
 impl<B: Bench> Runner<B> {
     /// The phase (see the module's doc).
     pub fn oom(&mut self) -> PhaseResult {
-        let max = self.known_max()?;
+        let (max, batch) = match self.args.oom_batch {
+            // Not measured: `max` is the batch less one, as far as this phase knows.
+            Some(b) => (self.max.unwrap_or(b - 1), b),
+            None => {
+                let max = self.known_max()?;
+                (
+                    max,
+                    ((max as f64 * self.args.oom_factor).round() as i64).max(max + 1),
+                )
+            }
+        };
         let source = self.bench.source().clone();
         source.empty_cache().map_err(|e| e.to_string())?;
-        let batch = ((max as f64 * self.args.oom_factor).round() as i64).max(max + 1);
         let mut s = self
             .bench
             .session(Optim::AdamW)

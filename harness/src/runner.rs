@@ -108,8 +108,9 @@ impl<B: Bench> Runner<B> {
         })
     }
 
-    /// Runs every phase of `--phase` in order: the generic ones here, the others through
-    /// `own` (the example's phases; `None` for a name it does not know). Each phase ends with a
+    /// Runs every phase of `--phase` in order: each through `own` first (the example's phases,
+    /// or its wrapping of a generic one; `None` for a name it leaves to the harness), then the
+    /// generic ones here. Each phase ends with a
     /// `PHASE phase=NAME status=ok|FAIL|error|panicked secs=.. total_secs=..` line; the next
     /// starts from an emptied cache. The exit status is 0 when every phase ran and its checks
     /// held, 1 otherwise.
@@ -118,9 +119,11 @@ impl<B: Bench> Runner<B> {
         let mut failed = false;
         for name in self.args.phases.clone() {
             let t = Instant::now();
-            let out = panic::catch_unwind(AssertUnwindSafe(|| match self.generic_phase(&name) {
+            let out = panic::catch_unwind(AssertUnwindSafe(|| match own(self, &name) {
                 Some(r) => r,
-                None => own(self, &name).unwrap_or_else(|| Err(format!("unknown phase {name}"))),
+                None => self
+                    .generic_phase(&name)
+                    .unwrap_or_else(|| Err(format!("unknown phase {name}"))),
             }));
             let (status, error) = match out {
                 Ok(Ok(Outcome::Pass)) => ("ok", None),

@@ -261,6 +261,9 @@ const SPEC: Spec = Spec {
     extra_phases: &["max", "mine"],
     allocators: &["native"],
     max_cap: (4096, 1024),
+    options: &[],
+    positional: false,
+    default_phases: &[],
 };
 
 fn runner(fake: Fake, cli: &str) -> Runner<Fake> {
@@ -344,6 +347,14 @@ fn oom_is_an_error_when_the_guarded_step_does_not_split() {
 }
 
 #[test]
+fn oom_runs_a_given_batch_without_measuring_the_max() {
+    let mut r = runner(Fake::new(), "--phase oom --oom-batch 40");
+    assert_eq!(r.oom(), Ok(Outcome::Pass));
+    assert!(!lines(&r).iter().any(|l| l.starts_with("TRIAL phase=max")));
+    assert!(line(&r, "RESULT phase=oom").contains("max=39 batch=40 step1_retries=1"));
+}
+
+#[test]
 fn equiv_holds_for_weighted_chunks_and_fails_for_unweighted_ones() {
     let mut r = runner(Fake::new(), "--phase equiv");
     assert_eq!(r.equiv(), Ok(Outcome::Pass));
@@ -409,15 +420,16 @@ fn run_ends_each_phase_with_its_line_and_fails_on_a_failed_check() {
     let mut fake = Fake::new();
     fake.unweighted = true;
     let mut r = runner(fake, "--phase mine,equiv --json");
-    let mut own_ran = 0;
+    let mut own_asked = Vec::new();
     let code = r.run(|r, name| {
-        own_ran += 1;
+        own_asked.push(name.to_string());
         (name == "mine").then(|| {
             r.emit(oomguard_harness::Line::result("mine").int("x", 1));
             Ok(Outcome::Pass)
         })
     });
-    assert_eq!(own_ran, 1);
+    // The example is asked first about every phase; `equiv` it leaves to the harness.
+    assert_eq!(own_asked, ["mine", "equiv"]);
     assert_eq!(code, std::process::ExitCode::FAILURE);
     let phases: Vec<serde_json::Value> = lines(&r)
         .iter()

@@ -55,6 +55,9 @@ const SPEC: Spec = Spec {
     extra_phases: &["max", "alloc", "alloc-one"],
     allocators: &["libtorch", "oomguard"],
     max_cap: (4096, 1024),
+    options: &[],
+    positional: false,
+    default_phases: &[],
 };
 
 const USAGE: &str = "\
