@@ -1,6 +1,8 @@
 //! `finder`: `find_max_batch` on the plain step (the model and AdamW warm), the batch it
 //! returns, then `--find-steps` consecutive plain steps at that batch (each out of memory
-//! caught and counted: which steps failed, `X`, or ran, `.`), then the true largest batch by
+//! caught and counted: which steps failed, `X`, or ran, `.`; where the report says the held
+//! memory had not settled, `FinderReport::empty_cache_every`, the loop again emptying the cache
+//! as often as it says, on a line of its own), then the true largest batch by
 //! bisection over plain steps (`max`, unless known) and found / true.
 
 use std::time::Instant;
@@ -62,33 +64,45 @@ impl<B: Bench> Runner<B> {
                 .text("source", source.info().to_string()),
         );
 
-        // The batch found as a loop, right after the search.
+        // The batch found as a loop, right after the search; and where the report says the
+        // held memory had not settled, again emptying the cache as often as it says.
         let steps = self.args.find_steps;
-        let (mut pattern, mut times) = (String::with_capacity(steps), Vec::new());
-        for step in 0..steps {
-            let b = self
-                .bench
-                .batch(found, 500 + step as u64)
-                .map_err(|e| e.to_string())?;
-            let t = Instant::now();
-            match self.bench.plain_step(&mut s, &b) {
-                Ok(_) => {
-                    times.push(t.elapsed().as_secs_f64());
-                    pattern.push('.');
+        let mut ooms = 0;
+        let every = report.empty_cache_every().map(|n| n as usize);
+        for every in [None].into_iter().chain(every.map(Some)) {
+            let (mut pattern, mut times) = (String::with_capacity(steps), Vec::new());
+            for step in 0..steps {
+                if every.is_some_and(|n| step > 0 && step % n == 0) {
+                    source.empty_cache().map_err(|e| e.to_string())?;
                 }
-                Err(e) if e.is_oom() => pattern.push('X'),
-                Err(e) => return Err(format!("plain step {} at {found} rows: {e}", step + 1)),
+                let b = self
+                    .bench
+                    .batch(found, 500 + step as u64)
+                    .map_err(|e| e.to_string())?;
+                let t = Instant::now();
+                match self.bench.plain_step(&mut s, &b) {
+                    Ok(_) => {
+                        times.push(t.elapsed().as_secs_f64());
+                        pattern.push('.');
+                    }
+                    Err(e) if e.is_oom() => pattern.push('X'),
+                    Err(e) => return Err(format!("plain step {} at {found} rows: {e}", step + 1)),
+                }
             }
-        }
-        let ooms = pattern.matches('X').count();
-        self.emit(
-            Line::result("finder")
+            let n = pattern.matches('X').count();
+            let mut line = Line::result("finder")
                 .int("batch", found)
                 .int("steps", steps as i64)
-                .int("ooms", ooms as i64)
-                .float("median_ms", median(&mut times) * 1e3, 2)
-                .text("pattern", pattern),
-        );
+                .int("ooms", n as i64);
+            match every {
+                None => ooms = n,
+                Some(e) => line = line.int("empty_cache_every", e as i64),
+            }
+            self.emit(
+                line.float("median_ms", median(&mut times) * 1e3, 2)
+                    .text("pattern", pattern),
+            );
+        }
         drop(s);
         source.empty_cache().map_err(|e| e.to_string())?;
 
