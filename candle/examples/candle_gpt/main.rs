@@ -2,10 +2,14 @@
 //! AdamW) trained with candle on seeded synthetic tokens, under oomguard, on a CUDA device.
 //!
 //! ```text
-//! candle_gpt [all|find|oom|equiv|overhead|frag|seeded|snap PREFIX] [--big ROWS] [--steps N]
-//!            [--device ORDINAL] [--release-threshold BYTES] [--allocator pool|oomguard]
-//!            [--batch ROWS] [--factor N]
+//! candle_gpt [all|find|oom|equiv|overhead|frag|seeded|snap PREFIX|max|plain] [--big ROWS]
+//!            [--steps N] [--device ORDINAL] [--release-threshold BYTES]
+//!            [--allocator pool|oomguard] [--batch ROWS] [--factor N] [--json] ...
 //! ```
+//! The command line and the phases `find` (oomguard-harness's `finder`), `oom`, `equiv`,
+//! `overhead`, `max` and `plain` are oomguard-harness's, written once for the GPT examples (their
+//! lines are `RESULT phase=NAME key=value ...`, `--help` lists the options); this example gives
+//! them candle's model and steps (`CandleBench`) and keeps its own `frag`, `seeded` and `snap`:
 //! - `--allocator`: where candle's tensors live: the driver's pool (candle's own, the default)
 //!   or oomguard's caching allocator (`oomguard_candle::alloc_hook::install`, feature
 //!   `allocator-hook`), installed before the model is made;
@@ -16,37 +20,82 @@
 //! - `frag`: `--steps` (default 20) plain steps at `--batch` rows: peak reserved / peak used of
 //!   the allocator, OOMs, median step time, and the device memory the allocator does not see
 //!   (`cuMemGetInfo` used minus the allocator's reserved);
-//! - `find`: oomguard's `find_max_batch` on the driver pool (its step runs and found batch);
-//!   `--steps` (default 100) plain steps at the found batch, and as many emptying the cache as
-//!   often as the report says (`FinderReport::empty_cache_every`, where the held memory had not
-//!   settled); the true maximum by bisection over real steps; then the loops again;
-//! - `oom`: a batch larger than the card holds (`--big`, default twice the true maximum found,
-//!   else 1024) survives a real driver OOM by accumulation; 3 more steps start from the
-//!   remembered plan;
+//! - `find`: oomguard's `find_max_batch` on plain steps, `--steps` (default 100) plain steps at
+//!   the found batch, then the true maximum by bisection (`max`) and found / true;
+//! - `oom`: a batch larger than the card holds (`--big`, default twice the true maximum, which
+//!   `max` measures unless known) survives a real driver OOM by accumulation; 3 more steps start
+//!   from the remembered plan;
 //! - `seeded`: `oomguard_candle::find_max_batch_train` (the training step's own attempt), then
 //!   `--steps` (default 20) `train_step`s at `--factor` (default 2) × the batch found from an
 //!   engine seeded with `start_from_finder`: each step's retries and plan, and their sum;
 //! - `equiv`: parameters after 3 steps of batch 8, whole vs 4 micro-batches of 2, with SGD and
-//!   with AdamW (‖a−b‖/‖b‖ over every parameter, f32, TF32 off);
-//! - `overhead`: the same steps as a plain candle loop and through `train_step`, interleaved;
+//!   with AdamW (‖a−b‖/‖a‖ over every parameter, f32, TF32 off);
+//! - `overhead`: the same steps as a plain candle loop and through `train_step`, interleaved,
+//!   on a pool that keeps its cache;
 //! - the driver pool's `memory_summary` at the end.
 //!
-//! Every figure is printed on a line starting with `RESULT`.
+//! Exit status: 0 when every phase ran and its checks held, 1 otherwise, 2 when the device
+//! cannot be used, 64 on a bad command line.
 
 mod model;
 
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
-use oomguard::retry::{find_max_batch, BatchPlan, FinderOptions, RetryEngine};
+use oomguard::retry::{FinderOptions, RetryEngine};
 use oomguard::source::MemorySource;
-use oomguard_candle::{chunk_rows, memory_source, train_step, GradAccumulator};
+use oomguard::train::TrainedStep;
+use oomguard_candle::{memory_source, train_step};
+use oomguard_harness::{Bench, DeviceArg, Optim, PhaseResult, Runner, Spec};
 
 use model::{synthetic_tokens, Config, Gpt};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+const USAGE: &str = "\
+candle_gpt: a GPT-2-small-shaped model in candle on a CUDA device, plain and under oomguard
+
+usage: candle_gpt [PHASE [PREFIX]] [options]     (or --phase NAME, repeatable)
+
+phases (default all = find,oom,equiv,overhead):
+  find      find_max_batch on plain steps, --steps (default 100) plain steps at its batch,
+            then the true max (as `max`) and found / true
+  oom       train_step at --big rows (default 2 x max): the OOM survived, later steps from
+            the plan
+  equiv     1 x 8 against 4 x 2 micro-batches, SGD then AdamW (TF32 off)
+  overhead  train_step vs the plain loop at --batch (default 8), alternated
+  max       the largest batch a plain step runs: doubling, then bisection, up to --max-cap
+  plain     --steps plain steps at --batch: ms/step median, peaks
+  frag      --steps (default 20) plain steps at --batch: peak reserved / peak used, OOMs,
+            median step time, device memory outside the allocator
+  seeded    find_max_batch_train, then --steps (default 20) train_steps at --factor
+            (default 2) x its batch from an engine seeded with the finder's result
+  snap PREFIX  (--allocator oomguard) one step at --batch with the history on (--steps N:
+            the first N steps): PREFIX.pickle and PREFIX.json
+options:
+  --device N|cuda:N        (default 0)
+  --allocator pool|oomguard   who serves candle's CUDA tensors (default pool)
+  --release-threshold B    the driver pool's release threshold, set before the phases
+  --big ROWS  --factor N  --batch N  --steps N  --warmup N  --seed N  --lr X  --sgd-lr X
+  --max N  --max-cap N (default 16384)  --oom-factor X  --equiv-batch N  --equiv-steps N
+  --overhead-rounds N  --json
+";
+
+/// The command line.
+const SPEC: Spec = Spec {
+    program: "candle_gpt",
+    usage: USAGE,
+    all_phases: &["find", "oom", "equiv", "overhead"],
+    extra_phases: &["frag", "seeded", "snap", "max", "plain"],
+    allocators: &["pool", "oomguard"],
+    max_cap: (1 << 14, 1 << 14),
+    options: &["big", "factor", "release-threshold"],
+    positional: true,
+    default_phases: &["find", "oom", "equiv", "overhead"],
+};
 
 struct Run {
     dev: Device,
@@ -100,21 +149,25 @@ impl Run {
         Ok((run, source))
     }
 
-    fn reset(&self) -> Res<()> {
+    fn reset(&self) -> candle_core::Result<()> {
         for (v, t) in self.vars.iter().zip(&self.init) {
             v.set(t)?;
         }
         Ok(())
     }
 
-    fn adamw(&self) -> Res<AdamW> {
-        Ok(AdamW::new(
+    fn adamw(&self) -> candle_core::Result<AdamW> {
+        self.adamw_at(3e-4)
+    }
+
+    fn adamw_at(&self, lr: f64) -> candle_core::Result<AdamW> {
+        AdamW::new(
             self.vars.clone(),
             ParamsAdamW {
-                lr: 3e-4,
+                lr,
                 ..Default::default()
             },
-        )?)
+        )
     }
 
     fn tokens(&self, seed: u64, rows: usize) -> candle_core::Result<Tensor> {
@@ -132,193 +185,142 @@ impl Run {
     }
 }
 
+/// A session's optimizer.
+enum Opt {
+    AdamW(AdamW),
+    Sgd(SGD),
+}
+
+/// candle's side of the harness's phases: the one model (a session resets it to its initial
+/// weights), seeded token batches, the plain candle step and `oomguard_candle::train_step`.
+struct CandleBench {
+    run: Run,
+    source: Arc<dyn MemorySource>,
+    ordinal: usize,
+    lr: f64,
+    sgd_lr: f64,
+}
+
+impl Bench for CandleBench {
+    type Error = candle_core::Error;
+    type Session = Opt;
+    type Batch = Tensor;
+    type Params = Vec<Tensor>;
+
+    fn source(&self) -> &Arc<dyn MemorySource> {
+        &self.source
+    }
+
+    fn row_len(&self) -> i64 {
+        self.run.cfg.seq as i64
+    }
+
+    /// The model back at its initial weights (one model: a session lasts until the next).
+    fn session(&self, optim: Optim) -> candle_core::Result<Opt> {
+        self.run.reset()?;
+        Ok(match optim {
+            Optim::AdamW => Opt::AdamW(self.run.adamw_at(self.lr)?),
+            Optim::Sgd => Opt::Sgd(SGD::new(self.run.vars.clone(), self.sgd_lr)?),
+        })
+    }
+
+    fn batch(&self, rows: i64, salt: u64) -> candle_core::Result<Tensor> {
+        self.run.tokens(salt, rows.max(0) as usize)
+    }
+
+    fn plain_step(&self, s: &mut Opt, b: &Tensor) -> candle_core::Result<f64> {
+        match s {
+            Opt::AdamW(o) => self.run.plain_step(o, b),
+            Opt::Sgd(o) => self.run.plain_step(o, b),
+        }
+        .map(f64::from)
+    }
+
+    fn guarded_step(
+        &self,
+        engine: &RetryEngine,
+        s: &mut Opt,
+        b: &Tensor,
+    ) -> Result<TrainedStep, String> {
+        let run = &self.run;
+        let loss = |_: &_, rows: &[Tensor]| run.model.loss(&rows[0]);
+        // Each engine meets one optimizer, so one call site per engine.
+        let done = match s {
+            Opt::AdamW(o) => train_step(engine, &self.source, &[b], &run.vars[..], o, loss),
+            Opt::Sgd(o) => train_step(engine, &self.source, &[b], &run.vars[..], o, loss),
+        }
+        .map_err(|e| e.to_string())?;
+        run.dev.synchronize().map_err(|e| e.to_string())?;
+        Ok(done)
+    }
+
+    fn params(&self, _: &Opt) -> Result<Vec<Tensor>, String> {
+        self.run
+            .vars
+            .iter()
+            .map(|v| v.as_tensor().copy())
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())
+    }
+
+    /// `‖a − b‖ / ‖a‖` and the largest `|a − b|` over every parameter (f64 sums).
+    fn compare(&self, a: &Vec<Tensor>, b: &Vec<Tensor>) -> Result<(f64, f64), String> {
+        if a.len() != b.len() {
+            return Err("the two models have different parameters".into());
+        }
+        let f = |t: Tensor| -> candle_core::Result<f64> { t.to_dtype(DType::F64)?.to_scalar() };
+        let sums = || -> candle_core::Result<(f64, f64, f64)> {
+            let (mut d2, mut n2, mut max) = (0f64, 0f64, 0f64);
+            for (x, y) in a.iter().zip(b) {
+                let d = (x - y)?;
+                d2 += f(d.sqr()?.sum_all()?)?;
+                n2 += f(x.sqr()?.sum_all()?)?;
+                max = max.max(f(d.abs()?.flatten_all()?.max(0)?)?);
+            }
+            Ok((d2, n2, max))
+        };
+        let (d2, n2, max) = sums().map_err(|e| e.to_string())?;
+        Ok(((d2 / n2.max(f64::MIN_POSITIVE)).sqrt(), max))
+    }
+
+    /// Parameter tensors whose sum is a NaN or an infinity.
+    fn non_finite_params(&self, _: &Opt) -> Result<i64, String> {
+        let mut n = 0;
+        for v in &self.run.vars {
+            let s: f64 = v
+                .as_tensor()
+                .sum_all()
+                .and_then(|t| t.to_dtype(DType::F64))
+                .and_then(|t| t.to_scalar())
+                .map_err(|e| e.to_string())?;
+            n += i64::from(!s.is_finite());
+        }
+        Ok(n)
+    }
+}
+
+/// Whether `e` is an out-of-memory error.
 fn is_oom(e: &candle_core::Error) -> bool {
     oomguard::IsOom::is_oom(e)
 }
 
-/// Runs one step of `rows`; `Ok(false)` on OOM, an error on anything else.
-fn fits(run: &Run, source: &dyn MemorySource, opt: &mut AdamW, rows: usize) -> Res<bool> {
-    source.empty_cache()?;
-    let r = run
-        .tokens(rows as u64, rows)
-        .and_then(|t| run.plain_step(opt, &t));
-    source.empty_cache()?;
-    match r {
-        Ok(_) => Ok(true),
-        Err(e) if is_oom(&e) => Ok(false),
-        Err(e) => Err(e.into()),
-    }
+/// `overhead` on a pool that keeps its cache (as a tuned loop would), so that neither loop pays
+/// the driver for memory on every step; the threshold restored afterwards.
+fn overhead(r: &mut Runner<CandleBench>) -> PhaseResult {
+    let pool = oomguard::source::DriverPool::current(r.bench.ordinal).map_err(|e| e.to_string())?;
+    let threshold = pool.release_threshold().map_err(|e| e.to_string())?;
+    pool.set_release_threshold(u64::MAX)
+        .map_err(|e| e.to_string())?;
+    let out = r.overhead();
+    pool.set_release_threshold(threshold)
+        .map_err(|e| e.to_string())?;
+    out
 }
 
-/// `steps` plain steps of `rows` (tokens seeded from `seed`) after emptying the cache, and
-/// again before every `empty_every`-th step when given (1: before each): the out-of-memory
-/// count, seconds per step, and which steps failed ('X') or ran ('.').
-fn train_at(
-    run: &Run,
-    source: &dyn MemorySource,
-    opt: &mut AdamW,
-    rows: usize,
-    steps: usize,
-    empty_every: Option<usize>,
-    seed: u64,
-) -> Res<(usize, f64, String)> {
-    source.empty_cache()?;
-    let t0 = Instant::now();
-    let mut pattern = String::new();
-    for s in 0..steps {
-        if empty_every.is_some_and(|n| s > 0 && s % n == 0) {
-            source.empty_cache()?;
-        }
-        let t = run.tokens(seed + s as u64, rows)?;
-        match run.plain_step(opt, &t) {
-            Ok(_) => pattern.push('.'),
-            Err(e) if is_oom(&e) => pattern.push('X'),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let ooms = pattern.matches('X').count();
-    Ok((ooms, t0.elapsed().as_secs_f64() / steps as f64, pattern))
-}
-
-fn phase_find(run: &Run, source: &Arc<dyn MemorySource>, steps: usize) -> Res<usize> {
-    candle_core::cuda::set_gemm_reduced_precision_f32(true);
-    let mut opt = run.adamw()?;
-    // Optimizer state exists before the search, as in a run that is already training.
-    run.plain_step(&mut opt, &run.tokens(0, 1)?)?;
-    let t0 = Instant::now();
-    let report = find_max_batch(
-        source,
-        FinderOptions {
-            start: 4,
-            max: 1 << 14,
-            ..Default::default()
-        },
-        |rows| {
-            let t = run.tokens(rows as u64, rows)?;
-            run.plain_step(&mut opt, &t)
-        },
-    )?;
-    let found = report.max_batch;
-    println!("{report}");
-    println!(
-        "RESULT find: oomguard found batch {found} in {} step runs ({:.1} s)",
-        report.step_runs(),
-        t0.elapsed().as_secs_f64()
-    );
-
-    // The found batch as a loop right after the search (the state the finder leaves), before
-    // any step of the bisection below runs out of memory: which steps fail ('X') or run ('.').
-    let (ooms, _, pattern) = train_at(run, &**source, &mut opt, found, steps, None, 500)?;
-    println!("RESULT find: {steps} plain steps at the found batch {found} right after the search: {ooms} OOM [{pattern}]");
-    // Where the report says the held memory had not settled: the same loop, emptying the cache
-    // as often as it says.
-    if let Some(every) = report.empty_cache_every() {
-        let every = every as usize;
-        let (ooms, per, pattern) =
-            train_at(run, &**source, &mut opt, found, steps, Some(every), 500)?;
-        println!("RESULT find: {steps} steps at the found batch {found}, cache emptied every {every} as the report says: {ooms} OOM ({per:.2} s/step) [{pattern}]");
-    }
-
-    // The true maximum: grow from the found batch until a step fails, then bisect.
-    let mut probes = 1; // the found batch itself is checked first
-    let (mut lo, mut hi): (usize, usize);
-    if fits(run, &**source, &mut opt, found)? {
-        lo = found;
-        let mut k = 1;
-        loop {
-            probes += 1;
-            if fits(run, &**source, &mut opt, lo + k)? {
-                lo += k;
-                k *= 2;
-            } else {
-                hi = lo + k;
-                break;
-            }
-        }
-    } else {
-        hi = found;
-        let mut k = 1;
-        loop {
-            probes += 1;
-            let r = found.saturating_sub(k).max(1);
-            if fits(run, &**source, &mut opt, r)? {
-                lo = r;
-                break;
-            }
-            hi = r;
-            if r == 1 {
-                return Err("not even one row fits".into());
-            }
-            k *= 2;
-        }
-    }
-    while hi - lo > 1 {
-        probes += 1;
-        let mid = lo + (hi - lo) / 2;
-        if fits(run, &**source, &mut opt, mid)? {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    println!(
-        "RESULT find: true maximum {lo} (bisection, {probes} step runs); found / true = {:.3}",
-        found as f64 / lo as f64
-    );
-
-    // The found batch trains: first as a plain loop, then with the pool trimmed before each
-    // step. The driver's pool does not defragment: near the card's limit a step can fail on the
-    // blocks the previous step left (trimmed or not at synchronisation), and a failed step
-    // skips the synchronisation that would have released them.
-    let plain_steps = steps;
-    let (ooms, per, pattern) = train_at(run, &**source, &mut opt, found, plain_steps, None, 1000)?;
-    println!(
-        "RESULT find: {plain_steps} plain steps at the found batch {found} after the bisection: {ooms} OOM ({per:.2} s/step) [{pattern}]"
-    );
-    let trimmed = steps.min(20);
-    let (ooms, per, _) = train_at(run, &**source, &mut opt, found, trimmed, Some(1), 1000)?;
-    println!(
-        "RESULT find: {trimmed} steps at the found batch {found}, cache emptied before each: {ooms} OOM ({per:.2} s/step)"
-    );
-    Ok(lo)
-}
-
-fn phase_oom(run: &Run, source: &Arc<dyn MemorySource>, big: usize) -> Res<()> {
-    candle_core::cuda::set_gemm_reduced_precision_f32(true);
-    run.reset()?;
-    source.empty_cache()?;
-    let mut opt = run.adamw()?;
-    let engine = RetryEngine::new();
-    for step in 0..4u64 {
-        let tokens = run.tokens(2000 + step, big)?;
-        let t0 = Instant::now();
-        let done = train_step(
-            &engine,
-            source,
-            &[&tokens],
-            &run.vars,
-            &mut opt,
-            |_, rows| run.model.loss(&rows[0]),
-        )?;
-        run.dev.synchronize()?;
-        let r = &done.report;
-        println!(
-            "RESULT oom: step {step} batch {big}: {} retries, plan {} x {} (from memory: {}), rows {}, loss {:.4}, {:.1} s",
-            r.retries(),
-            r.final_plan.chunks().len(),
-            r.final_plan.micro_batch(),
-            r.from_memory,
-            done.rows,
-            done.loss,
-            t0.elapsed().as_secs_f64()
-        );
-        if step == 0 {
-            for a in &r.attempts {
-                println!("  attempt: plan {:?} -> {:?}", a.plan, a.outcome);
-            }
-        }
-    }
-    Ok(())
+/// An example phase that reports through `Res`: ok, or its error.
+fn own(r: Res<()>) -> PhaseResult {
+    r.map(|()| oomguard_harness::Outcome::Pass)
+        .map_err(|e| e.to_string())
 }
 
 fn phase_seeded(run: &Run, source: &Arc<dyn MemorySource>, factor: usize, steps: usize) -> Res<()> {
@@ -366,133 +368,6 @@ fn phase_seeded(run: &Run, source: &Arc<dyn MemorySource>, factor: usize, steps:
         found.trials.len(),
         found.batch_bytes_per_row,
         found.accumulation_bytes,
-    );
-    Ok(())
-}
-
-fn rel_diff(a: &[Tensor], b: &[Tensor]) -> Res<f64> {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += (x - y)?
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
-        den += y
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
-    }
-    Ok((num / den).sqrt())
-}
-
-fn phase_equiv(run: &Run) -> Res<()> {
-    candle_core::cuda::set_gemm_reduced_precision_f32(false);
-    let batch = 8;
-    for opt_name in ["SGD", "AdamW"] {
-        let mut params = Vec::new();
-        let mut losses = Vec::new();
-        for micro in [batch, 2] {
-            run.reset()?;
-            let plan = BatchPlan::with_micro_batch(batch, micro)?;
-            let mut sgd = SGD::new(run.vars.clone(), 0.05)?;
-            let mut adamw = run.adamw()?;
-            let mut last = 0.0;
-            for step in 0..3u64 {
-                let tokens = run.tokens(3000 + step, batch)?;
-                let mut acc = GradAccumulator::new(&run.vars);
-                for c in plan.chunks() {
-                    let loss = run.model.loss(&chunk_rows(&tokens, &c)?)?;
-                    acc.backward(&loss, &c)?;
-                }
-                last = acc.loss();
-                let g = acc.into_grads()?;
-                match opt_name {
-                    "SGD" => sgd.step(&g)?,
-                    _ => adamw.step(&g)?,
-                }
-            }
-            losses.push(last);
-            params.push(
-                run.vars
-                    .iter()
-                    .map(|v| v.as_tensor().copy())
-                    .collect::<Result<Vec<_>, _>>()?,
-            );
-        }
-        println!(
-            "RESULT equiv: {opt_name}, 3 steps of batch {batch}: 1 x {batch} vs 4 x 2 micro-batches: \
-             ||a-b||/||b|| = {:.3e}; last loss {:.6} vs {:.6}",
-            rel_diff(&params[1], &params[0])?,
-            losses[0],
-            losses[1]
-        );
-    }
-    Ok(())
-}
-
-fn phase_overhead(run: &Run, source: &Arc<dyn MemorySource>, ordinal: usize) -> Res<()> {
-    candle_core::cuda::set_gemm_reduced_precision_f32(true);
-    run.reset()?;
-    // Both loops on a pool that keeps its cache (as a tuned loop would), so that neither pays
-    // the driver for memory on every step; restored afterwards.
-    let pool = oomguard::source::DriverPool::current(ordinal)?;
-    let threshold = pool.release_threshold()?;
-    pool.set_release_threshold(u64::MAX)?;
-    let batch = 8;
-    let rounds = 12;
-    let per_round = 5;
-    let mut opt_plain = run.adamw()?;
-    let mut opt_wrapped = run.adamw()?;
-    let engine = RetryEngine::new();
-    let tokens = run.tokens(4000, batch)?;
-    // Warm-up of both paths (kernels, cuBLAS, optimizer state, the remembered plan).
-    run.plain_step(&mut opt_plain, &tokens)?;
-    train_step(
-        &engine,
-        source,
-        &[&tokens],
-        &run.vars,
-        &mut opt_wrapped,
-        |_, rows| run.model.loss(&rows[0]),
-    )?;
-    run.dev.synchronize()?;
-    let (mut plain, mut wrapped) = (Vec::new(), Vec::new());
-    for _ in 0..rounds {
-        for _ in 0..per_round {
-            let t0 = Instant::now();
-            run.plain_step(&mut opt_plain, &tokens)?;
-            plain.push(t0.elapsed().as_secs_f64());
-        }
-        for _ in 0..per_round {
-            let t0 = Instant::now();
-            let done = train_step(
-                &engine,
-                source,
-                &[&tokens],
-                &run.vars,
-                &mut opt_wrapped,
-                |_, rows| run.model.loss(&rows[0]),
-            )?;
-            run.dev.synchronize()?;
-            wrapped.push(t0.elapsed().as_secs_f64());
-            assert_eq!(done.report.retries(), 0);
-        }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (p, w) = (median(&mut plain), median(&mut wrapped));
-    pool.set_release_threshold(threshold)?;
-    println!(
-        "RESULT overhead: batch {batch}, {} steps each, interleaved, pool release threshold max: \
-         plain {:.2} ms/step, train_step {:.2} ms/step (medians), ratio {:.4}",
-        rounds * per_round,
-        p * 1e3,
-        w * 1e3,
-        w / p
     );
     Ok(())
 }
@@ -602,80 +477,88 @@ fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: us
     Ok(())
 }
 
-fn main() -> Res<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let phase = args
-        .first()
-        .map(String::as_str)
-        .unwrap_or("all")
-        .to_string();
-    let flag = |name: &str| -> Res<Option<usize>> {
-        match args.iter().position(|a| a == name) {
-            Some(i) => Ok(Some(
-                args.get(i + 1)
-                    .ok_or(format!("{name} needs a value"))?
-                    .parse()
-                    .map_err(|e| format!("{name}: {e}"))?,
-            )),
-            None => Ok(None),
+fn main() -> ExitCode {
+    let mut args = match oomguard_harness::args::from_env(&SPEC) {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    let ordinal = match args.device {
+        DeviceArg::Cuda(i) => i,
+        DeviceArg::Cpu => return SPEC.usage_error("--device cpu: candle_gpt runs on CUDA only"),
+    };
+    let allocator = if args.allocator == "oomguard" {
+        Allocator::Oomguard
+    } else {
+        Allocator::Pool
+    };
+    // `--steps` names each phase's own count; unnamed, each has its own default.
+    let steps_given = std::env::args().any(|a| a == "--steps" || a.starts_with("--steps="));
+    if steps_given {
+        args.find_steps = args.steps;
+    }
+    let options = (|| -> Result<_, String> {
+        Ok((
+            args.option::<i64>("big")?,
+            args.option::<usize>("factor")?.unwrap_or(2).max(1),
+            args.option::<u64>("release-threshold")?,
+        ))
+    })();
+    let (big, factor, threshold) = match options {
+        Ok(o) => o,
+        Err(e) => return SPEC.usage_error(&e),
+    };
+    if big.is_some() {
+        args.oom_batch = big;
+    }
+    let (run, source) = match Run::new(ordinal, allocator) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("candle_gpt: cuda:{ordinal}: {e}");
+            return ExitCode::from(2);
         }
     };
-    let ordinal = flag("--device")?.unwrap_or(0);
-    let steps = flag("--steps")?.unwrap_or(100);
-    if ![
-        "all", "find", "oom", "equiv", "overhead", "frag", "seeded", "snap",
-    ]
-    .contains(&phase.as_str())
-    {
-        return Err(format!(
-            "unknown phase {phase}: all, find, oom, equiv, overhead, frag, seeded or snap"
-        )
-        .into());
-    }
-    let allocator = match args.iter().position(|a| a == "--allocator") {
-        None => Allocator::Pool,
-        Some(i) => match args.get(i + 1).map(String::as_str) {
-            Some("pool") => Allocator::Pool,
-            Some("oomguard") => Allocator::Oomguard,
-            other => return Err(format!("--allocator: pool or oomguard, not {other:?}").into()),
-        },
-    };
-    let (run, source) = Run::new(ordinal, allocator)?;
     // The pool as candle leaves it: the driver's default release threshold (0) hands unused
     // memory back at every synchronisation, so every step starts from an empty pool. With a
     // high threshold the pool keeps the previous step's blocks, and a step near the card's
     // limit can fail on the cached blocks' fragmentation (seen at 70 rows: 99 of 100 steps).
-    if let Some(t) = flag("--release-threshold")? {
-        oomguard::source::DriverPool::current(ordinal)?.set_release_threshold(t as u64)?;
+    if let Some(t) = threshold {
+        let set =
+            oomguard::source::DriverPool::current(ordinal).and_then(|p| p.set_release_threshold(t));
+        if let Err(e) = set {
+            println!("candle_gpt: --release-threshold {t}: {e}");
+            return ExitCode::from(2);
+        }
     }
     println!("memory source: {}", source.info());
-    let mut true_max = None;
-    if phase == "all" || phase == "find" {
-        true_max = Some(phase_find(&run, &source, steps)?);
-    }
-    if phase == "all" || phase == "oom" {
-        let big = flag("--big")?.or(true_max.map(|m| 2 * m)).unwrap_or(1024);
-        phase_oom(&run, &source, big)?;
-    }
-    if phase == "all" || phase == "equiv" {
-        phase_equiv(&run)?;
-    }
-    if phase == "all" || phase == "overhead" {
-        phase_overhead(&run, &source, ordinal)?;
-    }
-    if phase == "snap" {
-        let prefix = args.get(1).ok_or("snap needs an output PREFIX")?;
-        let batch = flag("--batch")?.ok_or("snap needs --batch ROWS")?;
-        phase_snapshot(&run, prefix, batch, flag("--steps")?.unwrap_or(1))?;
-    }
-    if phase == "seeded" {
-        let factor = flag("--factor")?.unwrap_or(2).max(1);
-        phase_seeded(&run, &source, factor, flag("--steps")?.unwrap_or(20))?;
-    }
-    if phase == "frag" {
-        let batch = flag("--batch")?.ok_or("frag needs --batch ROWS")?;
-        phase_frag(&run, &source, batch, flag("--steps")?.unwrap_or(20))?;
-    }
-    println!("{}", source.memory_summary());
-    Ok(())
+    let bench = CandleBench {
+        run,
+        source,
+        ordinal,
+        lr: args.lr,
+        sgd_lr: args.sgd_lr,
+    };
+    let mut runner = Runner::new(bench, args);
+    let code = runner.run(|r, name| {
+        // TF32 matmuls everywhere but in `equiv`, which compares sums to 1e-5.
+        candle_core::cuda::set_gemm_reduced_precision_f32(name != "equiv");
+        let (batch, steps) = (r.args.batch as usize, r.args.steps);
+        Some(match name {
+            "find" => r.finder(),
+            "overhead" => overhead(r),
+            "frag" => own(phase_frag(&r.bench.run, &r.bench.source, batch, steps)),
+            "seeded" => own(phase_seeded(&r.bench.run, &r.bench.source, factor, steps)),
+            "snap" => match r.args.positional.first().cloned() {
+                Some(prefix) => own(phase_snapshot(
+                    &r.bench.run,
+                    &prefix,
+                    batch,
+                    if steps_given { steps } else { 1 },
+                )),
+                None => Err("snap needs an output PREFIX".into()),
+            },
+            _ => return None,
+        })
+    });
+    println!("{}", runner.bench.source.memory_summary());
+    code
 }

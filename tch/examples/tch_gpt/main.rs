@@ -15,107 +15,99 @@
 //! every phase ran and its checks held, 1 otherwise, 2 when the device cannot be used, 64 on a
 //! bad command line.
 //!
+//! The command line, the output lines and the phases `plain`, `max`, `equiv`, `finder`, `oom`
+//! and `overhead` are oomguard-harness's (written once for the GPT examples); this example
+//! gives them tch's model and steps (`bench.rs`) and keeps its own `grads` and `alloc`.
+//!
 //! On the CPU a simulated card (`charge.rs`: 256 MiB, 3 MiB a row: at most 85 rows) stands in
 //! for the device's memory and is the memory source, so that `max`, `finder` and `oom` meet an
 //! out-of-memory there too (`train_step` charges it per micro-batch); on CUDA nothing is
 //! simulated. Float32 throughout; libtorch's default keeps TF32 off for matmuls.
 
-mod args;
+mod bench;
 mod charge;
 mod grads;
-mod guarded_step;
 mod model;
 mod phase_alloc;
-mod phase_equiv;
-mod phase_finder;
 mod phase_grads;
-mod phase_max;
-mod phase_oom;
-mod phase_overhead;
-mod phase_plain;
 mod plain_step;
-mod report;
 
-use std::panic::{self, AssertUnwindSafe};
+use std::panic;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
 
 use oomguard::{ByteSize, MemorySource};
-use tch::nn::{self, OptimizerConfig};
-use tch::{Device, TchError, Tensor};
+use oomguard_harness::{one_line, DeviceArg, Line, Runner, Spec};
+use tch::Device;
 
 use oomguard_tch::LibtorchCudaSource;
 
-use args::Args;
+use bench::TchBench;
 use charge::Charge;
-use model::{synthetic_tokens, Config, Gpt};
-use report::{one_line, Line};
+use model::Config;
 
-/// How a phase that ran ended.
-pub(crate) enum Outcome {
-    /// Its checks held.
-    Pass,
-    /// A check failed (said in the lines above).
-    Fail,
-}
+/// The command line.
+const SPEC: Spec = Spec {
+    program: "tch_gpt",
+    usage: USAGE,
+    all_phases: &["grads", "plain", "equiv", "finder", "oom", "overhead"],
+    // `alloc` starts two child processes of `alloc-one`.
+    extra_phases: &["max", "alloc", "alloc-one"],
+    allocators: &["libtorch", "oomguard"],
+    max_cap: (4096, 1024),
+    options: &[],
+    positional: false,
+    default_phases: &[],
+};
 
-/// A phase's result: an error is a phase that could not run to its end.
-pub(crate) type PhaseResult = Result<Outcome, String>;
+const USAGE: &str = "\
+tch_gpt: a GPT-2-small-shaped model in tch (libtorch), plain and under oomguard (issue 33, item 5)
 
-/// What every phase works with.
-pub(crate) struct Ctx {
-    pub(crate) args: Args,
-    pub(crate) dev: Device,
-    pub(crate) cfg: Config,
-    pub(crate) charge: Charge,
-    /// Where the steps' memory comes from, as oomguard sees it: libtorch's CUDA caching
-    /// allocator (`LibtorchCudaSource`, registered), or the simulated card on the CPU.
-    pub(crate) source: Arc<dyn MemorySource>,
-    /// The largest batch of a plain step: `--max`, or measured by `max` in this run.
-    pub(crate) max: Option<i64>,
-}
+usage: tch_gpt [--phase NAME]... [options]
 
-impl Ctx {
-    /// A fresh model with the run's seeded initialisation (the same weights at every call).
-    pub fn model(&self) -> Result<(nn::VarStore, Gpt), TchError> {
-        tch::manual_seed(self.args.seed as i64);
-        let vs = nn::VarStore::new(self.dev);
-        let model = Gpt::new(&vs, self.cfg)?;
-        Ok((vs, model))
-    }
+phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,overhead):
+  grads     one backward: every parameter has a finite non-zero gradient; the loss falls
+            over --grads-steps AdamW steps on one batch
+  plain     a plain tch loop (forward, backward, step, zero_grad) at --batch: ms/step median
+  equiv     1 x B against 4 x B/4 micro-batches (--equiv-batch), SGD then AdamW
+  finder    find_max_batch on plain steps; --find-steps plain steps at its batch; then
+            the true max (as `max`) and found / true
+  oom       train_step at --oom-factor x max: the OOM survived, later steps from the plan
+  max       (also run by finder and oom when needed) the largest batch a plain step runs:
+            doubling, then bisection, up to --max-cap
+  overhead  train_step vs the plain loop at --batch, alternated: the time ratio
+  alloc     (only when named) libtorch's native allocator vs expandable segments vs
+            oomguard's allocator under libtorch: this program run three times as child
+            processes (PYTORCH_ALLOC_CONF is read at CUDA init, the allocator is installed
+            before it) with --phase alloc-one; each prints its RESULT phase=alloc line
+  alloc-one (only when named) the allocator this process has: --steps plain steps at
+            --batch (median ms, peak reserved / peak used), then the largest batch
 
-    /// AdamW (tch's defaults: betas 0.9/0.999, weight decay 0.01) at `--lr`.
-    pub fn adamw(&self, vs: &nn::VarStore) -> Result<nn::Optimizer, TchError> {
-        nn::AdamW::default().build(vs, self.args.lr)
-    }
-
-    /// Seeded tokens `(rows, seq + 1)`; `salt` picks another batch.
-    pub fn tokens(&self, rows: i64, salt: u64) -> Result<Tensor, TchError> {
-        let seed = self.args.seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        synthetic_tokens(seed, rows, &self.cfg, self.dev)
-    }
-
-    /// Prints a line in the run's format.
-    pub fn emit(&self, line: Line) {
-        line.emit(self.args.json);
-    }
-
-    fn phase(&mut self, name: &str) -> PhaseResult {
-        match name {
-            "grads" => self.grads(),
-            "plain" => self.plain(),
-            "max" => self.max_phase(),
-            "equiv" => self.equiv(),
-            "finder" => self.finder(),
-            "alloc" => self.alloc(),
-            "alloc-one" => self.alloc_one(),
-            "oom" => self.oom(),
-            "overhead" => self.overhead(),
-            other => Err(format!("unknown phase {other}")),
-        }
-    }
-}
+model (default GPT-2 small: 12 layers, width 768, 12 heads, vocab 50257, seq 1024):
+  --tiny                   2 layers, width 32, 2 heads, vocab 64, seq 16 (a CPU run in seconds)
+  --layers N --width N --heads N --vocab N --seq N   (after --tiny, override it)
+options:
+  --device cpu|cuda|cuda:N (default cuda)
+  --allocator libtorch|oomguard   who serves the CUDA tensors (default libtorch): oomguard
+                           installs oomguard's caching allocator under libtorch first
+                           (oomguard_tch::allocator::install); its Device is then the source
+  --seed N                 weights and tokens (default 1234)
+  --lr X                   AdamW learning rate (default 3e-4)
+  --sgd-lr X               SGD learning rate of `equiv` (default 0.05)
+  --batch N                rows of `plain` and `overhead` (default 8)
+  --steps N                timed steps of `plain` (default 20)
+  --warmup N               untimed steps before them (default 3)
+  --grads-batch N          (default 4)
+  --grads-steps N          (default 10)
+  --max N                  the largest batch of a plain step: skips `max`'s bisection
+  --max-cap N              largest batch `max` and `finder` try (default 4096; --tiny: 1024)
+  --oom-factor X           (default 2)
+  --equiv-batch N          a multiple of 4 (default 8)
+  --equiv-steps N          (default 3)
+  --find-steps N           (default 100)
+  --overhead-rounds N      rounds of 5 plain + 5 train_step steps (default 12)
+  --json                   RESULT lines as JSON objects
+";
 
 /// A libtorch out-of-memory panic is expected here (and caught): printed as one line; every
 /// other panic as before.
@@ -137,22 +129,37 @@ fn install_panic_hook() {
 }
 
 fn main() -> ExitCode {
-    let raw: Vec<String> = std::env::args().skip(1).collect();
-    let args = match args::parse(&raw) {
+    let args = match oomguard_harness::args::from_env(&SPEC) {
         Ok(a) => a,
-        Err(e) if e.is_empty() => {
-            print!("{}", args::USAGE);
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("tch_gpt: {e}\n\n{}", args::USAGE);
-            return ExitCode::from(64);
-        }
+        Err(code) => return code,
+    };
+    let oomguard_allocator = args.allocator == "oomguard";
+    if oomguard_allocator && !args.device.is_cuda() {
+        return SPEC
+            .usage_error("--allocator oomguard serves CUDA tensors: it needs --device cuda");
+    }
+    let mut cfg = if args.tiny {
+        Config::tiny()
+    } else {
+        Config::gpt2_small()
+    };
+    let m = args.model;
+    cfg.layers = m.layers.unwrap_or(cfg.layers);
+    cfg.width = m.width.unwrap_or(cfg.width);
+    cfg.heads = m.heads.unwrap_or(cfg.heads);
+    cfg.vocab = m.vocab.unwrap_or(cfg.vocab);
+    cfg.seq = m.seq.unwrap_or(cfg.seq);
+    if let Err(e) = cfg.check() {
+        return SPEC.usage_error(&e);
+    }
+    let dev = match args.device {
+        DeviceArg::Cpu => Device::Cpu,
+        DeviceArg::Cuda(i) => Device::Cuda(i),
     };
     install_panic_hook();
-    let (charge, source) = match args.device {
+    let (charge, source) = match dev {
         // Before anything of libtorch's CUDA starts: the allocator can only be changed then.
-        Device::Cuda(i) if args.oomguard_allocator => match oomguard_tch::allocator::install(i) {
+        Device::Cuda(i) if oomguard_allocator => match oomguard_tch::allocator::install(i) {
             Ok(dev) => {
                 let source: Arc<dyn MemorySource> = Arc::new(dev);
                 (Charge::none(), source)
@@ -184,82 +191,35 @@ fn main() -> ExitCode {
             (Charge::on(card, 3 << 20), source)
         }
     };
-    let c = args.cfg;
     Line::config()
-        .text(
-            "device",
-            match args.device {
-                Device::Cuda(i) => format!("cuda:{i}"),
-                _ => "cpu".into(),
-            },
-        )
+        .text("device", args.device.to_string())
         .flag("tiny", args.tiny)
         .flag("simulated_card", charge.card().is_some())
-        .text(
-            "allocator",
-            if args.oomguard_allocator {
-                "oomguard"
-            } else {
-                "libtorch"
-            },
-        )
-        .int("layers", c.layers)
-        .int("width", c.width)
-        .int("heads", c.heads)
-        .int("vocab", c.vocab)
-        .int("seq", c.seq)
-        .int("parameters", c.parameters())
+        .text("allocator", args.allocator.clone())
+        .int("layers", cfg.layers)
+        .int("width", cfg.width)
+        .int("heads", cfg.heads)
+        .int("vocab", cfg.vocab)
+        .int("seq", cfg.seq)
+        .int("parameters", cfg.parameters())
         .text("head", "tied")
         .int("seed", args.seed as i64)
         .float("lr", args.lr, 0)
         .text("phases", args.phases.join(","))
         .emit(args.json);
-    let mut ctx = Ctx {
-        source,
-        dev: args.device,
-        cfg: args.cfg,
-        max: args.max,
+    let bench = TchBench {
+        dev,
+        cfg,
         charge,
-        args,
+        source,
+        seed: args.seed,
+        lr: args.lr,
+        sgd_lr: args.sgd_lr,
     };
-    let started = Instant::now();
-    let mut failed = false;
-    for name in ctx.args.phases.clone() {
-        let t = Instant::now();
-        let out = panic::catch_unwind(AssertUnwindSafe(|| ctx.phase(&name)));
-        let (status, error) = match out {
-            Ok(Ok(Outcome::Pass)) => ("ok", None),
-            Ok(Ok(Outcome::Fail)) => ("FAIL", None),
-            Ok(Err(e)) => ("error", Some(e)),
-            Err(p) => (
-                "panicked",
-                Some(
-                    p.downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_default(),
-                ),
-            ),
-        };
-        failed |= status != "ok";
-        // The next phase starts from an emptied cache (what this one held is dropped).
-        if let Err(e) = ctx.source.empty_cache() {
-            ctx.emit(Line::phase(&name).text("empty_cache_error", one_line(&e.to_string())));
-            failed = true;
-        }
-        let mut line = Line::phase(&name).text("status", status);
-        if let Some(e) = error {
-            line = line.text("error", one_line(&e));
-        }
-        ctx.emit(line.float("secs", t.elapsed().as_secs_f64(), 1).float(
-            "total_secs",
-            started.elapsed().as_secs_f64(),
-            1,
-        ));
-    }
-    if failed {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    }
+    Runner::new(bench, args).run(|r, name| match name {
+        "grads" => Some(phase_grads::grads(r)),
+        "alloc" => Some(phase_alloc::alloc(r)),
+        "alloc-one" => Some(phase_alloc::alloc_one(r)),
+        _ => None,
+    })
 }

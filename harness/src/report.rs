@@ -1,9 +1,11 @@
 //! The example's output lines: `KIND phase=NAME key=value ...` (one measured figure or event
 //! per line, easy to paste), or with `--json` one JSON object per line with the same fields.
+//! Scripts (`scripts/gpu-runs/`) and docs/GPU.md read these lines: keep their names and keys.
 
 use serde_json::{Map, Number, Value};
 
 /// One output line under construction.
+#[derive(Clone, Debug)]
 pub struct Line {
     kind: &'static str,
     fields: Vec<(&'static str, Value, String)>,
@@ -79,15 +81,16 @@ impl Line {
         self
     }
 
-    /// Prints the line.
-    pub fn emit(self, json: bool) {
+    /// The line as printed: `KIND key=value ...`, or with `json` one JSON object (its `kind`
+    /// and the fields).
+    pub fn render(&self, json: bool) -> String {
         if json {
             let mut m = Map::new();
             m.insert("kind".into(), Value::from(self.kind));
-            for (k, v, _) in self.fields {
-                m.insert(k.into(), v);
+            for (k, v, _) in &self.fields {
+                m.insert((*k).into(), v.clone());
             }
-            println!("{}", Value::Object(m));
+            Value::Object(m).to_string()
         } else {
             let mut s = self.kind.to_string();
             for (k, _, t) in &self.fields {
@@ -96,8 +99,13 @@ impl Line {
                 s.push('=');
                 s.push_str(t);
             }
-            println!("{s}");
+            s
         }
+    }
+
+    /// Prints the line on stdout.
+    pub fn emit(self, json: bool) {
+        println!("{}", self.render(json));
     }
 }
 

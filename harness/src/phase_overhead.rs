@@ -1,35 +1,34 @@
-//! `overhead`: the same steps at `--batch` as the plain loop and through `train_step` (nothing
-//! to retry), alternated in `--overhead-rounds` rounds of 5 + 5 steps (which loop goes first
-//! alternates too), after a warm-up of both: the median step time of each and their ratio
-//! (goal ≤ 1.01). Both loops train the same model with their own AdamW; each step is timed up
-//! to the device synchronised after it.
+//! `overhead`: the same steps at `--batch` as the plain loop and through the guarded step
+//! (nothing to retry), alternated in `--overhead-rounds` rounds of 5 + 5 steps (which loop goes
+//! first alternates too), after a warm-up of both: the median step time of each and their ratio
+//! (goal ≤ 1.01). Both loops train the same model with the same AdamW (the same work a step,
+//! the memory of one model); each step is timed up to the device synchronised after it.
 
 use std::time::Instant;
 
-use oomguard::retry::RetryEngine;
+use oomguard_runtime::retry::RetryEngine;
 
-use crate::plain_step::plain_step;
+use crate::bench::{Bench, Optim};
 use crate::report::{median, Line};
-use crate::{Ctx, Outcome, PhaseResult};
+use crate::runner::{Outcome, PhaseResult, Runner};
 
 const PER_ROUND: usize = 5;
 
-impl Ctx {
+impl<B: Bench> Runner<B> {
     /// The phase (see the module's doc).
     pub fn overhead(&mut self) -> PhaseResult {
         let batch = self.args.batch;
-        let (vs, model) = self.model().map_err(|e| e.to_string())?;
-        let mut opt_plain = self.adamw(&vs).map_err(|e| e.to_string())?;
-        let mut opt_guarded = self.adamw(&vs).map_err(|e| e.to_string())?;
+        let b = &self.bench;
+        let mut s = b.session(Optim::AdamW).map_err(|e| e.to_string())?;
         let engine = RetryEngine::new();
-        let tokens = self.tokens(batch, 11).map_err(|e| e.to_string())?;
-        let plain = |opt: &mut tch::nn::Optimizer| {
-            plain_step(&model, opt, &tokens, self.dev, &self.charge)
+        let tokens = b.batch(batch, 11).map_err(|e| e.to_string())?;
+        let plain = |s: &mut B::Session| {
+            b.plain_step(s, &tokens)
                 .map(|_| ())
                 .map_err(|e| format!("plain step: {e}"))
         };
-        let guarded = |opt: &mut tch::nn::Optimizer| -> Result<(), String> {
-            let d = self.guarded_step(&engine, &vs, &model, opt, &tokens)?;
+        let guarded = |s: &mut B::Session| -> Result<(), String> {
+            let d = b.guarded_step(&engine, s, &tokens)?;
             if d.report.retries() > 0 {
                 return Err(format!(
                     "train_step retried at batch {batch}: the comparison needs a batch that fits"
@@ -37,18 +36,18 @@ impl Ctx {
             }
             Ok(())
         };
-        plain(&mut opt_plain)?;
-        guarded(&mut opt_guarded)?;
+        plain(&mut s)?;
+        guarded(&mut s)?;
         let (mut tp, mut tg) = (Vec::new(), Vec::new());
         for round in 0..self.args.overhead_rounds {
             for which in [round % 2, 1 - round % 2] {
                 for _ in 0..PER_ROUND {
                     let t = Instant::now();
                     if which == 0 {
-                        plain(&mut opt_plain)?;
+                        plain(&mut s)?;
                         tp.push(t.elapsed().as_secs_f64());
                     } else {
-                        guarded(&mut opt_guarded)?;
+                        guarded(&mut s)?;
                         tg.push(t.elapsed().as_secs_f64());
                     }
                 }
