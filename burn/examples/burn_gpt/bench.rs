@@ -55,7 +55,7 @@ impl Charge {
 
     fn rows(&self, rows: usize) -> Result<Option<DeviceBuffer<u8>>, Error> {
         match &self.sim {
-            Some(s) => Ok(Some(s.alloc::<u8>(rows * self.per_row)?)),
+            Some(s) => Ok(Some(s.alloc::<u8>(rows.saturating_mul(self.per_row))?)),
             None => Ok(None),
         }
     }

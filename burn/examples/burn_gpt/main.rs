@@ -298,10 +298,12 @@ fn configure(args: &mut Args) -> Result<(GptConfig, Own, bool, (u64, usize)), St
                 .into(),
         );
     }
-    let sim = (
-        args.option("sim-mib")?.unwrap_or(256),
-        args.option::<usize>("sim-row-kib")?.unwrap_or(4096) << 10,
-    );
+    let per_row = args
+        .option::<usize>("sim-row-kib")?
+        .unwrap_or(4096)
+        .checked_mul(1024)
+        .ok_or("--sim-row-kib: too large")?;
+    let sim = (args.option("sim-mib")?.unwrap_or(256), per_row);
     Ok((cfg, own, cuda, sim))
 }
 
