@@ -1,4 +1,4 @@
-//! The measuring phases of the GPT examples (tch_gpt, candle_gpt), written once: the command
+//! The measuring phases of the GPT examples (tch_gpt, candle_gpt, burn_gpt), written once: the command
 //! line ([`args`]), the output lines ([`report`]), and the phases (`plain`, `max`, `finder`,
 //! `oom`, `overhead`, `equiv`) over a framework adapter ([`Bench`]) that makes models, batches
 //! and steps. An example keeps what only its framework has (its model, its gradient check, its
