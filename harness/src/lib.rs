@@ -1,7 +1,7 @@
-//! The measuring phases of the GPT examples (tch_gpt, candle_gpt, burn_gpt), written once: the command
-//! line ([`args`]), the output lines ([`report`]), and the phases (`plain`, `max`, `finder`,
-//! `oom`, `overhead`, `equiv`) over a framework adapter ([`Bench`]) that makes models, batches
-//! and steps. An example keeps what only its framework has (its model, its gradient check, its
+//! The measuring phases of the GPT examples (tch_gpt, candle_gpt, burn_gpt), written once: the
+//! command line ([`args`]), the output lines ([`report`]), and the phases (`plain`, `max`,
+//! `finder`, `oom`, `overhead`, `equiv`) over a framework adapter ([`Bench`]) that makes models,
+//! batches and steps. An example keeps what only its framework has (its model, its gradient check, its
 //! allocator comparison) and hands the rest to [`Runner::run`].
 //!
 //! Not published: a workspace tool for the examples and their GPU runs (`scripts/gpu-runs/`).
