@@ -346,8 +346,17 @@ pub fn forget_remembered_plans() -> Result<(), retry::MemoryError> {
     __private::forget()
 }
 
-/// Items the attribute macros' generated code calls. Not public API: it may change in any
-/// release.
+/// What the attribute macros' generated code calls: re-exports of the runtime's
+/// `macro_support`, where the glue lives and is tested. Not public API: it may change in any
+/// release (the macros, this crate and the runtime are released together).
 #[doc(hidden)]
-#[path = "private.rs"]
-pub mod __private;
+pub mod __private {
+    pub use oomguard_runtime as runtime;
+    pub use oomguard_runtime::guard::LeakAction;
+    pub use oomguard_runtime::macro_support::{
+        boxed_policy, budget, budget_bytes, clone_for_retry, forget, guarded, leak_check,
+        leak_result, leak_result_of, leak_result_of_retried, leak_result_retried, no_grad,
+        remembered, BatchInt, BudgetBytes, BudgetLimit, FnResult, GuardSpec, Retry, RetryConfig,
+        RetryKind, Site, SiteCache,
+    };
+}
