@@ -6,10 +6,8 @@ use std::ops::ControlFlow;
 use std::sync::OnceLock;
 
 use super::engines::engine_for;
-use crate::retry::{
-    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, KeepsRows, PolicyExt, RetryEngine, RetryError,
-    RetryLoop, RetryPolicy, Shrink, SiteMemo, StepMode,
-};
+use crate::retry::advanced::{EmptyCacheRetry, KeepsRows, PolicyExt, Shrink, SiteMemo, StepMode};
+use crate::retry::{Accumulate, BatchPlan, IsOom, RetryEngine, RetryError, RetryLoop, RetryPolicy};
 
 /// Where the function is.
 #[derive(Clone, Copy, Debug)]

@@ -256,7 +256,8 @@ impl RetryPolicy for Shrink {
 /// `#[oom_retry]` on training steps and by `oomguard_candle::train_step`.
 ///
 /// ```
-/// use oomguard_runtime::retry::{inference_policy, BatchPlan, KeepsRows, Pressure, RetryContext, RetryPolicy};
+/// use oomguard_runtime::retry::advanced::{KeepsRows, Pressure, RetryContext};
+/// use oomguard_runtime::retry::{inference_policy, BatchPlan, RetryPolicy};
 /// let p = KeepsRows::new(inference_policy());
 /// let plan = BatchPlan::with_micro_batch(8, 1).unwrap(); // nothing left to split
 /// let ctx = RetryContext::new(plan, 8, 3, Pressure::Oom);

@@ -121,7 +121,7 @@ impl RetryEngine {
     }
 
     /// The policy that chooses plans after an OOM (e.g. to wrap it: `oomguard_candle::train_step`
-    /// refuses plans that drop rows with [`KeepsRows`](crate::retry::KeepsRows)).
+    /// refuses plans that drop rows with [`KeepsRows`](crate::retry::advanced::KeepsRows)).
     pub fn policy(&self) -> Arc<dyn RetryPolicy> {
         self.inner.policy.clone()
     }
