@@ -6,13 +6,13 @@
 //! - [`RetryPolicy`] and the built-in policies: same-plan retry after emptying the cache,
 //!   gradient accumulation, batch shrinking, floors, retry limits, chains.
 //! - [`RetryEngine`]: runs steps, retries, commits once, remembers per call site, device and grad
-//!   mode what worked ([`PlanMemory`](advanced::PlanMemory), optionally a JSON file), regrows after
+//!   mode what worked ([`PlanMemory`], optionally a JSON file), regrows after
 //!   clean steps, moves down when the allocator thrashes (retries at once; pages moved or
 //!   synchronisations: to the faster per row of the plan and the next smaller one,
-//!   [`SpeedDecision`](advanced::SpeedDecision)), agrees with other ranks ([`Consensus`]). Drive it
+//!   [`SpeedDecision`]), agrees with other ranks ([`Consensus`]). Drive it
 //!   with a closure ([`RetryEngine::run`]), a [`Step`] ([`RetryEngine::run_step`]), or by hand
 //!   ([`RetryEngine::begin`] → [`RetryLoop`]).
-//! - [`GradientSync`](advanced::GradientSync): the gradient all-reduce of a data-parallel step,
+//! - [`GradientSync`]: the gradient all-reduce of a data-parallel step,
 //!   once per step after the agreement (the rule is in its module's documentation).
 //! - [`find_max_batch`]: a predictive batch-size finder (linear fit of peak memory).
 //!
@@ -46,11 +46,11 @@
 //! function's error and is recorded in [`RetryReport::commit_error`].
 //!
 //! Steps nest: a step may run inside another step's attempt. Every commit is counted on its thread
-//! ([`note_commit`](advanced::note_commit)); an attempt that fails after a commit ran inside it is
+//! ([`note_commit`]); an attempt that fails after a commit ran inside it is
 //! not retried (the outer step fails, [`RetryReport::nested_commit`] holds the inner report), and
 //! the error is marked ([`IsOom::after_commit`]) so that no layer takes it for a retryable
 //! out-of-memory. Driving a step by hand ([`RetryLoop`]), call
-//! [`note_commit`](advanced::note_commit) before its commit.
+//! [`note_commit`] before its commit.
 
 mod classify;
 #[cfg(feature = "burn")]
