@@ -25,7 +25,7 @@
 //!
 //! ```no_run
 //! use oomguard_runtime::nccl::NcclConsensus;
-//! use oomguard_runtime::retry::{GradientSync, RetryEngine};
+//! use oomguard_runtime::retry::{advanced::GradientSync, RetryEngine};
 //! # fn main() -> Result<(), oomguard_runtime::Error> {
 //! // One process per GPU: torchrun --standalone --nproc-per-node 2 ./train
 //! let rank = NcclConsensus::from_env()?; // drives GPU LOCAL_RANK

@@ -187,7 +187,7 @@ impl RetryEngine {
     /// named in the report.
     ///
     /// ```
-    /// use oomguard_runtime::retry::{RetryEngine, StopReason};
+    /// use oomguard_runtime::retry::{advanced::StopReason, RetryEngine};
     /// use oomguard_runtime::{ByteSize, Device};
     /// let dev = Device::sim(ByteSize::mib(64));
     /// let mut kept = Vec::new(); // outlives the attempts: a leak

@@ -25,7 +25,7 @@ pub(crate) struct Entry {
 /// of a unique name renamed over the old one.
 ///
 /// ```
-/// use oomguard_runtime::retry::{Limits, PlanMemory};
+/// use oomguard_runtime::retry::advanced::{Limits, PlanMemory};
 /// let path = std::env::temp_dir().join(format!("oomguard-doc-{}.json", std::process::id()));
 /// let mem = PlanMemory::open(&path).unwrap(); // a missing file is an empty memory
 /// assert!(mem.is_empty());
