@@ -88,7 +88,7 @@ pub use oomguard_runtime::*;
 /// | `batch = n` | `n: usize`/`u64`/`u32`/`u16`/`u8`: for **evaluation** (grad mode off inside the function: `#[no_grad]`, or the caller's `no_grad`): after one retry the batch itself is halved — fewer rows are processed, the body sees the new `n`, and [`retry::last_report`] says how many (`final_plan.batch()` of `requested_batch`). A **training** step is never shrunk: it gets the one retry, then the error (use `plan =`) |
 /// | `min = k` | the smallest micro-batch (`plan`) or batch (`batch`) tried (default 1) |
 /// | `max_retries = k` | at most `k` retries per call (default 16; bare: 1) |
-/// | `policy = expr` | a [`retry::RetryPolicy`] instead of the built-in ladder (`min` and `max_retries` still apply; plans larger than the one that failed are refused; at most [`retry::MAX_ATTEMPTS`] attempts whatever it says) |
+/// | `policy = expr` | a [`retry::RetryPolicy`] instead of the built-in ladder (`min` and `max_retries` still apply; plans larger than the one that failed are refused; at most [`retry::advanced::MAX_ATTEMPTS`] attempts whatever it says) |
 /// | `remember = false` | start every call from the caller's plan (default `true`: from the plan that worked last time) |
 /// | `persist = "plans.json"` | remember plans across runs in this JSON file (merged with other writers under a lock; a file that cannot be read or written is reported in every step's `memory_error`) |
 /// | `commit = \|v\| expr` | the **commit phase**: runs once with the body's value after an attempt succeeded, never rerun (see below) |
@@ -304,9 +304,9 @@ pub struct RememberedPlan {
     pub file: Option<&'static str>,
     /// Where it applies: the function (`file:line name`, with the generic instance in `<..>`),
     /// the device (name, ordinal, capacity) and the mode (train/eval) inside the function.
-    pub key: retry::MemoryKey,
+    pub key: retry::advanced::MemoryKey,
     /// The caps learned: the largest micro-batch (and, for evaluation, batch) known to work.
-    pub limits: retry::Limits,
+    pub limits: retry::advanced::Limits,
 }
 
 /// Every plan the `#[oom_retry]` functions of this process remember (those with
@@ -342,12 +342,21 @@ pub fn remembered_plans() -> Vec<RememberedPlan> {
 
 /// Forgets every plan the `#[oom_retry]` functions remember, and empties their `persist` files.
 /// Returns the first error writing a file (every engine is cleared in memory regardless).
-pub fn forget_remembered_plans() -> Result<(), retry::MemoryError> {
+pub fn forget_remembered_plans() -> Result<(), retry::advanced::MemoryError> {
     __private::forget()
 }
 
-/// Items the attribute macros' generated code calls. Not public API: it may change in any
-/// release.
+/// What the attribute macros' generated code calls: re-exports of the runtime's
+/// `macro_support`, where the glue lives and is tested. Not public API: it may change in any
+/// release (the macros, this crate and the runtime are released together).
 #[doc(hidden)]
-#[path = "private.rs"]
-pub mod __private;
+pub mod __private {
+    pub use oomguard_runtime as runtime;
+    pub use oomguard_runtime::guard::LeakAction;
+    pub use oomguard_runtime::macro_support::{
+        boxed_policy, budget, budget_bytes, clone_for_retry, forget, guarded, leak_check,
+        leak_result, leak_result_of, leak_result_of_retried, leak_result_retried, no_grad,
+        remembered, BatchInt, BudgetBytes, BudgetLimit, FnResult, GuardSpec, Retry, RetryConfig,
+        RetryKind, Site, SiteCache,
+    };
+}

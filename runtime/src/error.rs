@@ -166,7 +166,10 @@ pub enum Error {
     Leak(#[from] LeakReport),
     /// A step retried by the OOM retry engine (`#[oom_retry]`, [`crate::retry::RetryEngine`])
     /// gave up: its last error, with the report of every attempt (plans tried, the smallest
-    /// one). An out-of-memory when `error` is one.
+    /// one). An out-of-memory when `error` is one. The same "gave up" as the engine's
+    /// [`RetryError::GaveUp`](crate::retry::RetryError::GaveUp), of which
+    /// [`RetryError::into_error`](crate::retry::RetryError::into_error) makes exactly this
+    /// (see [`RetryError`](crate::retry::RetryError#one-shape-for-gave-up)).
     #[error("{error}\n{report}")]
     RetriesExhausted {
         /// The last attempt's error.

@@ -41,6 +41,8 @@ pub mod export;
 pub mod fuzzing;
 pub mod guard;
 mod leak_report;
+#[doc(hidden)]
+pub mod macro_support;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod retry;

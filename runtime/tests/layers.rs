@@ -26,6 +26,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("retry", 4),
     ("train", 5),
     ("nccl", 5),
+    ("macro_support", 5),
 ];
 
 /// Files not in a layer: the crate root (re-exports) and the fuzzing support for tests.

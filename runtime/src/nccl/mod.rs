@@ -25,7 +25,7 @@
 //!
 //! ```no_run
 //! use oomguard_runtime::nccl::NcclConsensus;
-//! use oomguard_runtime::retry::{GradientSync, RetryEngine};
+//! use oomguard_runtime::retry::{advanced::GradientSync, RetryEngine};
 //! # fn main() -> Result<(), oomguard_runtime::Error> {
 //! // One process per GPU: torchrun --standalone --nproc-per-node 2 ./train
 //! let rank = NcclConsensus::from_env()?; // drives GPU LOCAL_RANK
@@ -71,7 +71,8 @@ use cudarc::driver::{CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys, NcclType};
 
 use crate::backend::{BackendError, BackendErrorKind};
-use crate::retry::{Consensus, ConsensusError, GradientSync};
+use crate::retry::advanced::{ConsensusError, GradientSync};
+use crate::retry::Consensus;
 use crate::{Device, DeviceBuffer, Error};
 
 pub use launcher::{LaunchEnv, Launcher};

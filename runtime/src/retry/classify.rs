@@ -373,7 +373,7 @@ dyn_is_oom!(
 /// through, not guessed at: their messages are never read.
 ///
 /// ```
-/// use oomguard_runtime::retry::chain_is_oom;
+/// use oomguard_runtime::retry::advanced::chain_is_oom;
 /// use oomguard_runtime::{Device, ByteSize};
 ///
 /// #[derive(Debug)]

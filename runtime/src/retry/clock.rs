@@ -16,7 +16,7 @@ pub trait Clock: Send + Sync + fmt::Debug {
 /// The system's monotonic clock (the default).
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct SystemClock;
+pub(crate) struct SystemClock;
 
 impl Clock for SystemClock {
     fn now(&self) -> Instant {

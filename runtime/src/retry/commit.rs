@@ -74,7 +74,7 @@ impl std::error::Error for AfterCommit {}
 /// update's error is in the variant (and its message).
 ///
 /// ```
-/// use oomguard_runtime::retry::{chain_is_oom, UpdateApplied};
+/// use oomguard_runtime::retry::advanced::{chain_is_oom, UpdateApplied};
 /// assert!(!chain_is_oom(&UpdateApplied));
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

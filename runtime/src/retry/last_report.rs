@@ -115,7 +115,7 @@ pub fn last_report() -> Option<RetryReport> {
 /// Records that the commit phase of the step last reported on this thread at `site` failed
 /// (the macros' glue calls it; a hand-written commit may too). Returns the report with the
 /// failure recorded (`None` when the last report is not `site`'s).
-pub fn record_commit_error(site: &str, error: String, oom: bool) -> Option<RetryReport> {
+pub(crate) fn record_commit_error(site: &str, error: String, oom: bool) -> Option<RetryReport> {
     LAST.try_with(|l| {
         let mut l = l.borrow_mut();
         if !l.valid {
@@ -131,7 +131,7 @@ pub fn record_commit_error(site: &str, error: String, oom: bool) -> Option<Retry
 
 /// Adds `hint` ([`RetryReport::hint`]) to the report of the step last reported on this thread
 /// at `site` (the macros' glue calls it when it knows what the user should change).
-pub fn record_hint(site: &str, hint: String) {
+pub(crate) fn record_hint(site: &str, hint: String) {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
         if !l.valid {
@@ -145,7 +145,7 @@ pub fn record_hint(site: &str, hint: String) {
 
 /// Forgets this thread's last report (every step does when it starts; `#[oom_retry]` also
 /// when a call has nothing to plan, such as a batch of 0 rows).
-pub fn clear_last_report() {
+pub(crate) fn clear_last_report() {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
         l.keep_committed();

@@ -6,15 +6,19 @@
 //! - [`RetryPolicy`] and the built-in policies: same-plan retry after emptying the cache,
 //!   gradient accumulation, batch shrinking, floors, retry limits, chains.
 //! - [`RetryEngine`]: runs steps, retries, commits once, remembers per call site, device and grad
-//!   mode what worked ([`PlanMemory`], optionally a JSON file), regrows after clean steps, moves
-//!   down when the allocator thrashes (retries at once; pages moved or synchronisations: to the
-//!   faster per row of the plan and the next smaller one, [`SpeedDecision`]), agrees with other
-//!   ranks ([`Consensus`]). Drive it with
-//!   a closure ([`RetryEngine::run`]), a [`Step`] ([`RetryEngine::run_step`]), or by hand
+//!   mode what worked ([`PlanMemory`], optionally a JSON file), regrows after
+//!   clean steps, moves down when the allocator thrashes (retries at once; pages moved or
+//!   synchronisations: to the faster per row of the plan and the next smaller one,
+//!   [`SpeedDecision`]), agrees with other ranks ([`Consensus`]). Drive it
+//!   with a closure ([`RetryEngine::run`]), a [`Step`] ([`RetryEngine::run_step`]), or by hand
 //!   ([`RetryEngine::begin`] → [`RetryLoop`]).
-//! - [`GradientSync`]: the gradient all-reduce of a data-parallel step, once per step after the
-//!   agreement (the rule is in its module's documentation).
+//! - [`GradientSync`]: the gradient all-reduce of a data-parallel step,
+//!   once per step after the agreement (the rule is in its module's documentation).
 //! - [`find_max_batch`]: a predictive batch-size finder (linear fit of peak memory).
+//!
+//! This module holds what a step needs; [`advanced`] holds the rest: the other built-in
+//! policies and their combinators, every part of a report, nested commits, ranks, remembered
+//! plans, the engine's figures, text classifiers for frameworks that flatten their errors.
 //!
 //! Better than the anchors: Accelerate shrinks the effective batch silently and string-matches
 //! errors; here accumulation keeps the batch, errors are typed, every retry is logged and
@@ -41,11 +45,12 @@
 //! error)]` fails the step before the commit); its error, an out-of-memory included, is the
 //! function's error and is recorded in [`RetryReport::commit_error`].
 //!
-//! Steps nest: a step may run inside another step's attempt. Every commit is counted on its
-//! thread ([`note_commit`]); an attempt that fails after a commit ran inside it is not retried
-//! (the outer step fails, [`RetryReport::nested_commit`] holds the inner report), and the error
-//! is marked ([`IsOom::after_commit`]) so that no layer takes it for a retryable out-of-memory.
-//! Driving a step by hand ([`RetryLoop`]), call [`note_commit`] before its commit.
+//! Steps nest: a step may run inside another step's attempt. Every commit is counted on its thread
+//! ([`note_commit`]); an attempt that fails after a commit ran inside it is
+//! not retried (the outer step fails, [`RetryReport::nested_commit`] holds the inner report), and
+//! the error is marked ([`IsOom::after_commit`]) so that no layer takes it for a retryable
+//! out-of-memory. Driving a step by hand ([`RetryLoop`]), call
+//! [`note_commit`] before its commit.
 
 mod classify;
 #[cfg(feature = "burn")]
@@ -66,36 +71,33 @@ mod policy;
 mod result;
 mod thrash;
 
-pub use classify::{chain_is_oom, IsOom};
-#[cfg(feature = "burn")]
-pub use classify_burn::cubecl_text_is_oom;
-pub use classify_tch::{
-    libtorch_text_is_budget_exceeded, libtorch_text_is_oom, libtorch_text_oom_request,
-    oomguard_allocator_refusal,
-};
-#[doc(hidden)]
-pub use clock::{Clock, ManualClock, SystemClock};
-pub use commit::{note_commit, AfterCommit, UpdateApplied};
-pub use consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
-pub use decision::MAX_ATTEMPTS;
-pub use engine::{
-    RetryEngine, RetryLoop, SiteMemo, Step, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
-};
-pub use finder::{
-    find_max_batch, FinderError, FinderOptions, FinderReport, LinearFit, Trial, LARGER_BATCH_SHARE,
-    MAX_VERIFICATIONS, VERIFY_EXTENSION,
-};
-pub use gradients::GradientSync;
-pub use last_report::{clear_last_report, last_report, record_commit_error, record_hint};
-pub use memory::{DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, LOCK_WAIT, STALE_LOCK};
-pub use policy::{
-    inference_policy, training_policy, Accumulate, Chain, EmptyCacheRetry, Floor, FnPolicy,
-    KeepsRows, MaxRetries, PolicyExt, Pressure, RetryContext, RetryPolicy, Shrink,
-};
-pub use result::{FailedAttempt, Retried, RetryError};
-pub use thrash::ThrashDetector;
+pub mod advanced;
+
+// What a step needs. The rest is in `advanced`.
+pub use classify::IsOom;
+pub use consensus::Consensus;
+pub use engine::{RetryEngine, RetryLoop, Step};
+pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport};
+pub use last_report::last_report;
+pub use policy::{inference_policy, training_policy, Accumulate, RetryPolicy};
+pub use result::{Retried, RetryError};
 // The report's plain data lies below the errors (`Error` holds a report); its paths are here.
-pub use crate::retry_report::{
-    AttemptOutcome, AttemptRecord, BatchPlan, Chunk, CommitFailure, OomRequest, PlanError, Regrow,
-    RetryReport, SpeedDecision, StepMode, StopReason,
+pub use crate::retry_report::{BatchPlan, Chunk, RetryReport};
+
+// The engine's own bookkeeping, for the macros' glue.
+pub(crate) use last_report::{clear_last_report, record_commit_error, record_hint};
+
+// The paths these names had before `advanced` existed: still valid, not documented twice.
+#[cfg(feature = "burn")]
+#[doc(hidden)]
+pub use advanced::cubecl_text_is_oom;
+#[doc(hidden)]
+pub use advanced::{
+    chain_is_oom, libtorch_text_is_budget_exceeded, libtorch_text_is_oom,
+    libtorch_text_oom_request, note_commit, oomguard_allocator_refusal, AfterCommit,
+    AttemptOutcome, DeviceKey, EmptyCacheRetry, FnPolicy, GradientSync, Limits, LinearFit,
+    LocalGroup, ManualClock, MemoryError, MemoryKey, OomRequest, PlanError, PlanMemory, PolicyExt,
+    Pressure, RetryContext, Shrink, SingleProcess, SiteMemo, SpeedDecision, StepMode, StopReason,
+    Trial, UpdateApplied, DEFAULT_REGROW_AFTER, LARGER_BATCH_SHARE, MAX_ATTEMPTS,
+    MAX_VERIFICATIONS, STALE_LOCK,
 };

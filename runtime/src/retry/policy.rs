@@ -3,9 +3,10 @@
 //! A policy maps the failed plan to the next one, or gives up. Policies compose:
 //!
 //! ```
-//! use oomguard_runtime::retry::{
-//!     Accumulate, BatchPlan, EmptyCacheRetry, Pressure, PolicyExt, RetryContext, RetryPolicy, Shrink,
+//! use oomguard_runtime::retry::advanced::{
+//!     EmptyCacheRetry, PolicyExt, Pressure, RetryContext, Shrink,
 //! };
+//! use oomguard_runtime::retry::{Accumulate, BatchPlan, RetryPolicy};
 //! // empty the cache and retry once, then halve micro-batches down to 4 rows, then halve the
 //! // batch itself (inference), at most 10 retries in all
 //! let policy = EmptyCacheRetry::once()
@@ -77,7 +78,8 @@ impl RetryContext {
 /// and by your own types:
 ///
 /// ```
-/// use oomguard_runtime::retry::{BatchPlan, RetryContext, RetryPolicy};
+/// use oomguard_runtime::retry::advanced::RetryContext;
+/// use oomguard_runtime::retry::{BatchPlan, RetryPolicy};
 /// /// Jumps straight to micro-batches of 1 row.
 /// #[derive(Debug)]
 /// struct OneRow;
@@ -256,7 +258,8 @@ impl RetryPolicy for Shrink {
 /// `#[oom_retry]` on training steps and by `oomguard_candle::train_step`.
 ///
 /// ```
-/// use oomguard_runtime::retry::{inference_policy, BatchPlan, KeepsRows, Pressure, RetryContext, RetryPolicy};
+/// use oomguard_runtime::retry::advanced::{KeepsRows, Pressure, RetryContext};
+/// use oomguard_runtime::retry::{inference_policy, BatchPlan, RetryPolicy};
 /// let p = KeepsRows::new(inference_policy());
 /// let plan = BatchPlan::with_micro_batch(8, 1).unwrap(); // nothing left to split
 /// let ctx = RetryContext::new(plan, 8, 3, Pressure::Oom);

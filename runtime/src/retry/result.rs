@@ -26,6 +26,27 @@ pub struct FailedAttempt<E> {
 }
 
 /// The step did not complete. Nothing was committed.
+///
+/// # One shape for "gave up"
+///
+/// A step that ran out of memory at every plan its policy allowed ends with two things: the
+/// last error of this rank and the report of every attempt. Whatever the type that carries
+/// them, they are the same and read the same:
+///
+/// - [`RetryError::GaveUp`], here: the engine's form, for any error type (every failed
+///   attempt, with a `None` error for an attempt where only another rank ran out of memory);
+///   [`RetryError::last_error`] is its last error, [`RetryError::report`] its report.
+/// - [`Error::RetriesExhausted`](crate::Error::RetriesExhausted), oomguard's own error:
+///   [`RetryError::into_error`] turns a `GaveUp` of [`Error`](crate::Error) into exactly
+///   `RetriesExhausted { error: last error, report }` (the report, whose last attempt's error
+///   text is then the `error` itself). That is what `#[oom_retry]` returns; other error types
+///   get the report where they can carry it ([`IsOom::with_retry_report`]).
+/// - [`TrainStepError::Retry`](crate::train::TrainStepError::Retry) of the framework crates'
+///   `train_step`s holds this `RetryError` unchanged.
+///
+/// All three classify alike ([`IsOom`]): an out-of-memory, whose request and memory in use
+/// ([`IsOom::oom_request`], [`IsOom::oom_in_use`]) and budget (`is_budget_exceeded`) are the
+/// last error's.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum RetryError<E> {
@@ -70,6 +91,19 @@ impl<E> RetryError<E> {
                 .rev()
                 .find_map(|f| f.error)
                 .map(|e| e.with_retry_report(&report.attached())),
+            _ => None,
+        }
+    }
+
+    /// The step's own error, as [`RetryError::into_error`] gives it back (before the report
+    /// is attached): the error of a [`RetryError::Step`], or the last error of this rank of a
+    /// step that [gave up](RetryError::GaveUp). `None` when this rank had no error of its own.
+    pub fn last_error(&self) -> Option<&E> {
+        match self {
+            RetryError::Step { error, .. } => Some(error),
+            RetryError::GaveUp { failures, .. } => {
+                failures.iter().rev().find_map(|f| f.error.as_ref())
+            }
             _ => None,
         }
     }
@@ -152,16 +186,70 @@ impl<E: IsOom> IsOom for RetryError<E> {
     /// A budget's out-of-memory when the last failure that has an error of this rank is one
     /// (a step that gave up), or the step's own error is one (and nothing committed inside it).
     fn is_budget_exceeded(&self) -> bool {
+        self.retryable_error()
+            .is_some_and(IsOom::is_budget_exceeded)
+    }
+    /// The last error's, as [`Error::RetriesExhausted`](crate::Error::RetriesExhausted) says.
+    fn oom_request(&self) -> Option<crate::retry_report::OomRequest> {
+        self.retryable_error().and_then(IsOom::oom_request)
+    }
+    /// The last error's, as [`Error::RetriesExhausted`](crate::Error::RetriesExhausted) says.
+    fn oom_in_use(&self) -> Option<u64> {
+        self.retryable_error().and_then(IsOom::oom_in_use)
+    }
+}
+
+impl<E> RetryError<E> {
+    /// The error whose figures the step's classification reports: the last error of a step
+    /// that gave up, or the error of a step that failed with nothing committed inside it.
+    fn retryable_error(&self) -> Option<&E> {
         match self {
-            RetryError::GaveUp { failures, .. } => failures
-                .iter()
-                .rev()
-                .find_map(|f| f.error.as_ref())
-                .is_some_and(IsOom::is_budget_exceeded),
-            RetryError::Step { error, report } => {
-                report.nested_commit.is_none() && error.is_budget_exceeded()
-            }
-            _ => false,
+            RetryError::Step { report, .. } if report.nested_commit.is_some() => None,
+            _ => self.last_error(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::RetryEngine;
+    use crate::train::TrainStepError;
+    use crate::{ByteSize, Device, Error};
+
+    /// A step that asks for more than the whole card at every plan: it gives up.
+    fn gave_up() -> RetryError<Error> {
+        let dev = Device::sim(ByteSize::mib(64));
+        RetryEngine::new()
+            .run(&dev, 8, |_| dev.alloc::<u8>(128 << 20).map(drop), |()| ())
+            .unwrap_err()
+    }
+
+    #[test]
+    fn every_shape_of_gave_up_carries_the_same_error_and_report() {
+        let e = gave_up();
+        assert!(matches!(e, RetryError::GaveUp { .. }));
+        let report = e.report().unwrap().clone();
+        let last = e.last_error().unwrap().to_string();
+        let request = e.oom_request();
+        assert_eq!(request.map(|r| r.requested), Some(128 << 20));
+        assert!(e.oom_in_use().is_some());
+
+        // the framework crates' form holds it unchanged, and classifies alike
+        let train = TrainStepError::Retry(gave_up());
+        assert!(train.is_oom());
+        assert_eq!(train.oom_request(), request);
+
+        // oomguard's own error: exactly `RetriesExhausted { last error, report }`
+        let Some(Error::RetriesExhausted { error, report: r }) = e.into_error() else {
+            panic!("a step that gave up is `Error::RetriesExhausted`");
+        };
+        assert_eq!(error.to_string(), last);
+        assert_eq!(r.attempts.len(), report.attempts.len());
+        assert_eq!(r.final_plan, report.final_plan);
+        assert_eq!(r.stopped, report.stopped);
+        let converted = Error::RetriesExhausted { error, report: r };
+        assert!(converted.is_oom());
+        assert_eq!(IsOom::oom_request(&converted), request);
     }
 }

@@ -22,27 +22,33 @@ use crate::source::Churn;
 
 /// Counts consecutive thrashing steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ThrashDetector {
+pub(crate) struct ThrashDetector {
     window: u32,
 }
 
 impl ThrashDetector {
     /// Trips after `window` consecutive thrashing steps (`window` of 0 is treated as 1).
-    pub fn new(window: u32) -> Self {
+    pub(crate) fn new(window: u32) -> Self {
         Self {
             window: window.max(1),
         }
     }
 
     /// Steps in a row that trip it.
-    pub fn window(&self) -> u32 {
+    pub(crate) fn window(&self) -> u32 {
         self.window
     }
 
     /// Records one successful step into `streak`; `retries_before`/`retries_after` are the
     /// allocator's `num_alloc_retries` around the step. Returns `true` (and resets the streak)
     /// when the engine should move to a smaller plan.
-    pub fn observe(&self, streak: &mut u32, retries_before: u64, retries_after: u64) -> bool {
+    #[cfg(test)]
+    pub(crate) fn observe(
+        &self,
+        streak: &mut u32,
+        retries_before: u64,
+        retries_after: u64,
+    ) -> bool {
         self.observe_churn(
             streak,
             &Churn::retries(retries_after.saturating_sub(retries_before)),
@@ -52,7 +58,7 @@ impl ThrashDetector {
     /// Records one successful step into `streak`, `churn` being the allocator's churn during
     /// it ([`Churn::since`]): any counter above 0 makes it a thrashing step. Returns `true`
     /// (and resets the streak) after `window` of them in a row.
-    pub fn observe_churn(&self, streak: &mut u32, churn: &Churn) -> bool {
+    pub(crate) fn observe_churn(&self, streak: &mut u32, churn: &Churn) -> bool {
         if churn.any() {
             *streak += 1;
         } else {

@@ -94,7 +94,7 @@ impl fmt::Display for Headline<'_> {
 
 /// The first line of an error's text: what a report prints for each attempt, one line each
 /// whatever `RUST_BACKTRACE` is (candle's `Error::bt()` appends a backtrace of about 35 lines
-/// after the message; the full text stays in [`AttemptRecord::error`](crate::retry::AttemptRecord::error)).
+/// after the message; the full text stays in [`AttemptRecord::error`](crate::retry::advanced::AttemptRecord::error)).
 pub(crate) fn message_line(text: &str) -> &str {
     text.lines().next().unwrap_or("")
 }

@@ -3,7 +3,8 @@
 use std::fmt;
 
 use super::DropsRows;
-use crate::retry::{BatchPlan, IsOom, RetryError, RetryReport, UpdateApplied};
+use crate::retry::advanced::{OomRequest, UpdateApplied};
+use crate::retry::{BatchPlan, IsOom, RetryError, RetryReport};
 
 /// Why a `train_step` failed (oomguard-candle's and oomguard-tch's, with `E` the framework's
 /// error). Nothing was updated, except after [`TrainStepError::Update`].
@@ -31,7 +32,8 @@ pub enum TrainStepError<E> {
         batch: usize,
     },
     /// The micro-batches failed: not an OOM (a shape error, a variable without gradient, ...),
-    /// or OOM at the smallest plan the policy allows (the report is inside).
+    /// or OOM at the smallest plan the policy allows (the report is inside): a step that gave
+    /// up is [`RetryError::GaveUp`] here as everywhere (see [`RetryError`]).
     Retry(RetryError<E>),
     /// The optimizer update failed. It is not retried (it runs once, after every micro-batch of
     /// one attempt succeeded, and may have updated some parameters already).
@@ -103,6 +105,18 @@ impl<E: IsOom> IsOom for TrainStepError<E> {
         match self {
             TrainStepError::Retry(e) => e.is_budget_exceeded(),
             _ => false,
+        }
+    }
+    fn oom_request(&self) -> Option<OomRequest> {
+        match self {
+            TrainStepError::Retry(e) => e.oom_request(),
+            _ => None,
+        }
+    }
+    fn oom_in_use(&self) -> Option<u64> {
+        match self {
+            TrainStepError::Retry(e) => e.oom_in_use(),
+            _ => None,
         }
     }
 }

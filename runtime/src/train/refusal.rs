@@ -3,10 +3,8 @@
 use std::fmt;
 use std::panic::Location;
 
-use crate::retry::{
-    BatchPlan, KeepsRows, Pressure, RetryContext, RetryEngine, RetryPolicy, RetryReport, StepMode,
-    MAX_ATTEMPTS,
-};
+use crate::retry::advanced::{KeepsRows, Pressure, RetryContext, StepMode, MAX_ATTEMPTS};
+use crate::retry::{BatchPlan, RetryEngine, RetryPolicy, RetryReport};
 
 /// The first plan with fewer rows than `batch` that `policy` proposes under repeated pressure
 /// of any kind ([`Pressure`]: out-of-memory, a budget's overrun, a request larger than the

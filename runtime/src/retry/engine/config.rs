@@ -121,7 +121,7 @@ impl RetryEngine {
     }
 
     /// The policy that chooses plans after an OOM (e.g. to wrap it: `oomguard_candle::train_step`
-    /// refuses plans that drop rows with [`KeepsRows`](crate::retry::KeepsRows)).
+    /// refuses plans that drop rows with [`KeepsRows`](crate::retry::advanced::KeepsRows)).
     pub fn policy(&self) -> Arc<dyn RetryPolicy> {
         self.inner.policy.clone()
     }
@@ -187,7 +187,7 @@ impl RetryEngine {
     /// named in the report.
     ///
     /// ```
-    /// use oomguard_runtime::retry::{RetryEngine, StopReason};
+    /// use oomguard_runtime::retry::{advanced::StopReason, RetryEngine};
     /// use oomguard_runtime::{ByteSize, Device};
     /// let dev = Device::sim(ByteSize::mib(64));
     /// let mut kept = Vec::new(); // outlives the attempts: a leak

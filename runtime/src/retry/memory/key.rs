@@ -15,7 +15,7 @@ impl StepMode {
     /// ([`crate::is_grad_enabled`]), [`StepMode::Eval`] under `no_grad` or `inference_mode`.
     ///
     /// ```
-    /// use oomguard_runtime::retry::StepMode;
+    /// use oomguard_runtime::retry::advanced::StepMode;
     /// assert_eq!(StepMode::current(), StepMode::Train);
     /// let _g = oomguard_runtime::no_grad();
     /// assert_eq!(StepMode::current(), StepMode::Eval);

@@ -20,12 +20,12 @@ pub(crate) struct Entry {
 }
 
 /// The remembered plans. Kept in memory; with a file, every change is written to it: under a
-/// lock file (`<path>.lock`, waited for at most [`LOCK_WAIT`](crate::retry::LOCK_WAIT)), merged with what other writers
+/// lock file (`<path>.lock`, waited for at most [`LOCK_WAIT`](crate::retry::advanced::LOCK_WAIT)), merged with what other writers
 /// (threads, processes) saved since (their keys are kept, ours win), through a temporary file
 /// of a unique name renamed over the old one.
 ///
 /// ```
-/// use oomguard_runtime::retry::{Limits, PlanMemory};
+/// use oomguard_runtime::retry::advanced::{Limits, PlanMemory};
 /// let path = std::env::temp_dir().join(format!("oomguard-doc-{}.json", std::process::id()));
 /// let mem = PlanMemory::open(&path).unwrap(); // a missing file is an empty memory
 /// assert!(mem.is_empty());

@@ -1,18 +1,17 @@
-//! What the attribute macros' generated code calls. Not public API: hidden, and free to change
-//! in any release (the macros and this module are released together).
+//! The guards' glue: what `#[no_grad]`, `#[memory_budget]` and `#[leak_check]` expand to, on
+//! synchronous bodies (a guard value held for the call) and async ones (guards applied on each
+//! poll).
 
 use std::future::Future;
 
-pub use oomguard_runtime as runtime;
-pub use oomguard_runtime::guard::LeakAction;
-use oomguard_runtime::guard::{self, GuardSet, LeakReport, Scoped, ThreadBudget, ThreadLeakCheck};
-use oomguard_runtime::retry::IsOom;
-use oomguard_runtime::{ByteSize, Error};
+use crate::guard::{self, GuardSet, LeakAction, LeakReport, Scoped, ThreadBudget, ThreadLeakCheck};
+use crate::retry::IsOom;
+use crate::{ByteSize, Error};
 
 /// `#[no_grad]`: grad mode off until dropped.
 #[inline]
-pub fn no_grad() -> oomguard_runtime::guard::GradGuard {
-    oomguard_runtime::no_grad()
+pub fn no_grad() -> crate::guard::GradGuard {
+    crate::guard::no_grad()
 }
 
 /// The budget of `#[memory_budget]`.
@@ -158,9 +157,62 @@ pub fn guarded<T, F: Future<Output = T>>(spec: GuardSpec, fut: F) -> Scoped<F> {
     set.scope(fut)
 }
 
-#[path = "private_retry.rs"]
-mod retry;
-pub use retry::{
-    boxed_policy, clone_for_retry, forget, remembered, BatchInt, FnResult, Retry, RetryConfig,
-    RetryKind, Site, SiteCache,
-};
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Device;
+
+    fn leak() -> LeakReport {
+        let dev = Device::sim(ByteSize::mib(4));
+        let check = guard::thread_leak_check().named("leaky");
+        let kept = dev.alloc::<u8>(4096).unwrap();
+        let report = check.finish().unwrap_err();
+        drop(kept);
+        report
+    }
+
+    fn oom() -> Error {
+        Device::sim(ByteSize::mib(1))
+            .alloc::<u8>(2 << 20)
+            .unwrap_err()
+    }
+
+    #[test]
+    fn a_leak_fails_a_successful_call_and_not_a_failed_one() {
+        let out: Result<u8, Error> = leak_result_of(Err(leak()), Ok(1));
+        assert!(matches!(out, Err(Error::Leak(_))));
+        let own = Error::InvalidArgument("own".into());
+        let out: Result<u8, Error> = leak_result_of(Err(leak()), Err(own));
+        assert!(matches!(out, Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn in_a_retried_attempt_a_leak_wins_over_an_out_of_memory() {
+        let out: Result<u8, Error> = leak_result_of_retried(Err(leak()), Err(oom()));
+        assert!(matches!(out, Err(Error::Leak(_))));
+        // not over another error, and no leak leaves the out-of-memory as it is
+        let own = Error::InvalidArgument("own".into());
+        let out: Result<u8, Error> = leak_result_of_retried(Err(leak()), Err(own));
+        assert!(matches!(out, Err(Error::InvalidArgument(_))));
+        let out: Result<u8, Error> = leak_result_of_retried(Ok(()), Err(oom()));
+        assert!(out.unwrap_err().is_oom());
+    }
+
+    #[test]
+    fn budget_bytes_take_integers_and_sizes() {
+        assert_eq!(budget_bytes(-5_i32), 0);
+        assert_eq!(budget_bytes(ByteSize::kib(2)), 2048);
+        assert_eq!(budget_bytes(7_u8), 7);
+    }
+
+    #[test]
+    fn a_budget_refuses_beyond_its_bytes() {
+        let dev = Device::sim(ByteSize::mib(64));
+        let _b = budget(BudgetLimit::Bytes(1 << 20)).unwrap();
+        assert!(dev.alloc::<u8>(512 << 10).is_ok());
+        assert!(matches!(
+            dev.alloc::<u8>(2 << 20),
+            Err(Error::BudgetExceeded(_))
+        ));
+    }
+}

@@ -1,16 +1,13 @@
-//! `#[oom_retry]`'s runtime glue: the generated loop drives a [`Retry`], which drives the retry
+//! `#[oom_retry]`'s glue: the generated loop drives a [`Retry`], which drives the retry
 //! engine's [`RetryLoop`] on every device (the function holds no `Device`).
 
-use std::collections::HashMap;
 use std::fmt;
 use std::ops::ControlFlow;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
-use oomguard_runtime::retry::{
-    Accumulate, BatchPlan, EmptyCacheRetry, IsOom, KeepsRows, Limits, MemoryError, MemoryKey,
-    PlanMemory, PolicyExt, RetryEngine, RetryError, RetryLoop, RetryPolicy, Shrink, SiteMemo,
-    StepMode,
-};
+use super::engines::engine_for;
+use crate::retry::advanced::{EmptyCacheRetry, KeepsRows, PolicyExt, Shrink, SiteMemo, StepMode};
+use crate::retry::{Accumulate, BatchPlan, IsOom, RetryEngine, RetryError, RetryLoop, RetryPolicy};
 
 /// Where the function is.
 #[derive(Clone, Copy, Debug)]
@@ -89,63 +86,6 @@ macro_rules! batch_ints {
     )*};
 }
 batch_ints!(u8, u16, u32, u64, usize);
-
-/// One engine per persistence file (`None`: in memory), shared by every `#[oom_retry]` function.
-type EngineMap = HashMap<Option<&'static str>, RetryEngine>;
-
-fn static_engines() -> &'static Mutex<EngineMap> {
-    static ENGINES: OnceLock<Mutex<EngineMap>> = OnceLock::new();
-    ENGINES.get_or_init(Default::default)
-}
-
-fn engine_for(persist: Option<&'static str>) -> RetryEngine {
-    let mut map = static_engines().lock().unwrap_or_else(|e| e.into_inner());
-    map.entry(persist)
-        .or_insert_with(|| match persist {
-            None => RetryEngine::new(),
-            // A file that cannot be read is reported (a warning, and in every step's report),
-            // never silently ignored.
-            Some(path) => RetryEngine::new().with_memory(std::sync::Arc::new(Mutex::new(
-                PlanMemory::open_or_in_memory(path),
-            ))),
-        })
-        .clone()
-}
-
-/// Every engine of the `#[oom_retry]` functions, with its persistence file.
-fn engines() -> Vec<(Option<&'static str>, RetryEngine)> {
-    static_engines()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .map(|(k, v)| (*k, v.clone()))
-        .collect()
-}
-
-/// `oomguard::remembered_plans`.
-pub fn remembered() -> Vec<(Option<&'static str>, MemoryKey, Limits)> {
-    let mut out = Vec::new();
-    for (file, engine) in engines() {
-        for (k, l) in engine.memory().iter() {
-            if l != Limits::NONE {
-                out.push((file, k.clone(), l));
-            }
-        }
-    }
-    out.sort_by(|a, b| (a.0, &a.1.site).cmp(&(b.0, &b.1.site)));
-    out
-}
-
-/// `oomguard::forget_remembered_plans`.
-pub fn forget() -> Result<(), MemoryError> {
-    let mut first_err = None;
-    for (_, engine) in engines() {
-        if let Err(e) = engine.memory().clear() {
-            first_err.get_or_insert(e);
-        }
-    }
-    first_err.map_or(Ok(()), Err)
-}
 
 fn policy_for(cfg: &mut RetryConfig, mode: StepMode) -> Box<dyn RetryPolicy> {
     let min = cfg
@@ -322,7 +262,7 @@ impl<E> Retry<E> {
             Err(_) => None,
         };
         if lp.is_none() {
-            oomguard_runtime::retry::clear_last_report();
+            crate::retry::clear_last_report();
         }
         let requested = start.map_or(0, |s| s.batch());
         Retry {
@@ -354,12 +294,12 @@ impl<E> Retry<E> {
 
     /// The commit phase starts: enclosing retry loops on this thread must not rerun it.
     pub fn commit_starting(&self) {
-        oomguard_runtime::retry::note_commit();
+        crate::retry::note_commit();
     }
 
     /// The commit phase ended with `out`. It ran once and is never retried: an error (an
     /// out-of-memory included) is the function's error, logged, recorded in
-    /// [`last_report`](oomguard_runtime::retry::last_report) as the commit's, and marked
+    /// [`last_report`](crate::retry::last_report) as the commit's, and marked
     /// ([`IsOom::after_commit`]) so that no outer layer retries it.
     pub fn committed<T>(&self, out: Result<T, E>) -> Result<T, E>
     where
@@ -378,7 +318,7 @@ impl<E> Retry<E> {
             "the commit phase failed; it is not retried (it runs once)"
         );
         let report = self.lp.as_ref().and_then(|lp| {
-            oomguard_runtime::retry::record_commit_error(&lp.report().site, e.to_string(), oom)
+            crate::retry::record_commit_error(&lp.report().site, e.to_string(), oom)
         });
         match report {
             Some(r) => Err(e.after_commit(&r)),
@@ -427,7 +367,7 @@ impl<E> Retry<E> {
                     // in the returned error too (its report), and in `last_report`
                     if let RetryError::GaveUp { report, .. } = &mut e {
                         report.hint = Some(hint.to_string());
-                        oomguard_runtime::retry::record_hint(&report.site, hint.to_string());
+                        crate::retry::record_hint(&report.site, hint.to_string());
                     }
                 }
                 // One process, so the step ended with this rank's own error (a non-OOM error or
@@ -439,5 +379,126 @@ impl<E> Retry<E> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ByteSize, Device, Error};
+
+    /// A body that needs 1 MiB a row, on a device of 24 MiB: 16 rows fit, 32 do not.
+    fn rows(dev: &Device, n: u64) -> Result<u64, Error> {
+        dev.alloc::<u8>(usize::try_from(n << 20).unwrap())?;
+        Ok(n)
+    }
+
+    fn config(function: &'static str, kind: RetryKind, no_grad: bool) -> RetryConfig {
+        RetryConfig {
+            site: Site {
+                file: file!(),
+                line: line!(),
+                function,
+                key: function,
+                instance: "",
+            },
+            kind,
+            min: None,
+            max_retries: Some(6),
+            remember: Some(false),
+            persist: None,
+            policy: None,
+            no_grad,
+        }
+    }
+
+    /// Drives the loop as the generated code does. Returns the outcome and every batch tried.
+    fn drive(mut r: Retry<Error>) -> (Result<u64, Error>, Vec<u64>) {
+        let dev = Device::sim(ByteSize::mib(24));
+        let mut tried = Vec::new();
+        loop {
+            let n = r.batch();
+            tried.push(n);
+            let out = rows(&dev, n);
+            if let ControlFlow::Break(out) = r.next(out) {
+                return (out, tried);
+            }
+        }
+    }
+
+    #[test]
+    fn an_evaluation_batch_is_halved_until_it_fits() {
+        let r = Retry::new(
+            config("eval_step", RetryKind::Batch(64), true),
+            &SiteCache::new(),
+        );
+        let (out, tried) = drive(r);
+        assert_eq!(out.unwrap(), 16);
+        // halved (64 rows need more than the device holds: no same-batch retry first)
+        assert_eq!(tried, [64, 32, 16]);
+    }
+
+    #[test]
+    fn a_training_batch_is_never_shrunk_and_the_error_says_why() {
+        let _train = crate::guard::enable_grad();
+        let r = Retry::new(
+            config("train_step", RetryKind::Batch(64), false),
+            &SiteCache::new(),
+        );
+        let (out, tried) = drive(r);
+        // never 32: a training step keeps its rows (and 64 MiB can never fit: no retry)
+        assert_eq!(tried, [64]);
+        let Err(Error::RetriesExhausted { error, report }) = out else {
+            panic!("expected the retries-exhausted error");
+        };
+        assert!(error.is_oom());
+        assert!(report.hint.as_deref().unwrap().contains("`plan =`"));
+        assert_eq!(crate::retry::last_report().unwrap().hint, report.hint);
+    }
+
+    #[test]
+    fn a_plan_is_split_into_smaller_micro_batches() {
+        let plan = BatchPlan::whole(64).unwrap();
+        let mut r = Retry::<Error>::new(
+            config("plan_step", RetryKind::Plan(plan), false),
+            &SiteCache::new(),
+        );
+        let dev = Device::sim(ByteSize::mib(24));
+        let mut micro = Vec::new();
+        let total = loop {
+            let p = r.plan();
+            micro.push(p.micro_batch());
+            let out = p
+                .chunks()
+                .try_fold(0, |sum, c| Ok(sum + rows(&dev, c.len() as u64)?));
+            if let ControlFlow::Break(out) = r.next(out) {
+                break out.unwrap();
+            }
+        };
+        assert_eq!(total, 64); // every row still processed
+        assert_eq!(micro, [64, 32, 16]);
+    }
+
+    #[test]
+    fn a_batch_of_zero_rows_runs_once_without_a_loop() {
+        let mut r = Retry::<Error>::new(
+            config("empty_step", RetryKind::Batch(0), true),
+            &SiteCache::new(),
+        );
+        assert_eq!(r.batch(), 0);
+        // no loop: an out-of-memory is the function's error at once, not retried
+        let dev = Device::sim(ByteSize::mib(24));
+        let ControlFlow::Break(Err(e)) = r.next(rows(&dev, 64)) else {
+            panic!("expected the error at once");
+        };
+        assert!(e.is_oom());
+        assert!(crate::retry::last_report().is_none());
+    }
+
+    #[test]
+    fn batch_integers_saturate() {
+        assert_eq!(u8::from_u64(300), u8::MAX);
+        assert_eq!(u16::from_u64(7), 7);
+        assert_eq!(usize::MAX.to_u64(), u64::try_from(usize::MAX).unwrap());
     }
 }
