@@ -145,7 +145,7 @@ pub(crate) fn record_hint(site: &str, hint: String) {
 
 /// Forgets this thread's last report (every step does when it starts; `#[oom_retry]` also
 /// when a call has nothing to plan, such as a batch of 0 rows).
-pub(crate) fn clear_last_report() {
+pub fn clear_last_report() {
     let _ = LAST.try_with(|l| {
         let mut l = l.borrow_mut();
         l.keep_committed();

@@ -85,7 +85,9 @@ pub use result::{Retried, RetryError};
 pub use crate::retry_report::{BatchPlan, Chunk, RetryReport};
 
 // The engine's own bookkeeping, for the macros' glue.
-pub(crate) use last_report::{clear_last_report, record_commit_error, record_hint};
+#[doc(hidden)]
+pub use last_report::clear_last_report;
+pub(crate) use last_report::{record_commit_error, record_hint};
 
 // The paths these names had before `advanced` existed: still valid, not documented twice.
 #[cfg(feature = "burn")]
@@ -100,4 +102,9 @@ pub use advanced::{
     Pressure, RetryContext, Shrink, SingleProcess, SiteMemo, SpeedDecision, StepMode, StopReason,
     Trial, UpdateApplied, DEFAULT_REGROW_AFTER, LARGER_BATCH_SHARE, MAX_ATTEMPTS,
     MAX_VERIFICATIONS, STALE_LOCK,
+};
+#[doc(hidden)]
+pub use advanced::{
+    AttemptRecord, Chain, Clock, CommitFailure, ConsensusError, FailedAttempt, Floor, KeepsRows,
+    MaxRetries, Regrow, DEFAULT_THRASH_WINDOW, LOCK_WAIT, VERIFY_EXTENSION,
 };
