@@ -97,14 +97,10 @@ pub use advanced::cubecl_text_is_oom;
 pub use advanced::{
     chain_is_oom, libtorch_text_is_budget_exceeded, libtorch_text_is_oom,
     libtorch_text_oom_request, note_commit, oomguard_allocator_refusal, AfterCommit,
-    AttemptOutcome, DeviceKey, EmptyCacheRetry, FnPolicy, GradientSync, Limits, LinearFit,
-    LocalGroup, ManualClock, MemoryError, MemoryKey, OomRequest, PlanError, PlanMemory, PolicyExt,
-    Pressure, RetryContext, Shrink, SingleProcess, SiteMemo, SpeedDecision, StepMode, StopReason,
-    Trial, UpdateApplied, DEFAULT_REGROW_AFTER, LARGER_BATCH_SHARE, MAX_ATTEMPTS,
-    MAX_VERIFICATIONS, STALE_LOCK,
-};
-#[doc(hidden)]
-pub use advanced::{
-    AttemptRecord, Chain, Clock, CommitFailure, ConsensusError, FailedAttempt, Floor, KeepsRows,
-    MaxRetries, Regrow, DEFAULT_THRASH_WINDOW, LOCK_WAIT, VERIFY_EXTENSION,
+    AttemptOutcome, AttemptRecord, Chain, Clock, CommitFailure, ConsensusError, DeviceKey,
+    EmptyCacheRetry, FailedAttempt, Floor, FnPolicy, GradientSync, KeepsRows, Limits, LinearFit,
+    LocalGroup, ManualClock, MaxRetries, MemoryError, MemoryKey, OomRequest, PlanError, PlanMemory,
+    PolicyExt, Pressure, Regrow, RetryContext, Shrink, SingleProcess, SiteMemo, SpeedDecision,
+    StepMode, StopReason, Trial, UpdateApplied, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
+    LARGER_BATCH_SHARE, LOCK_WAIT, MAX_ATTEMPTS, MAX_VERIFICATIONS, STALE_LOCK, VERIFY_EXTENSION,
 };
