@@ -16,7 +16,8 @@
 //!   used and reserved, the moves of the timed steps).
 //! - `--max LO..HI`: the largest batch of two consecutive plain steps by bisection (LO must run),
 //!   each trial from an emptied cache: `RESULT phase=max`.
-//! - `--trace PATH` (under `--allocator oomguard`): after the timed steps, `--trace-steps`
+//! - `--trace PATH` (under `--allocator oomguard`): after the timed steps (none with
+//!   `--steps 0`: the recording then starts at the first step), `--trace-steps`
 //!   more steps at `--batch` recorded with the allocator's history, written as a CSV trace
 //!   `op,id,bytes,stream,thread` (each event's thread: `oomguard replay --threads` replays it
 //!   so). History stops the thread caches while it records; the events and their threads are
@@ -267,7 +268,12 @@ fn parse() -> Result<Args, String> {
                 }
             }
             "--batch" => a.batch = num(it.next(), "--batch")?,
-            "--steps" => a.steps = num(it.next(), "--steps")? as usize,
+            "--steps" => {
+                a.steps = match it.next().as_deref() {
+                    Some("0") => 0,
+                    v => num(v.map(String::from), "--steps")? as usize,
+                }
+            }
             "--warmup" => a.warmup = num(it.next(), "--warmup")? as usize,
             "--classes" => a.classes = num(it.next(), "--classes")?,
             "--size" => a.size = num(it.next(), "--size")?,
@@ -442,6 +448,10 @@ impl Run {
     }
 
     fn steps(&mut self) -> Result<(), Error> {
+        if self.args.steps == 0 {
+            // `--steps 0`: none (with `--trace`, the recording then starts at the first step)
+            return Ok(());
+        }
         let b = self.args.batch;
         let mut times = Vec::new();
         let mut moved = Moves::default();

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# issue 37, run W: the device is now an H200 (141 GB) where rounds 1-6 had an H100 (80 GB).
+# `suites`: the host, the alloc bench, the GPU suites at main 49ce020 (first run after the step
+# plans' fit check). `convnet`: tch_convnet's finder (--seeded 2) under expandable segments and
+# oomguard from fresh processes, then plain steps at the batch expandable segments found under
+# the three allocators. `rest`: oomguard's finder again (it ran out of time in `convnet`), OOM at 2 x that
+# batch from an unseeded engine (expandable, oomguard), tch_gpt at 44 under the three allocators, candle_gpt
+# frag at 24 / 27 / 28 under pool / native / default.
+cd "$(dirname "$0")/bin"; out=${OUT:-/tmp}
+for f in *.xz; do [ -e "$f" ] && xz -d -f "$f"; done; chmod +x * 2>/dev/null
+TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
+export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64:$TL:${LD_LIBRARY_PATH:-}
+mode=${1:-suites}; log=$out/run-w-$mode.txt; : > "$log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+date -u | tee -a "$log"
+conv() { # ALLOC SECONDS ARGS...
+  local al=$1 t=$2; shift 2; echo "=== tch_convnet ($al) $*" | tee -a "$log"
+  case $al in
+    oomguard) env -u PYTORCH_ALLOC_CONF timeout $t ./tch_convnet --allocator oomguard "$@" ;;
+    expandable) PYTORCH_ALLOC_CONF=expandable_segments:True timeout $t ./tch_convnet "$@" ;;
+    native) env -u PYTORCH_ALLOC_CONF timeout $t ./tch_convnet "$@" ;;
+  esac 2>&1 | grep -E "^(RESULT|SEEDED|FINDER|STEP|OOM)|tch_convnet:|rror|panick" | cut -c1-400 | tee -a "$log"
+  date -u +%T | tee -a "$log"
+}
+case $mode in
+suites)
+  echo "=== host" | tee -a "$log"
+  { nproc; grep -m1 'model name' /proc/cpuinfo; cat /sys/fs/cgroup/cpu.max 2>&1; cat /proc/loadavg; } 2>&1 | tee -a "$log"
+  echo "=== alloc bench" | tee -a "$log"
+  timeout 170 ./alloc > $out/alloc-w.txt 2>&1; echo "rc=$?" | tee -a "$log"
+  grep -E "^(Threads|512 B|64 MiB|mixed|workload|Growth)" $out/alloc-w.txt | tee -a "$log"
+  echo "=== torch growth by 16 GiB, expandable segments (ms, best of 3)" | tee -a "$log"
+  PYTORCH_ALLOC_CONF=expandable_segments:True python3 - <<'PY' 2>&1 | tee -a "$log"
+import time, torch
+torch.cuda.init(); torch.empty(1, device="cuda"); torch.cuda.synchronize()
+take, give = [], []
+for _ in range(3):
+    t = time.perf_counter(); x = torch.empty(16 << 30, dtype=torch.uint8, device="cuda"); take.append(time.perf_counter() - t)
+    del x; t = time.perf_counter(); torch.cuda.empty_cache(); give.append(time.perf_counter() - t)
+print(f"torch expandable take {min(take)*1e3:.2f} give {min(give)*1e3:.2f}")
+PY
+  for t in test-gpu test-pool_gpu test-retry_gpu tchtest-allocator_gpu tchtest-finder_gpu tchtest-oom_texts_gpu tchtest-source_gpu candletest-hook_gpu candletest-finder_gpu candletest-models; do
+    [ -e ./$t ] || { echo "=== $t: not staged" | tee -a "$log"; continue; }
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done ;;
+convnet)
+  conv expandable 170 --batch 128 --steps 2 --seeded 2 --max 64..3072
+  conv oomguard 170 --batch 128 --steps 2 --seeded 2 --max 64..3072
+  B=$(grep -o "RESULT phase=seeded.*" "$log" | head -1 | grep -oE "max_batch=[0-9]+" | cut -d= -f2)
+  echo "B=$B" | tee -a "$log"
+  for al in oomguard expandable native; do conv $al 50 --batch ${B:-1900} --steps 6 --warmup 3; done ;;
+rest)
+  B=${2:-1951}
+  conv oomguard 250 --batch 128 --steps 2 --seeded 2 --max 64..3072
+  conv expandable 100 --batch $B --oom 2 --steps 4
+  conv oomguard 100 --batch $B --oom 2 --steps 4
+  gpt() { local envs=(); while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+    echo "=== tch_gpt ${envs[*]} $*" | tee -a "$log"
+    env -u PYTORCH_ALLOC_CONF "${envs[@]}" timeout 60 ./tch_gpt --phase plain "$@" 2>&1 | grep -E "^(RESULT)|rror|panick" | cut -c1-500 | tee -a "$log"; }
+  for b in 44; do
+    gpt -- --allocator oomguard --batch $b --steps 6 --warmup 3
+    gpt PYTORCH_ALLOC_CONF=expandable_segments:True -- --batch $b --steps 6 --warmup 3
+    gpt -- --batch $b --steps 6 --warmup 3
+  done
+  run() { echo "=== $*" | tee -a "$log"; timeout 60 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-500 | tee -a "$log"; }
+  for b in 24 28; do
+    run ./candle_gpt frag --batch $b --steps 6 --allocator pool --release-threshold 18446744073709551615
+    run env OOMGUARD_ALLOC_CONF=expandable_segments:False ./candle_gpt frag --batch $b --steps 6 --allocator oomguard
+    run ./candle_gpt frag --batch $b --steps 6 --allocator oomguard
+  done ;;
+esac
+date -u | tee -a "$log"
+# `room` (appended after the first three parts ran): tch_convnet at 128 rows, room to spare,
+# under the three allocators, oomguard's with a recorded trace of 3 more steps.
+if [ "$mode" = room ]; then
+  conv oomguard 90 --batch 128 --steps 6 --warmup 3 --trace $out/tch_vgg16_b128.trace.csv --trace-steps 3
+  conv expandable 60 --batch 128 --steps 6 --warmup 3
+  conv native 60 --batch 128 --steps 6 --warmup 3
+  ls -la $out | tee -a "$log"
+fi
+# `first`: the same from the first step: 5 steps of tch_convnet at 128 recorded from the start
+# (`--steps 0`), to replay the early growth that sets peak reserved.
+if [ "$mode" = first ]; then
+  conv oomguard 90 --batch 128 --steps 0 --trace $out/tch_vgg16_b128_first.trace.csv --trace-steps 5
+fi
+# `tight`: the same binaries with OOMGUARD_ALLOC_CONF=page_recycle_threshold:0 (move free pages
+# before reserved memory passes its high-water mark; step plans still on): tch_convnet at 128
+# (room) and 1,951 (expandable segments' largest), tch_gpt at 44, candle_gpt frag at 24.
+if [ "$mode" = tight ]; then
+  export OOMGUARD_ALLOC_CONF=page_recycle_threshold:0
+  conv oomguard 60 --batch 128 --steps 6 --warmup 3
+  conv oomguard 80 --batch 1951 --steps 6 --warmup 3
+  echo "=== tch_gpt tight --batch 44" | tee -a "$log"
+  timeout 60 ./tch_gpt --phase plain --allocator oomguard --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  echo "=== candle_gpt tight frag --batch 24" | tee -a "$log"
+  timeout 60 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT (frag|remap: after step [05])|rror|panick" | cut -c1-300 | tee -a "$log"
+  unset OOMGUARD_ALLOC_CONF
+  echo "=== candle_gpt default frag --batch 24 (same run)" | tee -a "$log"
+  timeout 60 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  date -u | tee -a "$log"
+fi
