@@ -1,10 +1,14 @@
-//! The examples' one command line: `--phase NAME`... and `--key value` (or `--key=value`)
-//! options, the union of what the GPT examples take. An example names its phases, allocators
-//! and usage text in a [`Spec`]; what only its framework can check (the model's shape, an
-//! allocator that needs CUDA) it checks after [`parse`], and reports like a parse error
-//! ([`Spec::usage_error`]: exit status 64).
+//! The examples' one command line (clap): `--phase NAME`... and the options every GPT example
+//! takes ([`Args`]), beside the example's own (any `clap::Args`, flattened in). An example names
+//! its phases, allocators and defaults in a [`Spec`]; what only its framework can check (the
+//! model's shape, an allocator that needs CUDA) it checks after [`parse`], and reports like a
+//! parse error ([`Spec::usage_error`]: one line, exit status 64).
 
 use std::process::ExitCode;
+
+use clap::builder::PossibleValuesParser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
 
 /// The exit status of a bad command line (BSD's `EX_USAGE`).
 pub const EXIT_USAGE: u8 = 64;
@@ -14,7 +18,7 @@ pub const EXIT_USAGE: u8 = 64;
 pub struct Spec {
     /// The program's name, the prefix of its error messages.
     pub program: &'static str,
-    /// `--help`'s text.
+    /// `--help`'s text above the options: what the example does, its phases.
     pub usage: &'static str,
     /// Phases in the order `--phase all` runs them.
     pub all_phases: &'static [&'static str],
@@ -24,9 +28,8 @@ pub struct Spec {
     pub allocators: &'static [&'static str],
     /// `--max-cap`'s default, without and with `--tiny`.
     pub max_cap: (i64, i64),
-    /// The example's own options (names without `--`), each taking a value: kept in
-    /// [`Args::options`] for the example to read ([`Args::option`]).
-    pub options: &'static [&'static str],
+    /// This example's defaults where they differ from [`Args`]'s: (field name, value).
+    pub defaults: &'static [(&'static str, &'static str)],
     /// Whether arguments not starting with `--` are taken: the first as a phase (as
     /// `--phase`), the others kept in [`Args::positional`]. Without a phase, [`Spec::default_phases`]
     /// run.
@@ -36,9 +39,9 @@ pub struct Spec {
 }
 
 impl Spec {
-    /// Prints `message` and the usage on stderr: the exit status of a bad command line.
+    /// Says `message` on stderr, on one line: the exit status of a bad command line.
     pub fn usage_error(&self, message: &str) -> ExitCode {
-        eprintln!("{}: {message}\n\n{}", self.program, self.usage);
+        eprintln!("{}: {message} (--help lists the options)", self.program);
         ExitCode::from(EXIT_USAGE)
     }
 }
@@ -64,7 +67,7 @@ impl DeviceArg {
                 .parse()
                 .ok()
                 .map(Self::Cuda)
-                .ok_or_else(|| format!("--device {v:?}: cpu, cuda, cuda:N or N")),
+                .ok_or_else(|| "cpu, cuda, cuda:N or N".to_string()),
         }
     }
 
@@ -85,215 +88,174 @@ impl std::fmt::Display for DeviceArg {
 
 /// The model's shape as given on the command line (`None`: the example's default, or
 /// `--tiny`'s).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(clap::Args, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ModelArgs {
-    /// `--layers`.
+    /// Transformer blocks.
+    #[arg(long, value_name = "N")]
     pub layers: Option<i64>,
-    /// `--width`.
+    /// Embedding width.
+    #[arg(long, value_name = "N")]
     pub width: Option<i64>,
-    /// `--heads`.
+    /// Attention heads.
+    #[arg(long, value_name = "N")]
     pub heads: Option<i64>,
-    /// `--vocab`.
+    /// Vocabulary size.
+    #[arg(long, value_name = "N")]
     pub vocab: Option<i64>,
-    /// `--seq`.
+    /// Sequence length.
+    #[arg(long, value_name = "N")]
     pub seq: Option<i64>,
 }
 
-/// The parsed options.
-#[derive(Clone, Debug, PartialEq)]
+/// The options every example takes (an option given twice: the last one counts).
+#[derive(clap::Args, Clone, Debug, PartialEq)]
 pub struct Args {
-    /// The phases, in the order given (`all` expanded).
+    /// Phases to run, in order: repeatable, comma-separated, `all` (listed above).
+    #[arg(long = "phase", value_name = "NAME", value_delimiter = ',')]
     pub phases: Vec<String>,
-    /// `--device` (default `cuda`).
+    /// cpu, cuda, cuda:N or N.
+    #[arg(long, default_value = "cuda", value_parser = DeviceArg::parse)]
     pub device: DeviceArg,
-    /// `--tiny`: the small model (a CPU run in seconds).
+    /// The small model (a CPU run in seconds).
+    #[arg(long)]
     pub tiny: bool,
-    /// `--layers` etc.
+    /// The model's shape.
+    #[command(flatten)]
     pub model: ModelArgs,
-    /// `--seed`: weights and tokens (default 1234).
+    /// Weights and tokens.
+    #[arg(long, value_name = "N", default_value_t = 1234)]
     pub seed: u64,
-    /// `--lr`: AdamW's learning rate (default 3e-4).
+    /// AdamW's learning rate.
+    #[arg(long, value_name = "X", default_value_t = 3e-4)]
     pub lr: f64,
-    /// `--sgd-lr`: SGD's, in `equiv` (default 0.05).
+    /// SGD's learning rate, in `equiv`.
+    #[arg(long, value_name = "X", default_value_t = 0.05)]
     pub sgd_lr: f64,
-    /// `--batch`: rows of `plain` and `overhead` (default 8).
+    /// Rows of `plain` and `overhead`.
+    #[arg(long, value_name = "N", default_value_t = 8)]
     pub batch: i64,
-    /// `--steps`: timed steps of `plain` (default 20).
+    /// Timed steps of `plain`.
+    #[arg(long, value_name = "N", default_value_t = 20)]
     pub steps: usize,
-    /// `--warmup`: untimed steps before them (default 3).
+    /// Untimed steps before them.
+    #[arg(long, value_name = "N", default_value_t = 3)]
     pub warmup: usize,
-    /// `--grads-batch` (default 4).
+    /// Rows of `grads`.
+    #[arg(long, value_name = "N", default_value_t = 4)]
     pub grads_batch: i64,
-    /// `--grads-steps` (default 10).
+    /// Steps of `grads`.
+    #[arg(long, value_name = "N", default_value_t = 10)]
     pub grads_steps: usize,
-    /// `--max`: the largest batch of a plain step, when known.
+    /// The largest batch of a plain step, when known: skips `max`'s bisection.
+    #[arg(long, value_name = "N")]
     pub max: Option<i64>,
-    /// `--max-cap`: the largest batch `max` and `finder` try.
+    /// The largest batch `max` and the finder try.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
     pub max_cap: i64,
-    /// `--oom-factor`: `oom`'s batch over the largest (default 2).
+    /// `oom`'s batch over the largest.
+    #[arg(long, value_name = "X", default_value_t = 2.0)]
     pub oom_factor: f64,
-    /// `--oom-batch`: `oom`'s batch, given (then the largest batch is not measured).
+    /// `oom`'s batch, given (then the largest batch is not measured).
+    #[arg(long, value_name = "N")]
     pub oom_batch: Option<i64>,
-    /// `--equiv-batch`: a multiple of 4 (default 8).
+    /// Rows of `equiv`: a multiple of 4.
+    #[arg(long, value_name = "N", default_value_t = 8)]
     pub equiv_batch: i64,
-    /// `--equiv-steps` (default 3).
+    /// Steps of `equiv`.
+    #[arg(long, value_name = "N", default_value_t = 3)]
     pub equiv_steps: usize,
-    /// `--find-steps`: plain steps at the batch `finder` found (default 100).
+    /// Plain steps at the batch the finder found.
+    #[arg(long, value_name = "N", default_value_t = 100)]
     pub find_steps: usize,
-    /// `--overhead-rounds`: rounds of 5 plain and 5 guarded steps (default 12).
+    /// Rounds of 5 plain and 5 guarded steps in `overhead`.
+    #[arg(long, value_name = "N", default_value_t = 12)]
     pub overhead_rounds: usize,
-    /// `--json`: lines as JSON objects.
+    /// Lines as JSON objects.
+    #[arg(long)]
     pub json: bool,
-    /// `--allocator`: one of [`Spec::allocators`].
+    /// Who serves the tensors.
+    #[arg(long, default_value = "")]
     pub allocator: String,
-    /// The example's own options ([`Spec::options`]), as given.
-    pub options: Vec<(String, String)>,
-    /// Arguments after the phase that do not start with `--` ([`Spec::positional`]).
+    /// A phase (as `--phase`), then what it takes; once parsed, the arguments after the phase
+    /// ([`Spec::positional`]).
+    #[arg(value_name = "PHASE")]
     pub positional: Vec<String>,
 }
 
-impl Args {
-    /// The example's option `name` ([`Spec::options`]; the last one given), parsed; `Err` names
-    /// the option and the value.
-    pub fn option<T: std::str::FromStr>(&self, name: &str) -> Result<Option<T>, String> {
-        match self.options.iter().rev().find(|(k, _)| k == name) {
-            None => Ok(None),
-            Some((_, v)) => v
-                .parse()
-                .map(Some)
-                .map_err(|_| format!("--{name} {v:?}: not a valid value")),
-        }
-    }
+/// An example without options of its own.
+#[derive(clap::Args, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoOptions {}
+
+/// The whole command line: the common options and the example's.
+#[derive(clap::Parser)]
+struct Cli<E: clap::Args> {
+    #[command(flatten)]
+    args: Args,
+    #[command(flatten)]
+    own: E,
 }
 
 /// What [`parse`] found.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Parsed {
-    /// `-h` or `--help`.
-    Help,
-    /// Options to run.
-    Run(Box<Args>),
+pub enum Parsed<E = NoOptions> {
+    /// `-h` or `--help`: the text to print.
+    Help(String),
+    /// Options to run, and the example's own.
+    Run(Box<Args>, E),
 }
 
-/// Parses `raw` (the arguments after the program's name) against `spec`; `Err` says what is
-/// wrong with the command line.
-pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
-    let mut kv: Vec<(String, Option<String>)> = Vec::new();
-    let mut positional = Vec::new();
-    let mut i = 0;
-    while i < raw.len() {
-        let a = &raw[i];
-        if a == "-h" || a == "--help" {
-            return Ok(Parsed::Help);
-        }
-        let Some(name) = a.strip_prefix("--") else {
-            if !spec.positional {
-                return Err(format!("unexpected argument {a:?}"));
-            }
-            if positional.is_empty() && kv.iter().all(|(k, _)| k != "phase") {
-                kv.push(("phase".into(), Some(a.clone())));
-            }
-            positional.push(a.clone());
-            i += 1;
-            continue;
-        };
-        if name == "tiny" || name == "json" {
-            kv.push((name.to_string(), None));
-        } else if let Some((n, v)) = name.split_once('=') {
-            kv.push((n.to_string(), Some(v.to_string())));
-        } else {
-            i += 1;
-            let v = raw
-                .get(i)
-                .ok_or_else(|| format!("--{name} needs a value"))?;
-            kv.push((name.to_string(), Some(v.clone())));
-        }
-        i += 1;
+/// Parses `raw` (the arguments after the program's name) against `spec`, the example's own
+/// options into `E`; `Err` says on one line what is wrong with the command line.
+pub fn parse<E: clap::Args>(raw: &[String], spec: &Spec) -> Result<Parsed<E>, String> {
+    let mut cmd = Cli::<E>::command()
+        .name(spec.program)
+        .bin_name(spec.program)
+        .about(spec.usage.trim_end())
+        .args_override_self(true)
+        .mut_arg("positional", |a| a.hide(!spec.positional))
+        .mut_arg("max_cap", |a| a.default_value(spec.max_cap.0.to_string()));
+    if let Some(first) = spec.allocators.first() {
+        cmd = cmd.mut_arg("allocator", |a| {
+            a.default_value(*first)
+                .value_parser(PossibleValuesParser::new(spec.allocators))
+        });
     }
-    let tiny = kv.iter().any(|(k, _)| k == "tiny");
-    let mut a = Args {
-        phases: Vec::new(),
-        device: DeviceArg::Cuda(0),
-        tiny,
-        model: ModelArgs::default(),
-        seed: 1234,
-        lr: 3e-4,
-        sgd_lr: 0.05,
-        batch: 8,
-        steps: 20,
-        warmup: 3,
-        grads_batch: 4,
-        grads_steps: 10,
-        max: None,
-        max_cap: if tiny { spec.max_cap.1 } else { spec.max_cap.0 },
-        oom_factor: 2.0,
-        oom_batch: None,
-        equiv_batch: 8,
-        equiv_steps: 3,
-        find_steps: 100,
-        overhead_rounds: 12,
-        json: false,
-        allocator: spec.allocators.first().copied().unwrap_or("").to_string(),
-        options: Vec::new(),
-        // The first is the phase.
-        positional: positional.into_iter().skip(1).collect(),
+    for (id, v) in spec.defaults {
+        cmd = cmd.mut_arg(*id, |a| a.default_value(*v));
+    }
+    let argv = std::iter::once(spec.program.to_string()).chain(raw.iter().cloned());
+    let matches = match cmd.try_get_matches_from(argv) {
+        Ok(m) => m,
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelp => {
+            return Ok(Parsed::Help(e.render().to_string()))
+        }
+        Err(e) => return Err(one_line_error(&e.render().to_string())),
     };
-    fn num<T: std::str::FromStr>(k: &str, v: &str) -> Result<T, String> {
-        v.parse().map_err(|_| format!("--{k} {v:?}: not a number"))
-    }
-    for (k, v) in &kv {
-        let Some(v) = v else {
-            if k == "json" {
-                a.json = true;
-            }
-            continue;
+    let cli = Cli::<E>::from_arg_matches(&matches).map_err(|e| one_line_error(&e.to_string()))?;
+    let mut a = cli.args;
+    if matches.value_source("max_cap") != Some(ValueSource::CommandLine) {
+        a.max_cap = if a.tiny {
+            spec.max_cap.1
+        } else {
+            spec.max_cap.0
         };
-        match k.as_str() {
-            "phase" => {
-                for p in v.split(',').filter(|p| !p.is_empty()) {
-                    if p == "all" {
-                        a.phases
-                            .extend(spec.all_phases.iter().map(|s| s.to_string()));
-                    } else if spec.all_phases.contains(&p) || spec.extra_phases.contains(&p) {
-                        a.phases.push(p.to_string());
-                    } else {
-                        return Err(format!("unknown phase {p:?}"));
-                    }
-                }
-            }
-            "device" => a.device = DeviceArg::parse(v)?,
-            "allocator" => {
-                if !spec.allocators.contains(&v.as_str()) {
-                    return Err(format!(
-                        "--allocator {v:?}: {}",
-                        spec.allocators.join(" or ")
-                    ));
-                }
-                a.allocator = v.clone();
-            }
-            "layers" => a.model.layers = Some(num(k, v)?),
-            "width" => a.model.width = Some(num(k, v)?),
-            "heads" => a.model.heads = Some(num(k, v)?),
-            "vocab" => a.model.vocab = Some(num(k, v)?),
-            "seq" => a.model.seq = Some(num(k, v)?),
-            "seed" => a.seed = num(k, v)?,
-            "lr" => a.lr = num(k, v)?,
-            "sgd-lr" => a.sgd_lr = num(k, v)?,
-            "batch" => a.batch = num(k, v)?,
-            "steps" => a.steps = num(k, v)?,
-            "warmup" => a.warmup = num(k, v)?,
-            "grads-batch" => a.grads_batch = num(k, v)?,
-            "grads-steps" => a.grads_steps = num(k, v)?,
-            "max" => a.max = Some(num(k, v)?),
-            "max-cap" => a.max_cap = num(k, v)?,
-            "oom-factor" => a.oom_factor = num(k, v)?,
-            "oom-batch" => a.oom_batch = Some(num(k, v)?),
-            "equiv-batch" => a.equiv_batch = num(k, v)?,
-            "equiv-steps" => a.equiv_steps = num(k, v)?,
-            "find-steps" => a.find_steps = num(k, v)?,
-            "overhead-rounds" => a.overhead_rounds = num(k, v)?,
-            _ if spec.options.contains(&k.as_str()) => a.options.push((k.clone(), v.clone())),
-            _ => return Err(format!("unknown option --{k}")),
+    }
+    // The first bare argument is a phase, run before those of `--phase`.
+    let named = std::mem::take(&mut a.phases);
+    if let Some(first) = a.positional.first() {
+        if !spec.positional {
+            return Err(format!("unexpected argument {first:?}"));
+        }
+        a.phases.push(a.positional.remove(0));
+    }
+    for p in a.phases.drain(..).chain(named).collect::<Vec<_>>() {
+        if p == "all" {
+            a.phases
+                .extend(spec.all_phases.iter().map(|s| s.to_string()));
+        } else if spec.all_phases.contains(&p.as_str()) || spec.extra_phases.contains(&p.as_str()) {
+            a.phases.push(p);
+        } else if !p.is_empty() {
+            return Err(format!("unknown phase {p:?}"));
         }
     }
     if a.phases.is_empty() {
@@ -303,7 +265,21 @@ pub fn parse(raw: &[String], spec: &Spec) -> Result<Parsed, String> {
         a.phases = spec.default_phases.iter().map(|s| s.to_string()).collect();
     }
     check(&a)?;
-    Ok(Parsed::Run(Box::new(a)))
+    Ok(Parsed::Run(Box::new(a), cli.own))
+}
+
+/// clap's error, its lines before the usage joined into one, without the `error: ` prefix.
+fn one_line_error(rendered: &str) -> String {
+    rendered
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .map(str::trim)
+        // clap's advice to write `-- --name` for a value: this command line takes none.
+        .filter(|l| !l.is_empty() && !l.starts_with("tip: to pass"))
+        .collect::<Vec<_>>()
+        .join("; ")
+        .trim_start_matches("error: ")
+        .to_string()
 }
 
 /// The checks of the numbers that hold for every example.
@@ -338,12 +314,12 @@ fn check(a: &Args) -> Result<(), String> {
 
 /// The process's arguments parsed against `spec`: `Err` is the exit status to end with (0
 /// after `--help`, printed on stdout; 64 after a bad command line, said on stderr).
-pub fn from_env(spec: &Spec) -> Result<Args, ExitCode> {
+pub fn from_env<E: clap::Args>(spec: &Spec) -> Result<(Args, E), ExitCode> {
     let raw: Vec<String> = std::env::args().skip(1).collect();
     match parse(&raw, spec) {
-        Ok(Parsed::Run(a)) => Ok(*a),
-        Ok(Parsed::Help) => {
-            print!("{}", spec.usage);
+        Ok(Parsed::Run(a, own)) => Ok((*a, own)),
+        Ok(Parsed::Help(text)) => {
+            crate::say!("{}", text.trim_end());
             Err(ExitCode::SUCCESS)
         }
         Err(e) => Err(spec.usage_error(&e)),
@@ -361,7 +337,7 @@ mod tests {
         extra_phases: &["x"],
         allocators: &["native", "oomguard"],
         max_cap: (4096, 1024),
-        options: &["big"],
+        defaults: &[("sgd_lr", "0.1")],
         positional: false,
         default_phases: &[],
     };
@@ -372,11 +348,21 @@ mod tests {
         ..SPEC
     };
 
+    /// An example's own option.
+    #[derive(clap::Args, Debug, PartialEq)]
+    struct Own {
+        #[arg(long)]
+        big: Option<u64>,
+    }
+
+    fn raw(cli: &str) -> Vec<String> {
+        cli.split_whitespace().map(String::from).collect()
+    }
+
     fn run(cli: &str) -> Result<Args, String> {
-        let raw: Vec<String> = cli.split_whitespace().map(String::from).collect();
-        match parse(&raw, &SPEC)? {
-            Parsed::Run(a) => Ok(*a),
-            Parsed::Help => Err("help".into()),
+        match parse::<Own>(&raw(cli), &SPEC)? {
+            Parsed::Run(a, _) => Ok(*a),
+            Parsed::Help(_) => Err("help".into()),
         }
     }
 
@@ -389,6 +375,9 @@ mod tests {
         assert_eq!(a.allocator, "native");
         assert!(!a.json && !a.tiny);
         assert_eq!(run("--tiny --phase a").unwrap().max_cap, 1024);
+        // The example's defaults; given, the command line's values.
+        assert_eq!(a.sgd_lr, 0.1);
+        assert_eq!(run("--tiny --phase a --max-cap 7").unwrap().max_cap, 7);
     }
 
     #[test]
@@ -406,42 +395,114 @@ mod tests {
             run("--phase a --device cpu").unwrap().device,
             DeviceArg::Cpu
         );
+        // Repeated: phases add up, other options the last one counts.
+        let a = run("--phase a --phase x --batch 2 --batch 5").unwrap();
+        assert_eq!((a.phases, a.batch), (vec!["a".to_string(), "x".into()], 5));
     }
 
     #[test]
     fn own_options_and_positional_phases() {
-        let raw = |cli: &str| -> Vec<String> { cli.split_whitespace().map(String::from).collect() };
-        let Ok(Parsed::Run(a)) = parse(&raw("x out/p --big 56 --device 1 --big 7"), &POSITIONAL)
+        let Ok(Parsed::Run(a, own)) =
+            parse::<Own>(&raw("x out/p --big 56 --device 1 --big 7"), &POSITIONAL)
         else {
             panic!("did not parse");
         };
         assert_eq!(a.phases, ["x"]);
         assert_eq!(a.positional, ["out/p"]);
         assert_eq!(a.device, DeviceArg::Cuda(1));
-        assert_eq!(a.option::<usize>("big"), Ok(Some(7)));
-        assert_eq!(a.option::<usize>("factor"), Ok(None));
-        assert!(a.option::<u8>("big").is_ok());
-        let Ok(Parsed::Run(a)) = parse(&raw("--big x"), &POSITIONAL) else {
+        assert_eq!(own.big, Some(7));
+        let Ok(Parsed::Run(a, own)) = parse::<Own>(&raw("--big 3"), &POSITIONAL) else {
             panic!("did not parse");
         };
         assert_eq!(a.phases, ["a", "b"]);
-        assert!(a
-            .option::<usize>("big")
-            .unwrap_err()
-            .contains("--big \"x\""));
+        assert_eq!(own.big, Some(3));
+        let e = parse::<Own>(&raw("--big x"), &POSITIONAL).unwrap_err();
+        assert!(e.contains("'x'") && e.contains("--big"), "{e}");
         assert_eq!(
-            parse(&raw("y"), &POSITIONAL),
+            parse::<Own>(&raw("y"), &POSITIONAL),
             Err("unknown phase \"y\"".to_string())
         );
-        // Without `positional`, a bare argument is refused; without defaults, a phase is needed.
-        assert!(parse(&raw("x"), &SPEC).is_err());
-        assert!(parse(&raw("--big 3"), &SPEC).is_err());
+        // Without `positional`, a bare argument is refused; without defaults, a phase is needed;
+        // an example's option is not another's.
+        assert!(parse::<Own>(&raw("x"), &SPEC).is_err());
+        assert!(parse::<Own>(&raw("--big 3"), &SPEC).is_err());
+        assert!(parse::<NoOptions>(&raw("--phase a --big 3"), &SPEC).is_err());
     }
 
     #[test]
     fn help() {
-        let raw = vec!["--phase".to_string(), "a".into(), "-h".into()];
-        assert_eq!(parse(&raw, &SPEC), Ok(Parsed::Help));
+        let raw = raw("--phase a -h");
+        let Ok(Parsed::Help(text)) = parse::<Own>(
+            &raw,
+            &Spec {
+                usage: "phases: a",
+                ..SPEC
+            },
+        ) else {
+            panic!("no help");
+        };
+        assert!(
+            text.contains("phases: a") && text.contains("--big"),
+            "{text}"
+        );
+        assert!(
+            text.contains("--oom-factor") && text.contains("[default: 0.1]"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_scripts_command_lines_parse_to_their_settings() {
+        // scripts/gpu-runs' tch_gpt and candle_gpt lines (candle's own options as `--big`).
+        let tch = Spec {
+            allocators: &["libtorch", "oomguard"],
+            extra_phases: &["plain", "alloc"],
+            ..SPEC
+        };
+        let candle = Spec {
+            allocators: &["pool", "oomguard"],
+            extra_phases: &["frag", "snap"],
+            max_cap: (16384, 16384),
+            ..POSITIONAL
+        };
+        for (spec, cli, settings) in [
+            (
+                &tch,
+                "--phase plain --allocator oomguard --batch 44 --steps 8 --warmup 3",
+                r#"["plain"] [] oomguard cuda:0 44 8 3 4096"#,
+            ),
+            (
+                &tch,
+                "--phase alloc --batch 44 --steps 5 --warmup 2 --max-cap 64",
+                r#"["alloc"] [] libtorch cuda:0 44 5 2 64"#,
+            ),
+            (
+                &candle,
+                "frag --batch 24 --steps 6 --allocator pool --big 18446744073709551615",
+                r#"["frag"] [] pool cuda:0 24 6 3 16384"#,
+            ),
+            (
+                &candle,
+                "snap /tmp/gpt28 --batch 28 --steps 6 --allocator oomguard",
+                r#"["snap"] ["/tmp/gpt28"] oomguard cuda:0 28 6 3 16384"#,
+            ),
+        ] {
+            let Ok(Parsed::Run(a, _)) = parse::<Own>(&raw(cli), spec) else {
+                panic!("{cli:?} did not parse");
+            };
+            let got = format!(
+                "{:?} {:?} {} {} {} {} {} {}",
+                a.phases,
+                a.positional,
+                a.allocator,
+                a.device,
+                a.batch,
+                a.steps,
+                a.warmup,
+                a.max_cap
+            );
+            assert_eq!(got, settings, "{cli:?}");
+        }
     }
 
     #[test]
@@ -449,20 +510,30 @@ mod tests {
         for (cli, said) in [
             ("", "no --phase given"),
             ("--phase c", "unknown phase \"c\""),
-            ("--phase a --batch", "--batch needs a value"),
-            ("--phase a --batch x", "--batch \"x\": not a number"),
+            ("--phase a --batch", "a value is required for '--batch <N>'"),
+            ("--phase a --batch x", "invalid value 'x' for '--batch <N>'"),
             ("--phase a --batch 0", "at least 1"),
-            ("--phase a --frobnicate 1", "unknown option --frobnicate"),
+            (
+                "--phase a --frobnicate 1",
+                "unexpected argument '--frobnicate'",
+            ),
             ("--phase a stray", "unexpected argument \"stray\""),
             ("--phase a --device gpu", "cpu, cuda, cuda:N or N"),
             ("--phase a --oom-batch 0", "at least 1"),
-            ("--phase a --allocator pool", "native or oomguard"),
+            (
+                "--phase a --allocator pool",
+                "possible values: native, oomguard",
+            ),
             ("--phase a --equiv-batch 6", "a multiple of 4"),
             ("--phase a --oom-factor 1", "more than 1"),
             ("--phase a --grads-steps 1", "--grads-steps at least 2"),
         ] {
             let e = run(cli).unwrap_err();
             assert!(e.contains(said), "{cli:?}: {e:?} does not say {said:?}");
+            assert!(
+                !e.contains('\n') && !e.starts_with("error"),
+                "{cli:?}: {e:?}"
+            );
         }
     }
 }

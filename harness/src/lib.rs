@@ -17,7 +17,7 @@ mod phase_plain;
 pub mod report;
 mod runner;
 
-pub use args::{parse, Args, DeviceArg, Parsed, Spec};
+pub use args::{from_env, parse, Args, DeviceArg, NoOptions, Parsed, Spec};
 pub use bench::{attempts_str, plan_str, Bench, Optim};
 pub use report::{median, one_line, Line};
 pub use runner::{Out, Outcome, PhaseResult, Runner, Sink, GENERIC_PHASES};

@@ -2,6 +2,8 @@
 //! per line, easy to paste), or with `--json` one JSON object per line with the same fields.
 //! Scripts (`scripts/gpu-runs/`) and docs/GPU.md read these lines: keep their names and keys.
 
+use std::io::{ErrorKind, Write};
+
 use serde_json::{Map, Number, Value};
 
 /// One output line under construction.
@@ -105,7 +107,35 @@ impl Line {
 
     /// Prints the line on stdout.
     pub fn emit(self, json: bool) {
-        println!("{}", self.render(json));
+        crate::say!("{}", self.render(json));
+    }
+}
+
+/// `println!` that ends the process quietly (status 0) once stdout is a closed pipe (`| head`),
+/// where `println!` panics; any other failure to write ends it with status 74 (`EX_IOERR`).
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {
+        $crate::report::say_to(&mut ::std::io::stdout().lock(), format_args!($($t)*))
+    };
+}
+
+/// [`say!`]'s body: writes the line to `out`, or ends the process.
+pub fn say_to(out: &mut dyn Write, text: std::fmt::Arguments<'_>) {
+    if let Err(code) = write_line(out, text) {
+        std::process::exit(code);
+    }
+}
+
+/// Writes the line; `Err` is the exit status to end with.
+fn write_line(out: &mut dyn Write, text: std::fmt::Arguments<'_>) -> Result<(), i32> {
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => Err(0),
+        Err(e) => {
+            eprintln!("stdout: {e}");
+            Err(74)
+        }
     }
 }
 
@@ -125,5 +155,33 @@ pub fn median(v: &mut [f64]) -> f64 {
         v[n / 2]
     } else {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stdout whose reader is gone, or whose disk is full.
+    struct Failing(ErrorKind);
+
+    impl Write for Failing {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(self.0.into())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_closed_pipe_ends_quietly_other_write_errors_do_not() {
+        let mut v = Vec::new();
+        assert_eq!(write_line(&mut v, format_args!("PHASE {}", 1)), Ok(()));
+        assert_eq!(v, b"PHASE 1\n");
+        let closed = write_line(&mut Failing(ErrorKind::BrokenPipe), format_args!("x"));
+        assert_eq!(closed, Err(0));
+        let full = write_line(&mut Failing(ErrorKind::StorageFull), format_args!("x"));
+        assert_eq!(full, Err(74));
     }
 }

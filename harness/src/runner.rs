@@ -53,7 +53,7 @@ impl Out {
     /// Prints free text (a report's `Display`).
     pub fn print(&mut self, text: String) {
         match &mut self.sink {
-            Sink::Stdout => println!("{text}"),
+            Sink::Stdout => crate::say!("{text}"),
             Sink::Capture(lines) => lines.extend(text.lines().map(str::to_string)),
         }
     }

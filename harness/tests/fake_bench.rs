@@ -7,7 +7,7 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use oomguard_harness::{parse, Bench, Optim, Outcome, Parsed, Runner, Sink, Spec};
+use oomguard_harness::{parse, Bench, NoOptions, Optim, Outcome, Parsed, Runner, Sink, Spec};
 use oomguard_runtime::retry::{
     find_max_batch, Chunk, FinderError, FinderOptions, FinderReport, RetryEngine,
 };
@@ -261,14 +261,14 @@ const SPEC: Spec = Spec {
     extra_phases: &["max", "mine"],
     allocators: &["native"],
     max_cap: (4096, 1024),
-    options: &[],
+    defaults: &[],
     positional: false,
     default_phases: &[],
 };
 
 fn runner(fake: Fake, cli: &str) -> Runner<Fake> {
     let raw: Vec<String> = cli.split_whitespace().map(String::from).collect();
-    let Ok(Parsed::Run(args)) = parse(&raw, &SPEC) else {
+    let Ok(Parsed::Run(args, NoOptions {})) = parse(&raw, &SPEC) else {
         panic!("the test's command line {cli:?} did not parse");
     };
     let mut r = Runner::new(fake, *args);

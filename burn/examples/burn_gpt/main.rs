@@ -31,7 +31,6 @@ mod phase_grads;
 use std::any::Any;
 use std::panic;
 use std::process::ExitCode;
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,7 +38,7 @@ use std::time::{Duration, Instant};
 use burn::backend::NdArray;
 use burn::tensor::backend::Backend;
 use oomguard::{ByteSize, MemorySource};
-use oomguard_harness::{one_line, Args, DeviceArg, Line, Runner, Spec};
+use oomguard_harness::{one_line, say, Args, DeviceArg, Line, Runner, Spec};
 
 use bench::{BurnBench, Charge};
 use model::GptConfig;
@@ -53,27 +52,14 @@ const SPEC: Spec = Spec {
     // burn's tensors live in cubecl's pools: nothing else to choose.
     allocators: &["cubecl"],
     max_cap: (4096, 4096),
-    options: &[
-        "backend",
-        "overhead-batch",
-        "overhead-steps",
-        "cubecl-factors",
-        "cubecl-steps",
-        "curve-rows",
-        "budget-gib",
-        "budget-batch",
-        "budget-s",
-        "sim-mib",
-        "sim-row-kib",
-    ],
+    // The figures of docs/GPU.md were taken with these.
+    defaults: &[("sgd_lr", "0.1"), ("grads_steps", "5")],
     positional: false,
     default_phases: &[],
 };
 
 const USAGE: &str = "\
 burn_gpt: oomguard-burn on a GPT-2-small-shaped model (burn 0.21, CUDA), plain and under oomguard
-
-usage: burn_gpt [--phase NAME]... [options]
 
 phases (repeatable, comma-separated, or `all` = grads,max,equiv,oom,cubecl,overhead,find):
   grads     one backward: every parameter gets a gradient; the loss falls over
@@ -92,53 +78,51 @@ phases (repeatable, comma-separated, or `all` = grads,max,equiv,oom,cubecl,overh
   budget    the source's budget (--budget-gib), 3 train_step steps at --budget-batch under
             it, then one plain step without it
 
-model (default GPT-2 small: 12 layers, width 768, 12 heads, vocab 50257, seq 512; on
-ndarray, or with --tiny: 2 layers, width 32, 2 heads, vocab 128, seq 16):
-  --layers N --width N --heads N --vocab N --seq N
-options:
-  --backend cuda|ndarray   (default cuda; --device cpu is ndarray)
-  --device cuda|cuda:N|N|cpu   (default cuda:0)
-  --seed N                 tokens and weights (default 1234)
-  --lr X                   AdamW learning rate (default 3e-4)
-  --sgd-lr X               SGD learning rate of `equiv` (default 0.1)
-  --batch N                rows of `plain` and `overhead` (default 8; --overhead-batch N too)
-  --steps N  --warmup N    timed and untimed steps of `plain` (default 20, 3)
-  --grads-batch N          (default 4)
-  --grads-steps N          (default 5)
-  --max N                  the largest batch of a plain step: skips `max`'s bisection
-  --max-cap N              largest batch `max` and `find` try (default 4096)
-  --oom-factor X           (default 2)
-  --oom-batch N            `oom`'s batch, given (then max is not measured for it)
-  --equiv-batch N          a multiple of 4 (default 8)
-  --equiv-steps N          (default 3)
-  --find-steps N           (default 100)
-  --overhead-rounds N      rounds of 5 plain + 5 train_step steps (default 12;
-                           --overhead-steps N: ceil(N / 5) rounds)
-  --cubecl-factors LIST    (default 1.0,1.25,2.0)
-  --cubecl-steps N         steps per cell (default 2)
-  --curve-rows LIST        batches `curve` runs, in order (default 8,16,24,32,40,48,56,64,80,64,48)
-  --budget-gib X           the memory source's budget in `budget` (default 40)
-  --budget-batch N         batch of `budget` (default 32)
-  --budget-s S             phases that would start after S seconds do not run (status
-                           error); cubecl and curve stop their loops then
-  --sim-mib N              ndarray: the simulated card (default 256)
-  --sim-row-kib N          ndarray: charge per row of a step (default 4096)
-  --json                   lines as JSON objects
+model: GPT-2 small (12 layers, width 768, 12 heads, vocab 50257, seq 512); on ndarray
+(--backend ndarray or --device cpu) or with --tiny: 2 layers, width 32, 2 heads, vocab 128,
+seq 16; --layers etc. override either.
 ";
 
 /// The options only this example has.
+#[derive(clap::Args)]
 pub struct Own {
-    /// `--cubecl-factors`.
+    /// cuda or ndarray [default: cuda; ndarray with --device cpu].
+    #[arg(long)]
+    backend: Option<String>,
+    /// --batch, under another name.
+    #[arg(long, value_name = "N")]
+    overhead_batch: Option<i64>,
+    /// Steps of `overhead`: ceil(N / 5) rounds.
+    #[arg(long, value_name = "N")]
+    overhead_steps: Option<usize>,
+    /// Factors of the largest batch `cubecl` runs.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_values_t = [1.0, 1.25, 2.0])]
     pub cubecl_factors: Vec<f64>,
-    /// `--cubecl-steps`.
+    /// Steps per cell of `cubecl`.
+    #[arg(long, value_name = "N", default_value_t = 2)]
     pub cubecl_steps: usize,
-    /// `--curve-rows`.
+    /// Batches `curve` runs, in order.
+    #[arg(long, value_name = "LIST", value_delimiter = ',',
+          default_values_t = [8, 16, 24, 32, 40, 48, 56, 64, 80, 64, 48])]
     pub curve_rows: Vec<usize>,
-    /// `--budget-gib`.
+    /// The memory source's budget in `budget`, GiB.
+    #[arg(long, value_name = "X", default_value_t = 40.0)]
     pub budget_gib: f64,
-    /// `--budget-batch`.
+    /// Batch of `budget`.
+    #[arg(long, value_name = "N", default_value_t = 32)]
     pub budget_batch: usize,
+    /// Phases that would start after S seconds do not run (status error); cubecl and curve
+    /// stop their loops then.
+    #[arg(long, value_name = "S")]
+    budget_s: Option<f64>,
+    /// ndarray: the simulated card, MiB.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    sim_mib: u64,
+    /// ndarray: charge per row of a step, KiB.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    sim_row_kib: usize,
     /// When `--budget-s` runs out.
+    #[arg(skip)]
     pub deadline: Option<Instant>,
 }
 
@@ -190,32 +174,10 @@ fn panic_text(p: &(dyn Any + Send)) -> String {
         .unwrap_or_else(|| "<non-string panic>".into())
 }
 
-/// Whether `--NAME` is on the command line (the harness's defaults differ from this example's
-/// for some options).
-fn given(name: &str) -> bool {
-    let flag = format!("--{name}");
-    std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}=")))
-}
-
-/// A comma-separated option.
-fn list<T: FromStr>(args: &Args, name: &str, default: Vec<T>) -> Result<Vec<T>, String> {
-    match args.option::<String>(name)? {
-        None => Ok(default),
-        Some(v) => v
-            .split(',')
-            .map(|x| {
-                x.parse()
-                    .map_err(|_| format!("--{name} {v:?}: {x:?} is not a number"))
-            })
-            .collect(),
-    }
-}
-
-/// The model, this example's options, the backend (`true`: CUDA) and the simulated card's
-/// size and charge per row, from the command line; `args` adjusted where this example's
-/// defaults or options differ from the harness's.
-fn configure(args: &mut Args) -> Result<(GptConfig, Own, bool, (u64, usize)), String> {
-    let cuda = match args.option::<String>("backend")?.as_deref() {
+/// The model, the backend (`true`: CUDA) and the simulated card's size and charge per row,
+/// from the command line; `args` and `own` adjusted where this example's options say so.
+fn configure(args: &mut Args, own: &mut Own) -> Result<(GptConfig, bool, (u64, usize)), String> {
+    let cuda = match own.backend.as_deref() {
         None => args.device.is_cuda(),
         Some("ndarray") => false,
         Some("cuda") if !args.device.is_cuda() => {
@@ -251,38 +213,21 @@ fn configure(args: &mut Args) -> Result<(GptConfig, Own, bool, (u64, usize)), St
     if cfg.width % cfg.heads != 0 || cfg.seq < 2 || cfg.vocab < 2 {
         return Err("width must be a multiple of heads; seq and vocab at least 2".into());
     }
-    // This example's defaults where the harness's differ (the figures of docs/GPU.md).
-    if !given("sgd-lr") {
-        args.sgd_lr = 0.1;
-    }
-    if !given("grads-steps") {
-        args.grads_steps = 5;
-    }
-    if let Some(b) = args.option::<i64>("overhead-batch")? {
+    if let Some(b) = own.overhead_batch {
         if b < 1 {
             return Err("--overhead-batch at least 1".into());
         }
         args.batch = b;
     }
-    if let Some(n) = args.option::<usize>("overhead-steps")? {
+    if let Some(n) = own.overhead_steps {
         args.overhead_rounds = n.div_ceil(5).max(1);
     }
-    let budget_s = args.option::<f64>("budget-s")?;
-    if budget_s.is_some_and(|s| s.is_nan() || s < 0.0) {
-        return Err("--budget-s: seconds, at least 0".into());
+    if let Some(s) = own.budget_s {
+        if s.is_nan() || s < 0.0 {
+            return Err("--budget-s: seconds, at least 0".into());
+        }
+        own.deadline = Some(Instant::now() + Duration::from_secs_f64(s.min(1e9)));
     }
-    let own = Own {
-        cubecl_factors: list(args, "cubecl-factors", vec![1.0, 1.25, 2.0])?,
-        cubecl_steps: args.option("cubecl-steps")?.unwrap_or(2),
-        curve_rows: list(
-            args,
-            "curve-rows",
-            vec![8, 16, 24, 32, 40, 48, 56, 64, 80, 64, 48],
-        )?,
-        budget_gib: args.option("budget-gib")?.unwrap_or(40.0),
-        budget_batch: args.option("budget-batch")?.unwrap_or(32),
-        deadline: budget_s.map(|s| Instant::now() + Duration::from_secs_f64(s.min(1e9))),
-    };
     if own
         .cubecl_factors
         .iter()
@@ -298,21 +243,19 @@ fn configure(args: &mut Args) -> Result<(GptConfig, Own, bool, (u64, usize)), St
                 .into(),
         );
     }
-    let per_row = args
-        .option::<usize>("sim-row-kib")?
-        .unwrap_or(4096)
+    let per_row = own
+        .sim_row_kib
         .checked_mul(1024)
         .ok_or("--sim-row-kib: too large")?;
-    let sim = (args.option("sim-mib")?.unwrap_or(256), per_row);
-    Ok((cfg, own, cuda, sim))
+    Ok((cfg, cuda, (own.sim_mib, per_row)))
 }
 
 fn main() -> ExitCode {
-    let mut args = match oomguard_harness::args::from_env(&SPEC) {
+    let (mut args, mut own) = match oomguard_harness::from_env::<Own>(&SPEC) {
         Ok(a) => a,
         Err(code) => return code,
     };
-    let (cfg, own, cuda, (sim_mib, per_row)) = match configure(&mut args) {
+    let (cfg, cuda, (sim_mib, per_row)) = match configure(&mut args, &mut own) {
         Ok(c) => c,
         Err(e) => return SPEC.usage_error(&e),
     };
@@ -343,7 +286,7 @@ fn run_cuda(args: Args, own: Own, cfg: GptConfig, ordinal: usize) -> ExitCode {
     let source = match oomguard_burn::memory_source::<bench::Ad<Cuda>>(&dev) {
         Ok(s) => s,
         Err(e) => {
-            println!("burn_gpt: no usable CUDA device cuda:{ordinal}: {e}");
+            say!("burn_gpt: no usable CUDA device cuda:{ordinal}: {e}");
             return ExitCode::from(2);
         }
     };
@@ -365,7 +308,7 @@ fn run_cuda(args: Args, own: Own, cfg: GptConfig, ordinal: usize) -> ExitCode {
         )),
     };
     if let Some(f) = failed {
-        println!("burn_gpt: {f}");
+        say!("burn_gpt: {f}");
         return ExitCode::from(2);
     }
     run::<Cuda>(args, own, cfg, dev, source, Charge::none())

@@ -37,6 +37,8 @@
 //! Exit status: 0 when every phase ran and its checks held, 1 otherwise, 2 when the device
 //! cannot be used, 64 on a bad command line.
 
+#[path = "../common/measure.rs"]
+mod measure;
 mod model;
 
 use std::process::ExitCode;
@@ -48,17 +50,16 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap, SGD};
 use oomguard::retry::{FinderOptions, RetryEngine};
 use oomguard::source::MemorySource;
 use oomguard::train::TrainedStep;
-use oomguard_candle::{memory_source, train_step};
-use oomguard_harness::{Bench, DeviceArg, Optim, PhaseResult, Runner, Spec};
+use oomguard_candle::train_step;
+use oomguard_harness::{say, Bench, DeviceArg, Optim, PhaseResult, Runner, Spec};
 
+use measure::{device_used, is_oom, Allocator, Res};
 use model::{synthetic_tokens, Config, Gpt};
-
-type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const USAGE: &str = "\
 candle_gpt: a GPT-2-small-shaped model in candle on a CUDA device, plain and under oomguard
 
-usage: candle_gpt [PHASE [PREFIX]] [options]     (or --phase NAME, repeatable)
+candle_gpt [PHASE [PREFIX]] [options]: the first argument a phase (or --phase NAME, repeatable)
 
 phases (default all = find,oom,equiv,overhead):
   find      find_max_batch on plain steps, --steps (default 100) plain steps at its batch,
@@ -75,14 +76,21 @@ phases (default all = find,oom,equiv,overhead):
             (default 2) x its batch from an engine seeded with the finder's result
   snap PREFIX  (--allocator oomguard) one step at --batch with the history on (--steps N:
             the first N steps): PREFIX.pickle and PREFIX.json
-options:
-  --device N|cuda:N        (default 0)
-  --allocator pool|oomguard   who serves candle's CUDA tensors (default pool)
-  --release-threshold B    the driver pool's release threshold, set before the phases
-  --big ROWS  --factor N  --batch N  --steps N  --warmup N  --seed N  --lr X  --sgd-lr X
-  --max N  --max-cap N (default 16384)  --oom-factor X  --equiv-batch N  --equiv-steps N
-  --overhead-rounds N  --json
 ";
+
+/// The options only this example has.
+#[derive(clap::Args)]
+struct Own {
+    /// `oom`'s batch (as --oom-batch) [default: 2 x max].
+    #[arg(long, value_name = "ROWS")]
+    big: Option<i64>,
+    /// `seeded`'s batch over the one found.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    factor: usize,
+    /// The driver pool's release threshold, set before the phases.
+    #[arg(long, value_name = "B")]
+    release_threshold: Option<u64>,
+}
 
 /// The command line.
 const SPEC: Spec = Spec {
@@ -92,7 +100,7 @@ const SPEC: Spec = Spec {
     extra_phases: &["frag", "seeded", "snap", "max", "plain"],
     allocators: &["pool", "oomguard"],
     max_cap: (1 << 14, 1 << 14),
-    options: &["big", "factor", "release-threshold"],
+    defaults: &[],
     positional: true,
     default_phases: &["find", "oom", "equiv", "overhead"],
 };
@@ -105,28 +113,11 @@ struct Run {
     init: Vec<Tensor>,
 }
 
-/// Where candle's tensors live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Allocator {
-    /// The driver's stream-ordered pool (candle as it is).
-    Pool,
-    /// oomguard's caching allocator under candle (the allocator hook).
-    Oomguard,
-}
-
 impl Run {
     /// The run and the memory source its tensors come from.
     fn new(ordinal: usize, allocator: Allocator) -> Res<(Self, Arc<dyn MemorySource>)> {
         let dev = Device::new_cuda(ordinal)?;
-        let source: Arc<dyn MemorySource> = match allocator {
-            Allocator::Pool => memory_source(&dev)?,
-            #[cfg(feature = "allocator-hook")]
-            Allocator::Oomguard => Arc::new(oomguard_candle::alloc_hook::install(&dev)?),
-            #[cfg(not(feature = "allocator-hook"))]
-            Allocator::Oomguard => {
-                return Err("--allocator oomguard needs the `allocator-hook` feature".into())
-            }
-        };
+        let source = allocator.source(&dev)?;
         dev.set_seed(42)?;
         let cfg = Config::gpt2_small();
         let varmap = VarMap::new();
@@ -138,7 +129,7 @@ impl Run {
             .map(|v| v.as_tensor().copy())
             .collect::<Result<_, _>>()?;
         let n: usize = vars.iter().map(|v| v.elem_count()).sum();
-        println!("model: {} parameters, {} tensors", n, vars.len());
+        say!("model: {} parameters, {} tensors", n, vars.len());
         let run = Self {
             dev,
             cfg,
@@ -299,11 +290,6 @@ impl Bench for CandleBench {
     }
 }
 
-/// Whether `e` is an out-of-memory error.
-fn is_oom(e: &candle_core::Error) -> bool {
-    oomguard::IsOom::is_oom(e)
-}
-
 /// `overhead` on a pool that keeps its cache (as a tuned loop would), so that neither loop pays
 /// the driver for memory on every step; the threshold restored afterwards.
 fn overhead(r: &mut Runner<CandleBench>) -> PhaseResult {
@@ -353,7 +339,7 @@ fn phase_seeded(run: &Run, source: &Arc<dyn MemorySource>, factor: usize, steps:
         })?;
         run.dev.synchronize()?;
         retries += done.report.retries();
-        println!(
+        say!(
             "SEEDED step {step} batch {rows}: {} retries, plan {} x {}, loss {:.4}, {:.1} ms",
             done.report.retries(),
             done.report.final_plan.chunks().len(),
@@ -362,7 +348,7 @@ fn phase_seeded(run: &Run, source: &Arc<dyn MemorySource>, factor: usize, steps:
             t.elapsed().as_secs_f64() * 1e3
         );
     }
-    println!(
+    say!(
         "RESULT seeded: found {} rows ({} trials, {finder_secs:.1} s), batch bytes {:?} a row, accumulation {:?} B; {steps} steps at {rows} rows from micro-batches of at most {seed}: {retries} retries",
         found.max_batch,
         found.trials.len(),
@@ -394,7 +380,7 @@ fn phase_snapshot(run: &Run, prefix: &str, batch: usize, steps: usize) -> Res<()
     og.allocator().record_history(0, false);
     std::fs::write(format!("{prefix}.pickle"), snap.to_pytorch_pickle())?;
     std::fs::write(format!("{prefix}.json"), snap.to_json()?)?;
-    println!(
+    say!(
         "RESULT snap: {steps} step(s) of batch {batch} on oomguard's allocator: {} segments, {} events -> {prefix}.pickle",
         snap.segments.len(),
         snap.device_traces.len()
@@ -413,7 +399,7 @@ fn phase_snapshot(_: &Run, _: &str, _: usize, _: usize) -> Res<()> {
 fn remap_line(run: &Run, step: usize) {
     if let Some(og) = oomguard_candle::alloc_hook::installed_device(&run.dev) {
         let s = og.allocator().stats();
-        println!(
+        say!(
             "RESULT remap: after step {step}: {:.2} GiB mapped in {} calls, {:.2} GiB unmapped in {} calls, {} device synchronisations, {} stream synchronisations",
             s.mapped_bytes_total as f64 / (1u64 << 30) as f64,
             s.num_map,
@@ -427,12 +413,6 @@ fn remap_line(run: &Run, step: usize) {
 
 #[cfg(not(feature = "allocator-hook"))]
 fn remap_line(_: &Run, _: usize) {}
-
-/// Device memory in use (`cuMemGetInfo`: total - free).
-fn device_used() -> Res<u64> {
-    let (free, total) = oomguard::cudarc::driver::result::mem_get_info()?;
-    Ok((total - free) as u64)
-}
 
 fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: usize) -> Res<()> {
     candle_core::cuda::set_gemm_reduced_precision_f32(true);
@@ -456,7 +436,7 @@ fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: us
     let u = source.usage()?;
     times.sort_by(f64::total_cmp);
     let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-    println!(
+    say!(
         "RESULT frag: {}, batch {batch}, {steps} steps: peak reserved {} / peak used {} = {:.4}; \
          {ooms} OOM; median {:.1} ms/step",
         source.info().kind,
@@ -466,7 +446,7 @@ fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: us
         median * 1e3
     );
     let used = device_used()?;
-    println!(
+    say!(
         "RESULT unseen: device used {used} B, {} reserved {} B: {} B outside it at the end \
          (most after a step: {unseen_max} B); the allocator saw {:.4} of device memory",
         source.info().kind,
@@ -478,7 +458,7 @@ fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: us
 }
 
 fn main() -> ExitCode {
-    let mut args = match oomguard_harness::args::from_env(&SPEC) {
+    let (mut args, own) = match oomguard_harness::from_env::<Own>(&SPEC) {
         Ok(a) => a,
         Err(code) => return code,
     };
@@ -496,24 +476,14 @@ fn main() -> ExitCode {
     if steps_given {
         args.find_steps = args.steps;
     }
-    let options = (|| -> Result<_, String> {
-        Ok((
-            args.option::<i64>("big")?,
-            args.option::<usize>("factor")?.unwrap_or(2).max(1),
-            args.option::<u64>("release-threshold")?,
-        ))
-    })();
-    let (big, factor, threshold) = match options {
-        Ok(o) => o,
-        Err(e) => return SPEC.usage_error(&e),
-    };
-    if big.is_some() {
-        args.oom_batch = big;
+    let factor = own.factor.max(1);
+    if own.big.is_some() {
+        args.oom_batch = own.big;
     }
     let (run, source) = match Run::new(ordinal, allocator) {
         Ok(r) => r,
         Err(e) => {
-            println!("candle_gpt: cuda:{ordinal}: {e}");
+            say!("candle_gpt: cuda:{ordinal}: {e}");
             return ExitCode::from(2);
         }
     };
@@ -521,15 +491,15 @@ fn main() -> ExitCode {
     // memory back at every synchronisation, so every step starts from an empty pool. With a
     // high threshold the pool keeps the previous step's blocks, and a step near the card's
     // limit can fail on the cached blocks' fragmentation (seen at 70 rows: 99 of 100 steps).
-    if let Some(t) = threshold {
+    if let Some(t) = own.release_threshold {
         let set =
             oomguard::source::DriverPool::current(ordinal).and_then(|p| p.set_release_threshold(t));
         if let Err(e) = set {
-            println!("candle_gpt: --release-threshold {t}: {e}");
+            say!("candle_gpt: --release-threshold {t}: {e}");
             return ExitCode::from(2);
         }
     }
-    println!("memory source: {}", source.info());
+    say!("memory source: {}", source.info());
     let bench = CandleBench {
         run,
         source,
@@ -559,6 +529,6 @@ fn main() -> ExitCode {
             _ => return None,
         })
     });
-    println!("{}", runner.bench.source.memory_summary());
+    say!("{}", runner.bench.source.memory_summary());
     code
 }

@@ -37,7 +37,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use oomguard::{ByteSize, MemorySource};
-use oomguard_harness::{one_line, DeviceArg, Line, Runner, Spec};
+use oomguard_harness::{one_line, say, DeviceArg, Line, NoOptions, Runner, Spec};
 use tch::Device;
 
 use oomguard_tch::LibtorchCudaSource;
@@ -55,15 +55,13 @@ const SPEC: Spec = Spec {
     extra_phases: &["max", "alloc", "alloc-one"],
     allocators: &["libtorch", "oomguard"],
     max_cap: (4096, 1024),
-    options: &[],
+    defaults: &[],
     positional: false,
     default_phases: &[],
 };
 
 const USAGE: &str = "\
 tch_gpt: a GPT-2-small-shaped model in tch (libtorch), plain and under oomguard (issue 33, item 5)
-
-usage: tch_gpt [--phase NAME]... [options]
 
 phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,overhead):
   grads     one backward: every parameter has a finite non-zero gradient; the loss falls
@@ -83,30 +81,10 @@ phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,ove
   alloc-one (only when named) the allocator this process has: --steps plain steps at
             --batch (median ms, peak reserved / peak used), then the largest batch
 
-model (default GPT-2 small: 12 layers, width 768, 12 heads, vocab 50257, seq 1024):
-  --tiny                   2 layers, width 32, 2 heads, vocab 64, seq 16 (a CPU run in seconds)
-  --layers N --width N --heads N --vocab N --seq N   (after --tiny, override it)
-options:
-  --device cpu|cuda|cuda:N (default cuda)
-  --allocator libtorch|oomguard   who serves the CUDA tensors (default libtorch): oomguard
-                           installs oomguard's caching allocator under libtorch first
-                           (oomguard_tch::allocator::install); its Device is then the source
-  --seed N                 weights and tokens (default 1234)
-  --lr X                   AdamW learning rate (default 3e-4)
-  --sgd-lr X               SGD learning rate of `equiv` (default 0.05)
-  --batch N                rows of `plain` and `overhead` (default 8)
-  --steps N                timed steps of `plain` (default 20)
-  --warmup N               untimed steps before them (default 3)
-  --grads-batch N          (default 4)
-  --grads-steps N          (default 10)
-  --max N                  the largest batch of a plain step: skips `max`'s bisection
-  --max-cap N              largest batch `max` and `finder` try (default 4096; --tiny: 1024)
-  --oom-factor X           (default 2)
-  --equiv-batch N          a multiple of 4 (default 8)
-  --equiv-steps N          (default 3)
-  --find-steps N           (default 100)
-  --overhead-rounds N      rounds of 5 plain + 5 train_step steps (default 12)
-  --json                   RESULT lines as JSON objects
+model: GPT-2 small (12 layers, width 768, 12 heads, vocab 50257, seq 1024); --tiny: 2 layers,
+width 32, 2 heads, vocab 64, seq 16 (a CPU run in seconds; --max-cap 1024 unless given);
+--layers etc. override either. --allocator oomguard installs oomguard's caching allocator
+under libtorch first (oomguard_tch::allocator::install); its Device is then the source.
 ";
 
 /// A libtorch out-of-memory panic is expected here (and caught): printed as one line; every
@@ -129,8 +107,8 @@ fn install_panic_hook() {
 }
 
 fn main() -> ExitCode {
-    let args = match oomguard_harness::args::from_env(&SPEC) {
-        Ok(a) => a,
+    let args = match oomguard_harness::from_env::<NoOptions>(&SPEC) {
+        Ok((a, NoOptions {})) => a,
         Err(code) => return code,
     };
     let oomguard_allocator = args.allocator == "oomguard";
@@ -165,14 +143,14 @@ fn main() -> ExitCode {
                 (Charge::none(), source)
             }
             Err(e) => {
-                println!("tch_gpt: oomguard's allocator under libtorch on cuda:{i}: {e}");
+                say!("tch_gpt: oomguard's allocator under libtorch on cuda:{i}: {e}");
                 return ExitCode::from(2);
             }
         },
         Device::Cuda(i) => {
             let n = tch::Cuda::device_count();
             if !tch::Cuda::is_available() || i as i64 >= n {
-                println!(
+                say!(
                     "tch_gpt: no usable CUDA device cuda:{i} (libtorch sees {n}); use --device cpu"
                 );
                 return ExitCode::from(2);
@@ -180,7 +158,7 @@ fn main() -> ExitCode {
             match LibtorchCudaSource::new(i) {
                 Ok(s) => (Charge::none(), s.register()),
                 Err(e) => {
-                    println!("tch_gpt: libtorch's CUDA allocator on cuda:{i}: {e}");
+                    say!("tch_gpt: libtorch's CUDA allocator on cuda:{i}: {e}");
                     return ExitCode::from(2);
                 }
             }
