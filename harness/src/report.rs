@@ -116,19 +116,14 @@ impl Line {
 #[macro_export]
 macro_rules! say {
     ($($t:tt)*) => {
-        $crate::report::say_to(&mut ::std::io::stdout().lock(), format_args!($($t)*))
+        if let Err(code) = $crate::report::write_line(&mut ::std::io::stdout(), format_args!($($t)*)) {
+            ::std::process::exit(code)
+        }
     };
 }
 
-/// [`say!`]'s body: writes the line to `out`, or ends the process.
-pub fn say_to(out: &mut dyn Write, text: std::fmt::Arguments<'_>) {
-    if let Err(code) = write_line(out, text) {
-        std::process::exit(code);
-    }
-}
-
-/// Writes the line; `Err` is the exit status to end with.
-fn write_line(out: &mut dyn Write, text: std::fmt::Arguments<'_>) -> Result<(), i32> {
+/// [`say!`]'s body: writes the line; `Err` is the exit status to end with.
+pub fn write_line(out: &mut dyn Write, text: std::fmt::Arguments<'_>) -> Result<(), i32> {
     match writeln!(out, "{text}").and_then(|()| out.flush()) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::BrokenPipe => Err(0),
