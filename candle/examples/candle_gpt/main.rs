@@ -458,7 +458,7 @@ fn phase_frag(run: &Run, source: &Arc<dyn MemorySource>, batch: usize, steps: us
 }
 
 fn main() -> ExitCode {
-    let (mut args, own) = match oomguard_harness::from_env::<Own>(&SPEC) {
+    let (mut args, opts) = match oomguard_harness::from_env::<Own>(&SPEC) {
         Ok(a) => a,
         Err(code) => return code,
     };
@@ -476,9 +476,9 @@ fn main() -> ExitCode {
     if steps_given {
         args.find_steps = args.steps;
     }
-    let factor = own.factor.max(1);
-    if own.big.is_some() {
-        args.oom_batch = own.big;
+    let factor = opts.factor.max(1);
+    if opts.big.is_some() {
+        args.oom_batch = opts.big;
     }
     let (run, source) = match Run::new(ordinal, allocator) {
         Ok(r) => r,
@@ -491,7 +491,7 @@ fn main() -> ExitCode {
     // memory back at every synchronisation, so every step starts from an empty pool. With a
     // high threshold the pool keeps the previous step's blocks, and a step near the card's
     // limit can fail on the cached blocks' fragmentation (seen at 70 rows: 99 of 100 steps).
-    if let Some(t) = own.release_threshold {
+    if let Some(t) = opts.release_threshold {
         let set =
             oomguard::source::DriverPool::current(ordinal).and_then(|p| p.set_release_threshold(t));
         if let Err(e) = set {
