@@ -143,10 +143,12 @@ impl fmt::Display for InstallError {
                 f,
                 "oomguard's allocator hook is not reached by this program's CUDA calls: {reason}"
             ),
-            InstallError::AlreadyInstalled(d) => SITE.already_installed(f, d),
-            InstallError::Device(e) => SITE.device_failed(f, e),
+            InstallError::AlreadyInstalled(d) => f.write_str(&SITE.already_installed(d)),
+            InstallError::Device(e) => f.write_str(&SITE.device_failed(e)),
             InstallError::Candle(e) => write!(f, "candle failed while proving the hook: {e}"),
-            InstallError::StillServing { cause, device } => SITE.still_serving(f, cause, device),
+            InstallError::StillServing { cause, device } => {
+                f.write_str(&SITE.still_serving(cause, device))
+            }
         }
     }
 }

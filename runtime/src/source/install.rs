@@ -1,8 +1,8 @@
-//! The text of the install failures that every framework's hook of oomguard's allocator shares
+//! The texts of the install failures that every framework's hook of oomguard's allocator shares
 //! (oomguard-candle's `alloc_hook::install`, oomguard-tch's `allocator::install`): each crate's
-//! `InstallError` keeps its own variants and writes these through one [`InstallSite`].
+//! `InstallError` keeps its own variants and words these through one [`InstallSite`].
 
-use std::fmt;
+use std::fmt::Display;
 
 use crate::{Device, Error};
 
@@ -18,31 +18,24 @@ pub struct InstallSite {
 }
 
 impl InstallSite {
-    /// The text of `AlreadyInstalled(device)`: oomguard serves this site already, on `device`.
-    pub fn already_installed(&self, f: &mut fmt::Formatter<'_>, device: &Device) -> fmt::Result {
+    /// `AlreadyInstalled(device)`'s text: oomguard serves this site already, on `device`.
+    pub fn already_installed(&self, device: &Device) -> String {
         let (serves, name, module) = (self.serves, device.name(), self.module);
-        write!(
-            f,
+        format!(
             "oomguard's allocator serves {serves} already, on {name} (use the Device install \
              returned, or {module}::installed_device)"
         )
     }
 
-    /// The text of `Device(error)`: opening oomguard's device failed.
-    pub fn device_failed(&self, f: &mut fmt::Formatter<'_>, error: &Error) -> fmt::Result {
-        write!(f, "opening oomguard's device failed: {error}")
+    /// `Device(error)`'s text: opening oomguard's device failed.
+    pub fn device_failed(&self, error: &Error) -> String {
+        format!("opening oomguard's device failed: {error}")
     }
 
-    /// The text of `StillServing { cause, device }`: install failed, and oomguard keeps serving.
-    pub fn still_serving(
-        &self,
-        f: &mut fmt::Formatter<'_>,
-        cause: &dyn fmt::Display,
-        device: &Device,
-    ) -> fmt::Result {
+    /// `StillServing { cause, device }`'s text: install failed, and oomguard keeps serving.
+    pub fn still_serving(&self, cause: &dyn Display, device: &Device) -> String {
         let (serves, name, module) = (self.serves, device.name(), self.module);
-        write!(
-            f,
+        format!(
             "{cause}; but oomguard keeps serving {serves} on {name} ({}; \
              {module}::installed_device returns the device)",
             self.still_serving
@@ -55,13 +48,6 @@ mod tests {
     use super::*;
     use crate::ByteSize;
 
-    struct Shown<F: Fn(&mut fmt::Formatter<'_>) -> fmt::Result>(F);
-    impl<F: Fn(&mut fmt::Formatter<'_>) -> fmt::Result> fmt::Display for Shown<F> {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            (self.0)(f)
-        }
-    }
-
     #[test]
     fn texts_name_the_site_the_device_and_the_way_back() {
         let site = InstallSite {
@@ -70,16 +56,18 @@ mod tests {
             still_serving: "memory it served is still live",
         };
         let dev = Device::sim(ByteSize::mib(1));
-        let name = dev.name();
-        let already = Shown(|f| site.already_installed(f, &dev)).to_string();
-        assert!(already.starts_with("oomguard's allocator serves libtorch already"));
-        assert!(already.contains(&name), "{already}");
-        assert!(already.contains("oomguard_tch::allocator::installed_device"));
-        let still = Shown(|f| site.still_serving(f, &"no CUDA", &dev)).to_string();
+        let already = site.already_installed(&dev);
+        assert!(already.starts_with("oomguard's allocator serves libtorch already, on "));
+        assert!(already.contains(&dev.name()), "{already}");
+        assert!(
+            already.ends_with("oomguard_tch::allocator::installed_device)"),
+            "{already}"
+        );
+        let still = site.still_serving(&"no CUDA", &dev);
         assert!(still.starts_with("no CUDA; but oomguard keeps serving libtorch on "));
-        assert!(still.contains("(memory it served is still live; oomguard_tch::allocator"));
+        assert!(still.ends_with("(memory it served is still live; oomguard_tch::allocator::installed_device returns the device)"), "{still}");
         let err = dev.alloc::<u8>(2 << 20).unwrap_err();
-        let failed = Shown(|f| site.device_failed(f, &err)).to_string();
-        assert_eq!(failed, format!("opening oomguard's device failed: {err}"));
+        let failed = format!("opening oomguard's device failed: {err}");
+        assert_eq!(site.device_failed(&err), failed);
     }
 }
