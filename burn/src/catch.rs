@@ -2,11 +2,12 @@
 //!
 //! See [`catch_oom`] for the rules.
 
-use std::any::Any;
 use std::cell::Cell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
+
+use oomguard::retry::advanced::panic_text as payload_text;
 
 use crate::compat::{CALL_ERROR, INTO_DATA_EXPECT, UNWRAP};
 use crate::Error;
@@ -30,13 +31,6 @@ pub fn panic_message_is_oom(message: &str) -> bool {
         .or_else(|| message.strip_prefix(UNWRAP))
         .unwrap_or(message);
     oomguard::retry::cubecl_text_is_oom(inner)
-}
-
-fn payload_text(payload: &(dyn Any + Send)) -> Option<&str> {
-    payload
-        .downcast_ref::<&'static str>()
-        .copied()
-        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
 }
 
 fn install_hook() {

@@ -30,10 +30,9 @@ pub use burn::tensor::backend::ExecutionError;
 pub const INTO_DATA_EXPECT: &str =
     "Error while reading data: use `try_into_data` instead to catch the error at runtime";
 
-/// The message of `Result::unwrap` on an error, followed by the error's `Debug` (cubecl's
-/// device thread panics with it when a reservation fails in `initialize_memory`, and
-/// `ComputeClient::empty`/`create` do on the caller's thread).
-pub const UNWRAP: &str = "called `Result::unwrap()` on an `Err` value: ";
+// cubecl's device thread panics with `UNWRAP` when a reservation fails in `initialize_memory`,
+// and `ComputeClient::empty`/`create` do on the caller's thread.
+pub use oomguard::retry::advanced::UNWRAP;
 
 /// The `Debug` of cubecl-common's `CallError`: the caller's panic when the task it waited for
 /// panicked on the device thread (`ComputeClient::read` and others unwrap it).

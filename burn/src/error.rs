@@ -2,37 +2,48 @@
 //! panic, or a refusal (rows that do not match the batch, a plan that drops rows, parameters
 //! without a gradient, parameters burn can no longer initialise).
 
-use std::fmt;
-
 use oomguard::IsOom;
 
 use crate::compat::ExecutionError;
 
 /// Why a micro-batch, a step or a [`catch_oom`](crate::catch_oom) closure failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An error burn returned (`try_into_data`, `Backend::sync`, ...). An out-of-memory when it
     /// holds one of cubecl's out-of-memory errors ([`IsOom`] for `ExecutionError`, feature
     /// `burn` of oomguard).
-    Execution(ExecutionError),
+    #[error("{0}")]
+    Execution(#[from] ExecutionError),
     /// A cubecl out-of-memory that surfaced as a panic (`Tensor::into_data`, a reservation that
     /// failed on the device thread); always an out-of-memory.
+    #[error(
+        "cubecl ran out of device memory (seen as a panic): {}",
+        .message.lines().next().unwrap_or("")
+    )]
     DevicePanic {
         /// The panic's message (the device thread's when the caller only saw `CallError`).
         message: String,
     },
     /// An oomguard error (e.g. a simulated device's out-of-memory in a CPU test of a step, or a
     /// memory source's error); an out-of-memory when it is one.
-    Oomguard(oomguard::Error),
+    #[error("{0}")]
+    Oomguard(#[from] oomguard::Error),
     /// The batch's tensors do not have the rows the plan splits (e.g. a tensor of 16 rows in a
     /// step of batch 8), or the chunks backpropagated do not cover the batch's rows exactly once
     /// (a chunk twice, chunks of two plans, a chunk left out); not retried.
+    #[error("{0}")]
     Rows(String),
     /// The chunk's loss is not one value (the chunk's mean loss, e.g. `loss.mean()`); not
     /// retried.
+    #[error("{0}")]
     Loss(String),
     /// The retry policy asked for fewer rows than the batch: [`train_step`](crate::train_step)
     /// trains on every row, so it refuses instead of dropping rows; not retried.
+    #[error(
+        "the retry policy planned {plan_rows} of the batch's {batch} rows; a training step \
+         trains on every row: use a policy that splits into micro-batches \
+         (oomguard::retry::training_policy, Accumulate), not one that shrinks the batch"
+    )]
     DropsRows {
         /// The batch the step was given.
         batch: usize,
@@ -41,6 +52,13 @@ pub enum Error {
     },
     /// Float parameters that require a gradient got none from the backward pass (a module that
     /// cuts the graph, or a parameter the loss does not use); the optimizer did not step.
+    #[error(
+        "{} parameter(s) requiring a gradient got none from the backward pass: {}; a module cut \
+         the graph or the loss does not use them (freeze unused ones with \
+         `set_require_grad(false)`); the optimizer did not step",
+        .params.len(),
+        oomguard::train::name_list(.params)
+    )]
     NoGradient {
         /// Their paths in the module (`"blocks.0.attn.query.weight"`).
         params: Vec<String>,
@@ -50,69 +68,17 @@ pub enum Error {
     /// during a forward inside `find_max_batch`): burn 0.21 lost their initialiser and poisoned
     /// their lock, so they can never be created; not retried. Build the model again (or load a
     /// record into a new one).
+    #[error(
+        "{} lazy parameter(s) cannot be initialised any more: {}; an earlier initialisation \
+         outside train_step ran out of memory and burn lost their initialiser; build the model \
+         again (or load a record into a new one)",
+        .params.len(),
+        .params.join(", ")
+    )]
     BrokenParameters {
         /// Their paths in the module (`"fc1.weight"`).
         params: Vec<String>,
     },
-}
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Execution(e) => write!(f, "{e}"),
-            Error::DevicePanic { message } => write!(
-                f,
-                "cubecl ran out of device memory (seen as a panic): {}",
-                message.lines().next().unwrap_or("")
-            ),
-            Error::Oomguard(e) => write!(f, "{e}"),
-            Error::Rows(m) | Error::Loss(m) => f.write_str(m),
-            Error::DropsRows { batch, plan_rows } => write!(
-                f,
-                "the retry policy planned {plan_rows} of the batch's {batch} rows; a training step \
-                 trains on every row: use a policy that splits into micro-batches \
-                 (oomguard::retry::training_policy, Accumulate), not one that shrinks the batch"
-            ),
-            Error::NoGradient { params } => write!(
-                f,
-                "{} parameter(s) requiring a gradient got none from the backward pass: {}; a \
-                 module cut the graph or the loss does not use them (freeze unused ones with \
-                 `set_require_grad(false)`); the optimizer did not step",
-                params.len(),
-                oomguard::train::name_list(params)
-            ),
-            Error::BrokenParameters { params } => write!(
-                f,
-                "{} lazy parameter(s) cannot be initialised any more: {}; an earlier \
-                 initialisation outside train_step ran out of memory and burn lost their \
-                 initialiser; build the model again (or load a record into a new one)",
-                params.len(),
-                params.join(", ")
-            ),
-        }
-    }
-}
-
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Error::Execution(e) => Some(e),
-            Error::Oomguard(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<ExecutionError> for Error {
-    fn from(e: ExecutionError) -> Self {
-        Error::Execution(e)
-    }
-}
-
-impl From<oomguard::Error> for Error {
-    fn from(e: oomguard::Error) -> Self {
-        Error::Oomguard(e)
-    }
 }
 
 impl IsOom for Error {

@@ -122,6 +122,14 @@ pub enum InstallError {
     },
 }
 
+/// How [`InstallError`]'s texts name this allocator (written once in the core, as
+/// oomguard-candle's).
+const SITE: oomguard::source::InstallSite = oomguard::source::InstallSite {
+    serves: "libtorch as its CUDA allocator",
+    module: "oomguard_tch::allocator",
+    still_serving: "memory it served is still live, or libtorch's allocator could not be put back",
+};
+
 impl fmt::Display for InstallError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -136,13 +144,8 @@ impl fmt::Display for InstallError {
                 "oomguard's allocator must be installed before CUDA is initialised: {why}; call \
                  oomguard_tch::allocator::install first thing in the program"
             ),
-            InstallError::AlreadyInstalled(d) => write!(
-                f,
-                "oomguard's allocator is libtorch's CUDA allocator already, on {} (use the \
-                 Device install returned, or oomguard_tch::allocator::installed_device)",
-                d.name()
-            ),
-            InstallError::Device(e) => write!(f, "opening oomguard's device failed: {e}"),
+            InstallError::AlreadyInstalled(d) => f.write_str(&SITE.already_installed(d)),
+            InstallError::Device(e) => f.write_str(&SITE.device_failed(e)),
             InstallError::Torch(e) => {
                 write!(f, "tch failed while proving oomguard's allocator: {e}")
             }
@@ -153,13 +156,9 @@ impl fmt::Display for InstallError {
             InstallError::Libtorch(why) => {
                 write!(f, "libtorch refused oomguard's allocator: {why}")
             }
-            InstallError::StillServing { cause, device } => write!(
-                f,
-                "{cause}; but oomguard keeps serving libtorch on {} (memory it served is still \
-                 live, or libtorch's allocator could not be put back; \
-                 oomguard_tch::allocator::installed_device returns the device)",
-                device.name()
-            ),
+            InstallError::StillServing { cause, device } => {
+                f.write_str(&SITE.still_serving(cause, device))
+            }
         }
     }
 }

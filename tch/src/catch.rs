@@ -5,6 +5,7 @@
 use std::any::Any;
 use std::panic::{self, AssertUnwindSafe};
 
+use oomguard::retry::advanced::panic_text as payload_text;
 use oomguard::retry::libtorch_text_is_oom;
 
 use crate::compat::{TORCH_DEBUG, TORCH_DISPLAY, UNWRAP};
@@ -65,13 +66,6 @@ pub fn panic_message_is_oom(message: &str) -> bool {
 /// Whether a panic's payload is a message that [`panic_message_is_oom`] accepts.
 pub(crate) fn payload_is_oom(payload: &(dyn Any + Send)) -> bool {
     payload_text(payload).is_some_and(panic_message_is_oom)
-}
-
-fn payload_text(payload: &(dyn Any + Send)) -> Option<&str> {
-    payload
-        .downcast_ref::<&'static str>()
-        .copied()
-        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
 }
 
 /// Runs `f`, turning a libtorch out-of-memory that surfaces as a panic into

@@ -9,8 +9,7 @@
 //!   `Debug`, `Torch("...")` with the text escaped ([`TORCH_DEBUG`]);
 //! - `TchError::Torch`'s display ([`TORCH_DISPLAY`]).
 
-/// The message of `Result::unwrap` on an error, followed by the error's `Debug`.
-pub const UNWRAP: &str = "called `Result::unwrap()` on an `Err` value: ";
+pub use oomguard::retry::advanced::UNWRAP;
 
 /// The derived `Debug` of `TchError::Torch(text)` starts with this, then `text`'s `Debug`
 /// escapes without its opening quote, then `")`.

@@ -2,8 +2,6 @@
 //! oomguard error, or a refusal of [`train_step`](crate::train_step) (a loss that is not one
 //! value, variables without a gradient, variables the optimizer does not update).
 
-use std::fmt;
-
 use oomguard::retry::{libtorch_text_is_budget_exceeded, libtorch_text_oom_request};
 use oomguard::IsOom;
 use tch::TchError;
@@ -14,29 +12,39 @@ use tch::TchError;
 /// `Result<_, oomguard_tch::Error>`; `?` converts a `TchError` into it. (`TchError` implements
 /// [`IsOom`] too, through oomguard's `tch` feature, which this crate turns on: a function that
 /// returns `Result<_, TchError>` needs no conversion.)
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An error tch returned (an `f_*` method). An out-of-memory when it is
     /// `TchError::Torch(text)` and `text` starts with one of libtorch's out-of-memory messages
     /// ([`oomguard::retry::libtorch_text_is_oom`]).
-    Torch(TchError),
+    #[error("{0}")]
+    Torch(#[from] TchError),
     /// A libtorch out-of-memory that surfaced as a panic of a plain tch method (which unwraps
     /// its `f_*` twin); always an out-of-memory.
+    #[error("libtorch ran out of memory (seen as a panic of a tch method): {message}")]
     OomPanic {
         /// libtorch's text (the `TchError::Torch` the method unwrapped).
         message: String,
     },
     /// An oomguard error (e.g. a simulated device's out-of-memory in a CPU test of a step, or a
     /// memory source's error); an out-of-memory when it is one.
-    Oomguard(oomguard::Error),
+    #[error("{0}")]
+    Oomguard(#[from] oomguard::Error),
     /// The chunk's loss is not one value (give the chunk's per-row mean loss, e.g.
     /// `loss.mean(Kind::Float)`); not retried.
+    #[error("{0}")]
     Loss(String),
     /// Variables of the `VarStore` that require a gradient got none from the backward passes of
     /// a step (the loss does not depend on them, or a `detach()` / `no_grad` cut the graph);
     /// the optimizer did not step. Freeze one on purpose with `set_requires_grad(false)` (or
     /// the whole store with `VarStore::freeze`); not retried.
+    #[error(
+        "{}: the loss does not depend on them, or a `detach()`, `no_grad` or an integer cast cut \
+         the graph; freeze a variable on purpose with `set_requires_grad(false)` \
+         (`VarStore::freeze` for all). The optimizer did not step",
+        oomguard::train::missing_gradients(.params, *.trained)
+    )]
     NoGradient {
         /// Their names in the `VarStore` (`"layer1.weight"`), sorted.
         params: Vec<String>,
@@ -45,6 +53,13 @@ pub enum Error {
     },
     /// Variables of the `VarStore` that require a gradient are not among the optimizer's (it was
     /// built from another `VarStore`): their gradients would never be applied; not retried.
+    #[error(
+        "{} variable(s) of the VarStore require a gradient but are not the optimizer's ({}): \
+         their gradients would never be applied. Build the optimizer from the VarStore given to \
+         train_step",
+        .params.len(),
+        oomguard::train::name_list(.params)
+    )]
     NotOptimized {
         /// Their names in the `VarStore`, sorted.
         params: Vec<String>,
@@ -52,60 +67,8 @@ pub enum Error {
     /// The batch [`find_max_batch_train`](crate::find_max_batch_train)'s `make_batch(rows)`
     /// gave is not `rows` rows (its tensors disagree on dimension 0, or have another count);
     /// not retried.
+    #[error("{0}")]
     Batch(String),
-}
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Torch(e) => write!(f, "{e}"),
-            Error::OomPanic { message } => write!(
-                f,
-                "libtorch ran out of memory (seen as a panic of a tch method): {message}"
-            ),
-            Error::Oomguard(e) => write!(f, "{e}"),
-            Error::Loss(m) => f.write_str(m),
-            Error::Batch(m) => f.write_str(m),
-            Error::NoGradient { params, trained } => write!(
-                f,
-                "{}: the loss does not depend on them, or a `detach()`, `no_grad` or an integer \
-                 cast cut the graph; freeze a variable on purpose with \
-                 `set_requires_grad(false)` (`VarStore::freeze` for all). The optimizer did not \
-                 step",
-                oomguard::train::missing_gradients(params, *trained)
-            ),
-            Error::NotOptimized { params } => write!(
-                f,
-                "{} variable(s) of the VarStore require a gradient but are not the optimizer's \
-                 ({}): their gradients would never be applied. Build the optimizer from the \
-                 VarStore given to train_step",
-                params.len(),
-                oomguard::train::name_list(params)
-            ),
-        }
-    }
-}
-
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Error::Torch(e) => Some(e),
-            Error::Oomguard(e) => Some(e),
-            _ => None,
-        }
-    }
-}
-
-impl From<TchError> for Error {
-    fn from(e: TchError) -> Self {
-        Error::Torch(e)
-    }
-}
-
-impl From<oomguard::Error> for Error {
-    fn from(e: oomguard::Error) -> Self {
-        Error::Oomguard(e)
-    }
 }
 
 /// Whether a `TchError` is libtorch's out-of-memory: `TchError::Torch(text)` whose text starts

@@ -125,6 +125,13 @@ pub enum InstallError {
     },
 }
 
+/// How [`InstallError`]'s texts name this hook (written once in the core, as oomguard-tch's).
+const SITE: oomguard::source::InstallSite = oomguard::source::InstallSite {
+    serves: "candle's CUDA context",
+    module: "oomguard_candle::alloc_hook",
+    still_serving: "memory it served meanwhile is still live",
+};
+
 impl fmt::Display for InstallError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -136,21 +143,12 @@ impl fmt::Display for InstallError {
                 f,
                 "oomguard's allocator hook is not reached by this program's CUDA calls: {reason}"
             ),
-            InstallError::AlreadyInstalled(d) => write!(
-                f,
-                "oomguard's allocator is installed for {} already (use the Device it returned, \
-                 or oomguard_candle::alloc_hook::installed_device)",
-                d.name()
-            ),
-            InstallError::Device(e) => write!(f, "opening oomguard's device failed: {e}"),
+            InstallError::AlreadyInstalled(d) => f.write_str(&SITE.already_installed(d)),
+            InstallError::Device(e) => f.write_str(&SITE.device_failed(e)),
             InstallError::Candle(e) => write!(f, "candle failed while proving the hook: {e}"),
-            InstallError::StillServing { cause, device } => write!(
-                f,
-                "{cause}; but oomguard had served memory on {} that is still live, so it keeps \
-                 serving that context (oomguard_candle::alloc_hook::installed_device returns the \
-                 device)",
-                device.name()
-            ),
+            InstallError::StillServing { cause, device } => {
+                f.write_str(&SITE.still_serving(cause, device))
+            }
         }
     }
 }

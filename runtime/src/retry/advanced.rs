@@ -28,7 +28,7 @@
 //! - **Classifying by text** (for frameworks that flatten errors to strings): [`chain_is_oom`],
 //!   [`libtorch_text_is_oom`], [`libtorch_text_is_budget_exceeded`],
 //!   [`libtorch_text_oom_request`], [`oomguard_allocator_refusal`], and with the `burn`
-//!   feature `cubecl_text_is_oom`.
+//!   feature `cubecl_text_is_oom`; a caught panic's message ([`panic_text`], [`UNWRAP`]).
 
 pub use super::classify::chain_is_oom;
 #[cfg(feature = "burn")]
@@ -50,6 +50,7 @@ pub use super::gradients::GradientSync;
 pub use super::memory::{
     DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, LOCK_WAIT, STALE_LOCK,
 };
+pub use super::panic_text::{panic_text, UNWRAP};
 pub use super::policy::{
     Chain, EmptyCacheRetry, Floor, FnPolicy, KeepsRows, MaxRetries, PolicyExt, Pressure,
     RetryContext, Shrink,

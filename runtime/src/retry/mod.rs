@@ -67,6 +67,7 @@ mod finder;
 mod gradients;
 mod last_report;
 mod memory;
+mod panic_text;
 mod policy;
 mod result;
 mod thrash;

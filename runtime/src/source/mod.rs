@@ -42,6 +42,7 @@ mod ballast;
 #[cfg(feature = "cuda")]
 mod driver_pool;
 pub mod guards;
+mod install;
 #[cfg(any(feature = "cuda", test))]
 mod pool_state;
 
@@ -50,6 +51,7 @@ pub use crate::retry_report::Churn;
 pub use ballast::{Ballast, BALLAST_PAGE};
 #[cfg(feature = "cuda")]
 pub use driver_pool::{DriverPool, DriverPoolBuilder};
+pub use install::InstallSite;
 
 /// Bytes in use and held by a memory source, now and at their peak (since the last
 /// [`MemorySource::reset_peak`]).

@@ -218,11 +218,7 @@ fn write_message(buf: *mut c_char, cap: usize, text: &str) {
 
 /// The message of a panic caught in a callback.
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    let what = p
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_default();
+    let what = oomguard::retry::advanced::panic_text(p.as_ref()).unwrap_or_default();
     format!("oomguard's allocator under libtorch panicked: {what}")
 }
 
