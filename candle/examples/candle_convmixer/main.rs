@@ -49,7 +49,7 @@ fn main() -> Res<()> {
     )?;
     let vars: Vec<_> = trainable(&varmap).into_iter().map(|(_, v)| v).collect();
     let n: usize = vars.iter().map(|v| v.elem_count()).sum();
-    println!(
+    oomguard_harness::say!(
         "model: ConvMixer-1024/20, {n} trained parameters in {} tensors; memory: {}",
         vars.len(),
         source.info()
@@ -101,7 +101,7 @@ fn main() -> Res<()> {
             })?;
             dev.synchronize()?;
             let r = &done.report;
-            println!(
+            oomguard_harness::say!(
                 "RESULT oom: step {step} batch {big}: {} retries, plan {} x {} (from memory: {}), rows {}, loss {:.4}, {:.1} s",
                 r.retries(),
                 r.final_plan.chunks().len(),
@@ -113,6 +113,6 @@ fn main() -> Res<()> {
             );
         }
     }
-    println!("{}", source.memory_summary());
+    oomguard_harness::say!("{}", source.memory_summary());
     Ok(())
 }

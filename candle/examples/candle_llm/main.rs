@@ -128,7 +128,7 @@ fn main() -> Res<()> {
         VarBuilder::from_varmap(&varmap, DType::BF16, &dev),
     )?;
     let n: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
-    println!(
+    oomguard_harness::say!(
         "model: Mistral architecture, {n} parameters (bf16, random); memory: {}",
         source.info()
     );
@@ -155,7 +155,7 @@ fn main() -> Res<()> {
         }
         let secs = t0.elapsed().as_secs_f64();
         let u = source.usage()?;
-        println!(
+        oomguard_harness::say!(
             "RESULT serve: {}, {requests} requests: {tokens} tokens generated ({prompt_tokens} prompt \
              tokens) in {secs:.1} s = {:.0} tokens/s; peak reserved {} / peak used {} = {:.4}; {ooms} OOM",
             source.info().kind,
@@ -165,7 +165,7 @@ fn main() -> Res<()> {
             u.reserved_peak as f64 / u.used_peak.max(1) as f64
         );
         let used = measure::device_used()?;
-        println!(
+        oomguard_harness::say!(
             "RESULT unseen: device used {used} B, {} reserved {} B: {} B outside it",
             source.info().kind,
             u.reserved,
@@ -178,6 +178,6 @@ fn main() -> Res<()> {
             request(&mut model, &dev, &mut rng, batch, prompt, 16).map(|_| ())
         })?;
     }
-    println!("{}", source.memory_summary());
+    oomguard_harness::say!("{}", source.memory_summary());
     Ok(())
 }

@@ -100,7 +100,7 @@ pub fn fragmentation(
     times.sort_by(f64::total_cmp);
     let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     let ratio = u.reserved_peak as f64 / u.used_peak.max(1) as f64;
-    println!(
+    oomguard_harness::say!(
         "RESULT frag: {}, {what}, {steps} steps: peak reserved {} / peak used {} = {ratio:.4}; \
          {ooms} OOM; median {:.1} ms/step",
         source.info().kind,
@@ -109,7 +109,7 @@ pub fn fragmentation(
         median * 1e3
     );
     let used = device_used()?;
-    println!(
+    oomguard_harness::say!(
         "RESULT unseen: device used {used} B, {} reserved {} B: {} B outside it at the end \
          (most after a step: {unseen_max} B)",
         source.info().kind,
@@ -159,7 +159,7 @@ pub fn max_batch(
             hi = mid;
         }
     }
-    println!(
+    oomguard_harness::say!(
         "RESULT max: {} largest batch a single step runs: {lo} (bisection, {runs} step runs)",
         source.info().kind
     );
