@@ -27,7 +27,8 @@
 //!   `Device`, or libtorch's allocator): one `OOM` line each (ms, the plan that ran, retries,
 //!   the allocator's moves, the engine's speed decision), then `RESULT phase=oom`.
 //! - `--seeded FACTOR` (instead of the plain steps): `oomguard_tch::find_max_batch_train` (the
-//!   training step's own attempt, up to the `--max` bound's HI, 1,536 without one), then
+//!   training step's own attempt, up to the `--max` bound's HI, 4,096 without one: above
+//!   the largest on an H200, 1,951), then
 //!   `--steps` `train_step`s at FACTOR × the batch found from an engine seeded with
 //!   `start_from_finder`: a `FINDER` line per finder trial and verification run (rows, steps,
 //!   seconds, peaks) and one for the allocator's moves over the finder, then one `SEEDED` line
@@ -783,7 +784,7 @@ fn main() -> ExitCode {
             run.oom(f)?;
         }
         if let Some(f) = seeded {
-            let hi = max.map_or(1_536, |(_, hi)| hi as usize);
+            let hi = max.map_or(4_096, |(_, hi)| hi as usize);
             run.seeded(f, hi)?;
         }
         Ok(ok)
