@@ -101,3 +101,9 @@ if [ "$mode" = tight ]; then
   timeout 60 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
   date -u | tee -a "$log"
 fi
+# `finder` (509e8ca): the finder alone from fresh processes, no bisection (the default bound is
+# now 4,096 rows), expandable segments then oomguard.
+if [ "$mode" = finder ]; then
+  conv expandable 140 --batch 128 --steps 2 --seeded 2
+  conv oomguard 150 --batch 128 --steps 2 --seeded 2
+fi
