@@ -132,10 +132,9 @@ impl<B: Bench> Runner<B> {
                 Err(p) => (
                     "panicked",
                     Some(
-                        p.downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| p.downcast_ref::<String>().cloned())
-                            .unwrap_or_default(),
+                        oomguard_runtime::retry::advanced::panic_text(p.as_ref())
+                            .unwrap_or_default()
+                            .to_owned(),
                     ),
                 ),
             };

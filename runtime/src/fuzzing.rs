@@ -163,11 +163,9 @@ pub fn fuzz(dir: &Path, cases: usize, check: impl Fn(&[u8])) -> Result<usize, Fa
             mutate(&mut rng, base, &pool)
         };
         if let Err(e) = catch_unwind(AssertUnwindSafe(|| check(&input))) {
-            let message = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let message = crate::panic_text::panic_text(e.as_ref())
+                .unwrap_or_default()
+                .to_owned();
             return Err(Failure {
                 case,
                 input,

@@ -45,6 +45,7 @@ mod leak_report;
 pub mod macro_support;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod panic_text;
 pub mod retry;
 mod retry_report;
 mod size;

@@ -14,6 +14,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("backend", 0),
     ("error", 0),
     ("leak_report", 0),
+    ("panic_text", 0),
     ("retry_report", 0),
     ("alloc", 1),
     ("buffer", 2),

@@ -50,12 +50,12 @@ pub use super::gradients::GradientSync;
 pub use super::memory::{
     DeviceKey, Limits, MemoryError, MemoryKey, PlanMemory, LOCK_WAIT, STALE_LOCK,
 };
-pub use super::panic_text::{panic_text, UNWRAP};
 pub use super::policy::{
     Chain, EmptyCacheRetry, Floor, FnPolicy, KeepsRows, MaxRetries, PolicyExt, Pressure,
     RetryContext, Shrink,
 };
 pub use super::result::FailedAttempt;
+pub use crate::panic_text::{panic_text, UNWRAP};
 pub use crate::retry_report::{
     AttemptOutcome, AttemptRecord, CommitFailure, OomRequest, PlanError, Regrow, SpeedDecision,
     StepMode, StopReason,

@@ -67,7 +67,6 @@ mod finder;
 mod gradients;
 mod last_report;
 mod memory;
-mod panic_text;
 mod policy;
 mod result;
 mod thrash;

@@ -129,11 +129,7 @@ impl CudaBackend {
         match std::panic::catch_unwind(|| Self::open(ordinal)) {
             Ok(r) => r,
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("unknown panic");
+                let what = crate::panic_text::panic_text(panic.as_ref()).unwrap_or("unknown panic");
                 Err(BackendError::new(
                     BackendErrorKind::Unavailable,
                     "cuInit",

@@ -1,5 +1,7 @@
-//! What a caught panic says, for the framework crates that read an out-of-memory in it (tch's
-//! plain methods and cubecl unwrap their errors, so the error reaches Rust as a panic message).
+//! What a caught panic says: for the framework crates that read an out-of-memory in it (tch's
+//! plain methods and cubecl unwrap their errors, so the error reaches Rust as a panic message),
+//! and for every other `catch_unwind` here (the CUDA backend's open, the fuzzing support).
+//! Public as `retry::advanced::{panic_text, UNWRAP}`.
 
 use std::any::Any;
 
