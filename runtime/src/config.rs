@@ -115,7 +115,10 @@ pub struct AllocatorConfig {
     /// capacity that runs them is 1.003–1.017 × peak live either way; on an H100, candle's
     /// GPT-2 loop maps no page after its first step by default (0.995–0.997 × the driver pool's
     /// step time, GPU.md runs 26–27), where the former default, like 0, moved 5–10 GiB of pages
-    /// per step and took 1.4–1.6 × the pool's time (runs 12, 17).
+    /// per step and took 1.4–1.6 × the pool's time (runs 12, 17). By default a map backs each
+    /// whole 20 MiB of it with one physical handle, as PyTorch's expandable segments do, and a
+    /// free run gives back only whole handles; with a value set, every page is its own handle,
+    /// so that reserved memory can follow live memory page by page.
     pub page_recycle_threshold: Option<f64>,
     /// Growable segments with marked steps ([`crate::CachingAllocator::mark_step`]): a step
     /// that moved pages and repeated the step before it is laid out once and served from one

@@ -463,3 +463,59 @@ fn at_the_edge_a_loop_with_its_backward_elsewhere_moves_what_one_thread_moves() 
         "the one-thread loop settled at none of the limits"
     );
 }
+
+/// A growing map backs each whole 20 MiB of it with one physical handle (as PyTorch's expandable
+/// segments), the rest with pages; a free run gives back only whole handles; the tight mode, and
+/// a device or memory limit under 40 GiB's 1/2048 share, map pages only.
+#[test]
+fn large_maps_use_20_mib_handles_and_give_back_only_whole_ones() {
+    let sim = SimDevice::address_only(ByteSize::gib(80));
+    let a = allocator(&sim, "");
+    // 50 MiB: two 20 MiB handles, then 5 pages
+    let x = a.allocate(50 * MIB, 0).unwrap();
+    let runs = sim.handle_runs();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let (start, end, h) = runs[0];
+    assert_eq!((end - start, h), (40 * MIB, 20 * MIB), "{runs:?}");
+    assert_eq!(start, x.ptr);
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        50 * MIB,
+        "reserved is still exact"
+    );
+    a.free(x).unwrap();
+    // 30 MiB live at the start of the range: it sits in the first handle and half the second
+    let y = a.allocate(30 * MIB, 0).unwrap();
+    assert_eq!(y.ptr, start);
+    a.empty_cache().unwrap();
+    // the second handle is cut by y: it stays whole; the 10 MiB of pages after it go
+    assert_eq!(a.stats().reserved_bytes.all.current, 40 * MIB);
+    assert_eq!(
+        sim.used(),
+        40 * MIB,
+        "the device holds what the allocator reserves"
+    );
+    a.free(y).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.all.current, 0);
+    assert!(sim.handle_runs().is_empty());
+    a.check_invariants().unwrap();
+
+    // the tight mode maps pages, so that reserved memory follows live memory page by page
+    let sim = SimDevice::address_only(ByteSize::gib(80));
+    let tight = allocator(&sim, "page_recycle_threshold:0");
+    let z = tight.allocate(50 * MIB, 0).unwrap();
+    assert!(sim.handle_runs().is_empty());
+    tight.free(z).unwrap();
+
+    // a small device (or a limit set before the range is reserved): pages, 1/2048 of 1 GiB
+    // being less than two pages
+    for (gib, limit) in [(1, None), (80, Some(1 << 30))] {
+        let small = SimDevice::address_only(ByteSize::gib(gib));
+        let a = allocator(&small, "");
+        a.set_memory_limit(limit);
+        let w = a.allocate(50 * MIB, 0).unwrap();
+        assert!(small.handle_runs().is_empty());
+        a.free(w).unwrap();
+    }
+}

@@ -240,7 +240,11 @@ fn with_marks_the_vgg_step_settles_on_one_thread_and_with_the_autograd_thread() 
 /// A card between the step's peak live bytes and its laid-out range: best fit runs every step
 /// (moving pages), a plan cannot be mapped. The plan is tried once, not at every step: each try
 /// gave every free page back first, and the next step mapped them again (more than the card
-/// moved a step, as the finder's verification at 1,100 rows did on the H100).
+/// moved a step, as the finder's verification at 1,100 rows did on the H100). A step moves less
+/// than two thirds of the card: growth maps 20 MiB handles, and a free run gives back only the
+/// whole ones, so a step moves more bytes than with 2 MiB pages (at most 0.56 of the card here,
+/// 0.40 with pages), in a tenth of the driver calls (on the H200 the real step at 1,951 rows runs
+/// at 0.83 x expandable segments' time, docs/GPU.md run 80).
 #[test]
 fn a_plan_too_tall_for_the_card_is_tried_once_and_the_loop_runs_by_best_fit() {
     let step = vgg_step();
@@ -254,7 +258,7 @@ fn a_plan_too_tall_for_the_card_is_tried_once_and_the_loop_runs_by_best_fit() {
         assert_eq!(s.num_ooms, 0, "threads {threads}");
         for (i, m) in moves.iter().enumerate().skip(2) {
             assert!(
-                m.unmapped < card / 2 && m.mapped < card / 2,
+                m.unmapped < card / 3 * 2 && m.mapped < card / 3 * 2,
                 "threads {threads}: step {i} moved too much: {moves:?}"
             );
         }

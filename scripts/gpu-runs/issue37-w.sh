@@ -107,3 +107,106 @@ if [ "$mode" = finder ]; then
   conv expandable 140 --batch 128 --steps 2 --seeded 2
   conv oomguard 150 --batch 128 --steps 2 --seeded 2
 fi
+# `handles` (branch handles): 20 MiB physical handles for large maps. The GPU suites that map
+# pages, the alloc bench's growth row, then tch_convnet's finder and OOM at 2 x 1,951 under
+# oomguard, and candle_gpt frag at 24.
+if [ "$mode" = handles ]; then
+  for t in test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  echo "=== alloc bench growth" | tee -a "$log"
+  timeout 170 ./alloc --single > $out/alloc-h.txt 2>&1; echo "rc=$?" | tee -a "$log"
+  grep -E "^(Growth|growth|oomguard|  )" $out/alloc-h.txt | head -20 | tee -a "$log"
+  conv oomguard 150 --batch 128 --steps 2 --seeded 2
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  timeout 60 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  date -u | tee -a "$log"
+fi
+# `handles2`: after the page table's coverage walk was mended, the root suites again, then the
+# finder and OOM at 2 x 1,951 under expandable segments and oomguard, alternated, same run.
+if [ "$mode" = handles2 ]; then
+  for t in test-gpu test-retry_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  conv expandable 140 --batch 128 --steps 2 --seeded 2
+  conv oomguard 150 --batch 128 --steps 2 --seeded 2
+  conv expandable 100 --batch 1951 --oom 2 --steps 4
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  date -u | tee -a "$log"
+fi
+# `handles3` / `handles4` (branch handles, 20 MiB handles only for growth with room): the suites
+# that map pages, tch_convnet plain at 1,951 (expandable segments' largest) alternated two rounds,
+# OOM at 2 x 1,951, candle_gpt frag default / native; then (`handles4`) the finders and tch_gpt 44.
+if [ "$mode" = handles3 ]; then
+  for t in test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  for r in 1 2; do for al in oomguard expandable; do conv $al 60 --batch 1951 --steps 6 --warmup 3; done; done
+  conv expandable 100 --batch 1951 --oom 2 --steps 4
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  for b in 24 28; do
+    echo "=== candle_gpt $b native / default" | tee -a "$log"
+    OOMGUARD_ALLOC_CONF=expandable_segments:False timeout 60 ./candle_gpt frag --batch $b --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+    timeout 60 ./candle_gpt frag --batch $b --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  done
+  date -u | tee -a "$log"
+fi
+if [ "$mode" = handles4 ]; then
+  conv expandable 140 --batch 128 --steps 2 --seeded 2
+  conv oomguard 150 --batch 128 --steps 2 --seeded 2
+  for al in oomguard expandable; do
+    echo "=== tch_gpt $al 44" | tee -a "$log"
+    if [ $al = expandable ]; then export PYTORCH_ALLOC_CONF=expandable_segments:True; a=""; else unset PYTORCH_ALLOC_CONF; a="--allocator oomguard"; fi
+    timeout 60 ./tch_gpt --phase plain $a --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  done
+  unset PYTORCH_ALLOC_CONF
+  date -u | tee -a "$log"
+fi
+# `handles5`: 20 MiB handles for every growing map (plans as before): test-gpu, tch_convnet plain
+# at 1,951 alternated two rounds, OOM at 2 x 1,951, the finder, tch_gpt 44.
+if [ "$mode" = handles5 ]; then
+  echo "=== test-gpu" | tee -a "$log"
+  timeout 150 ./test-gpu --include-ignored --test-threads=1 > $out/test-gpu.txt 2>&1; echo "rc=$?" | tee -a "$log"
+  grep -E "^test result|FAILED|panicked" $out/test-gpu.txt | head -20 | tee -a "$log"
+  for r in 1 2; do for al in oomguard expandable; do conv $al 60 --batch 1951 --steps 6 --warmup 3; done; done
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  conv oomguard 150 --batch 128 --steps 2 --seeded 2
+  echo "=== tch_gpt oomguard 44" | tee -a "$log"
+  timeout 60 ./tch_gpt --phase plain --allocator oomguard --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  echo "=== tch_gpt expandable 44" | tee -a "$log"
+  PYTORCH_ALLOC_CONF=expandable_segments:True timeout 60 ./tch_gpt --phase plain --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  date -u | tee -a "$log"
+fi
+# `final` (branch handles at its last commit: 20 MiB handles, at most 1/2048 of the usable
+# memory, for every growing map; pages with page_recycle_threshold): the suites, the growth row,
+# tch_convnet plain at 1,951 alternated two rounds, OOM at 2 x 1,951, oomguard's finder, candle_gpt
+# frag native / default at 24 and 28, tch_gpt 44 oomguard / expandable.
+if [ "$mode" = final ]; then
+  for t in test-gpu test-pool_gpu test-retry_gpu tchtest-allocator_gpu tchtest-oom_texts_gpu candletest-hook_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  echo "=== alloc bench --single" | tee -a "$log"
+  timeout 120 ./alloc --single > $out/alloc-final.txt 2>&1; echo "rc=$?" | tee -a "$log"
+  grep -E "^Growth" $out/alloc-final.txt | tee -a "$log"
+  for r in 1 2; do for al in oomguard expandable; do conv $al 60 --batch 1951 --steps 6 --warmup 3; done; done
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  conv oomguard 150 --batch 128 --steps 2 --seeded 2
+  for b in 24 28; do
+    echo "=== candle_gpt $b native / default" | tee -a "$log"
+    OOMGUARD_ALLOC_CONF=expandable_segments:False timeout 60 ./candle_gpt frag --batch $b --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+    timeout 60 ./candle_gpt frag --batch $b --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  done
+  echo "=== tch_gpt oomguard 44" | tee -a "$log"
+  timeout 60 ./tch_gpt --phase plain --allocator oomguard --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  echo "=== tch_gpt expandable 44" | tee -a "$log"
+  PYTORCH_ALLOC_CONF=expandable_segments:True timeout 60 ./tch_gpt --phase plain --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  date -u | tee -a "$log"
+fi

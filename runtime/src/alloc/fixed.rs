@@ -60,6 +60,7 @@ impl State {
             pool,
             growable: false,
             mapped: seg_size,
+            handle: seg_size,
             first: 0,
         });
         let id = self.blocks.insert(Block {

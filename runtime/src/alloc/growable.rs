@@ -8,6 +8,7 @@ use super::history::TraceAction;
 use super::pool::FreeIndex;
 use super::state::{Segment, State};
 use super::GrowError;
+use crate::backend::handle_runs::handle_size;
 use crate::backend::{Backend, BackendError, StreamId};
 
 /// Where [`State::grow_growable`] maps pages: `cost` bytes at the start of the unmapped block
@@ -140,15 +141,60 @@ impl State {
                         .checked_next_multiple_of(g)
                         .unwrap_or(u64::MAX / 2 / g * g),
                 );
-                let id = self.reserve_range(backend, pool, stream, va)?;
+                let id = self.reserve_range(backend, pool, stream, va, total)?;
                 (id, pages)
             }
         };
         self.check_limit(cost)?;
         let addr = self.blocks[hole].addr;
-        Ok(backend
-            .map(addr, cost)
+        // Large handles under pressure too: a move then unmaps and maps handles of one size,
+        // reusing every one (pages mapped where handles were unmapped would release and create
+        // them all; on the H200 that made VGG-16's step at its largest batch 1.27 x expandable
+        // segments', against 0.83 x with handles throughout, docs/GPU.md run 80). With a
+        // `page_recycle_threshold`, pages: that mode trades moves for memory that follows live
+        // bytes, which whole handles would hold back.
+        let handle = match self.cfg.page_recycle_threshold {
+            None => self.segs[self.blocks[hole].seg].handle,
+            Some(_) => g,
+        };
+        Ok(self
+            .map_pages(backend, addr, cost, handle)
             .map(|()| self.mapped(hole, cost, size, stream)))
+    }
+
+    /// Maps `[addr, addr + bytes)`: whole handles of `handle` bytes (a segment's, 20 MiB on a
+    /// card of 40 GiB or more) from `addr` and pages for the rest (`Backend::map_handles`),
+    /// noting the handles, which are then unmapped only whole; pages only when `handle` is the
+    /// page size. A driver call
+    /// costs about the same for a page as for a handle, so handles make growth ten times cheaper
+    /// (docs/BENCHMARKS.md); pages let the free space at the edge of memory move page by page.
+    pub(super) fn map_pages(
+        &mut self,
+        backend: &dyn Backend,
+        addr: u64,
+        bytes: u64,
+        handle: u64,
+    ) -> Result<(), BackendError> {
+        let h = handle;
+        let n = if h > self.granularity { bytes / h } else { 0 };
+        if n == 0 {
+            return backend.map(addr, bytes);
+        }
+        backend.map_handles(addr, bytes, h)?;
+        self.handles.insert(addr, bytes, h);
+        Ok(())
+    }
+
+    /// Bytes of whole pages inside block `b` that can be unmapped: whole pages of
+    /// `granularity`, and no part of a handle that reaches out of the block.
+    pub(super) fn whole_pages(&self, b: &Block) -> u64 {
+        let g = self.granularity;
+        let (lo, hi) = (b.addr.next_multiple_of(g), b.end() / g * g);
+        if hi <= lo {
+            return 0;
+        }
+        let (lo, hi) = self.handles.inward(lo, hi);
+        hi - lo
     }
 
     /// Books `cost` bytes just mapped at the start of the unmapped block `hole` and returns the
@@ -247,7 +293,7 @@ impl State {
                     .uses
                     .iter()
                     .flatten()
-                    .map(|&n| whole_pages(g, &self.blocks[n]))
+                    .map(|&n| self.whole_pages(&self.blocks[n]))
                     .sum();
                 let releasable = *releasable.get_or_insert_with(|| self.releasable_pages());
                 (reserved + option.cost)
@@ -288,12 +334,11 @@ impl State {
 
     /// The free blocks of growable segments that hold whole pages, with those pages' bytes.
     fn free_runs(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
-        let g = self.granularity;
         self.free
             .iter()
             .flat_map(|f| f.ids())
             .filter(|&id| self.segs[self.blocks[id].seg].growable)
-            .map(move |id| (whole_pages(g, &self.blocks[id]), id))
+            .map(move |id| (self.whole_pages(&self.blocks[id]), id))
             .filter(|&(n, _)| n > 0)
     }
 
@@ -304,8 +349,10 @@ impl State {
         pool: PoolKind,
         stream: StreamId,
         va: u64,
+        total: u64,
     ) -> Result<BlockId, GrowError> {
         let base = backend.reserve(va)?;
+        let handle = handle_size(self.granularity, self.cap(total));
         let seg = self.segs.insert(Segment {
             base,
             size: va,
@@ -313,6 +360,7 @@ impl State {
             pool,
             growable: true,
             mapped: 0,
+            handle,
             first: 0,
         });
         let id = self.blocks.insert(Block {
@@ -400,7 +448,8 @@ impl State {
         for (_, id) in candidates {
             let (lo, hi) = {
                 let b = &self.blocks[id];
-                (b.addr.next_multiple_of(g), b.end() / g * g)
+                self.handles
+                    .inward(b.addr.next_multiple_of(g), b.end() / g * g)
             };
             let r = if keep_handles {
                 backend.unmap_keep(lo, hi - lo)
@@ -411,6 +460,7 @@ impl State {
                 tracing::warn!(error = %e, "unmapping free pages failed; keeping them");
                 continue;
             }
+            self.handles.remove(lo, hi);
             self.index_remove(id);
             // [head, still mapped][lo..hi unmapped][tail, still mapped]
             let mut mid = id;
@@ -510,9 +560,4 @@ pub(crate) enum Release {
         /// The caller counted the synchronisation.
         sync_counted: bool,
     },
-}
-
-/// Bytes of the whole pages (of `g` bytes) inside block `b`.
-pub(super) fn whole_pages(g: u64, b: &Block) -> u64 {
-    (b.end() / g * g).saturating_sub(b.addr.next_multiple_of(g))
 }

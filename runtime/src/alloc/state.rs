@@ -14,6 +14,7 @@ use super::stats::{MemoryStats, ScopeStats};
 use super::steps::{Steps, NO_SEG};
 use super::thread_cache::CacheState;
 use super::GrowError;
+use crate::backend::handle_runs::HandleRuns;
 use crate::backend::{Backend, BackendError, EventId, StreamId};
 use crate::config::AllocatorConfig;
 
@@ -28,6 +29,9 @@ pub(crate) struct Segment {
     pub growable: bool,
     /// Bytes backed by physical memory (fixed: `size`).
     pub mapped: u64,
+    /// Growable: the bytes of the physical handles its maps use (`handle_size` when it was
+    /// reserved: a memory limit set later does not change it, so a move reuses its handles).
+    pub handle: u64,
     pub first: BlockId,
 }
 
@@ -37,6 +41,9 @@ pub(crate) struct State {
     /// Growable segments are in use (configured and supported by the backend).
     pub growable: bool,
     pub granularity: u64,
+    /// Mapped handles larger than a page: start -> bytes. Such a handle is unmapped whole or not
+    /// at all, so the pages a free block can give back stop at its edges.
+    pub handles: HandleRuns,
     pub blocks: Arena<Block>,
     pub segs: Arena<Segment>,
     /// Mapped free blocks, per pool.
@@ -110,6 +117,7 @@ impl State {
             cfg,
             growable,
             granularity,
+            handles: HandleRuns::default(),
             blocks: Arena::default(),
             segs: Arena::default(),
             free: [

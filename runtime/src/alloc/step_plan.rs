@@ -46,7 +46,7 @@
 use rustc_hash::FxHashMap;
 
 use super::block::{BlockId, PoolKind};
-use super::growable::{whole_pages, Release};
+use super::growable::Release;
 use super::state::State;
 use super::static_layout::{plan_static_layout, LifeSpan};
 use super::steps::{Plan, Request, NO_SEG};
@@ -371,11 +371,15 @@ impl State {
         if over > 0 {
             self.release_pages(backend, over, [None, None], Release::Move(stream));
         }
-        let mut mapped = self.map_whole(backend, stream, height);
+        // a plan for room, or one that fits without moving pages, maps large handles; one
+        // made at the edge maps pages (see `map_pages`)
+        let handles = self.cfg.page_recycle_threshold.is_none()
+            && (release_free || (over == 0 && self.refused_at == u64::MAX));
+        let mut mapped = self.map_whole(backend, stream, height, handles, total);
         if !mapped && self.releasable_pages() > 0 {
             // the device refused: move every free page, then try once more
             self.release_pages(backend, u64::MAX, [None, None], Release::Move(stream));
-            mapped = self.map_whole(backend, stream, height);
+            mapped = self.map_whole(backend, stream, height, false, total);
         }
         if let Err(e) = backend.release_spares() {
             tracing::warn!(error = %e, "releasing spare pages failed");
@@ -388,15 +392,27 @@ impl State {
     /// memory limit; on success it becomes the plan's range (`planned_seg`), its one free block
     /// unindexed. (A range reserved but not mapped is left for the caller's
     /// `release_empty_ranges_of`.)
-    fn map_whole(&mut self, backend: &dyn Backend, stream: StreamId, height: u64) -> bool {
+    fn map_whole(
+        &mut self,
+        backend: &dyn Backend,
+        stream: StreamId,
+        height: u64,
+        handles: bool,
+        total: u64,
+    ) -> bool {
         if self.check_limit(height).is_err() {
             return false;
         }
-        let Ok(hole) = self.reserve_range(backend, PoolKind::Large, stream, height) else {
+        let Ok(hole) = self.reserve_range(backend, PoolKind::Large, stream, height, total) else {
             return false;
         };
         let addr = self.blocks[hole].addr;
-        if backend.map(addr, height).is_err() {
+        let handle = if handles {
+            self.segs[self.blocks[hole].seg].handle
+        } else {
+            self.granularity
+        };
+        if self.map_pages(backend, addr, height, handle).is_err() {
             return false;
         }
         let id = self.mapped(hole, height, height, stream);
@@ -410,7 +426,7 @@ impl State {
         self.plan_blocks()
             .map(|id| &self.blocks[id])
             .filter(|b| b.is_free())
-            .map(|b| whole_pages(self.granularity, b))
+            .map(|b| self.whole_pages(b))
             .sum()
     }
 

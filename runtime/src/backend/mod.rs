@@ -8,6 +8,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub(crate) mod handle_runs;
 pub mod sim;
 
 use std::fmt;
@@ -127,9 +128,21 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// `bytes` are multiples of [`Backend::granularity`]. Fails with out-of-memory when the device
     /// has no pages left; on failure nothing is mapped.
     fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
+    /// Maps `[addr, addr + bytes)` as [`Backend::map`] does, backing its first
+    /// `bytes / handle * handle` bytes with physical handles of `handle` bytes each (a multiple
+    /// of [`Backend::granularity`]) and the rest with pages. Fewer, larger handles make growing
+    /// cheaper: a driver call costs about the same for a 2 MiB page as for a 20 MiB handle.
+    /// The caller then unmaps such a handle only whole (PyTorch's expandable segments map 20 MiB
+    /// handles in the large pool for the same reason). Default: [`Backend::map`], for backends
+    /// that back every page separately and so can unmap any run of pages.
+    fn map_handles(&self, addr: DevicePtr, bytes: u64, handle: u64) -> Result<(), BackendError> {
+        let _ = handle;
+        self.map(addr, bytes)
+    }
     /// Unmaps and frees the physical pages behind `[addr, addr + bytes)`: any page-aligned run of
     /// pages mapped by [`Backend::map`], not necessarily with the same boundaries (a backend backs
-    /// each page separately so that any subset can be returned).
+    /// each page separately so that any subset can be returned), that cuts no handle of
+    /// [`Backend::map_handles`] (an error otherwise, with nothing unmapped).
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
     /// Unmaps `[addr, addr + bytes)` as [`Backend::unmap`] does, but keeps the physical pages
     /// (their handles) as *spares*: the next [`Backend::map`] backs its range with spares before

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Backend, BackendError, BackendErrorKind, DevicePtr, EventId, MemInfo, StreamId};
+use crate::backend::handle_runs::HandleRuns;
 use crate::ByteSize;
 
 /// Page size of the simulated device's growable segments (as on an H100), unless
@@ -205,6 +206,9 @@ struct SimState {
     // mapped pages of growable ranges, as disjoint runs: start -> end (page-aligned), so that
     // mapping a huge range costs one entry, not one per page
     mapped: BTreeMap<u64, u64>,
+    /// Physical handles larger than a page (`map_handles`): start -> end. An unmap must take
+    /// each one whole, as `cuMemUnmap` does.
+    handles: HandleRuns,
     chunks: HashMap<u64, Box<[u8]>>,
     calls: SimCallCounts,
     /// Events stay pending until their stream is synchronised (see
@@ -257,6 +261,7 @@ impl SimDevice {
                 next_va: VA_START,
                 regions: BTreeMap::new(),
                 mapped: BTreeMap::new(),
+                handles: HandleRuns::default(),
                 chunks: HashMap::new(),
                 calls: SimCallCounts::default(),
                 pending_events: false,
@@ -346,6 +351,15 @@ impl SimDevice {
                 format!("{bytes} bytes at {addr:#x} are not mapped pages"),
             ));
         }
+        // a handle of `map_handles` is unmapped whole or not at all
+        if st.handles.cuts(addr) || st.handles.cuts(end) {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "unmap",
+                format!("{bytes} bytes at {addr:#x} cut a physical handle"),
+            ));
+        }
+        st.handles.remove(addr, end);
         // remove the runs overlapping [addr, end), keeping their parts outside it
         let runs: Vec<(u64, u64)> = st
             .mapped
@@ -372,6 +386,11 @@ impl SimDevice {
         st.calls.unmap += 1;
         Self::drop_chunks(&mut st, addr, bytes);
         Ok(())
+    }
+    /// The physical handles larger than a page now mapped ([`Backend::map_handles`]), as runs
+    /// of equal handles: `(start, end, bytes of each handle)`. An unmap takes each whole.
+    pub fn handle_runs(&self) -> Vec<(u64, u64, u64)> {
+        self.lock().handles.runs().collect()
     }
     /// Physical bytes in use (segments, mapped pages and spare pages).
     pub fn used(&self) -> u64 {
@@ -626,6 +645,24 @@ impl Backend for SimDevice {
         Ok(())
     }
 
+    fn map_handles(&self, addr: DevicePtr, bytes: u64, handle: u64) -> Result<(), BackendError> {
+        let g = self.granularity();
+        if handle == 0 || handle % g != 0 {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "map",
+                format!(
+                    "a handle of {handle} bytes is not a positive multiple of the page size {g}"
+                ),
+            ));
+        }
+        self.map(addr, bytes)?;
+        if handle > g {
+            self.lock().handles.insert(addr, bytes, handle);
+        }
+        Ok(())
+    }
+
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         self.unmap_pages(addr, bytes, false)
     }
@@ -801,6 +838,28 @@ fn overlaps(mapped: &BTreeMap<u64, u64>, addr: u64, end: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unmap_that_cuts_a_handle_is_refused_and_whole_ones_go() {
+        let m = 1u64 << 20;
+        let sim = SimDevice::address_only(ByteSize::gib(1));
+        let base = sim.reserve(64 * m).unwrap();
+        // two 20 MiB handles, then 6 MiB of pages
+        sim.map_handles(base, 46 * m, 20 * m).unwrap();
+        assert_eq!(sim.handle_runs(), vec![(base, base + 40 * m, 20 * m)]);
+        let e = sim.unmap(base + 10 * m, 10 * m).unwrap_err();
+        assert_eq!(e.kind, BackendErrorKind::InvalidArgument);
+        assert!(e.to_string().contains("cut a physical handle"), "{e}");
+        assert_eq!(sim.used(), 46 * m, "nothing unmapped");
+        let e = sim.map_handles(base + 46 * m, 4 * m, 3 * m).unwrap_err();
+        assert_eq!(e.kind, BackendErrorKind::InvalidArgument, "{e}");
+        sim.unmap(base + 20 * m, 26 * m).unwrap();
+        assert_eq!(sim.handle_runs(), vec![(base, base + 20 * m, 20 * m)]);
+        sim.unmap(base, 20 * m).unwrap();
+        assert!(sim.handle_runs().is_empty());
+        assert_eq!(sim.used(), 0);
+        sim.release(base, 64 * m).unwrap();
+    }
 
     #[test]
     fn segments_account_capacity() {

@@ -231,7 +231,8 @@ impl CudaBackend {
     }
 
     /// Physical pages of growable segments created (`cuMemCreate`) and pages mapped from kept
-    /// handles instead (a move that reused its pages), over the backend's life.
+    /// handles instead (a move that reused its pages), over the backend's life. A handle larger
+    /// than a page ([`Backend::map_handles`]) counts its pages.
     pub fn page_counts(&self) -> (u64, u64) {
         self.pages.page_counts()
     }
@@ -401,6 +402,11 @@ impl Backend for CudaBackend {
     fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         self.bind("cuMemMap")?;
         self.pages.map(addr, bytes)
+    }
+
+    fn map_handles(&self, addr: DevicePtr, bytes: u64, handle: u64) -> Result<(), BackendError> {
+        self.bind("cuMemMap")?;
+        self.pages.map_handles(addr, bytes, handle)
     }
 
     fn unmap(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {

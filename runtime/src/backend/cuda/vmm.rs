@@ -1,6 +1,7 @@
-//! Growable segments on the CUDA virtual memory management API: reserved address ranges, and one
-//! physical allocation handle per page, keyed by the page's address, so that any page-aligned
-//! run of pages can be unmapped regardless of how it was mapped.
+//! Growable segments on the CUDA virtual memory management API: reserved address ranges, and
+//! physical allocation handles keyed by their address: one per page, or larger ones where the
+//! allocator asks for them (`map_handles`). Any run of whole handles can be unmapped regardless
+//! of how it was mapped.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -74,12 +75,13 @@ pub(super) fn granularity(device: sys::CUdevice) -> Result<u64, BackendError> {
 struct Tables {
     /// Reserved address ranges: base -> size.
     ranges: BTreeMap<DevicePtr, u64>,
-    /// Mapped pages: page address -> its allocation handle.
-    pages: BTreeMap<DevicePtr, sys::CUmemGenericAllocationHandle>,
-    /// Handles of pages unmapped by `unmap_keep`, mapped nowhere: the next `map` uses them
-    /// before it creates new ones.
-    spare: Vec<sys::CUmemGenericAllocationHandle>,
-    /// Pages created (`cuMemCreate`) and pages mapped from spares, over the table's life.
+    /// Mapped handles: address -> (the allocation handle, its bytes).
+    pages: BTreeMap<DevicePtr, (sys::CUmemGenericAllocationHandle, u64)>,
+    /// Handles unmapped by `unmap_keep`, mapped nowhere, with their bytes: the next `map` uses
+    /// those of the size it needs before it creates new ones.
+    spare: Vec<(sys::CUmemGenericAllocationHandle, u64)>,
+    /// Pages created (`cuMemCreate`) and pages mapped from spares, over the table's life (a
+    /// handle counts its pages).
     created: u64,
     reused: u64,
 }
@@ -101,8 +103,10 @@ impl PageTable {
         }
     }
 
+    /// Pages (of the granularity) now mapped, whatever the handles' sizes.
     pub(super) fn mapped_pages(&self) -> usize {
-        lock(&self.tables).pages.len()
+        let bytes: u64 = lock(&self.tables).pages.values().map(|&(_, n)| n).sum();
+        (bytes / self.page) as usize
     }
 
     fn whole_pages(&self, op: &'static str, addr: u64, bytes: u64) -> Result<(), BackendError> {
@@ -160,8 +164,27 @@ impl PageTable {
     /// one `cuMemSetAccess` over the range. On any failure, undoes what it did and returns the
     /// error (out-of-memory from `cuMemCreate` included).
     pub(super) fn map(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.map_handles(addr, bytes, self.page)
+    }
+
+    /// [`PageTable::map`] with the first `bytes / handle * handle` bytes in handles of `handle`
+    /// bytes (a multiple of the page size), the rest in pages.
+    pub(super) fn map_handles(
+        &self,
+        addr: DevicePtr,
+        bytes: u64,
+        handle: u64,
+    ) -> Result<(), BackendError> {
         self.whole_pages("cuMemMap", addr, bytes)?;
         let g = self.page;
+        if handle == 0 || handle % g != 0 {
+            return Err(invalid(
+                "cuMemMap",
+                format!(
+                    "a handle of {handle} bytes is not a positive multiple of the page size {g}"
+                ),
+            ));
+        }
         let mut t = lock(&self.tables);
         let inside = t
             .ranges
@@ -174,35 +197,54 @@ impl PageTable {
                 format!("{addr:#x}+{bytes} is not in a reserved range"),
             ));
         }
-        if t.pages.range(addr..addr + bytes).next().is_some() {
+        let reaching_in = t
+            .pages
+            .range(..addr)
+            .next_back()
+            .is_some_and(|(&a, &(_, n))| a + n > addr);
+        if reaching_in || t.pages.range(addr..addr + bytes).next().is_some() {
             return Err(invalid(
                 "cuMemMap",
                 format!("a page in {addr:#x}+{bytes} is already mapped"),
             ));
         }
         let prop = alloc_prop(self.device);
-        let mut done: Vec<(DevicePtr, sys::CUmemGenericAllocationHandle)> =
-            Vec::with_capacity((bytes / g) as usize);
-        let mut page = addr;
-        while page < addr + bytes {
-            let spare = t.spare.pop();
-            match self.map_page(&prop, page, spare) {
+        let large_end = addr + bytes / handle * handle;
+        let mut done: Vec<(DevicePtr, (sys::CUmemGenericAllocationHandle, u64))> = Vec::new();
+        let mut at = addr;
+        while at < addr + bytes {
+            let size = if at < large_end { handle } else { g };
+            let spare = t
+                .spare
+                .iter()
+                .rposition(|&(_, n)| n == size)
+                .map(|i| t.spare.swap_remove(i).0);
+            let mut r = self.map_handle(&prop, at, size, spare);
+            if r.as_ref().is_err_and(BackendError::is_oom) && !t.spare.is_empty() {
+                // The spares are of the other size and hold the memory this handle needs: a
+                // move of 2 MiB pages to where 20 MiB handles go (or back) frees them first.
+                let others = std::mem::take(&mut t.spare);
+                self.release_handles(others);
+                r = self.map_handle(&prop, at, size, None);
+            }
+            match r {
                 Ok(h) => {
-                    done.push((page, h));
+                    done.push((at, (h, size)));
+                    let pages = size / g;
                     if spare.is_some() {
-                        t.reused += 1;
+                        t.reused += pages;
                     } else {
-                        t.created += 1;
+                        t.created += pages;
                     }
                 }
                 Err(e) => {
-                    // the spare (if any) was released by map_page; the pages mapped so far go
-                    // back as spares, so a failed move loses none
+                    // the spare (if any) was released by map_handle; the handles mapped so far
+                    // go back as spares, so a failed move loses none
                     self.undo(&done, &mut t.spare);
                     return Err(e);
                 }
             }
-            page += g;
+            at += size;
         }
         let access = sys::CUmemAccessDesc {
             location: device_location(self.device),
@@ -218,30 +260,32 @@ impl PageTable {
         Ok(())
     }
 
-    /// Maps one page at `page`: the `spare` handle when given, else a new one.
-    fn map_page(
+    /// Maps one handle of `size` bytes at `at`: the `spare` handle (of that size) when given,
+    /// else a new one.
+    fn map_handle(
         &self,
         prop: &sys::CUmemAllocationProp,
-        page: DevicePtr,
+        at: DevicePtr,
+        size: u64,
         spare: Option<sys::CUmemGenericAllocationHandle>,
     ) -> Result<sys::CUmemGenericAllocationHandle, BackendError> {
-        let g = self.page as usize;
+        let n = size as usize;
         let h = match spare {
             Some(h) => h,
             None => {
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: `h` is valid for the write; `prop` is fully initialised; the size is
-                // the granularity.
+                // a multiple of the granularity.
                 check("cuMemCreate", unsafe {
-                    sys::cuMemCreate(&mut h, g, prop, 0)
+                    sys::cuMemCreate(&mut h, n, prop, 0)
                 })?;
                 h
             }
         };
-        // SAFETY: `page` lies in a reserved range and is not mapped (checked by the caller under
-        // the lock); `h` is a handle of exactly one page (new, or a spare of this table's,
-        // created with the same size) mapped nowhere.
-        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(page, g, 0, h, 0) }) {
+        // SAFETY: `[at, at + size)` lies in a reserved range and nothing is mapped there
+        // (checked by the caller under the lock); `h` is a handle of exactly `size` bytes (new,
+        // or a spare of this table's kept with its size) mapped nowhere.
+        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(at, n, 0, h, 0) }) {
             // SAFETY: `h` is mapped nowhere and owned here (a spare was taken off the list).
             let _ = unsafe { sys::cuMemRelease(h) };
             return Err(e);
@@ -249,56 +293,55 @@ impl PageTable {
         Ok(h)
     }
 
-    /// Unmaps pages mapped during a failed `map`, keeping their handles as spares; errors are
-    /// only logged.
+    /// Unmaps handles mapped during a failed `map`, keeping them as spares; errors are only
+    /// logged.
     fn undo(
         &self,
-        done: &[(DevicePtr, sys::CUmemGenericAllocationHandle)],
-        spare: &mut Vec<sys::CUmemGenericAllocationHandle>,
+        done: &[(DevicePtr, (sys::CUmemGenericAllocationHandle, u64))],
+        spare: &mut Vec<(sys::CUmemGenericAllocationHandle, u64)>,
     ) {
-        for &(page, h) in done {
-            match self.unmap_only(page) {
-                Ok(()) => spare.push(h),
-                Err(e) => tracing::warn!(error = %e, page, "undoing a partial map failed"),
+        for &(at, (h, n)) in done {
+            match self.unmap_only(at, n) {
+                Ok(()) => spare.push((h, n)),
+                Err(e) => tracing::warn!(error = %e, at, "undoing a partial map failed"),
             }
         }
     }
 
-    /// Unmaps the one page at `page`, leaving its handle alive.
-    fn unmap_only(&self, page: DevicePtr) -> Result<(), BackendError> {
-        // SAFETY: `page` is mapped with exactly one page (by `map_page`); the caller guarantees
-        // that no work uses it any more (the allocator waits for the streams that used it
-        // before unmapping; a failed `map` undoes pages nothing has used yet).
-        check("cuMemUnmap", unsafe {
-            sys::cuMemUnmap(page, self.page as usize)
-        })
+    /// Unmaps the one handle of `n` bytes at `at`, leaving it alive.
+    fn unmap_only(&self, at: DevicePtr, n: u64) -> Result<(), BackendError> {
+        // SAFETY: `at` is mapped with exactly one handle of `n` bytes (by `map_handle`); the
+        // caller guarantees that no work uses it any more (the allocator waits for the streams
+        // that used it before unmapping; a failed `map` undoes pages nothing has used yet).
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(at, n as usize) })
     }
 
-    fn unmap_page(
+    fn unmap_handle(
         &self,
-        page: DevicePtr,
-        h: sys::CUmemGenericAllocationHandle,
+        at: DevicePtr,
+        (h, n): (sys::CUmemGenericAllocationHandle, u64),
     ) -> Result<(), BackendError> {
-        self.unmap_only(page)?;
-        // SAFETY: `h` is no longer mapped; releasing it frees the physical page.
+        self.unmap_only(at, n)?;
+        // SAFETY: `h` is no longer mapped; releasing it frees the physical memory.
         check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
     }
 
     /// Releases spare handles (`cuMemRelease`); returns the bytes freed. Errors are logged.
-    fn release_handles(&self, spare: Vec<sys::CUmemGenericAllocationHandle>) -> u64 {
+    fn release_handles(&self, spare: Vec<(sys::CUmemGenericAllocationHandle, u64)>) -> u64 {
         let mut freed = 0;
-        for h in spare {
+        for (h, n) in spare {
             // SAFETY: a spare handle is mapped nowhere and owned by this table alone.
             match check("cuMemRelease", unsafe { sys::cuMemRelease(h) }) {
-                Ok(()) => freed += self.page,
+                Ok(()) => freed += n,
                 Err(e) => tracing::warn!(error = %e, "releasing a spare page failed"),
             }
         }
         freed
     }
 
-    /// Unmaps every page of `[addr, addr + bytes)`; all must be mapped. `keep`: the handles
-    /// become spares for the next `map`; otherwise they are released (the memory freed).
+    /// Unmaps every handle of `[addr, addr + bytes)`; the range must be whole mapped handles.
+    /// `keep`: the handles become spares for the next `map`; otherwise they are released (the
+    /// memory freed).
     pub(super) fn unmap(
         &self,
         addr: DevicePtr,
@@ -306,34 +349,38 @@ impl PageTable {
         keep: bool,
     ) -> Result<(), BackendError> {
         self.whole_pages("cuMemUnmap", addr, bytes)?;
-        let g = self.page;
+        let end = addr + bytes;
         let mut t = lock(&self.tables);
-        let mapped = t.pages.range(addr..addr + bytes).count() as u64;
-        if mapped != bytes / g {
+        let handles: Vec<(DevicePtr, (sys::CUmemGenericAllocationHandle, u64))> =
+            t.pages.range(addr..end).map(|(&a, &h)| (a, h)).collect();
+        let mut next = addr;
+        let whole = handles.iter().all(|&(a, (_, n))| {
+            let fits = a == next && a + n <= end;
+            next = a + n;
+            fits
+        }) && next == end;
+        if !whole {
             return Err(invalid(
                 "cuMemUnmap",
-                format!("{bytes} bytes at {addr:#x} are not all mapped pages"),
+                format!("{bytes} bytes at {addr:#x} are not whole mapped handles"),
             ));
         }
         let mut first_err = None;
-        let mut page = addr;
-        while page < addr + bytes {
-            let h = t.pages[&page];
+        for (at, h) in handles {
             let r = if keep {
-                self.unmap_only(page).map(|()| t.spare.push(h))
+                self.unmap_only(at, h.1).map(|()| t.spare.push(h))
             } else {
-                self.unmap_page(page, h)
+                self.unmap_handle(at, h)
             };
             match r {
                 Ok(()) => {
-                    t.pages.remove(&page);
+                    t.pages.remove(&at);
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, page, "unmapping a page failed");
+                    tracing::warn!(error = %e, at, "unmapping a handle failed");
                     first_err.get_or_insert(e);
                 }
             }
-            page += g;
         }
         first_err.map_or(Ok(()), Err)
     }
@@ -420,7 +467,7 @@ impl PageTable {
         self.release_handles(spare)
     }
 
-    /// Pages created and pages mapped from spares so far.
+    /// Pages created and pages mapped from spares so far (a handle counts its pages).
     pub(super) fn page_counts(&self) -> (u64, u64) {
         let t = lock(&self.tables);
         (t.created, t.reused)
@@ -429,19 +476,26 @@ impl PageTable {
     /// Runs `f` when every page of `[addr, end)` is mapped (`None` otherwise), holding the page
     /// table's lock so that none is unmapped until `f` returns.
     pub(super) fn while_mapped<R>(&self, addr: u64, end: u64, f: impl FnOnce() -> R) -> Option<R> {
-        let g = self.page;
         let t = lock(&self.tables);
-        let first = addr / g * g;
-        let pages = (end - first).div_ceil(g);
-        let mapped = t.pages.range(first..end).count() as u64;
-        (end > addr && mapped == pages).then(f)
+        // walk the handles from the one holding `addr`: mapped when they cover up to `end`
+        let mut covered = match t.pages.range(..=addr).next_back() {
+            Some((&a, &(_, n))) if a + n > addr => a + n,
+            _ => return None,
+        };
+        while covered < end {
+            match t.pages.get(&covered) {
+                Some(&(_, n)) => covered += n,
+                None => break,
+            }
+        }
+        (end > addr && covered >= end).then(f)
     }
 
     /// Unmaps every page and frees every range (on drop); errors are only logged.
     pub(super) fn release_all(&self) {
         let mut t = lock(&self.tables);
         for (page, h) in std::mem::take(&mut t.pages) {
-            if let Err(e) = self.unmap_page(page, h) {
+            if let Err(e) = self.unmap_handle(page, h) {
                 tracing::warn!(error = %e, page, "unmapping a page on drop failed");
             }
         }
