@@ -1,9 +1,11 @@
 //! The CUDA backend: [`CudaBackend`], a [`Backend`] over the CUDA driver API through cudarc.
 //!
 //! - Fixed segments: `cuMemAlloc` / `cuMemFree`.
-//! - Growable segments: `cuMemAddressReserve`, then one `cuMemCreate` handle per page
-//!   (`cuMemGetAllocationGranularity`, 2 MiB on an H100) mapped with `cuMemMap` + `cuMemSetAccess`,
-//!   so that any page-aligned sub-range can be unmapped (`cuMemUnmap` + `cuMemRelease`) on its own.
+//! - Growable segments: `cuMemAddressReserve`, then `cuMemCreate` handles of a page
+//!   (`cuMemGetAllocationGranularity`, 2 MiB on an H100 and an H200) or of the size
+//!   [`Backend::map_handles`] asks for (20 MiB for the allocator's large maps), mapped with
+//!   `cuMemMap` + `cuMemSetAccess`, so that any run of whole handles can be unmapped
+//!   (`cuMemUnmap` + `cuMemRelease`) on its own.
 //! - Streams: a [`StreamId`] is the raw `CUstream` handle value (0: the legacy default stream);
 //!   streams other than 0 must be registered ([`CudaBackend::register_stream`]) before use.
 //! - Events: `cuEventRecord` / `cuEventQuery` / `cuEventSynchronize` for cross-stream reuse.
