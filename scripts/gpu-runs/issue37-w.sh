@@ -210,3 +210,15 @@ if [ "$mode" = final ]; then
   PYTORCH_ALLOC_CONF=expandable_segments:True timeout 60 ./tch_gpt --phase plain --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
   date -u | tee -a "$log"
 fi
+# `candle2` (main after the 20 MiB handles): candle_llm serving default / native, candle_gpt frag
+# at 24 native / default (a second round after run 84's).
+if [ "$mode" = candle2 ]; then
+  for conf in "" expandable_segments:False; do
+    echo "=== candle_llm serve --requests 200 ${conf:-default}" | tee -a "$log"
+    OOMGUARD_ALLOC_CONF=$conf timeout 90 ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-300 | tee -a "$log"
+  done
+  echo "=== candle_gpt 24 native / default" | tee -a "$log"
+  OOMGUARD_ALLOC_CONF=expandable_segments:False timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  date -u | tee -a "$log"
+fi
