@@ -37,17 +37,24 @@ impl HandleRuns {
     }
 
     /// The part of `[lo, hi)` that whole handles and pages cover: shrunk past the handles that
-    /// reach out of it (empty: both ends equal).
+    /// reach out of it (empty, `(lo, lo)`, when no whole handle or page is left).
     pub fn inward(&self, lo: u64, hi: u64) -> (u64, u64) {
+        let start = lo;
         let lo = self
             .cutting(lo)
             .map_or(lo, |(s, h)| s + (lo - s).div_ceil(h) * h);
         let hi = self.cutting(hi).map_or(hi, |(s, h)| s + (hi - s) / h * h);
-        (lo, hi.max(lo))
+        if hi <= lo {
+            return (start, start); // inside one handle, or an empty range
+        }
+        (lo, hi)
     }
 
     /// Forgets the handles inside `[lo, hi)`, which cuts none (see [`HandleRuns::inward`]).
     pub fn remove(&mut self, lo: u64, hi: u64) {
+        if hi <= lo {
+            return;
+        }
         let touched: Vec<(u64, (u64, u64))> = self
             .runs
             .range(..hi)
@@ -115,7 +122,7 @@ mod tests {
         assert_eq!(r.inward(100 * M, 150 * M), (100 * M, 140 * M));
         assert_eq!(
             r.inward(104 * M, 118 * M),
-            (120 * M, 120 * M),
+            (104 * M, 104 * M),
             "inside one handle: empty"
         );
         r.remove(120 * M, 140 * M);
@@ -135,6 +142,49 @@ mod tests {
         assert_eq!(handle_size(2 * M, 842 * M), 2 * M);
         assert_eq!(handle_size(0, 80 << 30), 0);
         assert_eq!(handle_size(1 << 30, 80 << 30), 1 << 30);
+    }
+
+    proptest::proptest! {
+        /// Against a model that lists every handle: maps of 0–99 pages at page-aligned places
+        /// (skipped where they overlap), then unmaps of `inward` ranges. `inward` never cuts a
+        /// handle and keeps every handle inside the range; `remove` forgets exactly those.
+        #[test]
+        fn inward_and_remove_agree_with_a_list_of_handles(
+            ops in proptest::collection::vec((0u64..400, 0u64..100, 1u64..12, proptest::bool::ANY), 1..60)
+        ) {
+            let page = 2 * M;
+            let mut runs = HandleRuns::default();
+            let mut model: std::collections::BTreeMap<u64, u64> = Default::default();
+            let mut mapped: Vec<(u64, u64)> = Vec::new();
+            for (at, pages, h, unmap) in ops {
+                let (lo, hi) = (at * page, (at + pages) * page);
+                if !unmap {
+                    let handle = h * page;
+                    if pages == 0 || mapped.iter().any(|&(a, b)| lo < b && a < hi) {
+                        continue;
+                    }
+                    mapped.push((lo, hi));
+                    runs.insert(lo, hi - lo, handle);
+                    for i in 0..(hi - lo) / handle {
+                        model.insert(lo + i * handle, handle);
+                    }
+                    continue;
+                }
+                let (a, b) = runs.inward(lo, hi);
+                proptest::prop_assert!(lo <= a && a <= b && b <= hi.max(lo));
+                proptest::prop_assert!(a == b || (!runs.cuts(a) && !runs.cuts(b)));
+                // every handle wholly inside [lo, hi) is inside [a, b)
+                for (&s, &n) in &model {
+                    if lo <= s && s + n <= hi {
+                        proptest::prop_assert!(a <= s && s + n <= b, "{s:#x}+{n:#x} outside");
+                    }
+                }
+                runs.remove(a, b);
+                model.retain(|&s, &mut n| !(a <= s && s + n <= b));
+                proptest::prop_assert_eq!(runs.count(), model.len() as u64);
+                mapped.retain(|&(x, y)| !(a <= x && y <= b));
+            }
+        }
     }
 
     #[test]
