@@ -9,8 +9,9 @@
 //!    maps nothing: a regression shows as a figure here.
 //! 2. CUDA device (feature `cuda`, a driver present): the wall time of mapping and unmapping
 //!    1,000 MiB of new memory in 2 MiB handles (a page) and in 20 MiB handles (PyTorch's large
-//!    pool, and oomguard's large maps since issue 37), and of a 1 GiB move through the allocator (pages unmapped from a
-//!    hole and mapped where a request needs them, handles kept) against a fresh 1 GiB map.
+//!    pool, and oomguard's large maps since issue 37), and of a 1 GiB move through the
+//!    allocator (pages unmapped from a hole and mapped where a request needs them, handles
+//!    kept) against a fresh 1 GiB map.
 //!
 //! Steps are cut as `oomguard replay --steps` cuts them (where the fewest bytes are live).
 //!

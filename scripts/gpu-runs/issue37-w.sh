@@ -22,6 +22,14 @@ conv() { # ALLOC SECONDS ARGS...
   esac 2>&1 | grep -E "^(RESULT|SEEDED|FINDER|STEP|OOM)|tch_convnet:|rror|panick" | cut -c1-400 | tee -a "$log"
   date -u +%T | tee -a "$log"
 }
+suite() { # TEST-BINARIES...: each with the ignored GPU tests, one thread; result lines to the log
+  for t in "$@"; do
+    [ -e ./$t ] || { echo "=== $t: not staged" | tee -a "$log"; continue; }
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+}
 case $mode in
 suites)
   echo "=== host" | tee -a "$log"
@@ -39,12 +47,7 @@ for _ in range(3):
     del x; t = time.perf_counter(); torch.cuda.empty_cache(); give.append(time.perf_counter() - t)
 print(f"torch expandable take {min(take)*1e3:.2f} give {min(give)*1e3:.2f}")
 PY
-  for t in test-gpu test-pool_gpu test-retry_gpu tchtest-allocator_gpu tchtest-finder_gpu tchtest-oom_texts_gpu tchtest-source_gpu candletest-hook_gpu candletest-finder_gpu candletest-models; do
-    [ -e ./$t ] || { echo "=== $t: not staged" | tee -a "$log"; continue; }
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done ;;
+  suite test-gpu test-pool_gpu test-retry_gpu tchtest-allocator_gpu tchtest-finder_gpu tchtest-oom_texts_gpu tchtest-source_gpu candletest-hook_gpu candletest-finder_gpu candletest-models ;;
 convnet)
   conv expandable 170 --batch 128 --steps 2 --seeded 2 --max 64..3072
   conv oomguard 170 --batch 128 --steps 2 --seeded 2 --max 64..3072
@@ -111,11 +114,7 @@ fi
 # pages, the alloc bench's growth row, then tch_convnet's finder and OOM at 2 x 1,951 under
 # oomguard, and candle_gpt frag at 24.
 if [ "$mode" = handles ]; then
-  for t in test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suite test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
   echo "=== alloc bench growth" | tee -a "$log"
   timeout 170 ./alloc --single > $out/alloc-h.txt 2>&1; echo "rc=$?" | tee -a "$log"
   grep -E "^(Growth|growth|oomguard|  )" $out/alloc-h.txt | head -20 | tee -a "$log"
@@ -127,11 +126,7 @@ fi
 # `handles2`: after the page table's coverage walk was mended, the root suites again, then the
 # finder and OOM at 2 x 1,951 under expandable segments and oomguard, alternated, same run.
 if [ "$mode" = handles2 ]; then
-  for t in test-gpu test-retry_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suite test-gpu test-retry_gpu
   conv expandable 140 --batch 128 --steps 2 --seeded 2
   conv oomguard 150 --batch 128 --steps 2 --seeded 2
   conv expandable 100 --batch 1951 --oom 2 --steps 4
@@ -142,11 +137,7 @@ fi
 # that map pages, tch_convnet plain at 1,951 (expandable segments' largest) alternated two rounds,
 # OOM at 2 x 1,951, candle_gpt frag default / native; then (`handles4`) the finders and tch_gpt 44.
 if [ "$mode" = handles3 ]; then
-  for t in test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suite test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
   for r in 1 2; do for al in oomguard expandable; do conv $al 60 --batch 1951 --steps 6 --warmup 3; done; done
   conv expandable 100 --batch 1951 --oom 2 --steps 4
   conv oomguard 100 --batch 1951 --oom 2 --steps 4
@@ -171,9 +162,7 @@ fi
 # `handles5`: 20 MiB handles for every growing map (plans as before): test-gpu, tch_convnet plain
 # at 1,951 alternated two rounds, OOM at 2 x 1,951, the finder, tch_gpt 44.
 if [ "$mode" = handles5 ]; then
-  echo "=== test-gpu" | tee -a "$log"
-  timeout 150 ./test-gpu --include-ignored --test-threads=1 > $out/test-gpu.txt 2>&1; echo "rc=$?" | tee -a "$log"
-  grep -E "^test result|FAILED|panicked" $out/test-gpu.txt | head -20 | tee -a "$log"
+  suite test-gpu
   for r in 1 2; do for al in oomguard expandable; do conv $al 60 --batch 1951 --steps 6 --warmup 3; done; done
   conv oomguard 100 --batch 1951 --oom 2 --steps 4
   conv oomguard 150 --batch 128 --steps 2 --seeded 2
@@ -188,11 +177,7 @@ fi
 # tch_convnet plain at 1,951 alternated two rounds, OOM at 2 x 1,951, oomguard's finder, candle_gpt
 # frag native / default at 24 and 28, tch_gpt 44 oomguard / expandable.
 if [ "$mode" = final ]; then
-  for t in test-gpu test-pool_gpu test-retry_gpu tchtest-allocator_gpu tchtest-oom_texts_gpu candletest-hook_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suite test-gpu test-pool_gpu test-retry_gpu tchtest-allocator_gpu tchtest-oom_texts_gpu candletest-hook_gpu
   echo "=== alloc bench --single" | tee -a "$log"
   timeout 120 ./alloc --single > $out/alloc-final.txt 2>&1; echo "rc=$?" | tee -a "$log"
   grep -E "^Growth" $out/alloc-final.txt | tee -a "$log"

@@ -147,16 +147,11 @@ impl State {
         };
         self.check_limit(cost)?;
         let addr = self.blocks[hole].addr;
-        // Large handles under pressure too: a move then unmaps and maps handles of one size,
-        // reusing every one (pages mapped where handles were unmapped would release and create
-        // them all; on the H200 that made VGG-16's step at its largest batch 1.27 x expandable
-        // segments', against 0.83 x with handles throughout, docs/GPU.md run 80). With a
-        // `page_recycle_threshold`, pages: that mode trades moves for memory that follows live
-        // bytes, which whole handles would hold back.
-        let handle = match self.cfg.page_recycle_threshold {
-            None => self.segs[self.blocks[hole].seg].handle,
-            Some(_) => g,
-        };
+        // The segment's handles under pressure too: a move then unmaps and maps handles of one
+        // size, reusing every one (pages mapped where handles were unmapped would release and
+        // create them all; on the H200 that made VGG-16's step at its largest batch 1.27 x
+        // expandable segments', against 0.83 x with handles throughout, docs/GPU.md runs 82-83).
+        let handle = self.segs[self.blocks[hole].seg].handle;
         Ok(self
             .map_pages(backend, addr, cost, handle)
             .map(|()| self.mapped(hole, cost, size, stream)))
@@ -165,9 +160,9 @@ impl State {
     /// Maps `[addr, addr + bytes)`: whole handles of `handle` bytes (a segment's, 20 MiB on a
     /// card of 40 GiB or more) from `addr` and pages for the rest (`Backend::map_handles`),
     /// noting the handles, which are then unmapped only whole; pages only when `handle` is the
-    /// page size. A driver call
-    /// costs about the same for a page as for a handle, so handles make growth ten times cheaper
-    /// (docs/BENCHMARKS.md); pages let the free space at the edge of memory move page by page.
+    /// page size. A driver call costs about the same for a page as for a handle, so handles make
+    /// growth ten times cheaper (docs/BENCHMARKS.md); pages let the free space at the edge of
+    /// memory move page by page.
     pub(super) fn map_pages(
         &mut self,
         backend: &dyn Backend,
@@ -175,13 +170,11 @@ impl State {
         bytes: u64,
         handle: u64,
     ) -> Result<(), BackendError> {
-        let h = handle;
-        let n = if h > self.granularity { bytes / h } else { 0 };
-        if n == 0 {
+        if handle <= self.granularity || bytes < handle {
             return backend.map(addr, bytes);
         }
-        backend.map_handles(addr, bytes, h)?;
-        self.handles.insert(addr, bytes, h);
+        backend.map_handles(addr, bytes, handle)?;
+        self.handles.insert(addr, bytes, handle);
         Ok(())
     }
 
@@ -352,7 +345,12 @@ impl State {
         total: u64,
     ) -> Result<BlockId, GrowError> {
         let base = backend.reserve(va)?;
-        let handle = handle_size(self.granularity, self.cap(total));
+        // With a `page_recycle_threshold`, pages: that mode trades moves for memory that
+        // follows live bytes, which whole handles would hold back.
+        let handle = match self.cfg.page_recycle_threshold {
+            None => handle_size(self.granularity, self.cap(total)),
+            Some(_) => self.granularity,
+        };
         let seg = self.segs.insert(Segment {
             base,
             size: va,

@@ -30,7 +30,8 @@ pub(crate) struct Segment {
     /// Bytes backed by physical memory (fixed: `size`).
     pub mapped: u64,
     /// Growable: the bytes of the physical handles its maps use (`handle_size` when it was
-    /// reserved: a memory limit set later does not change it, so a move reuses its handles).
+    /// reserved, a page with a `page_recycle_threshold`: a memory limit set later does not
+    /// change it, so a move reuses its handles). Fixed: the segment's size (one allocation).
     pub handle: u64,
     pub first: BlockId,
 }

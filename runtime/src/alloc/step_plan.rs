@@ -371,10 +371,9 @@ impl State {
         if over > 0 {
             self.release_pages(backend, over, [None, None], Release::Move(stream));
         }
-        // a plan for room, or one that fits without moving pages, maps large handles; one
-        // made at the edge maps pages (see `map_pages`)
-        let handles = self.cfg.page_recycle_threshold.is_none()
-            && (release_free || (over == 0 && self.refused_at == u64::MAX));
+        // a plan for room, or one that fits without moving pages, maps its range's handles;
+        // one made at the edge maps pages (see `map_pages`)
+        let handles = release_free || (over == 0 && self.refused_at == u64::MAX);
         let mut mapped = self.map_whole(backend, stream, height, handles, total);
         if !mapped && self.releasable_pages() > 0 {
             // the device refused: move every free page, then try once more
