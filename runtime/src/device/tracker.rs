@@ -187,6 +187,13 @@ impl Tracker {
         self.open.load(Relaxed) != 0 || ANY_DEVICE_OPEN.load(Relaxed) != 0
     }
 
+    /// Whether a scope opened on this very device is still open, whatever other devices'
+    /// any-device scopes do (tests run in parallel share `ANY_DEVICE_OPEN`).
+    #[cfg(test)]
+    pub(crate) fn own_scopes_open(&self) -> bool {
+        self.open.load(Relaxed) != 0
+    }
+
     /// Allocations a budget refused since the device was made (or the count was reset).
     pub fn budget_refusals(&self) -> u64 {
         self.budget_refusals.load(Relaxed)

@@ -63,11 +63,11 @@ mod tests {
     fn fast_path_when_no_guard() {
         let dev = Device::sim(ByteSize::gib(1));
         let t = dev.tracker();
-        assert!(!t.scopes_open() && !t.tracking());
+        assert!(!t.own_scopes_open() && !t.tracking());
         let before = dev.alloc::<u8>(100).unwrap();
         {
             let _p = dev.peak_scope();
-            assert!(t.scopes_open());
+            assert!(t.own_scopes_open());
             drop(before); // allocated before: never recorded
             assert!(!t.tracking());
             let x = dev.alloc::<u8>(100).unwrap();
@@ -75,7 +75,7 @@ mod tests {
             drop(x);
             assert!(!t.tracking());
         }
-        assert!(!t.scopes_open());
+        assert!(!t.own_scopes_open());
     }
 
     #[test]
@@ -92,7 +92,7 @@ mod tests {
         }));
         assert!(r.is_err());
         let t = dev.tracker();
-        assert!(!t.scopes_open(), "a scope stayed open");
+        assert!(!t.own_scopes_open(), "a scope stayed open");
         assert!(!t.tracking(), "a record outlived its buffer");
         assert_eq!(
             dev.stats().reserved_bytes.all.current,
@@ -118,7 +118,7 @@ mod tests {
             .downcast_ref::<String>()
             .expect("a formatted panic message");
         assert!(msg.contains("1 buffer(s)"), "{msg}");
-        assert!(!dev.tracker().scopes_open());
+        assert!(!dev.tracker().own_scopes_open());
         drop(kept);
         assert!(!dev.tracker().tracking());
     }
