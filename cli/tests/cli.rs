@@ -85,6 +85,30 @@ fn replay_json_on_every_real_trace() {
     }
 }
 
+/// On every shared trace, growable segments reserve at most what PyTorch's expandable segments
+/// reserved on the H100 for the same run (`pytorch_figures.json`). vit_b16 held 1.0413 × its
+/// peak live bytes before free blocks at the edge of unmapped space were ranked as PyTorch
+/// ranks them (PyTorch: 1.0206 ×).
+#[test]
+fn replay_reserves_at_most_what_expandable_segments_reserved() {
+    let figs = common::figures();
+    for (name, f) in figs["traces"].as_object().unwrap() {
+        let o = oomguard(&[
+            "replay",
+            &trace(&format!("{name}.trace.csv")),
+            "--config",
+            "expandable_segments:True",
+            "--json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let ours = json(&o)["peak_reserved_bytes"].as_u64().unwrap();
+        let pytorch = f["pytorch_expandable_segments"]["peak_reserved"]
+            .as_u64()
+            .unwrap();
+        assert!(ours <= pytorch, "{name}: {ours} > PyTorch's {pytorch}");
+    }
+}
+
 #[test]
 fn replay_table_and_oom_exit_status() {
     let o = oomguard(&["replay", &trace("resnet50.trace.csv")]);

@@ -519,3 +519,38 @@ fn large_maps_use_20_mib_handles_and_give_back_only_whole_ones() {
         a.free(w).unwrap();
     }
 }
+
+/// PyTorch's rule for expandable segments: a free block followed by unmapped address space
+/// ranks as large as it could grow, so a request takes a free block inside the mapped space
+/// first. (At the edge of memory plain best fit decides: `tests/step_plan.rs`'s card between
+/// a step's peak live bytes and its layout runs out of memory under the rule.)
+#[test]
+fn a_free_block_at_the_edge_of_unmapped_space_is_taken_after_inner_ones() {
+    let sim = SimDevice::address_only(ByteSize::gib(1));
+    let a = allocator(&sim, "expandable_segments:True");
+    let x = a.allocate(10 * MIB, 0).unwrap();
+    let _y = a.allocate(10 * MIB, 0).unwrap();
+    // 6.5 MiB on 2 MiB pages: 1.5 MiB of free mapped space before the unmapped rest
+    let w = a.allocate(13 * MIB / 2, 0).unwrap();
+    let edge = w.ptr + 13 * MIB / 2;
+    let x_at = x.ptr;
+    a.free(x).unwrap();
+    let reserved = a.stats().reserved_bytes.all.current;
+    assert_eq!(reserved, 28 * MIB);
+    // best fit alone would take the 1.5 MiB at the edge; the rule takes the 10 MiB inside
+    let r = a.allocate(3 * MIB / 2, 0).unwrap();
+    assert_eq!(
+        r.ptr, x_at,
+        "the inner free block, not the one at {edge:#x}"
+    );
+    assert_eq!(
+        a.stats().reserved_bytes.all.current,
+        reserved,
+        "nothing mapped"
+    );
+    // the edge still extends: 9 MiB do not fit in the 8.5 MiB left inside; the 1.5 MiB at the
+    // edge and 4 more pages make the block
+    let s = a.allocate(9 * MIB, 0).unwrap();
+    assert_eq!(s.ptr, edge);
+    assert_eq!(a.stats().reserved_bytes.all.current, reserved + 8 * MIB);
+}

@@ -98,6 +98,7 @@ impl State {
                 let moved = self.stats.unmapped_bytes_total.wrapping_sub(unmapped);
                 let now = self.reserved().saturating_add(moved);
                 self.refused_at = self.refused_at.min(now);
+                self.pressed = true;
                 self.place_and_map(backend, pool, stream, size, total, now)?
                     .map_err(GrowError::from)
             }
@@ -129,6 +130,7 @@ impl State {
             // pages than were released.
             let keep = choice.map_or([None, None], |p| p.uses);
             if self.release_pages(backend, over, keep, Release::Move(stream)) > 0 {
+                self.pressed = true;
                 choice = self.cheapest_hole(pool, stream, size, floor);
             }
         }

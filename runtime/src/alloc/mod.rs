@@ -213,6 +213,7 @@ impl CachingAllocator {
         let granularity = backend.granularity().max(MIN_BLOCK);
         let fraction = config.per_process_memory_fraction;
         let mut state = State::new(config, growable, granularity);
+        state.total = total;
         if let Some(f) = fraction {
             state.limit = Some((total as f64 * f) as u64);
             state.fraction = Some(f);
@@ -604,6 +605,7 @@ impl CachingAllocator {
     fn release_cache(&self, st: &mut State, sync_counted: bool) -> u64 {
         // what the device refused is learned again from here
         st.refused_at = u64::MAX;
+        st.pressed = false;
         // a step plan's free offsets become ordinary free blocks (best fit, releasable)
         st.drop_plan();
         let fixed = st.release_fixed(&*self.backend);

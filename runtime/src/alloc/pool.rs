@@ -90,6 +90,14 @@ impl FreeIndex {
             .next()
             .map(|&(_, s, _, id)| (s, id))
     }
+    /// The free blocks on `stream` of at least `size` bytes, smallest first (lowest address on
+    /// ties): [`FreeIndex::best_fit`] and the ones after it, as (size, id).
+    #[inline]
+    pub fn fits(&self, stream: StreamId, size: u64) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.set
+            .range((stream, size, 0, 0)..(stream, u64::MAX, u64::MAX, BlockId::MAX))
+            .map(|&(_, s, _, id)| (s, id))
+    }
     pub fn contains(&self, stream: StreamId, size: u64, addr: u64, id: BlockId) -> bool {
         self.set.contains(&(stream, size, addr, id))
     }

@@ -6,8 +6,9 @@ use std::ops::ControlFlow;
 use std::sync::OnceLock;
 
 use super::engines::engine_for;
+use crate::retry::advanced::RetryLoop;
 use crate::retry::advanced::{EmptyCacheRetry, KeepsRows, PolicyExt, Shrink, SiteMemo, StepMode};
-use crate::retry::{Accumulate, BatchPlan, IsOom, RetryEngine, RetryError, RetryLoop, RetryPolicy};
+use crate::retry::{Accumulate, BatchPlan, IsOom, RetryEngine, RetryError, RetryPolicy};
 
 /// Where the function is.
 #[derive(Clone, Copy, Debug)]

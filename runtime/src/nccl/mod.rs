@@ -71,8 +71,8 @@ use cudarc::driver::{CudaStream, DevicePtrMut};
 use cudarc::nccl::{result, sys, NcclType};
 
 use crate::backend::{BackendError, BackendErrorKind};
+use crate::retry::advanced::Consensus;
 use crate::retry::advanced::{ConsensusError, GradientSync};
-use crate::retry::Consensus;
 use crate::{Device, DeviceBuffer, Error};
 
 pub use launcher::{LaunchEnv, Launcher};

@@ -17,7 +17,10 @@
 //!   [`PlanError`], and a failed attempt of [`RetryError::GaveUp`](super::RetryError::GaveUp)
 //!   ([`FailedAttempt`]).
 //! - **Nested steps**: [`note_commit`], [`AfterCommit`], [`UpdateApplied`].
-//! - **Several ranks**: [`LocalGroup`], [`SingleProcess`], [`ConsensusError`], and the gradient
+//! - **A loop driven by hand**: [`RetryLoop`] (from
+//!   [`RetryEngine::begin`](super::RetryEngine::begin)).
+//! - **Several ranks**: the agreement between them ([`Consensus`]; [`LocalGroup`],
+//!   [`SingleProcess`], [`ConsensusError`]), and the gradient
 //!   all-reduce of a data-parallel step ([`GradientSync`]).
 //! - **Remembered plans**: [`PlanMemory`], its keys ([`MemoryKey`], [`DeviceKey`]), what it
 //!   holds ([`Limits`]), its errors ([`MemoryError`]), the engine's per-site memo
@@ -40,8 +43,9 @@ pub use super::classify_tch::{
 #[doc(hidden)]
 pub use super::clock::{Clock, ManualClock};
 pub use super::commit::{note_commit, AfterCommit, UpdateApplied};
-pub use super::consensus::{ConsensusError, LocalGroup, SingleProcess};
+pub use super::consensus::{Consensus, ConsensusError, LocalGroup, SingleProcess};
 pub use super::decision::MAX_ATTEMPTS;
+pub use super::engine::RetryLoop;
 pub use super::engine::{SiteMemo, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW};
 pub use super::finder::{
     LinearFit, Trial, LARGER_BATCH_SHARE, MAX_VERIFICATIONS, VERIFY_EXTENSION,

@@ -31,7 +31,7 @@ pub(crate) fn commits() -> u64 {
 /// theirs that fails after this point is not retried (it would run this commit again).
 /// [`RetryEngine::run`](super::RetryEngine::run), [`RetryEngine::run_step`](super::RetryEngine::run_step)
 /// and `#[oom_retry(commit = ..)]` call it; call it yourself before the commit of a step you
-/// drive by hand ([`RetryLoop`](super::RetryLoop)), after `next` returned `Break(Ok(..))`.
+/// drive by hand ([`RetryLoop`](super::advanced::RetryLoop)), after `next` returned `Break(Ok(..))`.
 pub fn note_commit() {
     let _ = COMMITS.try_with(|c| {
         let n = c.get() + 1;

@@ -221,7 +221,7 @@ fn list(ranks: &[usize]) -> String {
 ///   waiting get an error naming it, and the group is poisoned.
 ///
 /// ```
-/// use oomguard_runtime::retry::{advanced::LocalGroup, Consensus};
+/// use oomguard_runtime::retry::advanced::{Consensus, LocalGroup};
 /// let ranks = LocalGroup::new(2);
 /// let handles: Vec<_> = ranks.into_iter().map(|r| std::thread::spawn(move || {
 ///     let mut v = [r.rank() as u64, 10 - r.rank() as u64];

@@ -75,8 +75,7 @@ pub mod advanced;
 
 // What a step needs. The rest is in `advanced`.
 pub use classify::IsOom;
-pub use consensus::Consensus;
-pub use engine::{RetryEngine, RetryLoop, Step};
+pub use engine::{RetryEngine, Step};
 pub use finder::{find_max_batch, FinderError, FinderOptions, FinderReport};
 pub use last_report::last_report;
 pub use policy::{inference_policy, training_policy, Accumulate, RetryPolicy};
@@ -97,10 +96,11 @@ pub use advanced::cubecl_text_is_oom;
 pub use advanced::{
     chain_is_oom, libtorch_text_is_budget_exceeded, libtorch_text_is_oom,
     libtorch_text_oom_request, note_commit, oomguard_allocator_refusal, AfterCommit,
-    AttemptOutcome, AttemptRecord, Chain, Clock, CommitFailure, ConsensusError, DeviceKey,
-    EmptyCacheRetry, FailedAttempt, Floor, FnPolicy, GradientSync, KeepsRows, Limits, LinearFit,
-    LocalGroup, ManualClock, MaxRetries, MemoryError, MemoryKey, OomRequest, PlanError, PlanMemory,
-    PolicyExt, Pressure, Regrow, RetryContext, Shrink, SingleProcess, SiteMemo, SpeedDecision,
-    StepMode, StopReason, Trial, UpdateApplied, DEFAULT_REGROW_AFTER, DEFAULT_THRASH_WINDOW,
-    LARGER_BATCH_SHARE, LOCK_WAIT, MAX_ATTEMPTS, MAX_VERIFICATIONS, STALE_LOCK, VERIFY_EXTENSION,
+    AttemptOutcome, AttemptRecord, Chain, Clock, CommitFailure, Consensus, ConsensusError,
+    DeviceKey, EmptyCacheRetry, FailedAttempt, Floor, FnPolicy, GradientSync, KeepsRows, Limits,
+    LinearFit, LocalGroup, ManualClock, MaxRetries, MemoryError, MemoryKey, OomRequest, PlanError,
+    PlanMemory, PolicyExt, Pressure, Regrow, RetryContext, RetryLoop, Shrink, SingleProcess,
+    SiteMemo, SpeedDecision, StepMode, StopReason, Trial, UpdateApplied, DEFAULT_REGROW_AFTER,
+    DEFAULT_THRASH_WINDOW, LARGER_BATCH_SHARE, LOCK_WAIT, MAX_ATTEMPTS, MAX_VERIFICATIONS,
+    STALE_LOCK, VERIFY_EXTENSION,
 };

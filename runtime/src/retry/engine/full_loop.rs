@@ -95,7 +95,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         Some(next)
     }
 
-    /// [`RetryLoop::next_value`](crate::retry::RetryLoop::next_value) of a loop set up in full.
+    /// [`RetryLoop::next_value`](crate::retry::advanced::RetryLoop::next_value) of a loop set up in full.
     pub(super) fn next<G>(
         &mut self,
         result: Result<G, E>,
