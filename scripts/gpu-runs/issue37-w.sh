@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# issue 37, run W: the device is now an H200 (141 GB) where rounds 1-6 had an H100 (80 GB).
+# issue 37, run W (modes below; `edge` the newest): the device is now an H200 (141 GB) where rounds 1-6 had an H100 (80 GB).
 # `suites`: the host, the alloc bench, the GPU suites at main 49ce020 (first run after the step
 # plans' fit check). `convnet`: tch_convnet's finder (--seeded 2) under expandable segments and
 # oomguard from fresh processes, then plain steps at the batch expandable segments found under
@@ -205,5 +205,35 @@ if [ "$mode" = candle2 ]; then
   echo "=== candle_gpt 24 native / default" | tee -a "$log"
   OOMGUARD_ALLOC_CONF=expandable_segments:False timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
   timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  date -u | tee -a "$log"
+fi
+# `edge` (main d93ceb4: best fit ranks a free block at the edge of unmapped space as PyTorch does):
+# the suites that place blocks, VGG-16 at 128 (room: peak reserved in the timed steps, the fourth
+# step's plan timed, as in run 75) and at 1,951 (the largest) under oomguard / expandable, two
+# rounds; tch_gpt at 44 under the three allocators; candle_gpt frag 24 and candle_llm serving,
+# native / default.
+if [ "$mode" = edge ]; then
+  suite test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
+  for r in 1 2; do for al in oomguard expandable; do
+    conv $al 60 --batch 128 --steps 6 --warmup 3
+    conv $al 60 --batch 1951 --steps 6 --warmup 3
+  done; done
+  conv native 60 --batch 128 --steps 6 --warmup 3
+  for al in oomguard expandable native; do
+    echo "=== tch_gpt $al 44" | tee -a "$log"
+    a=""; unset PYTORCH_ALLOC_CONF
+    [ $al = oomguard ] && a="--allocator oomguard"
+    [ $al = expandable ] && export PYTORCH_ALLOC_CONF=expandable_segments:True
+    timeout 60 ./tch_gpt --phase plain $a --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
+  done
+  unset PYTORCH_ALLOC_CONF
+  for conf in expandable_segments:False "" expandable_segments:False ""; do
+    echo "=== candle_gpt 24 ${conf:-default}" | tee -a "$log"
+    OOMGUARD_ALLOC_CONF=$conf timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+  done
+  for conf in "" expandable_segments:False; do
+    echo "=== candle_llm serve --requests 200 ${conf:-default}" | tee -a "$log"
+    OOMGUARD_ALLOC_CONF=$conf timeout 90 ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-300 | tee -a "$log"
+  done
   date -u | tee -a "$log"
 fi
