@@ -405,36 +405,32 @@ pub(super) fn chain_is_budget(err: &(dyn StdError + 'static)) -> bool {
 /// The failed request and its capacity ([`IsOom::oom_request`]) of the first oomguard
 /// out-of-memory in `err`'s `source()` chain.
 pub(super) fn chain_oom_request(err: &(dyn StdError + 'static)) -> Option<OomRequest> {
-    chain_find(err, |e| {
-        if let Some(e) = e.downcast_ref::<Error>() {
-            return match e {
-                Error::Oom(_) | Error::BudgetExceeded(_) => e.oom_request(),
-                _ => None,
-            };
-        }
-        if let Some(e) = e.downcast_ref::<OomError>() {
-            return e.oom_request();
-        }
-        e.downcast_ref::<BudgetExceeded>()
-            .and_then(IsOom::oom_request)
-    })
+    chain_oom_figure(err, |e| e.oom_request())
 }
 
 /// The bytes in use when it failed ([`IsOom::oom_in_use`]) of the first oomguard
 /// out-of-memory in `err`'s `source()` chain.
 pub(super) fn chain_oom_in_use(err: &(dyn StdError + 'static)) -> Option<u64> {
+    chain_oom_figure(err, |e| e.oom_in_use())
+}
+
+/// `figure` of the first oomguard out-of-memory (an [`Error`]'s, an [`OomError`], a
+/// [`BudgetExceeded`]) in `err`'s `source()` chain that has it.
+fn chain_oom_figure<T>(
+    err: &(dyn StdError + 'static),
+    figure: impl Fn(&dyn IsOom) -> Option<T>,
+) -> Option<T> {
     chain_find(err, |e| {
         if let Some(e) = e.downcast_ref::<Error>() {
             return match e {
-                Error::Oom(_) | Error::BudgetExceeded(_) => e.oom_in_use(),
+                Error::Oom(_) | Error::BudgetExceeded(_) => figure(e),
                 _ => None,
             };
         }
         if let Some(e) = e.downcast_ref::<OomError>() {
-            return e.oom_in_use();
+            return figure(e);
         }
-        e.downcast_ref::<BudgetExceeded>()
-            .and_then(IsOom::oom_in_use)
+        e.downcast_ref::<BudgetExceeded>().and_then(|e| figure(e))
     })
 }
 

@@ -35,6 +35,37 @@ impl LinearFit {
     }
 }
 
+/// The parabola through three `(rows, peak)` points: `y = y3 + m (x - x3) + k (x - x3)(x - x2)`.
+struct Parabola {
+    k: f64,
+    m: f64,
+    x2: f64,
+    x3: f64,
+    y3: f64,
+}
+
+impl Parabola {
+    /// The parabola through `a`, `b`, `c` when it is convex; `None` when it is not, or so little
+    /// that the points are a line (rounding: the secant then).
+    fn through(a: (usize, u64), b: (usize, u64), c: (usize, u64)) -> Option<Self> {
+        let (x1, y1, x2, y2, x3, y3) = (
+            a.0 as f64, a.1 as f64, b.0 as f64, b.1 as f64, c.0 as f64, c.1 as f64,
+        );
+        let d1 = (y2 - y1) / (x2 - x1);
+        let m = (y3 - y2) / (x3 - x2);
+        let k = (m - d1) / (x3 - x1); // the r² coefficient
+        if k.is_nan() || !k.is_finite() || k * (x3 - x1) * (x3 - x1) <= 1e-3 * (y3 - y1).abs() {
+            return None;
+        }
+        Some(Self { k, m, x2, x3, y3 })
+    }
+
+    /// The peak it predicts at `x` rows.
+    fn at(&self, x: f64) -> f64 {
+        self.y3 + self.m * (x - self.x3) + self.k * (x - self.x3) * (x - self.x2)
+    }
+}
+
 /// The largest rows at which the parabola through three `(rows, peak)` points stays under
 /// `target`, when it is increasing and convex there.
 pub(super) fn quadratic_rows(
@@ -43,26 +74,15 @@ pub(super) fn quadratic_rows(
     c: (usize, u64),
     target: f64,
 ) -> Option<usize> {
-    let (x1, y1, x2, y2, x3, y3) = (
-        a.0 as f64, a.1 as f64, b.0 as f64, b.1 as f64, c.0 as f64, c.1 as f64,
-    );
-    let d1 = (y2 - y1) / (x2 - x1);
-    let d2 = (y3 - y2) / (x3 - x2);
-    let k = (d2 - d1) / (x3 - x1); // the r² coefficient
-                                   // Not convex, or so little that the points are a line (rounding): the secant then.
-    if k.is_nan() || !k.is_finite() || k * (x3 - x1) * (x3 - x1) <= 1e-3 * (y3 - y1).abs() {
-        return None;
-    }
-    // y = y3 + m (x - x3) + k (x - x3)(x - x2)  →  k x² + (m - k (x2 + x3)) x + ... = target
-    let m = d2;
-    let qa = k;
+    let Parabola { k, m, x2, x3, y3 } = Parabola::through(a, b, c)?;
+    // k x² + (m - k (x2 + x3)) x + (y3 - m x3 + k x2 x3) = target
     let qb = m - k * (x2 + x3);
     let qc = y3 - m * x3 + k * x2 * x3 - target;
-    let disc = qb * qb - 4.0 * qa * qc;
+    let disc = qb * qb - 4.0 * k * qc;
     if disc < 0.0 {
         return None;
     }
-    let root = (-qb + disc.sqrt()) / (2.0 * qa);
+    let root = (-qb + disc.sqrt()) / (2.0 * k);
     (root.is_finite() && root >= 1.0).then(|| root.floor() as usize)
 }
 
@@ -94,15 +114,25 @@ pub(super) fn quadratic_peak(
     c: (usize, u64),
     rows: usize,
 ) -> Option<f64> {
-    let (x1, y1, x2, y2, x3, y3) = (
-        a.0 as f64, a.1 as f64, b.0 as f64, b.1 as f64, c.0 as f64, c.1 as f64,
-    );
-    let d1 = (y2 - y1) / (x2 - x1);
-    let d2 = (y3 - y2) / (x3 - x2);
-    let k = (d2 - d1) / (x3 - x1);
-    if k.is_nan() || !k.is_finite() || k * (x3 - x1) * (x3 - x1) <= 1e-3 * (y3 - y1).abs() {
-        return None;
+    Some(Parabola::through(a, b, c)?.at(rows as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_parabola_through_three_points_predicts_and_solves() {
+        // peak = 100 + 2 rows²
+        let (a, b, c) = ((1, 102), (2, 108), (3, 118));
+        assert_eq!(quadratic_peak(a, b, c, 5), Some(150.0));
+        assert_eq!(quadratic_rows(a, b, c, 300.0), Some(10));
+        assert_eq!(quadratic_rows(a, b, c, 301.0), Some(10));
+        // on a line: not convex, no parabola
+        let (a, b, c) = ((1, 10), (2, 20), (3, 30));
+        assert_eq!(quadratic_peak(a, b, c, 5), None);
+        assert_eq!(quadratic_rows(a, b, c, 100.0), None);
+        // concave
+        assert_eq!(quadratic_rows((1, 10), (2, 20), (3, 25), 100.0), None);
     }
-    let x = rows as f64;
-    Some(y3 + d2 * (x - x3) + k * (x - x3) * (x - x2))
 }
