@@ -9,7 +9,9 @@ Not modelled: releases (empty_cache, out-of-memory), streams, events, max_split_
 
 Checked against PyTorch's own figures (`traces/pytorch_figures.json`, H100, expandable segments'
 peak reserved): resnet50 5,932,843,008 B against 5,949,620,224; gpt2 8,839,495,680 against
-8,835,301,376; vit_b16 3,621,781,504 against 3,617,587,200 (without the tail rule 3,705,667,584).
+8,835,301,376; vit_b16 3,621,781,504 against 3,617,587,200 (without the tail rule 3,705,667,584);
+bert_infer 1,040,187,392 against 1,035,993,088 (`bert_infer.figures.json`; without the rule
+977,272,832).
 
     python3 scripts/pytorch_expandable_model.py TRACE.csv [CAPACITY_GIB]
 
