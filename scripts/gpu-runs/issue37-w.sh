@@ -209,14 +209,14 @@ if [ "$mode" = candle2 ]; then
 fi
 # `edge` (main d93ceb4: best fit ranks a free block at the edge of unmapped space as PyTorch does):
 # the suites that place blocks, VGG-16 at 128 (room: peak reserved in the timed steps, the fourth
-# step's plan timed, as in run 75) and at 1,951 (the largest) under oomguard / expandable, two
-# rounds; tch_gpt at 44 under the three allocators; candle_gpt frag 24 and candle_llm serving,
-# native / default.
+# step's plan timed, as in run 75) under oomguard / expandable in two rounds and native, tch_gpt
+# at 44 under the three allocators. `edge2`: VGG-16 at 1,951 (the largest) two rounds, OOM at
+# 2 x 1,951 from an unseeded engine under both, the split 4 x 976 timed by hand as plain steps;
+# candle_gpt frag 24 and candle_llm serving, native / default.
 if [ "$mode" = edge ]; then
   suite test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
   for r in 1 2; do for al in oomguard expandable; do
     conv $al 60 --batch 128 --steps 6 --warmup 3
-    conv $al 60 --batch 1951 --steps 6 --warmup 3
   done; done
   conv native 60 --batch 128 --steps 6 --warmup 3
   for al in oomguard expandable native; do
@@ -227,6 +227,15 @@ if [ "$mode" = edge ]; then
     timeout 60 ./tch_gpt --phase plain $a --batch 44 --steps 6 --warmup 3 2>&1 | grep -E "^RESULT|rror|panick" | cut -c1-500 | tee -a "$log"
   done
   unset PYTORCH_ALLOC_CONF
+  date -u | tee -a "$log"
+fi
+if [ "$mode" = edge2 ]; then
+  for r in 1 2; do for al in oomguard expandable; do
+    conv $al 60 --batch 1951 --steps 6 --warmup 3
+  done; done
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  conv expandable 100 --batch 1951 --oom 2 --steps 4
+  conv oomguard 60 --batch 976 --steps 4 --warmup 2
   for conf in expandable_segments:False "" expandable_segments:False ""; do
     echo "=== candle_gpt 24 ${conf:-default}" | tee -a "$log"
     OOMGUARD_ALLOC_CONF=$conf timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
