@@ -76,7 +76,7 @@ impl CachingAllocator {
         } else {
             None
         };
-        let id = match planned.or_else(|| st.take_free(pool, stream, size)) {
+        let id = match planned.or_else(|| st.take_free(pool, stream, size, self.total)) {
             Some(id) => id,
             None => match self.reclaim_under_pressure(&mut st, pool, stream, size) {
                 Some(id) => id,
@@ -116,7 +116,7 @@ impl CachingAllocator {
             return None;
         }
         self.drain_all_caches(st);
-        st.take_free(pool, stream, size)
+        st.take_free(pool, stream, size, self.total)
     }
 
     /// Lends taken block `id` to the calling thread's cache, allocated for `bytes` (`None`: the

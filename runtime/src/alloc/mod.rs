@@ -213,7 +213,6 @@ impl CachingAllocator {
         let granularity = backend.granularity().max(MIN_BLOCK);
         let fraction = config.per_process_memory_fraction;
         let mut state = State::new(config, growable, granularity);
-        state.total = total;
         if let Some(f) = fraction {
             state.limit = Some((total as f64 * f) as u64);
             state.fraction = Some(f);
@@ -380,11 +379,11 @@ impl CachingAllocator {
         if !pool.is_small() {
             st.unpark_large();
         }
-        if let Some(id) = st.take_free(pool, stream, size) {
+        if let Some(id) = st.take_free(pool, stream, size, self.total) {
             return Ok(id);
         }
         st.flush_parked();
-        match st.take_free(pool, stream, size) {
+        match st.take_free(pool, stream, size, self.total) {
             Some(id) => Ok(id),
             None => self.allocate_slow(st, pool, stream, size, bytes),
         }
@@ -495,7 +494,7 @@ impl CachingAllocator {
             if st.reserved() as f64 + size as f64 > t * self.total as f64 {
                 self.drain_all_caches(st);
                 self.release_cache(st, false);
-                if let Some(id) = st.take_free(pool, stream, size) {
+                if let Some(id) = st.take_free(pool, stream, size, self.total) {
                     return Ok(id);
                 }
             }
@@ -515,12 +514,12 @@ impl CachingAllocator {
         if waited {
             self.process_events(st, true);
         }
-        if let Some(id) = st.take_free(pool, stream, size) {
+        if let Some(id) = st.take_free(pool, stream, size, self.total) {
             return Ok(id);
         }
         // memory parked in any thread's cache goes back before anything fails
         self.drain_all_caches(st);
-        if let Some(id) = st.take_free(pool, stream, size) {
+        if let Some(id) = st.take_free(pool, stream, size, self.total) {
             return Ok(id);
         }
         // Releasing the cache costs a device-wide synchronisation and, for growable segments,

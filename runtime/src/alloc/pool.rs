@@ -85,10 +85,7 @@ impl FreeIndex {
     /// The smallest free block on `stream` of at least `size` bytes (lowest address on ties).
     #[inline]
     pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
-        self.set
-            .range((stream, size, 0, 0)..(stream, u64::MAX, u64::MAX, BlockId::MAX))
-            .next()
-            .map(|&(_, s, _, id)| (s, id))
+        self.fits(stream, size).next()
     }
     /// The free blocks on `stream` of at least `size` bytes, smallest first (lowest address on
     /// ties): [`FreeIndex::best_fit`] and the ones after it, as (size, id).

@@ -72,8 +72,6 @@ pub(crate) struct State {
     pub fraction: Option<f64>,
     /// The most bytes ever reserved: growable segments recycle free pages rather than pass it.
     pub high_water: u64,
-    /// The device's capacity as the allocator read it at start-up (0: unknown).
-    pub total: u64,
     /// Free pages were moved to serve a request, or the device refused a map, since the cache
     /// was last released: the allocator works at the edge of memory, where best fit alone
     /// places blocks ([`State::growable_fit`]).
@@ -141,7 +139,6 @@ impl State {
             limit: None,
             fraction: None,
             high_water: 0,
-            total: 0,
             pressed: false,
             refused_at: u64::MAX,
             quick: FxHashMap::default(),
@@ -329,10 +326,16 @@ impl State {
     /// index and split to size. PyTorch's rules: a request below `max_split_size` never takes an
     /// oversize block, an oversize request takes one only within 20 MiB of its size; and a free
     /// block that borders unmapped address space counts as large as it could grow
-    /// ([`State::growable_fit`]).
+    /// ([`State::growable_fit`]; `total`: the device's capacity).
     #[inline]
-    pub fn take_free(&mut self, pool: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
-        let (found, id) = self.growable_fit(pool, stream, size)?;
+    pub fn take_free(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        total: u64,
+    ) -> Option<BlockId> {
+        let (found, id) = self.growable_fit(pool, stream, size, total)?;
         let max_split = self.cfg.max_split_size;
         if (size < max_split && found >= max_split)
             || (size >= max_split && found >= size.saturating_add(self.cfg.max_non_split_rounding))
@@ -359,18 +362,26 @@ impl State {
     /// needed (the smallest card of ten repeated steps, 77.27 GiB, 0.1 % above the step's peak
     /// live bytes).
     #[inline]
-    fn growable_fit(&self, pool: PoolKind, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
+    fn growable_fit(
+        &self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        total: u64,
+    ) -> Option<(u64, BlockId)> {
         let mut fits = self.free[pool as usize].fits(stream, size);
         let mut best = fits.next()?;
-        if self.pressed {
+        if self.pressed || !self.growable {
             return Some(best);
         }
-        let mut best_reach = self.reach(best);
-        if best_reach == best.0 {
-            return Some(best); // the common case: no hole after it
+        if self.hole_after(best.1).is_none() {
+            return Some(best); // the common case
         }
+        // what could still be mapped before the soft cap (not pressed: nothing was refused)
+        let room = self.soft_cap(total).saturating_sub(self.reserved());
+        let mut best_reach = self.reach(best, room);
         for next in fits {
-            let reach = self.reach(next);
+            let reach = self.reach(next, room);
             if reach >= best_reach {
                 break;
             }
@@ -380,18 +391,17 @@ impl State {
     }
 
     /// How large free block `id` of `size` bytes could grow in place: its size, and as much of
-    /// the unmapped block right after it as could be mapped before the allocator is under
-    /// pressure.
+    /// the unmapped block right after it as `room` allows.
     #[inline]
-    fn reach(&self, (size, id): (u64, BlockId)) -> u64 {
-        match self.blocks[id].next {
-            Some(n) if !self.blocks[n].mapped => {
-                let room = (self.soft_cap(self.total).min(self.refused_at))
-                    .saturating_sub(self.reserved());
-                size.saturating_add(self.blocks[n].size.min(room))
-            }
-            _ => size,
-        }
+    fn reach(&self, (size, id): (u64, BlockId), room: u64) -> u64 {
+        size.saturating_add(self.hole_after(id).map_or(0, |hole| hole.min(room)))
+    }
+
+    /// The size of the unmapped block right after block `id`, if there is one.
+    #[inline]
+    fn hole_after(&self, id: BlockId) -> Option<u64> {
+        let n = self.blocks[id].next?;
+        (!self.blocks[n].mapped).then(|| self.blocks[n].size)
     }
 
     /// Splits free block `id` (not indexed) so that it is `size` bytes, when the rest is worth
