@@ -613,6 +613,58 @@ fn layout_bounds_a_settled_loop_of_a_recorded_step() {
     assert!(text.contains("no layout found under it"), "{text}");
 }
 
+/// VGG-16 at 1,951 rows, recorded on the H200 with libtorch's autograd thread freeing (run 87):
+/// replayed on its two threads at the 137.8 GiB the card left the step, it runs by best fit,
+/// moving pages; no static layout of its step comes within 1.0103 x its peak live bytes, above
+/// that capacity: why the step plan was refused on the card (docs/BENCHMARKS.md).
+#[test]
+fn the_largest_vgg_step_on_the_h200_runs_but_has_no_layout_under_the_card() {
+    let file = repo_trace("tch_vgg16_b1951.trace.csv");
+    let o = oomguard(&[
+        "replay",
+        &file,
+        "--steps",
+        "3",
+        "--threads",
+        "--capacity",
+        "137.8GiB",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json(&o);
+    assert_eq!(v["completed"].as_bool(), Some(true), "{v}");
+    assert_eq!(v["threads"].as_u64(), Some(2), "{v}");
+    assert_eq!(v["peak_live_bytes"].as_u64(), Some(147_390_494_607), "{v}");
+    let capacity = v["capacity_bytes"].as_u64().unwrap();
+    assert!(
+        v["peak_reserved_bytes"].as_u64().unwrap() <= capacity,
+        "{v}"
+    );
+    assert!(
+        v["backend_calls"]["unmapped_bytes"].as_u64().unwrap() > 0,
+        "{v}"
+    );
+    let o = oomguard(&[
+        "layout",
+        &file,
+        "--steps",
+        "3",
+        "--tries",
+        "64",
+        "--capacity",
+        "137.8GiB",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let l = json(&o);
+    let (peak, height) = (
+        l["peak_live_bytes"].as_u64().unwrap(),
+        l["layout_bytes"].as_u64().unwrap(),
+    );
+    assert!(height as f64 >= 1.01 * peak as f64, "{l}");
+    assert_eq!(l["fits"], serde_json::json!(false), "{l}");
+}
+
 /// The recorded VGG-16 step at 1,118 rows on the default 80 GiB card: best fit moves 10-24 GiB
 /// a step; with the steps marked (`--steps`, as `train_step` marks them), step 1 repeats step
 /// 0, so step 2 starts with the plan's one range mapped (one map call, one wait), and nothing

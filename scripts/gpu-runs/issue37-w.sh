@@ -211,8 +211,8 @@ fi
 # the suites that place blocks, VGG-16 at 128 (room: peak reserved in the timed steps, the fourth
 # step's plan timed, as in run 75) under oomguard / expandable in two rounds and native, tch_gpt
 # at 44 under the three allocators. `edge2`: VGG-16 at 1,951 (the largest) two rounds, OOM at
-# 2 x 1,951 from an unseeded engine under both, the split 4 x 976 timed by hand as plain steps;
-# candle_gpt frag 24 and candle_llm serving, native / default.
+# 2 x 1,951 from an unseeded engine under both, the split 4 x 976 timed by hand as plain steps,
+# and a recorded trace of three steps at 1,951.
 if [ "$mode" = edge ]; then
   suite test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
   for r in 1 2; do for al in oomguard expandable; do
@@ -236,13 +236,25 @@ if [ "$mode" = edge2 ]; then
   conv oomguard 100 --batch 1951 --oom 2 --steps 4
   conv expandable 100 --batch 1951 --oom 2 --steps 4
   conv oomguard 60 --batch 976 --steps 4 --warmup 2
-  for conf in expandable_segments:False "" expandable_segments:False ""; do
-    echo "=== candle_gpt 24 ${conf:-default}" | tee -a "$log"
-    OOMGUARD_ALLOC_CONF=$conf timeout 40 ./candle_gpt frag --batch 24 --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
-  done
-  for conf in "" expandable_segments:False; do
-    echo "=== candle_llm serve --requests 200 ${conf:-default}" | tee -a "$log"
-    OOMGUARD_ALLOC_CONF=$conf timeout 90 ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-300 | tee -a "$log"
+  # three steps at 1,951 after three of warm-up, recorded with each event's thread, to replay
+  # why the step plan is refused there
+  conv oomguard 90 --batch 1951 --steps 6 --warmup 3 --trace $out/tch_vgg16_b1951.trace.csv --trace-steps 3
+  ls -la $out | tee -a "$log"
+  date -u | tee -a "$log"
+fi
+# `edge3`: candle's hook suite, then candle at its largest batches, native / default alternated in two rounds: candle_gpt
+# frag at 24 and 28, candle_llm serving 200 requests.
+if [ "$mode" = edge3 ]; then
+  suite candletest-hook_gpu
+  for r in 1 2; do
+    for b in 24 28; do for conf in expandable_segments:False ""; do
+      echo "=== candle_gpt $b ${conf:-default} (round $r)" | tee -a "$log"
+      OOMGUARD_ALLOC_CONF=$conf timeout 40 ./candle_gpt frag --batch $b --steps 6 --allocator oomguard 2>&1 | grep -E "RESULT frag|rror|panick" | cut -c1-300 | tee -a "$log"
+    done; done
+    for conf in "" expandable_segments:False; do
+      echo "=== candle_llm serve --requests 200 ${conf:-default} (round $r)" | tee -a "$log"
+      OOMGUARD_ALLOC_CONF=$conf timeout 90 ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-300 | tee -a "$log"
+    done
   done
   date -u | tee -a "$log"
 fi
