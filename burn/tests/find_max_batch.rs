@@ -8,9 +8,10 @@ use burn::backend::{Autodiff, NdArray};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::{Distribution, Tensor};
-use oomguard::retry::{Chunk, FinderOptions, FinderReport, RetryEngine};
+use oomguard::retry::{Chunk, FinderOptions};
 use oomguard::ByteSize;
 use oomguard_burn::{chunk_rows, find_max_batch, find_max_batch_train, train_step, Error};
+use oomguard_harness::checks::check_train_finder_seeding;
 
 type B = Autodiff<NdArray>;
 
@@ -67,34 +68,6 @@ fn weights(model: &Linear<B>) -> Vec<f32> {
     model.weight.val().into_data().to_vec().unwrap()
 }
 
-/// A loop's loss closure.
-type LossFn<'a> = dyn FnMut(&Linear<B>, &Chunk, &Batch) -> Result<Tensor<B, 1>, Error> + 'a;
-
-/// Runs 20 `train_step`s with batches of `found.max_batch` rows, the engine seeded from
-/// `found`; the retries of all of them.
-fn seeded_loop_retries(
-    card: &oomguard::Device,
-    found: &FinderReport,
-    model: &mut Linear<B>,
-    make_batch: &mut dyn FnMut(usize) -> Result<Batch, Error>,
-    loss: &mut LossFn<'_>,
-    rows: usize,
-) -> usize {
-    let engine = RetryEngine::new().start_from_finder(found);
-    let mut sgd = SgdConfig::new().init();
-    let mut retries = 0;
-    for _ in 0..20 {
-        let b = make_batch(rows).unwrap();
-        let done = train_step(&engine, card, rows, model, &mut sgd, 0.01, |m, c| {
-            loss(m, c, &b)
-        })
-        .unwrap();
-        assert_eq!(done.rows, rows);
-        retries += done.report.retries();
-    }
-    retries
-}
-
 #[test]
 fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     // A simulated 256 MiB card: the batch holds 1 MiB per row, a chunk's activations 2 MiB per
@@ -132,19 +105,6 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         })
         .unwrap()
     };
-    assert!(found_old.max_batch > 100, "{found_old}");
-    let old_retries = seeded_loop_retries(
-        &card,
-        &found_old,
-        &mut model,
-        &mut make_batch,
-        &mut loss,
-        found_old.max_batch,
-    );
-    assert!(
-        old_retries > 0,
-        "the old route's seed fits train_step's attempt?"
-    );
 
     // The new route: train_step's own attempt, with the loop's make_batch and loss closure.
     let before = weights(&model);
@@ -156,50 +116,16 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         &mut loss,
     )
     .unwrap();
-    assert!((76..=85).contains(&found.max_batch), "{found}");
     assert_eq!(weights(&model), before, "the finder trained nothing");
-    let retries = seeded_loop_retries(
-        &card,
-        &found,
-        &mut model,
-        &mut make_batch,
-        &mut loss,
-        found.max_batch,
-    );
-    assert_eq!(retries, 0, "20 seeded steps at {} rows", found.max_batch);
-
-    // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
-    // row) stay held while each micro-batch runs, so the micro-batches start smaller.
-    assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
     // one set of gradients of the 4 -> 1 linear layer (weight and bias, f32) is accumulated
-    // over a split step's chunks
-    assert_eq!(found.accumulation_bytes, Some(20), "{found}");
-    let twice = 2 * found.max_batch;
-    let start = found.micro_batch_for(twice);
-    assert!(start < found.max_batch, "{start}");
-    let retries = seeded_loop_retries(&card, &found, &mut model, &mut make_batch, &mut loss, twice);
-    assert_eq!(
-        retries, 0,
-        "20 seeded steps at {twice} rows from micro-batches of {start}"
-    );
-    // The same seed without the batch's bytes (what the engine did before) retries.
-    let unaware = FinderReport {
-        batch_bytes_per_row: None,
-        ..found.clone()
-    };
-    let retries = seeded_loop_retries(
-        &card,
-        &unaware,
-        &mut model,
-        &mut make_batch,
-        &mut loss,
-        twice,
-    );
-    assert!(
-        retries > 0,
-        "micro-batches of {} rows fit {twice} rows' tensors?",
-        found.max_batch
-    );
+    // over a split step's chunks: 20 bytes
+    let mut sgd = SgdConfig::new().init();
+    check_train_finder_seeding(&found_old, &found, 20, |engine, rows| {
+        let b = make_batch(rows).unwrap();
+        let step = |m: &Linear<B>, c: &Chunk| loss(m, c, &b);
+        let done = train_step(engine, &card, rows, &mut model, &mut sgd, 0.01, step).unwrap();
+        (done.rows, done.report.retries())
+    });
     assert!(weights(&model) != before, "the loop trained");
 }
 

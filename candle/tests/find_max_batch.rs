@@ -4,9 +4,10 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
-use oomguard::retry::{find_max_batch, Chunk, FinderOptions, FinderReport, RetryEngine};
+use oomguard::retry::{find_max_batch, Chunk, FinderOptions};
 use oomguard::ByteSize;
 use oomguard_candle::{charge, find_max_batch_train, train_step, Charge};
+use oomguard_harness::checks::check_train_finder_seeding;
 
 /// A loop's batch on the simulated card: its tensors and the memory they would hold on a GPU
 /// (1 MiB per row, held as long as the batch).
@@ -23,32 +24,6 @@ impl AsRef<[Tensor]> for Batch {
 
 fn values(w: &Var) -> Vec<f32> {
     w.as_tensor().flatten_all().unwrap().to_vec1().unwrap()
-}
-
-/// A loop's loss closure.
-type LossFn<'a> = dyn FnMut(&Chunk, &[Tensor]) -> candle_core::Result<Tensor> + 'a;
-
-/// Runs 20 `train_step`s with batches of `found.max_batch` rows, the engine seeded from
-/// `found`; the retries of all of them.
-fn seeded_loop_retries(
-    card: &oomguard::Device,
-    found: &FinderReport,
-    w: &Var,
-    sgd: &mut SGD,
-    make_batch: &mut dyn FnMut(usize) -> candle_core::Result<Batch>,
-    loss: &mut LossFn<'_>,
-    rows: usize,
-) -> usize {
-    let engine = RetryEngine::new().start_from_finder(found);
-    let mut retries = 0;
-    for _ in 0..20 {
-        let b = make_batch(rows).unwrap();
-        let refs: Vec<&Tensor> = b.tensors.iter().collect();
-        let done = train_step(&engine, card, &refs, w, sgd, |c, rows| loss(c, rows)).unwrap();
-        assert_eq!(done.rows, rows);
-        retries += done.report.retries();
-    }
-    retries
 }
 
 #[test]
@@ -90,20 +65,6 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         })
         .unwrap()
     };
-    assert!(found_old.max_batch > 100, "{found_old}");
-    let old_retries = seeded_loop_retries(
-        &card,
-        &found_old,
-        &w,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        found_old.max_batch,
-    );
-    assert!(
-        old_retries > 0,
-        "the old route's seed fits train_step's attempt?"
-    );
 
     // The new route: train_step's own attempt, with the loop's make_batch and loss closure.
     let before = values(&w);
@@ -115,59 +76,14 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         &mut loss,
     )
     .unwrap();
-    assert!((76..=85).contains(&found.max_batch), "{found}");
     assert_eq!(values(&w), before, "the finder trained nothing");
-    let retries = seeded_loop_retries(
-        &card,
-        &found,
-        &w,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        found.max_batch,
-    );
-    assert_eq!(retries, 0, "20 seeded steps at {} rows", found.max_batch);
-
-    // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
-    // row) stay held while each micro-batch runs, so the micro-batches start smaller.
-    assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
     // one set of gradients of the (4, 1) f32 weight is accumulated over a split step's chunks
-    assert_eq!(found.accumulation_bytes, Some(16), "{found}");
-    let twice = 2 * found.max_batch;
-    let start = found.micro_batch_for(twice);
-    assert!(start < found.max_batch, "{start}");
-    let retries = seeded_loop_retries(
-        &card,
-        &found,
-        &w,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        twice,
-    );
-    assert_eq!(
-        retries, 0,
-        "20 seeded steps at {twice} rows from micro-batches of {start}"
-    );
-    // The same seed without the batch's bytes (what the engine did before) retries.
-    let unaware = oomguard::retry::FinderReport {
-        batch_bytes_per_row: None,
-        ..found.clone()
-    };
-    let retries = seeded_loop_retries(
-        &card,
-        &unaware,
-        &w,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        twice,
-    );
-    assert!(
-        retries > 0,
-        "micro-batches of {} rows fit {twice} rows' tensors?",
-        found.max_batch
-    );
+    check_train_finder_seeding(&found_old, &found, 16, |engine, rows| {
+        let b = make_batch(rows).unwrap();
+        let refs: Vec<&Tensor> = b.tensors.iter().collect();
+        let done = train_step(engine, &card, &refs, &w, &mut sgd, &mut loss).unwrap();
+        (done.rows, done.report.retries())
+    });
     assert!(values(&w) != before, "the loop trained");
 }
 

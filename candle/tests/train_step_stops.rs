@@ -4,9 +4,10 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, SGD};
-use oomguard::retry::{find_max_batch, FinderOptions, RetryEngine, RetryError, StopReason};
+use oomguard::retry::{find_max_batch, FinderOptions, RetryEngine};
 use oomguard::ByteSize;
-use oomguard_candle::{charge, train_step, TrainStepError};
+use oomguard_candle::{charge, train_step};
+use oomguard_harness::checks::assert_stopped_for_a_leak;
 
 fn data() -> (Tensor, Tensor) {
     let x: Vec<f32> = (0..256)
@@ -43,20 +44,7 @@ fn a_leaking_chunk_loss_is_stopped_and_named() {
         },
     )
     .unwrap_err();
-    let TrainStepError::Retry(RetryError::GaveUp { report, .. }) = &e else {
-        panic!("{e}");
-    };
-    assert!(
-        matches!(report.stopped, Some(StopReason::HeldGrew { .. })),
-        "{report}"
-    );
-    assert!(report.final_plan.micro_batch() > 1, "{report}");
-    let text = e.to_string();
-    assert!(text.contains("allocated grew"), "{text}");
-    assert!(
-        text.contains("keeps memory across attempts (a leak)"),
-        "{text}"
-    );
+    assert_stopped_for_a_leak::<candle_core::Error>(&e);
     assert_eq!(
         w.as_tensor().sum_all().unwrap().to_scalar::<f32>().unwrap(),
         0.0,

@@ -2,12 +2,14 @@
 //! command line ([`args`]), the output lines ([`report`]), and the phases (`plain`, `max`,
 //! `finder`, `oom`, `overhead`, `equiv`) over a framework adapter ([`Bench`]) that makes models,
 //! batches and steps. An example keeps what only its framework has (its model, its gradient check, its
-//! allocator comparison) and hands the rest to [`Runner::run`].
+//! allocator comparison) and hands the rest to [`Runner::run`]. [`checks`] holds the scenarios
+//! the framework crates' tests share.
 //!
 //! Not published: a workspace tool for the examples and their GPU runs (`scripts/gpu-runs/`).
 
 pub mod args;
 mod bench;
+pub mod checks;
 mod phase_equiv;
 mod phase_finder;
 mod phase_max;

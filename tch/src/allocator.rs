@@ -84,7 +84,6 @@
 mod ffi;
 mod served;
 
-use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
 pub use served::Counts;
@@ -92,30 +91,42 @@ use served::Served;
 
 /// Why [`install`] did not install oomguard's allocator. After every error but
 /// [`InstallError::StillServing`], libtorch's own allocator is its CUDA allocator.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InstallError {
     /// No CUDA here: this build of the shim has no CUDA, libtorch sees no CUDA device (no driver,
     /// no GPU), or not the one asked for.
+    #[error("oomguard's allocator cannot be installed under libtorch: {0}")]
     NoCuda(String),
     /// libtorch's CUDA allocator is initialised already: install must come before CUDA is
     /// initialised (the first CUDA tensor, a CUDA seed, ...).
+    #[error(
+        "oomguard's allocator must be installed before CUDA is initialised: {0}; call \
+         oomguard_tch::allocator::install first thing in the program"
+    )]
     TooLate(String),
     /// oomguard's allocator is installed already (the device serving it is given).
+    #[error("{}", SITE.already_installed(.0))]
     AlreadyInstalled(oomguard::Device),
     /// Opening oomguard's device on the GPU failed (driver, `OOMGUARD_ALLOC_CONF`).
-    Device(oomguard::Error),
+    #[error("{}", SITE.device_failed(.0))]
+    Device(#[source] oomguard::Error),
     /// tch failed while install proved the allocator (making its probe tensor).
-    Torch(tch::TchError),
+    #[error("tch failed while proving oomguard's allocator: {0}")]
+    Torch(#[source] tch::TchError),
     /// The probe tensor's allocation or free did not reach oomguard.
+    #[error("oomguard's allocator was installed but libtorch did not use it: {0}")]
     NotServed(String),
     /// libtorch refused the swap for another reason (its message).
+    #[error("libtorch refused oomguard's allocator: {0}")]
     Libtorch(String),
     /// Install failed (`cause`) after oomguard had started serving libtorch, and memory it
     /// served is still live (or libtorch's allocator could not be put back): oomguard keeps
     /// serving libtorch with `device` (what [`installed_device`] returns).
+    #[error("{}", SITE.still_serving(.cause, .device))]
     StillServing {
         /// Why install failed.
+        #[source]
         cause: Box<InstallError>,
         /// The device that keeps serving libtorch.
         device: oomguard::Device,
@@ -129,50 +140,6 @@ const SITE: oomguard::source::InstallSite = oomguard::source::InstallSite {
     module: "oomguard_tch::allocator",
     still_serving: "memory it served is still live, or libtorch's allocator could not be put back",
 };
-
-impl fmt::Display for InstallError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            InstallError::NoCuda(why) => {
-                write!(
-                    f,
-                    "oomguard's allocator cannot be installed under libtorch: {why}"
-                )
-            }
-            InstallError::TooLate(why) => write!(
-                f,
-                "oomguard's allocator must be installed before CUDA is initialised: {why}; call \
-                 oomguard_tch::allocator::install first thing in the program"
-            ),
-            InstallError::AlreadyInstalled(d) => f.write_str(&SITE.already_installed(d)),
-            InstallError::Device(e) => f.write_str(&SITE.device_failed(e)),
-            InstallError::Torch(e) => {
-                write!(f, "tch failed while proving oomguard's allocator: {e}")
-            }
-            InstallError::NotServed(why) => write!(
-                f,
-                "oomguard's allocator was installed but libtorch did not use it: {why}"
-            ),
-            InstallError::Libtorch(why) => {
-                write!(f, "libtorch refused oomguard's allocator: {why}")
-            }
-            InstallError::StillServing { cause, device } => {
-                f.write_str(&SITE.still_serving(cause, device))
-            }
-        }
-    }
-}
-
-impl std::error::Error for InstallError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            InstallError::Device(e) => Some(e),
-            InstallError::Torch(e) => Some(e),
-            InstallError::StillServing { cause, .. } => Some(&**cause),
-            _ => None,
-        }
-    }
-}
 
 /// Installs oomguard's allocator as libtorch's CUDA allocator, serving GPU `ordinal`,
 /// configured from `OOMGUARD_ALLOC_CONF` as [`oomguard::Device::cuda`] is, and returns the

@@ -4,6 +4,7 @@
 
 use oomguard::retry::FinderOptions;
 use oomguard::ByteSize;
+use oomguard_harness::checks::check_train_finder_seeding;
 use oomguard_tch::{find_max_batch, Error};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -69,33 +70,6 @@ fn values(vs: &nn::VarStore) -> Vec<(String, Vec<f32>)> {
     v
 }
 
-/// A loop's loss closure.
-type LossFn<'a> = dyn FnMut(&oomguard::retry::Chunk, &[Tensor]) -> Result<Tensor, Error> + 'a;
-
-/// Runs 20 `train_step`s with batches of `found.max_batch` rows, the engine seeded from
-/// `found`; the retries of all of them.
-fn seeded_loop_retries(
-    card: &oomguard::Device,
-    found: &oomguard::retry::FinderReport,
-    vs: &nn::VarStore,
-    sgd: &mut nn::Optimizer,
-    make_batch: &mut dyn FnMut(usize) -> Result<Batch, Error>,
-    loss: &mut LossFn<'_>,
-    rows: usize,
-) -> usize {
-    let engine = oomguard::retry::RetryEngine::new().start_from_finder(found);
-    let mut retries = 0;
-    for _ in 0..20 {
-        let b = make_batch(rows).unwrap();
-        let refs: Vec<&Tensor> = b.tensors.iter().collect();
-        let done = oomguard_tch::train_step(&engine, card, &refs, vs, sgd, |c, rows| loss(c, rows))
-            .unwrap();
-        assert_eq!(done.rows, rows);
-        retries += done.report.retries();
-    }
-    retries
-}
-
 #[test]
 fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     // A simulated 256 MiB card: the batch holds 1 MiB per row, a chunk's activations 2 MiB per
@@ -137,20 +111,6 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         })
         .unwrap()
     };
-    assert!(found_old.max_batch > 100, "{found_old}");
-    let old_retries = seeded_loop_retries(
-        &card,
-        &found_old,
-        &vs,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        found_old.max_batch,
-    );
-    assert!(
-        old_retries > 0,
-        "the old route's seed fits train_step's attempt?"
-    );
 
     // The new route: train_step's own attempt, with the loop's make_batch and loss closure.
     let before = values(&vs);
@@ -163,61 +123,17 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
         &mut loss,
     )
     .unwrap();
-    assert!((76..=85).contains(&found.max_batch), "{found}");
     assert_eq!(values(&vs), before, "the finder trained nothing");
     assert!(vs.trainable_variables().iter().all(|t| !t.grad().defined()));
-    let retries = seeded_loop_retries(
-        &card,
-        &found,
-        &vs,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        found.max_batch,
-    );
-    assert_eq!(retries, 0, "20 seeded steps at {} rows", found.max_batch);
-
-    // A batch twice as large, seeded from the same report: the whole batch's tensors (1 MiB a
-    // row) stay held while each micro-batch runs, so the micro-batches start smaller.
-    assert_eq!(found.batch_bytes_per_row, Some(1 << 20), "{found}");
     // one set of gradients of the 4 -> 1 linear layer (weight and bias, f32) is accumulated
-    // over a split step's chunks
-    assert_eq!(found.accumulation_bytes, Some(20), "{found}");
-    let twice = 2 * found.max_batch;
-    let start = found.micro_batch_for(twice);
-    assert!(start < found.max_batch, "{start}");
-    let retries = seeded_loop_retries(
-        &card,
-        &found,
-        &vs,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        twice,
-    );
-    assert_eq!(
-        retries, 0,
-        "20 seeded steps at {twice} rows from micro-batches of {start}"
-    );
-    // The same seed without the batch's bytes (what the engine did before) retries.
-    let unaware = oomguard::retry::FinderReport {
-        batch_bytes_per_row: None,
-        ..found.clone()
-    };
-    let retries = seeded_loop_retries(
-        &card,
-        &unaware,
-        &vs,
-        &mut sgd,
-        &mut make_batch,
-        &mut loss,
-        twice,
-    );
-    assert!(
-        retries > 0,
-        "micro-batches of {} rows fit {twice} rows' tensors?",
-        found.max_batch
-    );
+    // over a split step's chunks: 20 bytes
+    check_train_finder_seeding(&found_old, &found, 20, |engine, rows| {
+        let b = make_batch(rows).unwrap();
+        let refs: Vec<&Tensor> = b.tensors.iter().collect();
+        let done =
+            oomguard_tch::train_step(engine, &card, &refs, &vs, &mut sgd, &mut loss).unwrap();
+        (done.rows, done.report.retries())
+    });
     assert!(values(&vs) != before, "the loop trained");
 }
 

@@ -90,35 +90,40 @@ mod symbols;
 #[cfg(test)]
 mod tests;
 
-use std::fmt;
-
 pub use interposer::Counts as HookCounts;
 
 /// Why [`install`] did not install oomguard's allocator. After every error but
 /// [`InstallError::StillServing`] nothing is installed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InstallError {
     /// The candle device is not a CUDA device.
+    #[error("oomguard's allocator can only be installed for a CUDA device, not {0}")]
     NotCuda(String),
     /// This program's calls to the driver do not reach the hook, so oomguard cannot serve them.
+    #[error("oomguard's allocator hook is not reached by this program's CUDA calls: {reason}")]
     NotIntercepted {
         /// What was seen, and what to do.
         reason: String,
     },
     /// A device is installed for this GPU already (the one serving it is given).
+    #[error("{}", SITE.already_installed(.0))]
     AlreadyInstalled(oomguard::Device),
     /// Opening oomguard's device on the GPU failed (driver, configuration), or giving candle's
     /// cuBLAS handle its workspace did.
-    Device(oomguard::Error),
+    #[error("{}", SITE.device_failed(.0))]
+    Device(#[source] oomguard::Error),
     /// candle failed while install proved the hook (allocating its probe tensor).
-    Candle(candle_core::Error),
+    #[error("candle failed while proving the hook: {0}")]
+    Candle(#[source] candle_core::Error),
     /// Install failed (`cause`) after oomguard had started serving the context, and memory it
     /// served meanwhile (another thread's tensors) is still live: oomguard keeps serving the
     /// context with `device` (what [`installed_device`] returns), so that this memory stays
     /// valid and its frees come back to oomguard.
+    #[error("{}", SITE.still_serving(.cause, .device))]
     StillServing {
         /// Why install failed.
+        #[source]
         cause: Box<InstallError>,
         /// The device that keeps serving the context.
         device: oomguard::Device,
@@ -131,38 +136,6 @@ const SITE: oomguard::source::InstallSite = oomguard::source::InstallSite {
     module: "oomguard_candle::alloc_hook",
     still_serving: "memory it served meanwhile is still live",
 };
-
-impl fmt::Display for InstallError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            InstallError::NotCuda(d) => write!(
-                f,
-                "oomguard's allocator can only be installed for a CUDA device, not {d}"
-            ),
-            InstallError::NotIntercepted { reason } => write!(
-                f,
-                "oomguard's allocator hook is not reached by this program's CUDA calls: {reason}"
-            ),
-            InstallError::AlreadyInstalled(d) => f.write_str(&SITE.already_installed(d)),
-            InstallError::Device(e) => f.write_str(&SITE.device_failed(e)),
-            InstallError::Candle(e) => write!(f, "candle failed while proving the hook: {e}"),
-            InstallError::StillServing { cause, device } => {
-                f.write_str(&SITE.still_serving(cause, device))
-            }
-        }
-    }
-}
-
-impl std::error::Error for InstallError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            InstallError::Device(e) => Some(e),
-            InstallError::Candle(e) => Some(e),
-            InstallError::StillServing { cause, .. } => Some(&**cause),
-            _ => None,
-        }
-    }
-}
 
 /// A failed install after `serve`: stops serving `ctx` when nothing served is live and no
 /// thread is inside a served call; otherwise keeps serving it and says so.
