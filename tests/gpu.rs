@@ -737,3 +737,125 @@ fn a_ballast_leaves_only_its_room_free() -> TestResult {
     assert_eq!(none.bytes(), 0);
     Ok(())
 }
+
+/// Step plans shared at page granularity on the card (`map_alias`: a physical handle mapped at
+/// a second address): random steps of 24-60 blocks of 1-96 MiB repeated under a memory limit a
+/// little above their peak live bytes (1.02-1.04 x), marked; after five steps, two whose frees
+/// come late (a planned block outlives the recorded one). Each large block gets its id written
+/// at the start of every 4 MiB of it and at its end when allocated, checked when freed: a page
+/// two live blocks shared would show the other's id. At least one shared plan is installed,
+/// nothing is overwritten, and `empty_cache` gives everything back.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn shared_step_plans_never_give_two_live_blocks_one_page() -> TestResult {
+    use std::collections::HashMap;
+    let mut shared = 0;
+    let mut steps_run = 0;
+    for seed in 1..=12u64 {
+        let step = random_gpu_step(seed);
+        let mut late = step.clone();
+        for i in (0..late.len()).rev() {
+            if !late[i].0 {
+                let to = (i + 3).min(late.len() - 1);
+                let e = late.remove(i);
+                late.insert(to, e);
+            }
+        }
+        let (mut live, mut peak) = (HashMap::new(), 0u64);
+        for &(alloc, id, bytes) in &step {
+            if alloc {
+                live.insert(id, bytes);
+            } else {
+                live.remove(&id);
+            }
+            peak = peak.max(live.values().sum());
+        }
+        for k in 0..3 {
+            let limit = (peak as f64 * (1.02 + 0.01 * k as f64)) as u64;
+            let dev = cuda(AllocatorConfig::default());
+            let a = dev.allocator();
+            a.set_memory_limit(Some(limit));
+            let backend = a.backend();
+            let loop_steps = [&step; 5].into_iter().chain([&late; 2]);
+            for (n, st) in loop_steps.enumerate() {
+                a.mark_step();
+                let mut held = HashMap::new();
+                let mut failed = false;
+                for &(alloc, id, bytes) in st.iter() {
+                    if alloc {
+                        let h = match a.allocate(bytes, 0) {
+                            Ok(h) => h,
+                            Err(e) if e.is_oom() => {
+                                failed = true;
+                                break;
+                            }
+                            Err(e) => return Err(e.into()),
+                        };
+                        if bytes > MIB {
+                            for off in (0..bytes - 8).step_by(4 << 20).chain([bytes - 8]) {
+                                backend.copy_to_device(h.ptr + off, &id.to_le_bytes())?;
+                            }
+                        }
+                        held.insert(id, (h, bytes));
+                    } else if let Some((h, bytes)) = held.remove(&id) {
+                        if bytes > MIB {
+                            for off in (0..bytes - 8).step_by(4 << 20).chain([bytes - 8]) {
+                                let mut got = [0u8; 8];
+                                backend.copy_to_host(&mut got, h.ptr + off)?;
+                                assert_eq!(
+                                    u64::from_le_bytes(got),
+                                    id,
+                                    "seed {seed}, limit {limit}: block {id} at +{off} overwritten"
+                                );
+                            }
+                        }
+                        a.free(h)?;
+                    }
+                }
+                for (_, (h, _)) in held {
+                    a.free(h)?;
+                }
+                if failed && n < 5 {
+                    break; // the limit is below what this step needs unmarked too
+                }
+                steps_run += usize::from(!failed);
+            }
+            shared += a.stats().num_plans_shared;
+            a.check_invariants()?;
+            a.set_memory_limit(None);
+            dev.empty_cache()?;
+            assert_eq!(dev.stats().reserved_bytes.all.current, 0);
+        }
+    }
+    println!("shared step plans: {shared} installed, {steps_run} steps ran");
+    assert!(shared >= 1, "no shared plan was installed");
+    Ok(())
+}
+
+/// A random step (seeded), as `runtime/tests/step_plan.rs`'s: `(alloc, id, bytes)` events.
+fn random_gpu_step(seed: u64) -> Vec<(bool, u64, u64)> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let n = 24 + (next() % 37) as usize;
+    let (mut step, mut open) = (Vec::new(), Vec::new());
+    for id in 0..n as u64 {
+        let bytes = if next() % 5 == 0 {
+            4096 + next() % (512 << 10)
+        } else {
+            MIB + next() % (95 * MIB)
+        };
+        step.push((true, id, bytes));
+        open.push(id);
+        while open.len() > 1 + (next() % 8) as usize {
+            let k = (next() as usize) % open.len();
+            step.push((false, open.swap_remove(k), 0));
+        }
+    }
+    step.extend(open.into_iter().map(|id| (false, id, 0)));
+    step
+}

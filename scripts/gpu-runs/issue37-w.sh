@@ -258,3 +258,26 @@ if [ "$mode" = edge3 ]; then
   done
   date -u | tee -a "$log"
 fi
+# `shared` (branch shared-plan: a step too tall for one contiguous layout planned at page
+# granularity, each request its own address range over pages mapped twice with cuMemMap): the
+# suites that map pages (root gpu with its new shared-plan test), VGG-16 at 1,951 rows under
+# oomguard / expandable segments alternated in two rounds (losses printed per step), OOM at
+# 2 x 1,951 and the split 4 x 976 by hand, VGG-16 at 128 (room).
+if [ "$mode" = shared ]; then
+  suite test-gpu test-pool_gpu tchtest-allocator_gpu
+  grep -E "shared step plans" $out/test-gpu.txt | tee -a "$log"
+  for r in 1 2; do for al in oomguard expandable; do
+    conv $al 60 --batch 1951 --steps 6 --warmup 3
+  done; done
+  conv oomguard 100 --batch 1951 --oom 2 --steps 4
+  conv oomguard 60 --batch 976 --steps 4 --warmup 2
+  conv oomguard 40 --batch 128 --steps 6 --warmup 3
+  date -u | tee -a "$log"
+fi
+# `shared2`: the branch's last build (the access call shared by maps and aliases): root gpu,
+# tch allocator_gpu, VGG-16 at 1,951 under oomguard.
+if [ "$mode" = shared2 ]; then
+  suite test-gpu tchtest-allocator_gpu
+  conv oomguard 60 --batch 1951 --steps 6 --warmup 3
+  date -u | tee -a "$log"
+fi

@@ -69,6 +69,8 @@ struct Moves {
     misses: i64,
     /// step plans laid out that could not be mapped (oomguard's allocator only)
     refused: i64,
+    /// of the plans installed, those shared at page granularity (oomguard's allocator only)
+    shared: i64,
 }
 
 impl Moves {
@@ -85,6 +87,7 @@ impl Moves {
             dropped: self.dropped - o.dropped,
             misses: self.misses - o.misses,
             refused: self.refused - o.refused,
+            shared: self.shared - o.shared,
         }
     }
     fn plus(self, o: Self) -> Self {
@@ -100,11 +103,12 @@ impl Moves {
             dropped: self.dropped + o.dropped,
             misses: self.misses + o.misses,
             refused: self.refused + o.refused,
+            shared: self.shared + o.shared,
         }
     }
     fn text(&self) -> String {
         format!(
-            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={} plans={} plans_dropped={} plan_misses={} plans_refused={}",
+            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={} plans={} plans_dropped={} plan_misses={} plans_refused={} plans_shared={}",
             self.maps,
             self.unmaps,
             self.unmapped,
@@ -115,7 +119,8 @@ impl Moves {
             self.plans,
             self.dropped,
             self.misses,
-            self.refused
+            self.refused,
+            self.shared
         )
     }
 }
@@ -144,6 +149,7 @@ impl Alloc {
                     dropped: s.num_plans_dropped as i64,
                     misses: s.num_plan_misses as i64,
                     refused: s.num_plans_refused as i64,
+                    shared: s.num_plans_shared as i64,
                 }
             }
             // libtorch counts device allocations and frees (maps and unmaps of expandable
@@ -467,10 +473,14 @@ impl Run {
                 self.alloc.mark_step();
             }
             let (x, y) = self.batch(b, 100 + s as i64);
-            self.step(&x, &y)?;
+            let loss = self.step(&x, &y)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let m = self.alloc.moves().minus(m0);
-            println!("STEP batch={b} step={} ms={ms:.1} {}", s + 1, m.text());
+            println!(
+                "STEP batch={b} step={} ms={ms:.1} loss={loss:.5} {}",
+                s + 1,
+                m.text()
+            );
             if s >= self.args.warmup {
                 times.push(ms);
                 moved = moved.plus(m);

@@ -328,7 +328,7 @@ impl State {
     }
 
     /// The free blocks of growable segments that hold whole pages, with those pages' bytes.
-    fn free_runs(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+    pub(super) fn free_runs(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         self.free
             .iter()
             .flat_map(|f| f.ids())

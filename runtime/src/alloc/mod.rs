@@ -13,6 +13,7 @@ mod lending;
 mod live_bytes;
 mod peaks;
 mod pool;
+mod shared_plan;
 mod snapshot;
 mod state;
 mod static_layout;
@@ -607,6 +608,7 @@ impl CachingAllocator {
         st.pressed = false;
         // a step plan's free offsets become ordinary free blocks (best fit, releasable)
         st.drop_plan();
+        st.release_drained_plan(&*self.backend);
         let fixed = st.release_fixed(&*self.backend);
         if fixed > 0 && !sync_counted {
             // (freeing a segment waits for the whole device)
@@ -808,6 +810,7 @@ impl CachingAllocator {
         self.drain_all_caches(&mut st);
         st.flush_parked();
         st.step_before_empty_cache();
+        st.release_drained_plan(&*self.backend);
         st.release_fixed(&*self.backend);
         st.release_pages(
             &*self.backend,

@@ -483,6 +483,9 @@ impl State {
         self.stats.active_bytes.sub(small, size);
         self.stats.active.sub(small, 1);
         self.trace(TraceAction::FreeCompleted, addr, requested, stream);
+        if self.blocks[id].seg == self.planned_seg {
+            self.shared_block_released(id);
+        }
         let id = self.coalesce(id);
         self.index_insert(id);
     }

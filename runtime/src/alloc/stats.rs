@@ -126,6 +126,10 @@ pub struct MemoryStats {
     /// Step plans that could not be installed: the range of the layout's height could not be
     /// mapped (the memory limit, or the device refused it after every free page moved).
     pub num_plans_refused: u64,
+    /// Of the plans installed, those shared at page granularity: the step's contiguous layout
+    /// did not fit, so each planned request got an address range of its own, backed by pages
+    /// that only requests never live at the same time share (`map_alias`).
+    pub num_plans_shared: u64,
     /// Step plans dropped: two planned steps in a row had a miss, `empty_cache` was called, or a
     /// request ran out of memory outside the plan (its range then serves best fit as before).
     pub num_plans_dropped: u64,
@@ -205,6 +209,7 @@ impl MemoryStats {
         self.num_step_marks = 0;
         self.num_plans_installed = 0;
         self.num_plans_refused = 0;
+        self.num_plans_shared = 0;
         self.num_plans_dropped = 0;
         self.num_plan_hits = 0;
         self.num_plan_misses = 0;

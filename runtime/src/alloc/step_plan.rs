@@ -39,14 +39,18 @@
 //! retried like any other (the release drops the plan).
 //!
 //! A layout taller than the memory the step can have (a card between the step's peak live
-//! bytes and the layout's height: VGG-16's step at 1,118 rows on 77.3 GiB) gets no plan; it
-//! is tried once per run of repeating steps (a try gives the free pages back first), and the
-//! loop runs by best fit, moving pages in each step.
+//! bytes and the layout's height: VGG-16's step at 1,118 rows on 77.3 GiB, at 1,951 rows on the
+//! H200) is planned at page granularity instead, where the backend can map a page at a second
+//! address ([`super::shared_plan`]: each request its own range, over the step's peak live pages).
+//! When that does not fit either, or the backend cannot alias pages, there is no plan: it is
+//! tried once per run of repeating steps (a try gives the free pages back first), and the loop
+//! runs by best fit, moving pages in each step.
 
 use rustc_hash::FxHashMap;
 
 use super::block::{BlockId, PoolKind};
 use super::growable::Release;
+use super::shared_plan::Span;
 use super::state::State;
 use super::static_layout::{plan_static_layout, LifeSpan};
 use super::steps::{Plan, Request, NO_SEG};
@@ -84,17 +88,24 @@ impl State {
             return None;
         }
         let plan = self.steps.plan.as_ref()?;
-        let plan_stream = self.segs[plan.seg].stream;
+        let (seg, shared) = (plan.seg, plan.shared.is_some());
+        let plan_stream = self.segs[seg].stream;
         let slot = self.planned_slot(size, stream);
         if let Some(Some(off)) = slot {
-            if let Some(id) = self.take_at(off, size) {
-                self.steps.hit = true;
-                self.stats.num_plan_hits += 1;
-                return Some(id);
+            // (a shared plan's slot also needs its pages free: see `shared_plan`)
+            if self.shared_slot_free(seg, off) {
+                if let Some(id) = self.take_at(off, size) {
+                    self.shared_slot_taken(seg, off, id);
+                    self.steps.hit = true;
+                    self.stats.num_plan_hits += 1;
+                    return Some(id);
+                }
             }
         }
-        if slot == Some(None) || stream != plan_stream {
-            return None; // served as before, as in the laid-out step
+        if slot == Some(None) || stream != plan_stream || shared {
+            // served as before, as in the laid-out step; a shared plan's free ranges may
+            // share pages with live blocks, so nothing but a slot is served there
+            return None;
         }
         if self.under_pressure(size, total)
             && self.free[pool as usize].best_fit(stream, size).is_none()
@@ -198,7 +209,8 @@ impl State {
         self.stats.num_step_marks += 1;
         // (parking stops while steps are marked: the plan sees every large request)
         self.unpark_large();
-        if self.steps.on {
+        self.release_drained_plan(backend);
+        if self.steps.on && self.steps.draining.is_none() {
             if self.steps.plan.is_some() {
                 if self.steps.misses > 0 {
                     self.steps.missed_steps += 1;
@@ -221,6 +233,7 @@ impl State {
                         .iter()
                         .zip(&self.steps.requests)
                         .all(|(&(size, stream), r)| size == r.size && stream == r.stream);
+                self.steps.repeated = if repeats { self.steps.repeated + 1 } else { 0 };
                 if !repeats {
                     self.steps.room_checked = false;
                     self.steps.plan_unfit = false;
@@ -331,13 +344,43 @@ impl State {
         } else {
             self.map_plan_range(backend, stream, height, total, for_room)
         };
-        let Some(base) = mapped else {
+        let (base, planned_offsets, shared) = match mapped {
+            Some(base) => (base, layout.offsets, None),
+            // too tall for the card: the same step at page granularity (`shared_plan`), which
+            // needs only its peak live pages
+            // (only once the step has repeated twice: mapping the pool and its aliases costs
+            // seconds at the edge, and a loop whose retry engine changes its split at the next
+            // step, as after an out-of-memory, would drop it at once; the next mark tries again)
+            None if !for_room && backend.supports_alias() && self.steps.repeated < 2 => return,
+            None if !for_room && backend.supports_alias() => {
+                let spans: Vec<Span> = planned
+                    .iter()
+                    .map(|&k| {
+                        let r = &self.steps.requests[k];
+                        Span {
+                            start: r.start,
+                            end: r.end,
+                            bytes: r.size,
+                        }
+                    })
+                    .collect();
+                match self.map_shared_plan(backend, stream, &spans, total) {
+                    Some((base, offsets, pages)) => {
+                        self.planned_seg = pages.seg;
+                        (base, offsets, Some(pages))
+                    }
+                    None => (0, Vec::new(), None),
+                }
+            }
+            None => (0, Vec::new(), None),
+        };
+        if planned_offsets.is_empty() {
             self.stats.num_plans_refused += 1;
             self.steps.plan_unfit = true;
             return;
-        };
+        }
         let mut offsets = vec![None; self.steps.requests.len()];
-        for (&k, &off) in planned.iter().zip(&layout.offsets) {
+        for (&k, &off) in planned.iter().zip(&planned_offsets) {
             offsets[k] = Some(off);
         }
         let mut slots: FxHashMap<(u64, StreamId), Vec<Option<u64>>> = FxHashMap::default();
@@ -345,7 +388,12 @@ impl State {
             slots.entry((r.size, r.stream)).or_default().push(off);
         }
         let seg = self.planned_seg;
-        self.steps.plan = Some(Plan { seg, base, slots });
+        self.steps.plan = Some(Plan {
+            seg,
+            base,
+            slots,
+            shared,
+        });
         self.steps.missed_steps = 0;
         self.stats.num_plans_installed += 1;
     }
@@ -422,6 +470,14 @@ impl State {
     /// Bytes of whole pages in the plan's free blocks: what dropping it would let a release
     /// return (0 without a plan).
     pub fn plan_free_pages(&self) -> u64 {
+        if let Some(p) = &self.steps.plan {
+            if let Some(sh) = &p.shared {
+                return if sh.live.is_empty() { sh.home_bytes } else { 0 };
+            }
+        }
+        if self.steps.draining.is_some() {
+            return self.shared_releasable();
+        }
         self.plan_blocks()
             .map(|id| &self.blocks[id])
             .filter(|b| b.is_free())
@@ -436,7 +492,14 @@ impl State {
             .plan_blocks()
             .filter(|&id| self.blocks[id].is_free())
             .collect();
-        if self.steps.plan.take().is_none() {
+        let Some(plan) = self.steps.plan.take() else {
+            return;
+        };
+        if let Some(shared) = plan.shared {
+            // its free ranges stay out of every index until its memory is given back
+            self.steps.draining = Some(shared);
+            self.steps.missed_steps = 0;
+            self.stats.num_plans_dropped += 1;
             return;
         }
         self.planned_seg = NO_SEG;

@@ -34,6 +34,27 @@ pub(super) struct Plan {
     pub(super) base: u64,
     /// By (size, stream): each occurrence's offset, `None` for one served as before.
     pub(super) slots: FxHashMap<(u64, StreamId), Vec<Option<u64>>>,
+    /// A plan shared at page granularity: its pages (`shared_plan`); `None`: one contiguous
+    /// layout.
+    pub(super) shared: Option<SharedPages>,
+}
+
+/// The pages behind a shared plan (`shared_plan`).
+#[derive(Debug)]
+pub(super) struct SharedPages {
+    /// The home range: the pool's pages, mapped once.
+    pub(super) home: u64,
+    /// Its bytes (the memory the plan holds).
+    pub(super) home_bytes: u64,
+    /// The slots' address range (a segment whose blocks are the slots' allocations).
+    pub(super) seg: SegId,
+    /// Each slot by its offset in the range: its bytes (whole pages) and its pool pages, as
+    /// runs `(first page, pages)`.
+    pub(super) slots: FxHashMap<u64, (u64, Vec<(u32, u32)>)>,
+    /// Live blocks on each pool page (0 or 1).
+    pub(super) users: Vec<u8>,
+    /// Live blocks served from a slot: block -> the slot's offset.
+    pub(super) live: FxHashMap<BlockId, u64>,
 }
 
 /// Step marks, the recording of the current step and the installed plan.
@@ -46,6 +67,8 @@ pub(crate) struct Steps {
     pub(super) open: FxHashMap<BlockId, u32>,
     /// The previous step's large requests (size, stream), in order.
     pub(super) previous: Vec<(u64, StreamId)>,
+    /// Steps in a row that repeated the one before (0: the last step differed).
+    pub(super) repeated: u32,
     /// The last request was served at its planned offset.
     pub(super) hit: bool,
     /// Requests of each (size, stream) recorded so far in this step.
@@ -57,6 +80,9 @@ pub(crate) struct Steps {
     /// The step moved pages or retried before the last `empty_cache`.
     pub(super) moved_before_empty: bool,
     pub(super) plan: Option<Plan>,
+    /// A dropped shared plan whose blocks are not all released yet: its memory goes when they
+    /// are (`release_drained_plan`); no plan is installed meanwhile.
+    pub(super) draining: Option<SharedPages>,
     pub(super) misses: u64,
     pub(super) missed_steps: u32,
     /// The step sequence that repeats now was laid out for room (a step with room to spare,

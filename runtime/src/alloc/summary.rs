@@ -68,8 +68,9 @@ pub(crate) fn format_summary(
             o,
             "| {:<89} |",
             format!(
-                "step plans: {} installed, {} refused, {} dropped; {} requests at their offset, {} missed",
+                "step plans: {} installed ({} shared), {} refused, {} dropped; {} requests at their offset, {} missed",
                 s.num_plans_installed,
+                s.num_plans_shared,
                 s.num_plans_refused,
                 s.num_plans_dropped,
                 s.num_plan_hits,

@@ -158,6 +158,35 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(0)
     }
 
+    /// Whether [`Backend::map_alias`] is supported: the same physical pages mapped at a second
+    /// address (a step plan shared at page granularity needs it).
+    fn supports_alias(&self) -> bool {
+        false
+    }
+    /// Maps `[addr, addr + bytes)` (in a reserved range, unmapped) to the physical pages that
+    /// back `[src, src + bytes)` (mapped by [`Backend::map`] or [`Backend::map_handles`]): the
+    /// same memory at a second address, no new memory. Both ranges are whole pages. The alias
+    /// must be unmapped with [`Backend::unmap_alias`] before `src`'s pages are unmapped.
+    /// Default: unsupported.
+    fn map_alias(&self, addr: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let _ = (addr, src, bytes);
+        Err(BackendError::new(
+            BackendErrorKind::InvalidArgument,
+            "map_alias",
+            "this backend cannot map pages at a second address",
+        ))
+    }
+    /// Unmaps `[addr, addr + bytes)`, whole aliases made by [`Backend::map_alias`]; the pages
+    /// stay mapped at their own address.
+    fn unmap_alias(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let _ = (addr, bytes);
+        Err(BackendError::new(
+            BackendErrorKind::InvalidArgument,
+            "unmap_alias",
+            "this backend cannot map pages at a second address",
+        ))
+    }
+
     /// Copies host bytes to device memory at `dst`.
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError>;
     /// Copies device memory at `src` into `dst`.

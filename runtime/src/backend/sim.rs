@@ -209,6 +209,9 @@ struct SimState {
     /// Physical handles larger than a page (`map_handles`): start -> end. An unmap must take
     /// each one whole, as `cuMemUnmap` does.
     handles: HandleRuns,
+    /// Aliases of mapped pages (`map_alias`): start -> (end, the address they alias). They
+    /// hold no memory of their own; data written through one is read through the other.
+    aliases: BTreeMap<u64, (u64, u64)>,
     chunks: HashMap<u64, Box<[u8]>>,
     calls: SimCallCounts,
     /// Events stay pending until their stream is synchronised (see
@@ -262,6 +265,7 @@ impl SimDevice {
                 regions: BTreeMap::new(),
                 mapped: BTreeMap::new(),
                 handles: HandleRuns::default(),
+                aliases: BTreeMap::new(),
                 chunks: HashMap::new(),
                 calls: SimCallCounts::default(),
                 pending_events: false,
@@ -349,6 +353,18 @@ impl SimDevice {
                 BackendErrorKind::InvalidArgument,
                 "unmap",
                 format!("{bytes} bytes at {addr:#x} are not mapped pages"),
+            ));
+        }
+        // pages another address aliases stay until that alias is unmapped
+        let aliased = st
+            .aliases
+            .iter()
+            .any(|(&a, &(e, src))| src < end && src + (e - a) > addr);
+        if aliased {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "unmap",
+                format!("{bytes} bytes at {addr:#x} are aliased elsewhere (map_alias)"),
             ));
         }
         // a handle of `map_handles` is unmapped whole or not at all
@@ -449,7 +465,7 @@ impl SimDevice {
         if end > base + region.size {
             return Err(bad());
         }
-        if region.growable && !covered(&st.mapped, addr, end) {
+        if region.growable && !covered_or_aliased(st, addr, end) {
             return Err(bad());
         }
         Ok(())
@@ -589,7 +605,8 @@ impl Backend for SimDevice {
     fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut st = self.lock();
         let ok = matches!(st.regions.get(&base), Some(r) if r.growable && r.size == bytes);
-        let still_mapped = overlaps(&st.mapped, base, base.saturating_add(bytes));
+        let still_mapped = overlaps(&st.mapped, base, base.saturating_add(bytes))
+            || overlaps_alias(&st.aliases, base, base.saturating_add(bytes));
         if !ok || still_mapped {
             return Err(BackendError::new(
                 BackendErrorKind::InvalidArgument,
@@ -625,7 +642,7 @@ impl Backend for SimDevice {
                 "{bytes} bytes at {addr:#x} are not in a reserved range"
             )));
         }
-        if overlaps(&st.mapped, addr, end) {
+        if overlaps(&st.mapped, addr, end) || overlaps_alias(&st.aliases, addr, end) {
             return Err(invalid(format!(
                 "a page in {addr:#x}+{bytes} is already mapped"
             )));
@@ -679,15 +696,89 @@ impl Backend for SimDevice {
         Ok(n)
     }
 
+    fn supports_alias(&self) -> bool {
+        true
+    }
+
+    fn map_alias(&self, addr: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check_op(SimOp::Map, "map_alias")?;
+        let mut st = self.lock();
+        let invalid =
+            |m: String| BackendError::new(BackendErrorKind::InvalidArgument, "map_alias", m);
+        let g = st.granularity;
+        let (Some(end), Some(src_end)) = (addr.checked_add(bytes), src.checked_add(bytes)) else {
+            return Err(invalid(format!("{bytes} bytes overflow")));
+        };
+        if bytes == 0 || addr % g != 0 || src % g != 0 || bytes % g != 0 {
+            return Err(invalid(format!(
+                "{bytes} bytes at {addr:#x} (of {src:#x}) are not whole pages"
+            )));
+        }
+        let inside = st
+            .regions
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&b, r)| r.growable && end <= b + r.size);
+        if !inside || overlaps(&st.mapped, addr, end) || overlaps_alias(&st.aliases, addr, end) {
+            return Err(invalid(format!(
+                "{bytes} bytes at {addr:#x} are not unmapped pages of a reserved range"
+            )));
+        }
+        if !covered(&st.mapped, src, src_end) {
+            return Err(invalid(format!(
+                "{bytes} bytes at {src:#x} are not mapped pages"
+            )));
+        }
+        // as the driver: a handle is mapped at a second address only whole, from its start
+        if st.handles.cuts(src) || st.handles.cuts(src_end) {
+            return Err(invalid(format!(
+                "{bytes} bytes at {src:#x} are part of a handle larger than a page: an alias maps \
+                 whole handles"
+            )));
+        }
+        st.aliases.insert(addr, (end, src));
+        st.calls.map += 1;
+        Ok(())
+    }
+
+    fn unmap_alias(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let mut st = self.lock();
+        let end = addr.saturating_add(bytes);
+        let runs: Vec<(u64, u64)> = st
+            .aliases
+            .range(addr..end)
+            .map(|(&a, &(e, _))| (a, e))
+            .collect();
+        let mut next = addr;
+        let whole = runs.iter().all(|&(a, e)| {
+            let fits = a == next && e <= end;
+            next = e;
+            fits
+        }) && next == end
+            && bytes > 0;
+        if !whole {
+            return Err(BackendError::new(
+                BackendErrorKind::InvalidArgument,
+                "unmap_alias",
+                format!("{bytes} bytes at {addr:#x} are not whole aliases"),
+            ));
+        }
+        for (a, _) in runs {
+            st.aliases.remove(&a);
+        }
+        st.calls.unmap += 1;
+        Ok(())
+    }
+
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
         self.require_data("copy_to_device")?;
         let mut st = self.lock();
         Self::check_access(&st, "copy_to_device", dst, src.len() as u64)?;
         let mut done = 0usize;
         while done < src.len() {
-            let a = dst + done as u64;
+            let (a, left) = resolve(&st, dst + done as u64);
             let (c, off) = (a / CHUNK, (a % CHUNK) as usize);
-            let n = (CHUNK as usize - off).min(src.len() - done);
+            let n = (CHUNK as usize - off).min(src.len() - done).min(left);
             let chunk = st
                 .chunks
                 .entry(c)
@@ -704,9 +795,9 @@ impl Backend for SimDevice {
         Self::check_access(&st, "copy_to_host", src, dst.len() as u64)?;
         let mut done = 0usize;
         while done < dst.len() {
-            let a = src + done as u64;
+            let (a, left) = resolve(&st, src + done as u64);
             let (c, off) = (a / CHUNK, (a % CHUNK) as usize);
-            let n = (CHUNK as usize - off).min(dst.len() - done);
+            let n = (CHUNK as usize - off).min(dst.len() - done).min(left);
             match st.chunks.get(&c) {
                 Some(chunk) => dst[done..done + n].copy_from_slice(&chunk[off..off + n]),
                 None => dst[done..done + n].fill(0),
@@ -720,11 +811,12 @@ impl Backend for SimDevice {
         self.require_data("memset_zero")?;
         let mut st = self.lock();
         Self::check_access(&st, "memset_zero", dst, bytes)?;
-        let mut a = dst;
+        let mut at = dst;
         let end = dst + bytes;
-        while a < end {
+        while at < end {
+            let (a, left) = resolve(&st, at);
             let (c, off) = (a / CHUNK, a % CHUNK);
-            let n = (CHUNK - off).min(end - a);
+            let n = (CHUNK - off).min(end - at).min(left as u64);
             if let Some(chunk) = st.chunks.get_mut(&c) {
                 if off == 0 && n == CHUNK {
                     st.chunks.remove(&c);
@@ -732,7 +824,7 @@ impl Backend for SimDevice {
                     chunk[off as usize..(off + n) as usize].fill(0);
                 }
             }
-            a += n;
+            at += n;
         }
         Ok(())
     }
@@ -835,9 +927,80 @@ fn overlaps(mapped: &BTreeMap<u64, u64>, addr: u64, end: u64) -> bool {
         .is_some_and(|(_, &e)| e > addr)
 }
 
+/// Whether any alias overlaps `[addr, end)`.
+fn overlaps_alias(aliases: &BTreeMap<u64, (u64, u64)>, addr: u64, end: u64) -> bool {
+    aliases
+        .range(..end)
+        .next_back()
+        .is_some_and(|(_, &(e, _))| e > addr)
+}
+
+/// Whether every byte of `[addr, end)` lies in mapped pages or aliases of them.
+fn covered_or_aliased(st: &SimState, addr: u64, end: u64) -> bool {
+    let mut pos = addr;
+    while pos < end {
+        let mapped = st.mapped.range(..=pos).next_back().map(|(_, &e)| e);
+        let alias = st.aliases.range(..=pos).next_back().map(|(_, &(e, _))| e);
+        match mapped.into_iter().chain(alias).filter(|&e| e > pos).max() {
+            Some(e) => pos = e,
+            None => return false,
+        }
+    }
+    true
+}
+
+/// The address whose bytes `addr` reads and writes (its alias's source, or itself), and the
+/// bytes up to the end of that alias (`usize::MAX` outside one).
+fn resolve(st: &SimState, addr: u64) -> (u64, usize) {
+    match st.aliases.range(..=addr).next_back() {
+        Some((&a, &(e, src))) if e > addr => (src + (addr - a), (e - addr) as usize),
+        _ => (addr, usize::MAX),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_alias_reads_and_writes_the_pages_it_aliases_and_holds_no_memory() {
+        let g = 2u64 << 20;
+        let sim = SimDevice::new(ByteSize::mib(64));
+        let home = sim.reserve(4 * g).unwrap();
+        sim.map(home, 4 * g).unwrap();
+        let used = sim.used();
+        let other = sim.reserve(2 * g).unwrap();
+        // the home's pages 2 and 3 at `other`
+        sim.map_alias(other, home + 2 * g, 2 * g).unwrap();
+        assert_eq!(sim.used(), used, "an alias holds no memory of its own");
+        sim.copy_to_device(other + g + 5, &[7, 8, 9]).unwrap();
+        let mut out = [0u8; 3];
+        sim.copy_to_host(&mut out, home + 3 * g + 5).unwrap();
+        assert_eq!(out, [7, 8, 9]);
+        // a write across the alias's end is refused (past it nothing is mapped)
+        assert!(sim.copy_to_device(other + 2 * g - 1, &[1, 2]).is_err());
+        // the aliased pages stay while the alias does; the range is not released under it
+        assert!(sim.unmap(home + 2 * g, g).is_err());
+        assert!(sim.release(other, 2 * g).is_err());
+        assert!(sim.map_alias(other, home, g).is_err(), "mapped already");
+        assert!(sim.unmap_alias(other, g).is_err(), "not a whole alias");
+        sim.unmap_alias(other, 2 * g).unwrap();
+        sim.release(other, 2 * g).unwrap();
+        sim.unmap(home, 4 * g).unwrap();
+        sim.release(home, 4 * g).unwrap();
+        assert_eq!(sim.used(), 0);
+        // a handle of two pages is aliased whole or not at all, as the driver maps it
+        let home = sim.reserve(4 * g).unwrap();
+        sim.map_handles(home, 4 * g, 2 * g).unwrap();
+        let other = sim.reserve(2 * g).unwrap();
+        assert!(sim.map_alias(other, home + g, g).is_err(), "half a handle");
+        assert!(
+            sim.map_alias(other, home + g, 2 * g).is_err(),
+            "parts of two"
+        );
+        sim.map_alias(other, home + 2 * g, 2 * g).unwrap();
+        sim.unmap_alias(other, 2 * g).unwrap();
+    }
 
     #[test]
     fn an_unmap_that_cuts_a_handle_is_refused_and_whole_ones_go() {

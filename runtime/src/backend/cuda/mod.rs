@@ -426,6 +426,20 @@ impl Backend for CudaBackend {
         Ok(self.pages.release_spares())
     }
 
+    fn supports_alias(&self) -> bool {
+        true
+    }
+
+    fn map_alias(&self, addr: DevicePtr, src: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind("cuMemMap")?;
+        self.pages.map_alias(addr, src, bytes)
+    }
+
+    fn unmap_alias(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.bind("cuMemUnmap")?;
+        self.pages.unmap_alias(addr, bytes)
+    }
+
     fn copy_to_device(&self, dst: DevicePtr, src: &[u8]) -> Result<(), BackendError> {
         if src.is_empty() {
             return Ok(());

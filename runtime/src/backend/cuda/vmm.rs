@@ -80,6 +80,11 @@ struct Tables {
     /// Handles unmapped by `unmap_keep`, mapped nowhere, with their bytes: the next `map` uses
     /// those of the size it needs before it creates new ones.
     spare: Vec<(sys::CUmemGenericAllocationHandle, u64)>,
+    /// Aliases (`map_alias`): address -> bytes, each one `cuMemMap` of part of a handle mapped
+    /// in `pages`. They own nothing: unmapped with `cuMemUnmap` alone.
+    aliases: BTreeMap<DevicePtr, (u64, sys::CUmemGenericAllocationHandle)>,
+    /// Handles with aliases, and how many.
+    aliased: std::collections::HashMap<sys::CUmemGenericAllocationHandle, u32>,
     /// Pages created (`cuMemCreate`) and pages mapped from spares, over the table's life (a
     /// handle counts its pages).
     created: u64,
@@ -142,11 +147,9 @@ impl PageTable {
     /// `cuMemAddressFree` of a whole reserved range with no page mapped in it.
     pub(super) fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError> {
         let mut t = lock(&self.tables);
-        let still_mapped = t
-            .pages
-            .range(base..base.saturating_add(bytes))
-            .next()
-            .is_some();
+        let end = base.saturating_add(bytes);
+        let still_mapped = t.pages.range(base..end).next().is_some()
+            || t.aliases.range(base..end).next().is_some();
         if t.ranges.get(&base) != Some(&bytes) || still_mapped {
             return Err(invalid(
                 "cuMemAddressFree",
@@ -246,18 +249,25 @@ impl PageTable {
             }
             at += size;
         }
-        let access = sys::CUmemAccessDesc {
-            location: device_location(self.device),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: the whole range is mapped (above); `access` is one valid descriptor.
-        let r = unsafe { sys::cuMemSetAccess(addr, bytes as usize, &access, 1) };
-        if let Err(e) = check("cuMemSetAccess", r) {
+        if let Err(e) = self.set_access(addr, bytes) {
             self.undo(&done, &mut t.spare);
             return Err(e);
         }
         t.pages.extend(done);
         Ok(())
+    }
+
+    /// Makes `[addr, addr + bytes)`, every byte of it mapped, readable and writable from this
+    /// device (`cuMemSetAccess`).
+    fn set_access(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        let access = sys::CUmemAccessDesc {
+            location: device_location(self.device),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the caller mapped the whole range under the table's lock, which it still
+        // holds; `access` is one valid descriptor.
+        let r = unsafe { sys::cuMemSetAccess(addr, bytes as usize, &access, 1) };
+        check("cuMemSetAccess", r)
     }
 
     /// Maps one handle of `size` bytes at `at`: the `spare` handle (of that size) when given,
@@ -353,6 +363,14 @@ impl PageTable {
         let mut t = lock(&self.tables);
         let handles: Vec<(DevicePtr, (sys::CUmemGenericAllocationHandle, u64))> =
             t.pages.range(addr..end).map(|(&a, &h)| (a, h)).collect();
+        // a handle another address aliases stays until that alias is unmapped (as a spare it
+        // could be mapped for another block while the alias still reads it)
+        if handles.iter().any(|(_, (h, _))| t.aliased.contains_key(h)) {
+            return Err(invalid(
+                "cuMemUnmap",
+                format!("{bytes} bytes at {addr:#x} are aliased elsewhere (map_alias)"),
+            ));
+        }
         let mut next = addr;
         let whole = handles.iter().all(|&(a, (_, n))| {
             let fits = a == next && a + n <= end;
@@ -473,18 +491,155 @@ impl PageTable {
         (t.created, t.reused)
     }
 
+    /// Maps `[addr, addr + bytes)` to the handles mapped at `[src, src + bytes)`: one
+    /// `cuMemMap` per handle (part) it reaches, at that part's offset in the handle, then one
+    /// `cuMemSetAccess`. On failure, undoes what it mapped.
+    pub(super) fn map_alias(
+        &self,
+        addr: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+    ) -> Result<(), BackendError> {
+        self.whole_pages("cuMemMap", addr, bytes)?;
+        self.whole_pages("cuMemMap", src, bytes)?;
+        let mut t = lock(&self.tables);
+        let end = addr + bytes;
+        let inside = t
+            .ranges
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&b, &s)| end <= b + s);
+        let alias_taken = t
+            .aliases
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&a, &(n, _))| a + n > addr);
+        let page_taken = t
+            .pages
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&a, &(_, n))| a + n > addr);
+        if !inside || page_taken || alias_taken {
+            return Err(invalid(
+                "cuMemMap",
+                format!("{bytes} bytes at {addr:#x} are not unmapped pages of a reserved range"),
+            ));
+        }
+        let mut done: Vec<(DevicePtr, (u64, sys::CUmemGenericAllocationHandle))> = Vec::new();
+        let mut at = 0u64;
+        while at < bytes {
+            let from = src + at;
+            let Some((&base, &(h, n))) = t.pages.range(..=from).next_back() else {
+                self.undo_aliases(&done);
+                return Err(invalid("cuMemMap", format!("{from:#x} is not mapped")));
+            };
+            if base + n <= from {
+                self.undo_aliases(&done);
+                return Err(invalid("cuMemMap", format!("{from:#x} is not mapped")));
+            }
+            let offset = from - base;
+            let len = (base + n - from).min(bytes - at);
+            if offset != 0 || len != n {
+                // cuMemMap maps a handle from offset 0 only ("currently must be zero")
+                self.undo_aliases(&done);
+                return Err(invalid(
+                    "cuMemMap",
+                    format!(
+                        "{from:#x} is inside a handle of {n} bytes: an alias maps whole handles"
+                    ),
+                ));
+            }
+            // SAFETY: `[addr + at, + len)` lies in a reserved range with nothing mapped there
+            // (checked above under the lock); `h` is a live handle of `n` bytes mapped at
+            // `base` (the table holds it), and `offset + len <= n`. Mapping a handle at a
+            // second address is what cuMemMap allows; the alias is unmapped before the handle's
+            // own mapping (the allocator's order, and `release_all`'s).
+            let r = unsafe { sys::cuMemMap(addr + at, len as usize, offset as usize, h, 0) };
+            if let Err(e) = check("cuMemMap", r) {
+                self.undo_aliases(&done);
+                return Err(e);
+            }
+            done.push((addr + at, (len, h)));
+            at += len;
+        }
+        if let Err(e) = self.set_access(addr, bytes) {
+            self.undo_aliases(&done);
+            return Err(e);
+        }
+        for &(_, (_, h)) in &done {
+            *t.aliased.entry(h).or_default() += 1;
+        }
+        t.aliases.extend(done);
+        Ok(())
+    }
+
+    fn undo_aliases(&self, done: &[(DevicePtr, (u64, sys::CUmemGenericAllocationHandle))]) {
+        for &(at, (n, _)) in done {
+            if let Err(e) = self.unmap_only(at, n) {
+                tracing::warn!(error = %e, at, "undoing a partial alias failed");
+            }
+        }
+    }
+
+    /// Unmaps the aliases covering exactly `[addr, addr + bytes)`.
+    pub(super) fn unmap_alias(&self, addr: DevicePtr, bytes: u64) -> Result<(), BackendError> {
+        self.whole_pages("cuMemUnmap", addr, bytes)?;
+        let end = addr + bytes;
+        let mut t = lock(&self.tables);
+        let runs: Vec<(DevicePtr, u64)> = t
+            .aliases
+            .range(addr..end)
+            .map(|(&a, &(n, _))| (a, n))
+            .collect();
+        let mut next = addr;
+        let whole = runs.iter().all(|&(a, n)| {
+            let fits = a == next && a + n <= end;
+            next = a + n;
+            fits
+        }) && next == end;
+        if !whole {
+            return Err(invalid(
+                "cuMemUnmap",
+                format!("{bytes} bytes at {addr:#x} are not whole aliases"),
+            ));
+        }
+        for (at, n) in runs {
+            self.unmap_only(at, n)?;
+            if let Some((_, h)) = t.aliases.remove(&at) {
+                if let Some(c) = t.aliased.get_mut(&h) {
+                    *c -= 1;
+                    if *c == 0 {
+                        t.aliased.remove(&h);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `f` when every page of `[addr, end)` is mapped (`None` otherwise), holding the page
     /// table's lock so that none is unmapped until `f` returns.
     pub(super) fn while_mapped<R>(&self, addr: u64, end: u64, f: impl FnOnce() -> R) -> Option<R> {
         let t = lock(&self.tables);
-        // walk the handles from the one holding `addr`: mapped when they cover up to `end`
-        let mut covered = match t.pages.range(..=addr).next_back() {
-            Some((&a, &(_, n))) if a + n > addr => a + n,
-            _ => return None,
+        // walk the handles (or aliases) from the one holding `addr`: mapped when they cover up
+        // to `end`
+        let holding = |at: u64| {
+            let page = t.pages.range(..=at).next_back().map(|(&a, &(_, n))| (a, n));
+            let alias = t
+                .aliases
+                .range(..=at)
+                .next_back()
+                .map(|(&a, &(n, _))| (a, n));
+            page.into_iter()
+                .chain(alias)
+                .map(|(a, n)| a + n)
+                .filter(|&e| e > at)
+                .max()
         };
+        let mut covered = addr;
         while covered < end {
-            match t.pages.get(&covered) {
-                Some(&(_, n)) => covered += n,
+            match holding(covered) {
+                Some(e) => covered = e,
                 None => break,
             }
         }
@@ -494,6 +649,12 @@ impl PageTable {
     /// Unmaps every page and frees every range (on drop); errors are only logged.
     pub(super) fn release_all(&self) {
         let mut t = lock(&self.tables);
+        t.aliased.clear();
+        for (at, (n, _)) in std::mem::take(&mut t.aliases) {
+            if let Err(e) = self.unmap_only(at, n) {
+                tracing::warn!(error = %e, at, "unmapping an alias on drop failed");
+            }
+        }
         for (page, h) in std::mem::take(&mut t.pages) {
             if let Err(e) = self.unmap_handle(page, h) {
                 tracing::warn!(error = %e, page, "unmapping a page on drop failed");
