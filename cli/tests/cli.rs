@@ -616,7 +616,8 @@ fn layout_bounds_a_settled_loop_of_a_recorded_step() {
 /// VGG-16 at 1,951 rows, recorded on the H200 with libtorch's autograd thread freeing (run 87):
 /// replayed on its two threads at the 137.8 GiB the card left the step, it runs by best fit,
 /// moving pages; no static layout of its step comes within 1.0103 x its peak live bytes, above
-/// that capacity: why the step plan was refused on the card (docs/BENCHMARKS.md).
+/// that capacity: why the contiguous step plan was refused on the card (docs/BENCHMARKS.md); a
+/// plan shared at page granularity settles it (`runtime/tests/step_plan.rs`).
 #[test]
 fn the_largest_vgg_step_on_the_h200_runs_but_has_no_layout_under_the_card() {
     let file = repo_trace("tch_vgg16_b1951.trace.csv");
