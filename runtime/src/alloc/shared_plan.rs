@@ -25,20 +25,14 @@ use rustc_hash::FxHashMap;
 
 use super::block::{BlockId, PoolKind, SegId};
 use super::state::State;
+use super::static_layout::LifeSpan;
 use super::steps::{SharedPages, NO_SEG};
 use crate::backend::{Backend, StreamId};
-
-/// One planned request: its life in the step's clock and its bytes.
-pub(super) struct Span {
-    pub(super) start: usize,
-    pub(super) end: usize,
-    pub(super) bytes: u64,
-}
 
 /// The pool pages of each span (runs of consecutive pages) and the pool's size in pages:
 /// spans taken in the step's order, each given the lowest free pages, its pages freed at its
 /// end.
-pub(super) fn assign_pages(spans: &[Span], page: u64) -> (Vec<Vec<(u32, u32)>>, u32) {
+pub(super) fn assign_pages(spans: &[LifeSpan], page: u64) -> (Vec<Vec<(u32, u32)>>, u32) {
     let mut events: Vec<(usize, bool, usize)> = spans
         .iter()
         .enumerate()
@@ -86,13 +80,14 @@ pub(super) fn assign_pages(spans: &[Span], page: u64) -> (Vec<Vec<(u32, u32)>>, 
 impl State {
     /// Maps a shared plan for `spans` on `stream`: the pool at a home range (free pages moved
     /// out first as the memory limit requires, all of them if the device refuses), then each
-    /// slot as aliases of its pages. Returns the slots' base address, each span's offset in
-    /// it, and the pages; `None` (nothing left mapped) when the pool does not fit.
+    /// slot as aliases of its pages; the slots' range becomes the plan's (`planned_seg`).
+    /// Returns its base address, each span's offset in it, and the pages; `None` (nothing left
+    /// mapped) when the pool does not fit.
     pub(super) fn map_shared_plan(
         &mut self,
         backend: &dyn Backend,
         stream: StreamId,
-        spans: &[Span],
+        spans: &[LifeSpan],
         total: u64,
     ) -> Option<(u64, Vec<u64>, SharedPages)> {
         let g = self.granularity;
@@ -176,10 +171,10 @@ impl State {
         let mut at = 0u64;
         let mut aliased: Vec<(u64, u64)> = Vec::new();
         let mut ok = true;
-        'spans: for (s, r) in spans.iter().zip(&runs) {
+        'spans: for (s, r) in spans.iter().zip(runs) {
             let bytes = s.bytes.next_multiple_of(g);
             let mut off = 0u64;
-            for &(first, n) in r {
+            for &(first, n) in &r {
                 let len = u64::from(n) * g;
                 if let Err(e) = backend.map_alias(base + at + off, home + u64::from(first) * g, len)
                 {
@@ -191,7 +186,7 @@ impl State {
                 off += len;
             }
             offsets.push(at);
-            slots.insert(at, (bytes, r.clone()));
+            slots.insert(at, (bytes, r));
             at += bytes;
         }
         if !ok {
@@ -205,6 +200,7 @@ impl State {
         // The range's one free block: mapped (through the aliases), in no index.
         let seg = self.blocks[hole].seg;
         self.index_remove(hole);
+        self.planned_seg = seg; // (after: the index skips the plan's blocks)
         self.blocks[hole].mapped = true;
         self.segs[seg].mapped = home_bytes;
         let s = &mut self.stats;
@@ -217,7 +213,6 @@ impl State {
         let shared = SharedPages {
             home,
             home_bytes,
-            seg,
             slots,
             users: vec![0; pool as usize],
             live: FxHashMap::default(),
@@ -225,10 +220,13 @@ impl State {
         Some((base, offsets, shared))
     }
 
-    /// Whether the plan's range (installed or draining) is shared at page granularity.
-    pub(super) fn plan_is_shared(&self) -> bool {
-        self.steps.draining.is_some()
-            || self.steps.plan.as_ref().is_some_and(|p| p.shared.is_some())
+    /// The pages of the plan's range when it is shared at page granularity (installed or
+    /// draining).
+    pub(super) fn shared_pages(&self) -> Option<&SharedPages> {
+        match (&self.steps.plan, &self.steps.draining) {
+            (Some(p), _) if p.shared.is_some() => p.shared.as_ref(),
+            (_, d) => d.as_ref(),
+        }
     }
 
     /// Maps the pool at `home`: each run of `whole` (first page, pages, whether in handles of
@@ -263,8 +261,7 @@ impl State {
         }
         match (&mut self.steps.plan, &mut self.steps.draining) {
             (Some(p), _) if p.shared.is_some() => p.shared.as_mut(),
-            (_, Some(d)) => Some(d),
-            _ => None,
+            (_, d) => d.as_mut(),
         }
     }
 
@@ -318,15 +315,6 @@ impl State {
         }
     }
 
-    /// Bytes a release would get back from a dropped shared plan: its pool once no block of
-    /// it is live.
-    pub(super) fn shared_releasable(&self) -> u64 {
-        match &self.steps.draining {
-            Some(d) if d.live.is_empty() => d.home_bytes,
-            _ => 0,
-        }
-    }
-
     /// Gives back a dropped shared plan's memory when no block of it is live: the slots'
     /// aliases, the pool and both address ranges.
     pub fn release_drained_plan(&mut self, backend: &dyn Backend) {
@@ -339,7 +327,7 @@ impl State {
             return;
         }
         let d = self.steps.draining.take().expect("checked above");
-        let seg = d.seg;
+        let seg = self.planned_seg;
         let first = self.segs[seg].first;
         let (base, stream) = (self.segs[seg].base, self.segs[seg].stream);
         debug_assert!(self.blocks[first].next.is_none() && self.blocks[first].is_free());
@@ -425,10 +413,10 @@ mod tests {
         for _ in 0..200 {
             let n = 1 + (next() % 40) as usize;
             let mut clock = 0usize;
-            let mut spans: Vec<Span> = Vec::new();
+            let mut spans: Vec<LifeSpan> = Vec::new();
             let mut open: Vec<usize> = Vec::new();
             for _ in 0..n {
-                spans.push(Span {
+                spans.push(LifeSpan {
                     start: clock,
                     end: usize::MAX,
                     bytes: 1 + next() % (40 * page),

@@ -311,7 +311,7 @@ impl State {
             // Mapped pages of a growable segment cover the mapped blocks, rounded out to pages.
             // (a shared plan's range maps each of its pool's pages at several addresses: its
             // blocks may exceed the pages behind it)
-            let shared = sid == self.planned_seg && self.plan_is_shared();
+            let shared = sid == self.planned_seg && self.shared_pages().is_some();
             if s.growable {
                 if mapped > s.mapped && !shared {
                     return Err(format!("segment {sid}: mapped blocks exceed mapped pages"));

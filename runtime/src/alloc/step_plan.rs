@@ -50,7 +50,6 @@ use rustc_hash::FxHashMap;
 
 use super::block::{BlockId, PoolKind};
 use super::growable::Release;
-use super::shared_plan::Span;
 use super::state::State;
 use super::static_layout::{plan_static_layout, LifeSpan};
 use super::steps::{Plan, Request, NO_SEG};
@@ -344,41 +343,24 @@ impl State {
         } else {
             self.map_plan_range(backend, stream, height, total, for_room)
         };
-        let (base, planned_offsets, shared) = match mapped {
-            Some(base) => (base, layout.offsets, None),
+        let installed = match mapped {
+            Some(base) => Some((base, layout.offsets, None)),
             // too tall for the card: the same step at page granularity (`shared_plan`), which
             // needs only its peak live pages
             // (only once the step has repeated twice: mapping the pool and its aliases costs
             // seconds at the edge, and a loop whose retry engine changes its split at the next
             // step, as after an out-of-memory, would drop it at once; the next mark tries again)
             None if !for_room && backend.supports_alias() && self.steps.repeated < 2 => return,
-            None if !for_room && backend.supports_alias() => {
-                let spans: Vec<Span> = planned
-                    .iter()
-                    .map(|&k| {
-                        let r = &self.steps.requests[k];
-                        Span {
-                            start: r.start,
-                            end: r.end,
-                            bytes: r.size,
-                        }
-                    })
-                    .collect();
-                match self.map_shared_plan(backend, stream, &spans, total) {
-                    Some((base, offsets, pages)) => {
-                        self.planned_seg = pages.seg;
-                        (base, offsets, Some(pages))
-                    }
-                    None => (0, Vec::new(), None),
-                }
-            }
-            None => (0, Vec::new(), None),
+            None if !for_room && backend.supports_alias() => self
+                .map_shared_plan(backend, stream, &spans, total)
+                .map(|(base, offsets, pages)| (base, offsets, Some(pages))),
+            None => None,
         };
-        if planned_offsets.is_empty() {
+        let Some((base, planned_offsets, shared)) = installed else {
             self.stats.num_plans_refused += 1;
             self.steps.plan_unfit = true;
             return;
-        }
+        };
         let mut offsets = vec![None; self.steps.requests.len()];
         for (&k, &off) in planned.iter().zip(&planned_offsets) {
             offsets[k] = Some(off);
@@ -470,13 +452,8 @@ impl State {
     /// Bytes of whole pages in the plan's free blocks: what dropping it would let a release
     /// return (0 without a plan).
     pub fn plan_free_pages(&self) -> u64 {
-        if let Some(p) = &self.steps.plan {
-            if let Some(sh) = &p.shared {
-                return if sh.live.is_empty() { sh.home_bytes } else { 0 };
-            }
-        }
-        if self.steps.draining.is_some() {
-            return self.shared_releasable();
+        if let Some(sh) = self.shared_pages() {
+            return sh.releasable();
         }
         self.plan_blocks()
             .map(|id| &self.blocks[id])

@@ -44,10 +44,9 @@ pub(super) struct Plan {
 pub(super) struct SharedPages {
     /// The home range: the pool's pages, mapped once.
     pub(super) home: u64,
-    /// Its bytes (the memory the plan holds).
+    /// Its bytes (the memory the plan holds). The slots' address range is the segment
+    /// `State::planned_seg`, whose blocks are the slots' allocations.
     pub(super) home_bytes: u64,
-    /// The slots' address range (a segment whose blocks are the slots' allocations).
-    pub(super) seg: SegId,
     /// Each slot by its offset in the range: its bytes (whole pages) and its pool pages, as
     /// runs `(first page, pages)`.
     pub(super) slots: FxHashMap<u64, (u64, Vec<(u32, u32)>)>,
@@ -55,6 +54,17 @@ pub(super) struct SharedPages {
     pub(super) users: Vec<u8>,
     /// Live blocks served from a slot: block -> the slot's offset.
     pub(super) live: FxHashMap<BlockId, u64>,
+}
+
+impl SharedPages {
+    /// What giving the plan back would return now: its pool once no block of it is live.
+    pub(super) fn releasable(&self) -> u64 {
+        if self.live.is_empty() {
+            self.home_bytes
+        } else {
+            0
+        }
+    }
 }
 
 /// Step marks, the recording of the current step and the installed plan.
