@@ -1,5 +1,5 @@
 //! The error of oomguard-burn's steps: burn's `ExecutionError`, a cubecl out-of-memory seen as a
-//! panic, or a refusal (rows that do not match the batch, a plan that drops rows, parameters
+//! panic, or a refusal (rows that do not match the batch, a loss that is not one value, parameters
 //! without a gradient, parameters burn can no longer initialise).
 
 use oomguard::IsOom;
@@ -37,19 +37,6 @@ pub enum Error {
     /// retried.
     #[error("{0}")]
     Loss(String),
-    /// The retry policy asked for fewer rows than the batch: [`train_step`](crate::train_step)
-    /// trains on every row, so it refuses instead of dropping rows; not retried.
-    #[error(
-        "the retry policy planned {plan_rows} of the batch's {batch} rows; a training step \
-         trains on every row: use a policy that splits into micro-batches \
-         (oomguard::retry::training_policy, Accumulate), not one that shrinks the batch"
-    )]
-    DropsRows {
-        /// The batch the step was given.
-        batch: usize,
-        /// The rows the policy's plan covers.
-        plan_rows: usize,
-    },
     /// Float parameters that require a gradient got none from the backward pass (a module that
     /// cuts the graph, or a parameter the loss does not use); the optimizer did not step.
     #[error(
@@ -106,7 +93,6 @@ impl IsOom for Error {
             Error::Oomguard(e) => IsOom::is_oom(e),
             Error::Rows(_)
             | Error::Loss(_)
-            | Error::DropsRows { .. }
             | Error::NoGradient { .. }
             | Error::BrokenParameters { .. } => false,
         }

@@ -8,7 +8,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
-use oomguard::retry::{Chunk, RetryEngine, RetryError, RetryReport};
+use oomguard::retry::{Chunk, RetryEngine};
 use oomguard::source::MemorySource;
 use oomguard::train::{keep_rows, one_value, LossSum, StepFailure, KEEP_ROWS_HINT};
 use oomguard::IsOom;
@@ -112,85 +112,37 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
 
 pub use oomguard::train::TrainedStep;
 
-/// Why [`train_step`] failed. The model is unchanged in every case (see each variant for the
-/// optimizer's state and what to do next).
-#[derive(Debug)]
-pub enum TrainStepError {
-    /// The micro-batches failed: not an out-of-memory (a refusal of [`Error`] included), or
-    /// out-of-memory at the smallest plan (the report is inside).
-    Retry(RetryError<Error>),
-    /// The optimizer update failed (an out-of-memory included). It is not retried: it runs
-    /// once, after every micro-batch of one attempt succeeded. The model keeps its parameters,
-    /// but the optimizer's state may be partly advanced or partly lost: burn 0.21's optimizer
-    /// adaptor takes a parameter's state (e.g. AdamW's moments) out of its map while it updates
-    /// that parameter, so a failure drops the states it had taken (on an H100 a failed step
-    /// left 0.3–0.5 GiB less optimizer state; docs/GPU.md run 19). To resume exactly, keep
-    /// `Optimizer::to_record()` from before the step (it holds the previous state's tensors
-    /// alive, so it costs that much memory) and `load_record` it after this error.
-    Update {
-        /// The update's error.
-        error: Error,
-        /// How the micro-batches went.
-        report: Box<RetryReport>,
-    },
-    /// The model's parameters could not be initialised before the first attempt (burn creates
-    /// a parameter's tensor on its first use; `train_step` does that first, as splitting the
-    /// batch cannot make parameters smaller). Nothing ran and `*model` is unchanged: its lazy
-    /// parameters are still lazy (they are initialised on a clone that replaces the model only
-    /// on success), so after an out-of-memory a later call, with memory freed, initialises
-    /// them. [`Error::BrokenParameters`]: an initialisation that ran out of memory *outside*
-    /// `train_step` (a forward in `find_max_batch` or your own code) left parameters burn
-    /// cannot initialise any more; build the model again (or load a record into a new one).
-    Parameters(Error),
-}
-
-impl fmt::Display for TrainStepError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TrainStepError::Retry(e) => write!(f, "{e}"),
-            TrainStepError::Update { error, report } => write!(
-                f,
-                "the optimizer update failed after the micro-batches succeeded ({} retries); it \
-                 was not retried, the model is unchanged, the optimizer's state may be partly \
-                 advanced or lost (restore it from a record taken before the step to resume \
-                 exactly): {error}",
-                report.retries()
-            ),
-            TrainStepError::Parameters(e) => write!(
-                f,
-                "the model's parameters could not be initialised before the step (nothing ran, \
-                 the model is unchanged): {e}"
-            ),
-        }
-    }
-}
-
-/// An outer retry may rerun only a [`TrainStepError::Retry`] that ran out of memory at every plan
-/// (oomguard's shared rule, [`oomguard::train::TrainStepError`]): an update error may have
-/// advanced the optimizer, and a parameter that could not be initialised is not the batch's.
-/// The source of an [`Update`](TrainStepError::Update) is the
+/// Why [`train_step`] failed: oomguard's one training-step error, with burn's [`Error`]. The
+/// model is unchanged in every case:
+/// - [`Retry`](oomguard::train::TrainStepError::Retry): the micro-batches failed, not with an
+///   out-of-memory (a refusal of [`Error`] included), or with one at the smallest plan (the
+///   report is inside);
+/// - [`PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows): the engine's policy
+///   would train on part of the batch after an out-of-memory (`Shrink`); refused before anything
+///   ran;
+/// - [`Update`](oomguard::train::TrainStepError::Update): the optimizer update failed (an
+///   out-of-memory included), not retried. The model keeps its parameters, but the optimizer's
+///   state may be partly advanced or partly lost: burn 0.21's optimizer adaptor takes a
+///   parameter's state (e.g. AdamW's moments) out of its map while it updates that parameter, so
+///   a failure drops the states it had taken (on an H100 a failed step left 0.3–0.5 GiB less
+///   optimizer state; docs/GPU.md run 19). To resume exactly, keep `Optimizer::to_record()` from
+///   before the step (it holds the previous state's tensors alive, so it costs that much memory)
+///   and `load_record` it after this error;
+/// - [`Parameters`](oomguard::train::TrainStepError::Parameters): the model's lazy parameters
+///   could not be initialised before the first attempt (burn creates a parameter's tensor on its
+///   first use; `train_step` does that first, as splitting the batch cannot make parameters
+///   smaller). Nothing ran and `*model` is unchanged: its lazy parameters are still lazy (they
+///   are initialised on a clone that replaces the model only on success), so after an
+///   out-of-memory a later call, with memory freed, initialises them.
+///   [`Error::BrokenParameters`]: an initialisation that ran out of memory *outside*
+///   `train_step` (a forward in `find_max_batch` or your own code) left parameters burn cannot
+///   initialise any more; build the model again (or load a record into a new one).
+///
+/// An outer retry may rerun only a `Retry` that ran out of memory at every plan ([`IsOom`], the
+/// rule every framework shares); the source of an `Update` is the
 /// [`UpdateApplied`](oomguard::retry::UpdateApplied) mark, so a boxed `dyn Error` (or
 /// `chain_is_oom`) says no too.
-impl IsOom for TrainStepError {
-    fn is_oom(&self) -> bool {
-        matches!(self, TrainStepError::Retry(e) if e.is_oom())
-    }
-    fn is_budget_exceeded(&self) -> bool {
-        matches!(self, TrainStepError::Retry(e) if e.is_budget_exceeded())
-    }
-}
-
-impl std::error::Error for TrainStepError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            TrainStepError::Retry(e) => Some(e),
-            // The update's error may be an out-of-memory: a walk of the chain must stop at the
-            // mark, not find it and call the step retryable (the error is in the variant).
-            TrainStepError::Update { .. } => Some(&oomguard::retry::UpdateApplied),
-            TrainStepError::Parameters(e) => Some(e),
-        }
-    }
-}
+pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 
 /// One training step over `batch` rows, kept alive through out-of-memory.
 ///
@@ -204,7 +156,7 @@ impl std::error::Error for TrainStepError {
 ///
 /// Refused (not retried, no update): a tensor sliced with [`chunk_rows`](crate::chunk_rows)
 /// whose rows are not `batch` ([`Error::Rows`]), an engine whose policy would drop rows after an
-/// out-of-memory ([`Error::DropsRows`], before anything runs; a policy that proposes such a plan
+/// out-of-memory ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows), before anything runs; a policy that proposes such a plan
 /// only later makes the step give up instead), a loss that is not one value ([`Error::Loss`]), and float parameters
 /// that require a gradient and got none ([`Error::NoGradient`]).
 ///
@@ -244,15 +196,7 @@ where
     // the engine's policy is wrapped so that a later change of mind is refused too.
     let engine = match keep_rows(engine, batch, KEEP_ROWS_HINT) {
         Ok(engine) => engine,
-        Err(refused) => {
-            return Err(TrainStepError::Retry(RetryError::Step {
-                error: Error::DropsRows {
-                    batch,
-                    plan_rows: refused.proposed.batch(),
-                },
-                report: refused.report,
-            }))
-        }
+        Err(refused) => return Err(refused.into()),
     };
     let mut step = BurnStep {
         model: &*model,

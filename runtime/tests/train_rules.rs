@@ -69,6 +69,27 @@ fn an_update_that_ran_out_of_memory_is_not_an_oom_by_any_route() {
     assert!(gave_up.is_oom(), "{gave_up}");
 }
 
+/// Parameters that could not be made ready before the first attempt (oomguard-burn's lazy
+/// parameters) are not the batch's: no route calls the error a retryable out-of-memory, and its
+/// message keeps the framework's error and says that nothing ran.
+#[test]
+fn parameters_that_ran_out_of_memory_are_not_an_oom_by_any_route() {
+    no_route_says_oom(TrainStepError::Parameters(an_oom()));
+    let e = TrainStepError::Parameters(an_oom());
+    let text = e.to_string();
+    assert!(
+        text.contains("could not be initialised before the step")
+            && text.contains("nothing ran")
+            && text.contains("Tried to allocate"),
+        "{text}"
+    );
+    assert!(e.source().is_none());
+    let TrainStepError::Parameters(error) = &e else {
+        unreachable!()
+    };
+    assert!(error.is_oom());
+}
+
 #[cfg(feature = "anyhow")]
 #[test]
 fn an_update_that_ran_out_of_memory_is_not_an_oom_through_anyhow() {

@@ -304,7 +304,6 @@ pub fn err_kind(e: &Error) -> &'static str {
         Error::Oomguard(_) => "Oomguard",
         Error::Rows(_) => "Rows",
         Error::Loss(_) => "Loss",
-        Error::DropsRows { .. } => "DropsRows",
         Error::NoGradient { .. } => "NoGradient",
         Error::BrokenParameters { .. } => "BrokenParameters",
     }

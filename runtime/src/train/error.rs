@@ -6,8 +6,9 @@ use super::DropsRows;
 use crate::retry::advanced::{OomRequest, UpdateApplied};
 use crate::retry::{BatchPlan, IsOom, RetryError, RetryReport};
 
-/// Why a `train_step` failed (oomguard-candle's and oomguard-tch's, with `E` the framework's
-/// error). Nothing was updated, except after [`TrainStepError::Update`].
+/// Why a `train_step` failed (oomguard-candle's, oomguard-burn's and oomguard-tch's, each an
+/// alias with `E` the framework crate's error). Nothing was updated, except after
+/// [`TrainStepError::Update`].
 ///
 /// [`IsOom`]: an out-of-memory is [`TrainStepError::Retry`] with every plan the policy allows
 /// failed ([`RetryError::GaveUp`]); a budget's one stays a budget's (the last failure's). An
@@ -43,6 +44,14 @@ pub enum TrainStepError<E> {
         /// How the micro-batches went.
         report: Box<RetryReport>,
     },
+    /// The model's parameters could not be made ready before the first attempt, so nothing ran
+    /// (oomguard-burn: burn creates a parameter's tensor on its first use, and `train_step`
+    /// creates them first, on a copy of the model that replaces it only on success). Not
+    /// retried, and no route calls it an out-of-memory, whatever its error (its `source()` is
+    /// none; the error is here and in the message): a smaller batch cannot make parameters
+    /// smaller. oomguard-candle's and
+    /// oomguard-tch's steps never return it (their parameters exist before the step).
+    Parameters(E),
 }
 
 impl<E> From<DropsRows> for TrainStepError<E> {
@@ -74,8 +83,17 @@ impl<E: fmt::Display> fmt::Display for TrainStepError<E> {
             TrainStepError::Update { error, report } => write!(
                 f,
                 "the optimizer update failed after the micro-batches succeeded ({} retries); \
-                 it was not retried, parameters may be partly updated: {error}",
+                 it was not retried. An optimizer that updates in place (candle, tch) may have \
+                 updated part of the parameters; with burn's, which returns a new model, the \
+                 model is unchanged, but the optimizer's state may be partly advanced or lost. \
+                 To resume exactly, restore the parameters and the optimizer's state from a \
+                 copy taken before the step: {error}",
                 report.retries()
+            ),
+            TrainStepError::Parameters(e) => write!(
+                f,
+                "the model's parameters could not be initialised before the step (nothing ran, \
+                 the model is unchanged): {e}"
             ),
         }
     }
@@ -88,6 +106,8 @@ impl<E: std::error::Error + 'static> std::error::Error for TrainStepError<E> {
             // The optimizer's error may be an out-of-memory: a walk of the chain must stop at
             // the mark, not find it and call the step retryable.
             TrainStepError::Update { .. } => Some(&UpdateApplied),
+            // As for an update: no walk of the chain may find the error's out-of-memory and
+            // call the step retryable (the error is in the variant and the message).
             _ => None,
         }
     }
