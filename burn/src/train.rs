@@ -11,7 +11,6 @@ use burn::tensor::Tensor;
 use oomguard::retry::{Chunk, RetryEngine};
 use oomguard::source::MemorySource;
 use oomguard::train::{keep_rows, one_value, LossSum, StepFailure, KEEP_ROWS_HINT};
-use oomguard::IsOom;
 
 use crate::compat;
 use crate::framework::BurnStep;
@@ -138,7 +137,7 @@ pub use oomguard::train::TrainedStep;
 ///   `train_step` (a forward in `find_max_batch` or your own code) left parameters burn cannot
 ///   initialise any more; build the model again (or load a record into a new one).
 ///
-/// An outer retry may rerun only a `Retry` that ran out of memory at every plan ([`IsOom`], the
+/// An outer retry may rerun only a `Retry` that ran out of memory at every plan ([`IsOom`](oomguard::IsOom), the
 /// rule every framework shares); the source of an `Update` is the
 /// [`UpdateApplied`](oomguard::retry::UpdateApplied) mark, so a boxed `dyn Error` (or
 /// `chain_is_oom`) says no too.
@@ -194,10 +193,7 @@ where
     }
     // A policy that would drop rows is refused before anything runs (oomguard's shared rule);
     // the engine's policy is wrapped so that a later change of mind is refused too.
-    let engine = match keep_rows(engine, batch, KEEP_ROWS_HINT) {
-        Ok(engine) => engine,
-        Err(refused) => return Err(refused.into()),
-    };
+    let engine = keep_rows(engine, batch, KEEP_ROWS_HINT)?;
     let mut step = BurnStep {
         model: &*model,
         chunk_loss: |m: &M, c: &Chunk, _: &()| chunk_loss(m, c),

@@ -159,6 +159,9 @@ pub struct Args {
     /// `oom`'s batch, given (then the largest batch is not measured).
     #[arg(long, value_name = "N")]
     pub oom_batch: Option<i64>,
+    /// Guarded steps of `oom` (the first meets the out-of-memory).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub oom_steps: usize,
     /// Rows of `equiv`: a multiple of 4.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub equiv_batch: i64,
@@ -297,6 +300,13 @@ fn check(a: &Args) -> Result<(), String> {
             "--steps, --equiv-steps and --overhead-rounds at least 1; --grads-steps at least 2"
                 .into(),
         );
+    }
+    if a.oom_steps < 2 {
+        return Err(format!(
+            "--oom-steps {}: at least 2 (the first meets the out-of-memory, the rest start \
+             from its plan)",
+            a.oom_steps
+        ));
     }
     if a.equiv_batch < 4 || a.equiv_batch % 4 != 0 {
         return Err(format!(
@@ -507,6 +517,7 @@ mod tests {
             ("--phase a --allocator pool", "values: native, oomguard"),
             ("--phase a --equiv-batch 6", "a multiple of 4"),
             ("--phase a --oom-factor 1", "more than 1"),
+            ("--phase a --oom-steps 1", "--oom-steps 1: at least 2"),
             ("--phase a --grads-steps 1", "--grads-steps at least 2"),
         ] {
             let e = run(cli).unwrap_err();

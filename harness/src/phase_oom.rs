@@ -1,15 +1,18 @@
 //! `oom`: a batch of `--oom-factor` × the largest batch of a plain step (`max`), or
 //! `--oom-batch`, which a plain step cannot run, through the guarded step from a fresh engine: step 1 meets a real
-//! out-of-memory and survives it as micro-batches (its attempts are printed); steps 2 to 4 start
-//! from the plan remembered, with no retry. Every step trains every row; the losses and the
-//! parameters stay finite.
+//! out-of-memory and survives it as micro-batches (its attempts are printed); steps 2 to
+//! `--oom-steps` (4) start from the plan remembered, with no retry. Every step trains every row;
+//! the losses and the parameters stay finite. A `STEP` line per step tells what the source did
+//! in it (`MemorySource::churn`: allocator retries, unmap calls, bytes unmapped,
+//! synchronisations; a step plan installed at the step's mark counts in its step), and the
+//! `RESULT` line has the first step's seconds and the later steps' median.
 
 use std::time::Instant;
 
 use oomguard_runtime::retry::RetryEngine;
 
 use crate::bench::{attempts_str, plan_str, Bench, Optim};
-use crate::report::Line;
+use crate::report::{median, Line};
 use crate::runner::{Outcome, PhaseResult, Runner};
 
 impl<B: Bench> Runner<B> {
@@ -36,18 +39,22 @@ impl<B: Bench> Runner<B> {
         let mut reports = Vec::new();
         let mut losses = Vec::new();
         let mut all_rows = true;
-        for step in 0..4 {
+        let mut secs_all = Vec::with_capacity(self.args.oom_steps);
+        for step in 0..self.args.oom_steps as i64 {
             let b = self
                 .bench
                 .batch(batch, 700 + step as u64)
                 .map_err(|e| e.to_string())?;
             source.reset_peak().map_err(|e| e.to_string())?;
+            let c0 = source.churn();
             let t = Instant::now();
             let done = self
                 .bench
                 .guarded_step(&engine, &mut s, &b)
                 .map_err(|e| format!("train_step, step {} of batch {batch}: {e}", step + 1))?;
             let secs = t.elapsed().as_secs_f64();
+            let c = source.churn();
+            secs_all.push(secs);
             let r = &done.report;
             let u = source.usage().map_err(|e| e.to_string())?;
             self.emit(
@@ -62,6 +69,10 @@ impl<B: Bench> Runner<B> {
                     .flag("from_memory", r.from_memory)
                     .text("attempts", attempts_str(r))
                     .float("secs", secs, 2)
+                    .int("alloc_retries", (c.alloc_retries - c0.alloc_retries) as i64)
+                    .int("unmaps", (c.unmaps - c0.unmaps) as i64)
+                    .int("unmapped", (c.unmapped_bytes - c0.unmapped_bytes) as i64)
+                    .int("syncs", (c.syncs - c0.syncs) as i64)
                     .int("peak_used", u.used_peak as i64)
                     .int("peak_reserved", u.reserved_peak as i64),
             );
@@ -100,6 +111,8 @@ impl<B: Bench> Runner<B> {
                     .collect::<Vec<_>>()
                     .join(","),
             )
+            .float("step1_secs", secs_all[0], 2)
+            .float("later_median_secs", median(&mut secs_all[1..].to_vec()), 2)
             .flag("pass", pass);
         self.emit(line);
         Ok(if pass { Outcome::Pass } else { Outcome::Fail })

@@ -314,6 +314,31 @@ fn max_stops_at_the_cap_when_every_batch_runs() {
     assert!(line(&r, "RESULT phase=max").contains("max_batch=5 reached_max_cap=true trials=4"));
 }
 
+/// `--oom-steps` sets how many guarded steps `oom` runs; each `STEP` line says what the source
+/// did in it, and the `RESULT` line has the first step's time and the later steps' median.
+#[test]
+fn oom_runs_the_steps_asked_for_and_says_what_the_source_did() {
+    let mut r = runner(Fake::new(), "--phase oom --oom-steps 6");
+    assert_eq!(r.oom(), Ok(Outcome::Pass));
+    let steps: Vec<&String> = lines(&r)
+        .iter()
+        .filter(|l| l.starts_with("STEP phase=oom"))
+        .collect();
+    assert_eq!(steps.len(), 6, "{steps:#?}");
+    for (i, l) in steps.iter().enumerate() {
+        assert!(l.contains(&format!("step={} ", i + 1)), "{l}");
+        for key in ["alloc_retries=", "unmaps=", "unmapped=", "syncs="] {
+            assert!(l.contains(key), "{key} in {l}");
+        }
+    }
+    let l = line(&r, "RESULT phase=oom");
+    assert!(
+        l.contains("step1_secs=") && l.contains("later_median_secs="),
+        "{l}"
+    );
+    assert_eq!(l.matches(',').count(), 5, "six losses: {l}");
+}
+
 #[test]
 fn oom_survives_twice_the_largest_batch_by_splitting_it() {
     let mut r = runner(Fake::new(), "--phase oom");

@@ -26,5 +26,20 @@ gptmax)
   echo "B=$B" | tee -a "$log"
   for r in 1 2; do for al in oomguard expandable native; do gpt $al 60 --phase plain --batch ${B:-70} --steps 6 --warmup 3; done; done
   gpt native 150 --phase max --max-cap 256 ;;
+gptoom)
+  # OOM at 2 x 80 (tch_gpt's largest batch under expandable segments and oomguard, run 95) from
+  # an unseeded engine, 4 steps; the candidate splits timed by hand as plain steps (80 and 40
+  # rows, one optimizer step each) in the same run, under both allocators; then the alloc bench
+  # (the thread table's baseline on this host).
+  for al in oomguard expandable; do
+    gpt $al 120 --phase oom --oom-batch 160
+    gpt $al 60 --phase plain --batch 80 --steps 4 --warmup 2
+    gpt $al 60 --phase plain --batch 40 --steps 4 --warmup 2
+  done
+  echo "=== host" | tee -a "$log"
+  { nproc; grep -m1 'model name' /proc/cpuinfo; cat /sys/fs/cgroup/cpu.max 2>&1; cat /proc/loadavg; } 2>&1 | tee -a "$log"
+  echo "=== alloc bench" | tee -a "$log"
+  timeout 200 ./alloc > $out/alloc-x.txt 2>&1; echo "rc=$?" | tee -a "$log"
+  grep -E "^(Threads|512 B|1 MiB|64 MiB|mixed|workload|threads|[0-9]+ )" $out/alloc-x.txt | tee -a "$log" ;;
 esac
 date -u | tee -a "$log"
