@@ -83,6 +83,10 @@ impl<B: Bench> Runner<B> {
             losses.push(done.loss);
             reports.push(done.report);
         }
+        // what the source's allocator did with the steps (oomguard's: its step plans)
+        for l in source.memory_summary().lines().filter(|l| l.contains("step plans")) {
+            self.print(l.trim().to_string());
+        }
         let first = &reports[0];
         let later_clean = reports[1..]
             .iter()

@@ -16,7 +16,7 @@ gpt() { # ALLOC SECONDS ARGS...
     oomguard) env -u PYTORCH_ALLOC_CONF timeout $t ./tch_gpt --allocator oomguard "$@" ;;
     expandable) PYTORCH_ALLOC_CONF=expandable_segments:True timeout $t ./tch_gpt "$@" ;;
     native) env -u PYTORCH_ALLOC_CONF timeout $t ./tch_gpt "$@" ;;
-  esac 2>&1 | grep -E "^(RESULT|STEP|TRIAL|PHASE)|tch_gpt:|rror|panick" | cut -c1-600 | tee -a "$log"
+  esac 2>&1 | grep -E "^(RESULT|STEP|TRIAL|PHASE)|step plans|tch_gpt:|rror|panick" | cut -c1-600 | tee -a "$log"
   date -u +%T | tee -a "$log"
 }
 case $mode in
@@ -41,5 +41,15 @@ gptoom)
   echo "=== alloc bench" | tee -a "$log"
   timeout 200 ./alloc > $out/alloc-x.txt 2>&1; echo "rc=$?" | tee -a "$log"
   grep -E "^(Threads|512 B|1 MiB|64 MiB|mixed|workload|threads|[0-9]+ )" $out/alloc-x.txt | tee -a "$log" ;;
+gptoom10)
+  # the same OOM, 10 guarded steps, each with what the allocator did (run 96's oomguard step 4
+  # took 8.8 s); the splits timed by hand again; alternated, two rounds.
+  for r in 1 2; do for al in oomguard expandable; do
+    gpt $al 150 --phase oom --oom-batch 160 --oom-steps 10
+  done; done
+  for al in oomguard expandable; do
+    gpt $al 60 --phase plain --batch 80 --steps 4 --warmup 2
+    gpt $al 60 --phase plain --batch 40 --steps 4 --warmup 2
+  done ;;
 esac
 date -u | tee -a "$log"
