@@ -11,7 +11,7 @@ use burn::tensor::{Distribution, Tensor};
 use oomguard::retry::{Chunk, FinderOptions};
 use oomguard::ByteSize;
 use oomguard_burn::{chunk_rows, find_max_batch, find_max_batch_train, train_step, Error};
-use oomguard_harness::checks::check_train_finder_seeding;
+use oomguard_harness::checks::{check_finder_through_oom_panics, check_train_finder_seeding};
 
 type B = Autodiff<NdArray>;
 
@@ -27,33 +27,20 @@ fn burn_step(model: &Linear<B>, rows: usize) -> Result<f32, Error> {
 #[test]
 fn finds_the_batch_a_burn_step_fits_through_oom_panics() {
     let model: Linear<B> = LinearConfig::new(4, 1).init(&Default::default());
-    let sim = oomguard::Device::sim(ByteSize::mib(256));
-    // 16 MiB of workspace plus 1 MiB of activations per row: about 240 rows fit.
-    let report = find_max_batch(&sim, FinderOptions::default(), |rows| {
-        let _ws = sim.alloc::<u8>(16 << 20)?;
-        let _acts = sim.alloc::<u8>(rows << 20)?;
-        burn_step(&model, rows)
-    })
-    .unwrap();
-    assert!((228..=240).contains(&report.max_batch), "{report}");
-    assert!(report.runs() <= 4, "{report}");
-
-    // A cubecl out-of-memory panic past 100 rows is a failed run, not a crash. (In the same
-    // test: the count of out-of-memory panics is process-wide, so the two searches must not
-    // run at once.)
-    let report = find_max_batch(&sim, FinderOptions::default(), |rows| {
-        let _acts = sim.alloc::<u8>(rows << 20)?;
-        if rows > 100 {
-            // What cubecl raises when a reservation fails.
-            panic!(
-                "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: {}\n",
-                rows << 20
-            );
-        }
-        burn_step(&model, rows)
-    })
-    .unwrap();
-    assert!((95..=100).contains(&report.max_batch), "{report}");
+    check_finder_through_oom_panics(|card, case| {
+        find_max_batch(card, FinderOptions::default(), |rows| {
+            let _held = case.hold(card, rows)?;
+            if case.panics_at(rows) {
+                // What cubecl raises when a reservation fails.
+                panic!(
+                    "called `Result::unwrap()` on an `Err` value: can't allocate buffer of size: {}\n",
+                    rows << 20
+                );
+            }
+            burn_step(&model, rows)
+        })
+        .unwrap()
+    });
 }
 
 /// A loop's batch on the simulated card: its tensors and the memory they would hold on a GPU

@@ -3,6 +3,7 @@
 //! and results; the check asserts what oomguard promises of any framework.
 
 use oomguard_runtime::retry::{FinderReport, RetryEngine, RetryError, StopReason};
+use oomguard_runtime::{ByteSize, Device, DeviceBuffer, Error};
 
 /// A `train_step` whose chunk loss keeps each chunk's memory across attempts (a leak behind the
 /// retries) failed with `e` (any framework's `TrainStepError`, whose source is the
@@ -96,4 +97,59 @@ pub fn check_train_finder_seeding(
         "micro-batches of {} rows fit {twice} rows' tensors?",
         found.max_batch
     );
+}
+
+/// One search of [`check_finder_through_oom_panics`]: what the framework's step holds on the
+/// simulated card, and past how many rows it raises the framework's own out-of-memory panic.
+#[derive(Clone, Copy, Debug)]
+pub struct FinderCase {
+    workspace: bool,
+    oom_panic_above: Option<usize>,
+}
+
+impl FinderCase {
+    /// The memory a step of `rows` rows holds on `card` while it runs: 1 MiB of activations per
+    /// row, and 16 MiB of workspace in the first search.
+    pub fn hold(&self, card: &Device, rows: usize) -> Result<Vec<DeviceBuffer<u8>>, Error> {
+        let mut held = Vec::with_capacity(2);
+        if self.workspace {
+            held.push(card.alloc::<u8>(16 << 20)?);
+        }
+        held.push(card.alloc::<u8>(rows << 20)?);
+        Ok(held)
+    }
+
+    /// Whether a step of `rows` rows must raise the framework's out-of-memory panic (as its
+    /// device would past some rows) instead of running.
+    pub fn panics_at(&self, rows: usize) -> bool {
+        self.oom_panic_above.is_some_and(|n| rows > n)
+    }
+}
+
+/// A framework's `find_max_batch` on a simulated 256 MiB card: `find(card, case)` runs it with a
+/// step of `rows` rows that holds [`FinderCase::hold`] while it runs the framework's step, and
+/// raises the framework's own out-of-memory panic where [`FinderCase::panics_at`] says so.
+/// - With 16 MiB of workspace and 1 MiB a row, 228 to 240 rows fit, found in at most 4 runs;
+/// - with an out-of-memory panic past 100 rows, 95 to 100: the panic is a failed run of the
+///   search, not a crash. (One test runs both: the count of out-of-memory panics is
+///   process-wide, so the two searches must not run at once.)
+pub fn check_finder_through_oom_panics(mut find: impl FnMut(&Device, FinderCase) -> FinderReport) {
+    let card = Device::sim(ByteSize::mib(256));
+    let report = find(
+        &card,
+        FinderCase {
+            workspace: true,
+            oom_panic_above: None,
+        },
+    );
+    assert!((228..=240).contains(&report.max_batch), "{report}");
+    assert!(report.runs() <= 4, "{report}");
+    let report = find(
+        &card,
+        FinderCase {
+            workspace: false,
+            oom_panic_above: Some(100),
+        },
+    );
+    assert!((95..=100).contains(&report.max_batch), "{report}");
 }

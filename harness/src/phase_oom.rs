@@ -84,7 +84,11 @@ impl<B: Bench> Runner<B> {
             reports.push(done.report);
         }
         // what the source's allocator did with the steps (oomguard's: its step plans)
-        for l in source.memory_summary().lines().filter(|l| l.contains("step plans")) {
+        for l in source
+            .memory_summary()
+            .lines()
+            .filter(|l| l.contains("step plans"))
+        {
             self.print(l.trim().to_string());
         }
         let first = &reports[0];

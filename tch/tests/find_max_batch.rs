@@ -4,7 +4,7 @@
 
 use oomguard::retry::FinderOptions;
 use oomguard::ByteSize;
-use oomguard_harness::checks::check_train_finder_seeding;
+use oomguard_harness::checks::{check_finder_through_oom_panics, check_train_finder_seeding};
 use oomguard_tch::{find_max_batch, Error};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -22,28 +22,17 @@ fn finds_the_batch_a_tch_step_fits_through_oom_panics() {
         sgd.step();
         Ok(loss.f_double_value(&[])?)
     };
-    let sim = oomguard::Device::sim(ByteSize::mib(256));
-    // 16 MiB of workspace plus 1 MiB of activations per row: about 240 rows fit.
-    let report = find_max_batch(&sim, FinderOptions::default(), |rows| {
-        let _ws = sim.alloc::<u8>(16 << 20)?;
-        let _acts = sim.alloc::<u8>(rows << 20)?;
-        step(rows)
-    })
-    .unwrap();
-    assert!((228..=240).contains(&report.max_batch), "{report}");
-    assert!(report.runs() <= 4, "{report}");
-
-    // libtorch's own out-of-memory, as the panic of a plain method, past 100 rows.
-    let report = find_max_batch(&sim, FinderOptions::default(), |rows| {
-        let _acts = sim.alloc::<u8>(rows << 20)?;
-        if rows > 100 {
-            let _huge = Tensor::empty([1i64 << 50], (Kind::Float, Device::Cpu));
-            // 4 PiB
-        }
-        step(rows)
-    })
-    .unwrap();
-    assert!((95..=100).contains(&report.max_batch), "{report}");
+    check_finder_through_oom_panics(|card, case| {
+        find_max_batch(card, FinderOptions::default(), |rows| {
+            let _held = case.hold(card, rows)?;
+            if case.panics_at(rows) {
+                // libtorch's own out-of-memory, as the panic of a plain method: 4 PiB
+                let _huge = Tensor::empty([1i64 << 50], (Kind::Float, Device::Cpu));
+            }
+            step(rows)
+        })
+        .unwrap()
+    });
 }
 
 /// A loop's batch on the simulated card: its tensors and the memory they would hold on a GPU
