@@ -401,10 +401,12 @@ impl State {
         if over > 0 {
             self.release_pages(backend, over, [None, None], Release::Move(stream));
         }
-        // a plan for room, or one that fits without moving pages, maps its range's handles;
-        // one made at the edge maps pages (see `map_pages`)
-        let handles = release_free || (over == 0 && self.refused_at == u64::MAX);
-        let mut mapped = self.map_whole(backend, stream, height, handles, total);
+        // The range maps its segment's handles, at the edge too: the free memory a move gives
+        // back is handles, kept as spares, which the range then maps again without creating
+        // any. Pages there released every spare and created the range page by page: GPT-2
+        // small's 2 x 80 step on the H200 took 7.8 s with its install against 3.6 s settled
+        // (docs/GPU.md run 97). Pages only once the device refused the handles.
+        let mut mapped = self.map_whole(backend, stream, height, true, total);
         if !mapped && self.releasable_pages() > 0 {
             // the device refused: move every free page, then try once more
             self.release_pages(backend, u64::MAX, [None, None], Release::Move(stream));
