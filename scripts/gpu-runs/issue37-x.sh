@@ -51,5 +51,19 @@ gptoom10)
     gpt $al 60 --phase plain --batch 80 --steps 4 --warmup 2
     gpt $al 60 --phase plain --batch 40 --steps 4 --warmup 2
   done ;;
+handles)
+  # branch plan-handles: a step plan's range at the edge maps 20 MiB handles (was 2 MiB pages).
+  # The suites that map pages; OOM at 160 rows, 10 steps, oomguard twice and expandable segments
+  # once, alternated; VGG-16 at 1,951 rows (the shared plan's path) under oomguard.
+  for t in test-gpu test-pool_gpu tchtest-allocator_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  gpt oomguard 150 --phase oom --oom-batch 160 --oom-steps 10
+  gpt expandable 150 --phase oom --oom-batch 160 --oom-steps 10
+  gpt oomguard 150 --phase oom --oom-batch 160 --oom-steps 10
+  echo "=== tch_convnet (oomguard) --batch 1951 --steps 6 --warmup 3" | tee -a "$log"
+  env -u PYTORCH_ALLOC_CONF timeout 90 ./tch_convnet --allocator oomguard --batch 1951 --steps 6 --warmup 3 2>&1 | grep -E "^(RESULT|STEP)|rror|panick" | cut -c1-400 | tee -a "$log" ;;
 esac
 date -u | tee -a "$log"
