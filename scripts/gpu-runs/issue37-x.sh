@@ -65,5 +65,21 @@ handles)
   gpt oomguard 150 --phase oom --oom-batch 160 --oom-steps 10
   echo "=== tch_convnet (oomguard) --batch 1951 --steps 6 --warmup 3" | tee -a "$log"
   env -u PYTORCH_ALLOC_CONF timeout 90 ./tch_convnet --allocator oomguard --batch 1951 --steps 6 --warmup 3 2>&1 | grep -E "^(RESULT|STEP)|rror|panick" | cut -c1-400 | tee -a "$log" ;;
+candle)
+  # after run 98's change (a plan's range at the edge in handles): candle's hook suite, then
+  # candle_gpt frag at 24 and 28 and candle_llm serving, the default and native (oomguard without
+  # expandable segments) alternated, two rounds.
+  echo "=== candletest-hook_gpu" | tee -a "$log"
+  timeout 150 ./candletest-hook_gpu --include-ignored --test-threads=1 > $out/hook_gpu.txt 2>&1; echo "rc=$?" | tee -a "$log"
+  grep -E "^test result|FAILED|panicked" $out/hook_gpu.txt | head -20 | tee -a "$log"
+  run() { echo "=== $*" | tee -a "$log"; timeout 90 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; }
+  for r in 1 2; do
+    for b in 24 28; do
+      run ./candle_gpt frag --batch $b --steps 6 --allocator oomguard
+      run env OOMGUARD_ALLOC_CONF=expandable_segments:False ./candle_gpt frag --batch $b --steps 6 --allocator oomguard
+    done
+    run ./candle_llm serve --requests 200 --allocator oomguard
+    run env OOMGUARD_ALLOC_CONF=expandable_segments:False ./candle_llm serve --requests 200 --allocator oomguard
+  done ;;
 esac
 date -u | tee -a "$log"
