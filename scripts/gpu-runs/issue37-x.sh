@@ -81,5 +81,13 @@ candle)
     run ./candle_llm serve --requests 200 --allocator oomguard
     run env OOMGUARD_ALLOC_CONF=expandable_segments:False ./candle_llm serve --requests 200 --allocator oomguard
   done ;;
+llm)
+  # candle_llm serving, native first then the default, two rounds (run 99 ran the default first),
+  # with each run's memory summary (maps, unmaps, synchronisations).
+  for r in 1 2; do for conf in expandable_segments:False default; do
+    echo "=== candle_llm serve --requests 200 ($conf)" | tee -a "$log"
+    if [ $conf = default ]; then e=(env -u OOMGUARD_ALLOC_CONF); else e=(env OOMGUARD_ALLOC_CONF=$conf); fi
+    timeout 90 "${e[@]}" ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT serve|map|unmap|sync|retries|OOM|plans|segments|rror|panick" | cut -c1-300 | tee -a "$log"
+  done; done ;;
 esac
 date -u | tee -a "$log"
