@@ -8,6 +8,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{activation::relu, backend::Backend, Distribution, Tensor, TensorData};
 use oomguard::retry::{Chunk, FinderOptions, RetryEngine};
+use oomguard::train::LossCurve;
 use oomguard::{ByteSize, MemorySource};
 use oomguard_burn::{chunk_rows, find_max_batch_train, memory_source, train_step, Error};
 use std::sync::Arc;
@@ -57,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let on_data = |m: &Mlp<B>, chunk: &Chunk| loss(m, chunk, &data);
     let before = values(&model);
     let _budget = source.budget(budget_kib as u64 * 1024)?;
-    let (mut engine, mut losses, mut retries) = (RetryEngine::new(), Vec::new(), 0);
+    let (mut engine, mut curve) = (RetryEngine::new(), LossCurve::new());
     for step in 0..60 {
         let done = train_step(&engine, &source, batch, &mut model, &mut opt, 1e-2, on_data)?;
         if step == 0 {
@@ -70,14 +71,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("find_max_batch_train: {} rows fit", found.max_batch);
             engine = RetryEngine::new().start_from_finder(&found);
         }
-        retries += done.report.retries();
-        losses.push(done.loss);
+        curve.push(&done);
     }
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
-    println!("loss: {first:.4} -> {last:.4}, {retries} retries in 60 steps");
-    if !(last.is_finite() && last < first / 2.0) {
-        return Err(format!("the loss did not fall by half: {first} -> {last}").into());
-    }
+    println!("{curve}");
+    curve.check_fell_by(2.0)?; // the job is real: the loss fell by half
     let after = values(&model);
     if let Some(i) = (0..before.len()).find(|&i| before[i] == after[i]) {
         return Err(format!("parameter {i} (in the model's order) did not change").into());

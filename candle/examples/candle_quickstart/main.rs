@@ -12,6 +12,7 @@ use std::error::Error;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Activation, AdamW, VarBuilder, VarMap};
 use oomguard::retry::{Chunk, FinderOptions, RetryEngine};
+use oomguard::train::LossCurve;
 use oomguard::ByteSize;
 use oomguard_candle::{charge, find_max_batch_train, train_step};
 
@@ -65,7 +66,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     println!("find_max_batch_train: {} rows fit", found.max_batch);
     // Seeded: a step of the whole batch starts as micro-batches that fit, with no failed attempt.
     let engine = RetryEngine::new().start_from_finder(&found);
-    let (mut losses, mut retries) = (Vec::new(), 0);
+    let mut curve = LossCurve::new();
     for step in 0..60 {
         let check = memory.leak_check(); // an error if the step keeps a tensor alive
         let done = train_step(&engine, &memory, &[&x, &y], &varmap, &mut opt, &loss)?;
@@ -73,14 +74,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         if step == 0 {
             println!("step 0: {}", done.report);
         }
-        retries += done.report.retries();
-        losses.push(done.loss);
+        curve.push(&done);
     }
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
-    println!("loss: {first:.4} -> {last:.4}, {retries} retries in 60 steps");
-    if !(last.is_finite() && last < first / 2.0) {
-        return Err(format!("the loss did not fall by half: {first} -> {last}").into());
-    }
+    println!("{curve}");
+    curve.check_fell_by(2.0)?; // the job is real: the loss fell by half
     for ((name, old), (_, new)) in before.iter().zip(copies(&varmap)?) {
         let moved = (old - &new)?.abs()?.max_all()?.to_scalar::<f32>()?;
         if !moved.is_finite() || moved <= 0.0 {

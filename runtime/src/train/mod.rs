@@ -7,6 +7,7 @@
 //! of one attempt succeeded. What does not touch a tensor is here, written once:
 //!
 //! - [`TrainedStep`]: what a step did (the batch's mean loss, its rows, the retry report);
+//!   [`LossCurve`]: a loop's losses and retries, and the check that the loss fell;
 //! - [`TrainStepError`]: why it failed, and which failures an outer retry may rerun
 //!   ([`IsOom`](crate::retry::IsOom): an update error never);
 //! - [`batch_rows`]: the batch's rows from its tensors' shapes (they must agree on dimension 0);
@@ -28,6 +29,7 @@ mod framework;
 mod gradients;
 mod held_batch;
 mod loss;
+mod loss_curve;
 mod refusal;
 mod step;
 #[cfg(test)]
@@ -40,6 +42,7 @@ pub use framework::{Gradients, SliceBatch, TrainFramework, TrainUpdate};
 pub use gradients::{missing_gradients, name_list, NAMED};
 pub use held_batch::HeldBatch;
 pub use loss::{one_value, LossSum};
+pub use loss_curve::{LossCurve, LossDidNotFall};
 pub use refusal::{drops_rows, keep_rows, DropsRows, KEEP_ROWS_HINT};
 pub use step::{attempt, find_max_batch_train, train_step, train_step_kept, StepFailure, Stepped};
 pub use trained::TrainedStep;

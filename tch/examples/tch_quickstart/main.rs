@@ -8,6 +8,7 @@
 
 use oomguard::retry::{Chunk, FinderOptions, RetryEngine};
 use oomguard::source::{guards::UsageLeakCheck, MemorySource};
+use oomguard::train::LossCurve;
 use oomguard::ByteSize;
 use oomguard_tch::{charge, find_max_batch_train, train_step, LibtorchCudaSource};
 use std::collections::HashMap;
@@ -62,7 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Seeded: a step of the whole batch starts as micro-batches that fit, with no failed attempt.
     let engine = RetryEngine::new().start_from_finder(&found);
     let data = rows_of(batch as usize)?;
-    let (mut losses, mut retries) = (Vec::new(), 0);
+    let mut curve = LossCurve::new();
     for step in 0..60 {
         // From step 1 on, an error if the step kept memory alive: step 0 makes AdamW's moments
         // (and, on a GPU, cuBLAS's workspace), which live as long as the optimizer.
@@ -73,14 +74,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         } else {
             check.finish_strict()?;
         }
-        retries += done.report.retries();
-        losses.push(done.loss);
+        curve.push(&done);
     }
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
-    println!("loss: {first:.4} -> {last:.4}, {retries} retries in 60 steps");
-    if !(last.is_finite() && last < first / 2.0) {
-        return Err(format!("the loss did not fall by half: {first} -> {last}").into());
-    }
+    println!("{curve}");
+    curve.check_fell_by(2.0)?; // the job is real: the loss fell by half
     for (name, new) in copies(&vs) {
         let moved = (&before[&name] - new).abs().max().double_value(&[]);
         if !moved.is_finite() || moved <= 0.0 {
