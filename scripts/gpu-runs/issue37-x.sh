@@ -3,22 +3,8 @@
 # largest batch of a plain step (`--phase max`) under expandable segments, oomguard and libtorch's
 # native allocator, each a fresh process; then plain steps at expandable segments' largest batch
 # under the three allocators, alternated, two rounds (STEP lines: maps, unmaps, syncs per step).
-cd "$(dirname "$0")/bin"; out=${OUT:-/tmp}
-for f in *.xz; do [ -e "$f" ] && xz -d -f "$f"; done; chmod +x * 2>/dev/null
-TL=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
-export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/nvidia/lib64:$TL:${LD_LIBRARY_PATH:-}
-mode=${1:-gptmax}; log=$out/run-x-$mode.txt; : > "$log"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-date -u | tee -a "$log"
-gpt() { # ALLOC SECONDS ARGS...
-  local al=$1 t=$2; shift 2; echo "=== tch_gpt ($al) $*" | tee -a "$log"
-  case $al in
-    oomguard) env -u PYTORCH_ALLOC_CONF timeout $t ./tch_gpt --allocator oomguard "$@" ;;
-    expandable) PYTORCH_ALLOC_CONF=expandable_segments:True timeout $t ./tch_gpt "$@" ;;
-    native) env -u PYTORCH_ALLOC_CONF timeout $t ./tch_gpt "$@" ;;
-  esac 2>&1 | grep -E "^(RESULT|STEP|TRIAL|PHASE)|step plans|tch_gpt:|rror|panick" | cut -c1-600 | tee -a "$log"
-  date -u +%T | tee -a "$log"
-}
+. "$(dirname "$0")/prelude.sh" x "${1:-gptmax}"
+gpt() { under "$1" "$2" tch_gpt "${@:3}"; } # ALLOC SECONDS ARGS...
 case $mode in
 gptmax)
   for al in expandable oomguard; do gpt $al 150 --phase max --max-cap 256; done
