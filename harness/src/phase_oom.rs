@@ -6,14 +6,27 @@
 //! in it (`MemorySource::churn`: allocator retries, unmap calls, bytes unmapped,
 //! synchronisations; a step plan installed at the step's mark counts in its step), and the
 //! `RESULT` line has the first step's seconds and the later steps' median.
+//!
+//! Then the candidate splits by hand, in the same run: for the settled plan's micro-batch and
+//! the next finer one (half its rows), plain steps at that many rows (the cache emptied first;
+//! [`SPLIT_WARMUP`] untimed, the median of [`SPLIT_STEPS`]), times the plan's micro-batches
+//! (a `TRIAL` line each; `split_ms`: an upper bound of the split run by hand when the last micro-batch is smaller;
+//! each has its own optimizer step, which the guarded step runs once). `settled_over_fastest_split`
+//! is the median of the later half of the guarded steps over the fastest split.
 
 use std::time::Instant;
 
-use oomguard_runtime::retry::RetryEngine;
+use oomguard_runtime::retry::{BatchPlan, RetryEngine};
+use oomguard_runtime::IsOom;
 
 use crate::bench::{attempts_str, plan_str, Bench, Optim};
 use crate::report::{median, Line};
 use crate::runner::{Outcome, PhaseResult, Runner};
+
+/// Untimed plain steps before a split's timed ones.
+pub const SPLIT_WARMUP: usize = 2;
+/// Timed plain steps of a split (their median counts).
+pub const SPLIT_STEPS: usize = 3;
 
 impl<B: Bench> Runner<B> {
     /// The phase (see the module's doc).
@@ -103,6 +116,12 @@ impl<B: Bench> Runner<B> {
             && all_rows
             && non_finite == 0
             && finite_losses;
+        let settled_secs = median(&mut secs_all[secs_all.len() / 2..].to_vec());
+        let splits = self.time_splits(&mut s, batch, &reports[reports.len() - 1].final_plan)?;
+        let fastest = splits
+            .iter()
+            .filter_map(|&(_, ms)| ms)
+            .fold(f64::INFINITY, f64::min);
         let line = Line::result("oom")
             .int("max", max)
             .int("batch", batch)
@@ -121,8 +140,76 @@ impl<B: Bench> Runner<B> {
             )
             .float("step1_secs", secs_all[0], 2)
             .float("later_median_secs", median(&mut secs_all[1..].to_vec()), 2)
+            .float("settled_secs", settled_secs, 2)
+            .text(
+                "split_ms",
+                splits
+                    .iter()
+                    .map(|(p, ms)| match ms {
+                        Some(ms) => format!("{}:{ms:.1}", plan_str(p)),
+                        None => format!("{}:oom", plan_str(p)),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(","),
+            )
+            .float(
+                "settled_over_fastest_split",
+                settled_secs * 1e3 / fastest,
+                3,
+            )
             .flag("pass", pass);
         self.emit(line);
         Ok(if pass { Outcome::Pass } else { Outcome::Fail })
+    }
+
+    /// The settled plan's split and the next finer one, timed by hand (see the module's doc):
+    /// each plan with the milliseconds of its micro-batches as plain steps, `None` where a plain
+    /// step of that many rows ran out of memory.
+    fn time_splits(
+        &mut self,
+        s: &mut B::Session,
+        batch: i64,
+        settled: &BatchPlan,
+    ) -> Result<Vec<(BatchPlan, Option<f64>)>, String> {
+        let micro = settled.micro_batch();
+        let mut rows = vec![micro];
+        if micro > 1 {
+            rows.push(micro.div_ceil(2));
+        }
+        let source = self.bench.source().clone();
+        let mut out = Vec::with_capacity(rows.len());
+        for m in rows {
+            let plan = BatchPlan::with_micro_batch(batch as usize, m).map_err(|e| e.to_string())?;
+            source.empty_cache().map_err(|e| e.to_string())?;
+            let mut times = Vec::with_capacity(SPLIT_STEPS);
+            let mut ran_out = false;
+            for k in 0..SPLIT_WARMUP + SPLIT_STEPS {
+                let b = self
+                    .bench
+                    .batch(m as i64, 900 + k as u64)
+                    .map_err(|e| e.to_string())?;
+                let t = Instant::now();
+                match self.bench.plain_step(s, &b) {
+                    Ok(_) if k >= SPLIT_WARMUP => times.push(t.elapsed().as_secs_f64() * 1e3),
+                    Ok(_) => {}
+                    Err(e) if e.is_oom() => {
+                        ran_out = true;
+                        break;
+                    }
+                    Err(e) => return Err(format!("a plain step of {m} rows: {e}")),
+                }
+            }
+            let ms = (!ran_out).then(|| median(&mut times) * plan.num_chunks() as f64);
+            let step = Line::trial("oom")
+                .text("split", plan_str(&plan))
+                .int("micro_batch", m as i64)
+                .int("chunks", plan.num_chunks() as i64);
+            self.emit(match ms {
+                Some(ms) => step.float("ms", ms, 1),
+                None => step.flag("out_of_memory", true),
+            });
+            out.push((plan, ms));
+        }
+        Ok(out)
     }
 }

@@ -24,7 +24,7 @@ impl Line {
         Self::new("STEP", phase)
     }
 
-    /// `TRIAL`: one probe of a search.
+    /// `TRIAL`: one probe of a search, or one candidate timed by hand (`oom`'s splits).
     pub fn trial(phase: &str) -> Self {
         Self::new("TRIAL", phase)
     }

@@ -336,7 +336,38 @@ fn oom_runs_the_steps_asked_for_and_says_what_the_source_did() {
         l.contains("step1_secs=") && l.contains("later_median_secs="),
         "{l}"
     );
-    assert_eq!(l.matches(',').count(), 5, "six losses: {l}");
+    let losses = l
+        .split("losses=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    assert_eq!(losses.split(',').count(), 6, "six losses: {l}");
+    // the settled plan (2 x 29) and the next finer split (4 x 15), timed as plain steps
+    let splits: Vec<&String> = lines(&r)
+        .iter()
+        .filter(|l| l.starts_with("TRIAL phase=oom"))
+        .collect();
+    assert_eq!(splits.len(), 2, "{splits:#?}");
+    assert!(
+        splits[0].contains("split=2x29 micro_batch=29 chunks=2 ms="),
+        "{}",
+        splits[0]
+    );
+    assert!(
+        splits[1].contains("split=4x15 micro_batch=15 chunks=4 ms="),
+        "{}",
+        splits[1]
+    );
+    assert!(l.contains("split_ms=2x29:") && l.contains(",4x15:"), "{l}");
+    let ratio: f64 = l
+        .split("settled_over_fastest_split=")
+        .nth(1)
+        .and_then(|v| v.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no ratio in {l}"));
+    assert!(ratio.is_finite() && ratio > 0.0, "{l}");
 }
 
 #[test]

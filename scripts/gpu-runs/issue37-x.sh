@@ -75,5 +75,9 @@ llm)
     if [ $conf = default ]; then e=(env -u OOMGUARD_ALLOC_CONF); else e=(env OOMGUARD_ALLOC_CONF=$conf); fi
     timeout 90 "${e[@]}" ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT serve|map|unmap|sync|retries|OOM|plans|segments|rror|panick" | cut -c1-300 | tee -a "$log"
   done; done ;;
+splits)
+  # the oom phase now times the settled split and the next finer one by hand in the same run
+  # (TRIAL lines, RESULT settled_over_fastest_split): OOM at 160 rows, 10 steps, both allocators.
+  for al in oomguard expandable; do gpt $al 150 --phase oom --oom-batch 160 --oom-steps 10; done ;;
 esac
 date -u | tee -a "$log"
