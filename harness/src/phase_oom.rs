@@ -7,8 +7,9 @@
 //! synchronisations; a step plan installed at the step's mark counts in its step), and the
 //! `RESULT` line has the first step's seconds and the later steps' median.
 //!
-//! Then the candidate splits by hand, in the same run: for the settled plan's micro-batch and
-//! the next finer one (half its rows), plain steps at that many rows (the cache emptied first;
+//! Then the candidate splits by hand, in the same run: for the settled plan's micro-batch, the
+//! next coarser one (twice its rows, at most the batch) and the next finer one (half its rows),
+//! plain steps at that many rows (the cache emptied first;
 //! [`SPLIT_WARMUP`] untimed, the median of [`SPLIT_STEPS`]), times the plan's micro-batches
 //! (a `TRIAL` line each; `split_ms`: an upper bound of the split run by hand when the last micro-batch is smaller;
 //! each has its own optimizer step, which the guarded step runs once). `settled_over_fastest_split`
@@ -162,7 +163,8 @@ impl<B: Bench> Runner<B> {
         Ok(if pass { Outcome::Pass } else { Outcome::Fail })
     }
 
-    /// The settled plan's split and the next finer one, timed by hand (see the module's doc):
+    /// The settled plan's split and its coarser and finer neighbours, timed by hand (see the
+    /// module's doc):
     /// each plan with the milliseconds of its micro-batches as plain steps, `None` where a plain
     /// step of that many rows ran out of memory.
     fn time_splits(
@@ -172,7 +174,13 @@ impl<B: Bench> Runner<B> {
         settled: &BatchPlan,
     ) -> Result<Vec<(BatchPlan, Option<f64>)>, String> {
         let micro = settled.micro_batch();
-        let mut rows = vec![micro];
+        // the next coarser split (it may not fit: then it says so), the settled one, the next
+        // finer one
+        let mut rows = Vec::with_capacity(3);
+        if micro < batch as usize {
+            rows.push((2 * micro).min(batch as usize));
+        }
+        rows.push(micro);
         if micro > 1 {
             rows.push(micro.div_ceil(2));
         }

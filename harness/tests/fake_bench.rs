@@ -344,23 +344,32 @@ fn oom_runs_the_steps_asked_for_and_says_what_the_source_did() {
         .next()
         .unwrap();
     assert_eq!(losses.split(',').count(), 6, "six losses: {l}");
-    // the settled plan (2 x 29) and the next finer split (4 x 15), timed as plain steps
+    // the whole batch (1 x 58, out of memory as a plain step), the settled plan (2 x 29) and the
+    // next finer split (4 x 15), timed as plain steps
     let splits: Vec<&String> = lines(&r)
         .iter()
         .filter(|l| l.starts_with("TRIAL phase=oom"))
         .collect();
-    assert_eq!(splits.len(), 2, "{splits:#?}");
+    assert_eq!(splits.len(), 3, "{splits:#?}");
     assert!(
-        splits[0].contains("split=2x29 micro_batch=29 chunks=2 ms="),
+        splits[0].contains("split=1x58 micro_batch=58 chunks=1 out_of_memory=true"),
         "{}",
         splits[0]
     );
     assert!(
-        splits[1].contains("split=4x15 micro_batch=15 chunks=4 ms="),
+        splits[1].contains("split=2x29 micro_batch=29 chunks=2 ms="),
         "{}",
         splits[1]
     );
-    assert!(l.contains("split_ms=2x29:") && l.contains(",4x15:"), "{l}");
+    assert!(
+        splits[2].contains("split=4x15 micro_batch=15 chunks=4 ms="),
+        "{}",
+        splits[2]
+    );
+    assert!(
+        l.contains("split_ms=1x58:oom,2x29:") && l.contains(",4x15:"),
+        "{l}"
+    );
     let ratio: f64 = l
         .split("settled_over_fastest_split=")
         .nth(1)

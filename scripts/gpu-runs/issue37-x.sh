@@ -79,5 +79,8 @@ splits)
   # the oom phase now times the settled split and the next finer one by hand in the same run
   # (TRIAL lines, RESULT settled_over_fastest_split): OOM at 160 rows, 10 steps, both allocators.
   for al in oomguard expandable; do gpt $al 150 --phase oom --oom-batch 160 --oom-steps 10; done ;;
+splits2)
+  # with the coarser neighbour timed too: expandable segments only (the device time left)
+  gpt expandable 120 --phase oom --oom-batch 160 --oom-steps 8 ;;
 esac
 date -u | tee -a "$log"
