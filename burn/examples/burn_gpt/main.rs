@@ -66,7 +66,8 @@ phases (repeatable, comma-separated, or `all` = grads,max,equiv,oom,cubecl,overh
             --grads-steps (default 5) train_step steps on one batch
   max       the largest batch a plain step runs: doubling, then bisection, up to --max-cap
   equiv     1 x B against 4 x B/4 micro-batches (--equiv-batch), SGD then AdamW
-  oom       train_step at --oom-factor x max: the OOM survived, later steps from the plan
+  oom       train_step at --oom-factor x max, --oom-steps steps: the OOM survived, later steps
+            from the plan; then the settled split and its neighbours timed as plain steps
   cubecl    the plain loop (cubecl's own fallback only) and train_step at --cubecl-factors
             x max: which survive
   overhead  train_step vs the plain loop at --batch, alternated: the time ratio

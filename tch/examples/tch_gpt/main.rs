@@ -70,7 +70,8 @@ phases (repeatable, comma-separated, or `all` = grads,plain,equiv,finder,oom,ove
   equiv     1 x B against 4 x B/4 micro-batches (--equiv-batch), SGD then AdamW
   finder    find_max_batch on plain steps; --find-steps plain steps at its batch; then
             the true max (as `max`) and found / true
-  oom       train_step at --oom-factor x max: the OOM survived, later steps from the plan
+  oom       train_step at --oom-factor x max, --oom-steps steps: the OOM survived, later steps
+            from the plan; then the settled split and its neighbours timed as plain steps
   max       (also run by finder and oom when needed) the largest batch a plain step runs:
             doubling, then bisection, up to --max-cap
   overhead  train_step vs the plain loop at --batch, alternated: the time ratio
