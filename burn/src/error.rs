@@ -1,6 +1,6 @@
 //! The error of oomguard-burn's steps: burn's `ExecutionError`, a cubecl out-of-memory seen as a
-//! panic, or a refusal (rows that do not match the batch, a loss that is not one value, parameters
-//! without a gradient, parameters burn can no longer initialise).
+//! panic, or a refusal (rows that do not match the batch, a loss that is not one value,
+//! parameters without a gradient, parameters burn can no longer initialise).
 
 use oomguard::IsOom;
 

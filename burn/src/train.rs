@@ -137,8 +137,8 @@ pub use oomguard::train::TrainedStep;
 ///   `train_step` (a forward in `find_max_batch` or your own code) left parameters burn cannot
 ///   initialise any more; build the model again (or load a record into a new one).
 ///
-/// An outer retry may rerun only a `Retry` that ran out of memory at every plan ([`IsOom`](oomguard::IsOom), the
-/// rule every framework shares); the source of an `Update` is the
+/// An outer retry may rerun only a `Retry` that ran out of memory at every plan
+/// ([`IsOom`](oomguard::IsOom), the rule every framework shares); the source of an `Update` is the
 /// [`UpdateApplied`](oomguard::retry::UpdateApplied) mark, so a boxed `dyn Error` (or
 /// `chain_is_oom`) says no too.
 pub type TrainStepError = oomguard::train::TrainStepError<Error>;
@@ -155,9 +155,11 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 ///
 /// Refused (not retried, no update): a tensor sliced with [`chunk_rows`](crate::chunk_rows)
 /// whose rows are not `batch` ([`Error::Rows`]), an engine whose policy would drop rows after an
-/// out-of-memory ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows), before anything runs; a policy that proposes such a plan
-/// only later makes the step give up instead), a loss that is not one value ([`Error::Loss`]), and float parameters
-/// that require a gradient and got none ([`Error::NoGradient`]).
+/// out-of-memory
+/// ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows),
+/// before anything runs; a policy that proposes such a plan only later makes the step give up
+/// instead), a loss that is not one value ([`Error::Loss`]), and float parameters that require a
+/// gradient and got none ([`Error::NoGradient`]).
 ///
 /// Later steps at this call site start from the plan that worked (remembered per call site and
 /// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)

@@ -1,20 +1,19 @@
 //! `oom`: a batch of `--oom-factor` × the largest batch of a plain step (`max`), or
-//! `--oom-batch`, which a plain step cannot run, through the guarded step from a fresh engine: step 1 meets a real
-//! out-of-memory and survives it as micro-batches (its attempts are printed); steps 2 to
-//! `--oom-steps` (4) start from the plan remembered, with no retry. Every step trains every row;
-//! the losses and the parameters stay finite. A `STEP` line per step tells what the source did
-//! in it (`MemorySource::churn`: allocator retries, unmap calls, bytes unmapped,
-//! synchronisations; a step plan installed at the step's mark counts in its step), and the
-//! `RESULT` line has the first step's seconds and the later steps' median.
+//! `--oom-batch`, which a plain step cannot run, through the guarded step from a fresh engine:
+//! step 1 meets a real out-of-memory and survives it as micro-batches (its attempts are
+//! printed); steps 2 to `--oom-steps` (4) start from the plan remembered, with no retry. Every
+//! step trains every row; the losses and the parameters stay finite. A `STEP` line per step
+//! tells what the source did in it (`MemorySource::churn`: allocator retries, unmap calls, bytes
+//! unmapped, synchronisations; a step plan installed at the step's mark counts in its step), and
+//! the `RESULT` line has the first step's seconds and the later steps' median.
 //!
 //! Then the candidate splits by hand, in the same run: for the settled plan's micro-batch, the
 //! next coarser one (twice its rows, at most the batch) and the next finer one (half its rows),
-//! plain steps at that many rows (the cache emptied first;
-//! [`SPLIT_WARMUP`] untimed, the median of [`SPLIT_STEPS`]), times the plan's micro-batches
-//! (a `TRIAL` line each; `split_ms`: an upper bound of the split run by hand when the last micro-batch is smaller;
-//! each has its own optimizer step, which the guarded step runs once). `settled_over_fastest_split`
-//! is the median of the later half of the guarded steps over the fastest split.
-
+//! plain steps at that many rows (the cache emptied first; [`SPLIT_WARMUP`] untimed, the median
+//! of [`SPLIT_STEPS`]), times the plan's micro-batches (a `TRIAL` line each; `split_ms`: an upper
+//! bound of the split run by hand when the last micro-batch is smaller; each has its own
+//! optimizer step, which the guarded step runs once). `settled_over_fastest_split` is the median
+//! of the later half of the guarded steps over the fastest split (NaN when none ran).
 use std::time::Instant;
 
 use oomguard_runtime::retry::{BatchPlan, RetryEngine};
@@ -153,9 +152,14 @@ impl<B: Bench> Runner<B> {
                     .collect::<Vec<_>>()
                     .join(","),
             )
+            // NaN when no split ran as plain steps (no fastest to compare with)
             .float(
                 "settled_over_fastest_split",
-                settled_secs * 1e3 / fastest,
+                if fastest.is_finite() {
+                    settled_secs * 1e3 / fastest
+                } else {
+                    f64::NAN
+                },
                 3,
             )
             .flag("pass", pass);
@@ -164,9 +168,8 @@ impl<B: Bench> Runner<B> {
     }
 
     /// The settled plan's split and its coarser and finer neighbours, timed by hand (see the
-    /// module's doc):
-    /// each plan with the milliseconds of its micro-batches as plain steps, `None` where a plain
-    /// step of that many rows ran out of memory.
+    /// module's doc): each plan with the milliseconds of its micro-batches as plain steps,
+    /// `None` where a plain step of that many rows ran out of memory.
     fn time_splits(
         &mut self,
         s: &mut B::Session,

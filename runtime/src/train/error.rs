@@ -49,8 +49,8 @@ pub enum TrainStepError<E> {
     /// creates them first, on a copy of the model that replaces it only on success). Not
     /// retried, and no route calls it an out-of-memory, whatever its error (its `source()` is
     /// none; the error is here and in the message): a smaller batch cannot make parameters
-    /// smaller. oomguard-candle's and
-    /// oomguard-tch's steps never return it (their parameters exist before the step).
+    /// smaller. oomguard-candle's and oomguard-tch's steps never return it (their parameters
+    /// exist before the step).
     Parameters(E),
 }
 
