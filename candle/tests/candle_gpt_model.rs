@@ -3,7 +3,6 @@
 //! while it used candle-nn's forward-only `LayerNorm` module and `softmax_last_dim`), and a few
 //! SGD steps through `train_step` lower the loss.
 
-#[allow(dead_code)] // the example's GPT-2-small config is not used here
 #[path = "../examples/candle_gpt/model.rs"]
 mod model;
 

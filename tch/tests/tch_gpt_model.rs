@@ -8,7 +8,6 @@
 #[allow(dead_code)] // the example uses more of them
 #[path = "../examples/tch_gpt/grads.rs"]
 mod grads;
-#[allow(dead_code)] // gpt2_small and config are for the example
 #[path = "../examples/tch_gpt/model.rs"]
 mod model;
 
@@ -130,7 +129,7 @@ fn the_loss_is_the_mean_of_the_rows_losses() {
 
 #[test]
 fn gpt2_small_has_gpt2s_parameter_count_and_bad_shapes_are_errors() {
-    assert_eq!(Config::gpt2_small().parameters(), 124_439_808);
+    assert_eq!(Config::gpt2_small(1024).parameters(), 124_439_808);
     let vs = nn::VarStore::new(Device::Cpu);
     let bad = Config {
         heads: 3,

@@ -119,7 +119,7 @@ impl Run {
         let dev = Device::new_cuda(ordinal)?;
         let source = allocator.source(&dev)?;
         dev.set_seed(42)?;
-        let cfg = Config::gpt2_small();
+        let cfg = Config::gpt2_small(512);
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
         let model = Gpt::new(cfg, vb, &dev)?;
@@ -203,7 +203,7 @@ impl Bench for CandleBench {
     }
 
     fn row_len(&self) -> i64 {
-        self.run.cfg.seq as i64
+        self.run.cfg.seq
     }
 
     /// The model back at its initial weights (one model: a session lasts until the next).

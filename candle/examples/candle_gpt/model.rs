@@ -37,27 +37,13 @@ impl LayerNorm {
     }
 }
 
-/// The shape of the model.
-#[derive(Clone, Copy, Debug)]
-pub struct Config {
-    pub layers: usize,
-    pub width: usize,
-    pub heads: usize,
-    pub vocab: usize,
-    pub seq: usize,
-}
+/// The shape of the model: the harness's, shared with `tch_gpt`. Its sizes are `i64`; `dim`
+/// turns one into candle's `usize`.
+pub type Config = oomguard_harness::GptShape;
 
-impl Config {
-    /// GPT-2 small: 12 layers, width 768, 12 heads, vocabulary 50257, sequence 512.
-    pub fn gpt2_small() -> Self {
-        Self {
-            layers: 12,
-            width: 768,
-            heads: 12,
-            vocab: 50257,
-            seq: 512,
-        }
-    }
+/// A size of the shape as a candle dimension.
+fn dim(n: i64) -> Result<usize> {
+    usize::try_from(n).map_err(|_| candle_core::Error::Msg(format!("model size {n} is negative")))
 }
 
 struct Block {
@@ -72,7 +58,7 @@ struct Block {
 
 impl Block {
     fn new(c: &Config, vb: VarBuilder<'_>) -> Result<Self> {
-        let w = c.width;
+        let w = dim(c.width)?;
         Ok(Self {
             ln1: LayerNorm::new(w, vb.pp("ln1"))?,
             qkv: linear(w, 3 * w, vb.pp("qkv"))?,
@@ -80,7 +66,7 @@ impl Block {
             ln2: LayerNorm::new(w, vb.pp("ln2"))?,
             fc: linear(w, 4 * w, vb.pp("fc"))?,
             fc_out: linear(4 * w, w, vb.pp("fc_out"))?,
-            heads: c.heads,
+            heads: dim(c.heads)?,
         })
     }
 
@@ -116,10 +102,11 @@ pub struct Gpt {
 
 impl Gpt {
     pub fn new(cfg: Config, vb: VarBuilder<'_>, dev: &Device) -> Result<Self> {
+        cfg.check().map_err(candle_core::Error::Msg)?;
         let blocks = (0..cfg.layers)
             .map(|i| Block::new(&cfg, vb.pp(format!("h{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let s = cfg.seq;
+        let (s, width) = (dim(cfg.seq)?, dim(cfg.width)?);
         let mask: Vec<f32> = (0..s * s)
             .map(|i| {
                 if i % s > i / s {
@@ -131,19 +118,21 @@ impl Gpt {
             .collect();
         // GPT-2's initialisation of the embeddings, N(0, 0.02): the output head is tied to the
         // token embedding, so N(0, 1) would start with logits in the hundreds.
-        let emb = |n: usize, name: &str| -> Result<Embedding> {
+        let emb = |n: i64, name: &str| -> Result<Embedding> {
             let init = Init::Randn {
                 mean: 0.,
                 stdev: 0.02,
             };
-            let w = vb.pp(name).get_with_hints((n, cfg.width), "weight", init)?;
-            Ok(Embedding::new(w, cfg.width))
+            let w = vb
+                .pp(name)
+                .get_with_hints((dim(n)?, width), "weight", init)?;
+            Ok(Embedding::new(w, width))
         };
         Ok(Self {
             wte: emb(cfg.vocab, "wte")?,
             wpe: emb(cfg.seq, "wpe")?,
             blocks,
-            ln_f: LayerNorm::new(cfg.width, vb.pp("ln_f"))?,
+            ln_f: LayerNorm::new(width, vb.pp("ln_f"))?,
             mask: Tensor::from_vec(mask, (s, s), dev)?,
             cfg,
         })
@@ -167,7 +156,7 @@ impl Gpt {
 
     /// Mean next-token cross-entropy over `batch` rows of `(batch, seq + 1)` tokens.
     pub fn loss(&self, rows: &Tensor) -> Result<Tensor> {
-        let s = self.cfg.seq;
+        let s = dim(self.cfg.seq)?;
         let input = rows.narrow(1, 0, s)?;
         let target = rows.narrow(1, 1, s)?;
         let logits = self.forward(&input)?;
@@ -179,14 +168,15 @@ impl Gpt {
 /// `rows × (seq + 1)` tokens from a seeded xorshift generator (the same seed gives the same
 /// batch), as u32 on `dev`.
 pub fn synthetic_tokens(seed: u64, rows: usize, cfg: &Config, dev: &Device) -> Result<Tensor> {
+    let (len, vocab) = (dim(cfg.seq)? + 1, dim(cfg.vocab)? as u64);
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let data: Vec<u32> = (0..rows * (cfg.seq + 1))
+    let data: Vec<u32> = (0..rows * len)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            (x % cfg.vocab as u64) as u32
+            (x % vocab) as u32
         })
         .collect();
-    Tensor::from_vec(data, (rows, cfg.seq + 1), dev)?.to_dtype(DType::U32)
+    Tensor::from_vec(data, (rows, len), dev)?.to_dtype(DType::U32)
 }

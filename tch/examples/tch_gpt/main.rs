@@ -120,7 +120,7 @@ fn main() -> ExitCode {
     let mut cfg = if args.tiny {
         Config::tiny()
     } else {
-        Config::gpt2_small()
+        Config::gpt2_small(1024)
     };
     let m = args.model;
     cfg.layers = m.layers.unwrap_or(cfg.layers);

@@ -14,73 +14,8 @@
 use tch::nn::{self, Init};
 use tch::{Device, Kind, Reduction, TchError, Tensor};
 
-/// The model's shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Config {
-    /// Transformer blocks.
-    pub layers: i64,
-    /// Model width.
-    pub width: i64,
-    /// Attention heads (`width` is a multiple of it).
-    pub heads: i64,
-    /// Vocabulary size.
-    pub vocab: i64,
-    /// Context length: the positions the model has, and the length of a training row.
-    pub seq: i64,
-}
-
-impl Config {
-    /// GPT-2 small: 12 layers, width 768, 12 heads, vocabulary 50,257, context 1024
-    /// (124,439,808 parameters with the tied head).
-    pub fn gpt2_small() -> Self {
-        Self {
-            layers: 12,
-            width: 768,
-            heads: 12,
-            vocab: 50_257,
-            seq: 1024,
-        }
-    }
-
-    /// A model small enough for a CPU test in a second: 2 layers, width 32, 2 heads,
-    /// vocabulary 64, context 16.
-    pub fn tiny() -> Self {
-        Self {
-            layers: 2,
-            width: 32,
-            heads: 2,
-            vocab: 64,
-            seq: 16,
-        }
-    }
-
-    /// A clear error when the shape cannot be built.
-    pub fn check(&self) -> Result<(), String> {
-        if self.layers < 1 || self.width < 1 || self.heads < 1 || self.vocab < 2 || self.seq < 1 {
-            return Err(format!(
-                "model shape {self:?}: layers, width, heads and seq must be at least 1, vocab at least 2"
-            ));
-        }
-        if self.width % self.heads != 0 {
-            return Err(format!(
-                "width {} is not a multiple of heads {}",
-                self.width, self.heads
-            ));
-        }
-        Ok(())
-    }
-
-    /// The number of parameters (elements) of the model.
-    pub fn parameters(&self) -> i64 {
-        let w = self.width;
-        let block = 2 * (2 * w) // two layer norms
-            + (3 * w * w + 3 * w) // qkv
-            + (w * w + w) // attention projection
-            + (4 * w * w + 4 * w) // MLP in
-            + (4 * w * w + w); // MLP out
-        self.vocab * w + self.seq * w + self.layers * block + 2 * w
-    }
-}
+/// The model's shape: the harness's, shared with `candle_gpt` (`i64` sizes, tch's own type).
+pub type Config = oomguard_harness::GptShape;
 
 /// A LayerNorm's weight (ones) and bias (zeros).
 struct LayerNorm {
