@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# issue 37/38, run Y (H200), after the examples' model shape moved into the harness (GptShape).
+# `verify`: tch_gpt at 44 rows (plain steps) under oomguard and expandable segments; candle_gpt
+# frag at 24 and 28 rows, oomguard's native mode first then the default, two rounds; candle_llm
+# serving, one pair in each order. `llm`: more candle_llm pairs, the order alternating (ABBA).
+. "$(dirname "$0")/prelude.sh" y "${1:-verify}"
+run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
+native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
+default() { run env -u OOMGUARD_ALLOC_CONF "$@" --allocator oomguard; }
+case $mode in
+verify)
+  for al in oomguard expandable; do under $al 90 tch_gpt --phase plain --batch 44 --steps 6 --warmup 3; done
+  for r in 1 2; do for b in 24 28; do
+    native ./candle_gpt frag --batch $b --steps 6
+    default ./candle_gpt frag --batch $b --steps 6
+  done; done
+  native ./candle_llm serve --requests 200
+  default ./candle_llm serve --requests 200
+  default ./candle_llm serve --requests 200
+  native ./candle_llm serve --requests 200 ;;
+prof)
+  # where candle_llm's time goes under each configuration: CPU time of the whole run (user,
+  # system) beside its wall time, ABBA; then, where perf exists, a profile of 60 requests each.
+  export TIMEFORMAT="TIME real=%R user=%U sys=%S"
+  t() { echo "=== $1 ./candle_llm serve --requests 200" | tee -a "$log"; local e=(env -u OOMGUARD_ALLOC_CONF); [ $1 = native ] && e=(env OOMGUARD_ALLOC_CONF=expandable_segments:False)
+    { time "${e[@]}" timeout 100 ./candle_llm serve --requests 200 --allocator oomguard 2>&1 | grep -E "RESULT serve|rror|panick" | cut -c1-300; } 2>&1 | tee -a "$log"; }
+  t native; t default; t default; t native
+  { command -v perf; command -v nsys; nproc; grep -m1 'model name' /proc/cpuinfo; } 2>&1 | tee -a "$log"
+  if command -v perf >/dev/null; then for c in native default; do
+    e=(env -u OOMGUARD_ALLOC_CONF); [ $c = native ] && e=(env OOMGUARD_ALLOC_CONF=expandable_segments:False)
+    "${e[@]}" timeout 120 perf record -F 499 -g -o $out/perf-$c.data ./candle_llm_sym serve --requests 60 --allocator oomguard 2>&1 | grep -E "RESULT serve" | tee -a "$log"
+    echo "=== perf $c" | tee -a "$log"
+    perf report -i $out/perf-$c.data --no-children --stdio 2>/dev/null | grep -E "^ +[0-9]" | head -40 | cut -c1-200 | tee -a "$log"
+    rm -f $out/perf-$c.data
+  done; fi ;;
+perf)
+  # a flat profile (no call graphs: the binaries keep no frame pointers) of 60 requests under
+  # each configuration, with this machine's perf shipped beside the binaries (.gpu/perf).
+  P="env LD_LIBRARY_PATH=$PWD/../perf/lib:$LD_LIBRARY_PATH $PWD/../perf/perf"
+  $P --version 2>&1 | tee -a "$log"; cat /proc/sys/kernel/perf_event_paranoid 2>&1 | tee -a "$log"
+  ./candle_llm_sym serve --requests 5 --allocator oomguard 2>&1 | grep -E "RESULT serve" | tee -a "$log" # the kernels' JIT, once
+  for c in native default default native; do
+    e=(env -u OOMGUARD_ALLOC_CONF); [ $c = native ] && e=(env OOMGUARD_ALLOC_CONF=expandable_segments:False)
+    echo "=== perf $c" | tee -a "$log"
+    "${e[@]}" timeout 150 $P record -F 999 -o $out/perf-$c.data ./candle_llm_sym serve --requests 60 --allocator oomguard 2>&1 | grep -E "RESULT serve|rror|perf" | cut -c1-300 | tee -a "$log"
+    $P report -i $out/perf-$c.data --no-children --sort dso --stdio 2>&1 | grep -E "^ +[0-9]" | head -15 | cut -c1-200 | tee -a "$log"
+    $P report -i $out/perf-$c.data --no-children --sort sym --stdio 2>&1 | grep -E "^ +[0-9]" > $out/syms-$c.txt
+    head -25 $out/syms-$c.txt | cut -c1-200 | tee -a "$log"
+    echo "--- oomguard's symbols (sum, then the top 25)" | tee -a "$log"
+    grep -E "oomguard|parking_lot" $out/syms-$c.txt | awk '{s+=$1} END {print "oomguard+parking_lot total " s "%"}' | tee -a "$log"
+    grep -E "oomguard|parking_lot" $out/syms-$c.txt | head -25 | cut -c1-200 | tee -a "$log"
+    rm -f $out/perf-$c.data
+  done ;;
+llm)
+  for r in 1 2; do
+    native ./candle_llm serve --requests 200
+    default ./candle_llm serve --requests 200
+    default ./candle_llm serve --requests 200
+    native ./candle_llm serve --requests 200
+  done ;;
+esac
+date -u | tee -a "$log"
