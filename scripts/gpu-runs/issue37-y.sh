@@ -51,6 +51,19 @@ perf)
     grep -E "oomguard|parking_lot" $out/syms-$c.txt | head -25 | cut -c1-200 | tee -a "$log"
     rm -f $out/perf-$c.data
   done ;;
+groups)
+  # branch groups-first: a shared step plan maps its pool's 20 MiB handles before its single
+  # pages. The suites that map pages, then VGG-16 at 1,951 rows under oomguard (the shared
+  # plan's install at step 5), this build against main's (tch_convnet_main), alternated.
+  for t in test-gpu test-pool_gpu tchtest-allocator_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  for r in 1 2; do for p in tch_convnet tch_convnet_main; do
+    echo "=== $p (oomguard) --batch 1951 --steps 6 --warmup 3" | tee -a "$log"
+    env -u PYTORCH_ALLOC_CONF timeout 100 ./$p --allocator oomguard --batch 1951 --steps 6 --warmup 3 2>&1 | grep -E "^(RESULT|STEP)|rror|panick" | cut -c1-400 | tee -a "$log"
+  done; done ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
