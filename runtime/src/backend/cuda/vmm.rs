@@ -15,6 +15,19 @@ fn check(op: &'static str, r: sys::CUresult) -> Result<(), BackendError> {
     r.result().map_err(|e| driver_error(op, e))
 }
 
+/// Whether `runs` (address, bytes), in address order, tile `[addr, end)` exactly: each starts
+/// where the one before ended, the first at `addr`, the last ending at `end`.
+fn tiles(runs: impl Iterator<Item = (DevicePtr, u64)>, addr: DevicePtr, end: DevicePtr) -> bool {
+    let mut next = addr;
+    for (a, n) in runs {
+        if a != next || a + n > end {
+            return false;
+        }
+        next = a + n;
+    }
+    next == end
+}
+
 /// Properties of a page: pinned device memory on `device`, no exportable handle. Built from
 /// zero and by field, so that it compiles against every CUDA version's bindings (the struct
 /// gained fields and a union across 12.x and 13.x).
@@ -371,13 +384,7 @@ impl PageTable {
                 format!("{bytes} bytes at {addr:#x} are aliased elsewhere (map_alias)"),
             ));
         }
-        let mut next = addr;
-        let whole = handles.iter().all(|&(a, (_, n))| {
-            let fits = a == next && a + n <= end;
-            next = a + n;
-            fits
-        }) && next == end;
-        if !whole {
+        if !tiles(handles.iter().map(|&(a, (_, n))| (a, n)), addr, end) {
             return Err(invalid(
                 "cuMemUnmap",
                 format!("{bytes} bytes at {addr:#x} are not whole mapped handles"),
@@ -591,13 +598,7 @@ impl PageTable {
             .range(addr..end)
             .map(|(&a, &(n, _))| (a, n))
             .collect();
-        let mut next = addr;
-        let whole = runs.iter().all(|&(a, n)| {
-            let fits = a == next && a + n <= end;
-            next = a + n;
-            fits
-        }) && next == end;
-        if !whole {
+        if !tiles(runs.iter().copied(), addr, end) {
             return Err(invalid(
                 "cuMemUnmap",
                 format!("{bytes} bytes at {addr:#x} are not whole aliases"),
