@@ -64,6 +64,20 @@ groups)
     echo "=== $p (oomguard) --batch 1951 --steps 6 --warmup 3" | tee -a "$log"
     env -u PYTORCH_ALLOC_CONF timeout 100 ./$p --allocator oomguard --batch 1951 --steps 6 --warmup 3 2>&1 | grep -E "^(RESULT|STEP)|rror|panick" | cut -c1-400 | tee -a "$log"
   done; done ;;
+tiles)
+  # branch tiles (the CUDA page table's check that runs tile a range, written once): the
+  # suites that unmap handles and aliases; then candle_llm serving in the order default /
+  # native / native / default (runs 102-105 ran native at both ends).
+  for t in test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
+  done
+  ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
+  default ./candle_llm serve --requests 200
+  native ./candle_llm serve --requests 200
+  native ./candle_llm serve --requests 200
+  default ./candle_llm serve --requests 200 ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
