@@ -41,11 +41,7 @@ handles)
   # branch plan-handles: a step plan's range at the edge maps 20 MiB handles (was 2 MiB pages).
   # The suites that map pages; OOM at 160 rows, 10 steps, oomguard twice and expandable segments
   # once, alternated; VGG-16 at 1,951 rows (the shared plan's path) under oomguard.
-  for t in test-gpu test-pool_gpu tchtest-allocator_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suites test-gpu test-pool_gpu tchtest-allocator_gpu
   gpt oomguard 150 --phase oom --oom-batch 160 --oom-steps 10
   gpt expandable 150 --phase oom --oom-batch 160 --oom-steps 10
   gpt oomguard 150 --phase oom --oom-batch 160 --oom-steps 10

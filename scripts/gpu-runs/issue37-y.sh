@@ -55,11 +55,7 @@ groups)
   # branch groups-first: a shared step plan maps its pool's 20 MiB handles before its single
   # pages. The suites that map pages, then VGG-16 at 1,951 rows under oomguard (the shared
   # plan's install at step 5), this build against main's (tch_convnet_main), alternated.
-  for t in test-gpu test-pool_gpu tchtest-allocator_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suites test-gpu test-pool_gpu tchtest-allocator_gpu
   for r in 1 2; do for p in tch_convnet tch_convnet_main; do
     echo "=== $p (oomguard) --batch 1951 --steps 6 --warmup 3" | tee -a "$log"
     env -u PYTORCH_ALLOC_CONF timeout 100 ./$p --allocator oomguard --batch 1951 --steps 6 --warmup 3 2>&1 | grep -E "^(RESULT|STEP)|rror|panick" | cut -c1-400 | tee -a "$log"
@@ -68,11 +64,7 @@ tiles)
   # branch tiles (the CUDA page table's check that runs tile a range, written once): the
   # suites that unmap handles and aliases; then candle_llm serving in the order default /
   # native / native / default (runs 102-105 ran native at both ends).
-  for t in test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu; do
-    echo "=== $t" | tee -a "$log"
-    timeout 150 ./$t --include-ignored --test-threads=1 > $out/$t.txt 2>&1; echo "rc=$?" | tee -a "$log"
-    grep -E "^test result|FAILED|panicked" $out/$t.txt | head -20 | tee -a "$log"
-  done
+  suites test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
   ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
   default ./candle_llm serve --requests 200
   native ./candle_llm serve --requests 200

@@ -20,3 +20,12 @@ under() {
   esac 2>&1 | grep -E "^(RESULT|STEP|TRIAL|PHASE)|step plans|$prog:|rror|panick" | cut -c1-600 | tee -a "$log"
   date -u +%T | tee -a "$log"
 }
+# suites TEST...: each staged test binary with its ignored (GPU) tests, one thread; its output to
+# $OUT/TEST.txt, its result lines (and failures) to the log.
+suites() {
+  local t; for t in "$@"; do
+    echo "=== $t" | tee -a "$log"
+    timeout 150 "./$t" --include-ignored --test-threads=1 > "$out/$t.txt" 2>&1; echo "rc=$?" | tee -a "$log"
+    grep -E "^test result|FAILED|panicked" "$out/$t.txt" | head -20 | tee -a "$log"
+  done
+}
