@@ -878,3 +878,53 @@ fn random_loops_marked_run_every_step_that_repeats() {
         "no plan was installed in any of the 40 loops"
     );
 }
+
+/// The same step on a card that reports 143,771 MiB (the H200's total) but leaves the step
+/// 137.8 GiB: the rest is held outside the allocator, as libtorch's context and cuBLAS hold it.
+/// Once the device has refused a map, a contiguous plan taller than what the device held is not
+/// tried: the try gave every free page back and recreated it (on the simulator, 70,313 pages
+/// created at the mark of the third step, against 1,702 with the check). Only the marks that
+/// install the shared plan create the step's memory again; the loop settles as before.
+#[test]
+fn a_plan_taller_than_the_card_holds_is_not_tried_when_its_total_is_larger() {
+    use oomguard_runtime::backend::Backend;
+    let step = trace_step("tch_vgg16_b1951.trace.csv", 604);
+    let (total, left) = (143_771 * MIB, 147_961_623_347u64);
+    let peak_pages = peak_live(&step) / (2 * MIB);
+    for threads in [false, true] {
+        let sim = SimDevice::new(ByteSize(total));
+        let _outside = sim
+            .alloc_segment((total - left).next_multiple_of(2 * MIB), 0)
+            .unwrap();
+        let a = Arc::new(CachingAllocator::new(
+            Arc::new(sim.clone()),
+            AllocatorConfig::parse("expandable_segments:True").unwrap(),
+        ));
+        let mut moves = Vec::new();
+        for i in 0..STEPS {
+            let (c0, plans0) = (sim.calls(), a.stats().num_plans_installed);
+            moves.extend(run(&a, &step, 1, true, threads));
+            let created = sim.calls().pages_created - c0.pages_created;
+            let installed = a.stats().num_plans_installed > plans0;
+            if i >= 1 && !installed {
+                assert!(
+                    created * 10 < peak_pages,
+                    "threads {threads}: step {i} created {created} pages (peak live {peak_pages})"
+                );
+            }
+        }
+        let s = a.stats();
+        assert_eq!(
+            (s.num_plans_installed, s.num_plans_shared, s.num_ooms),
+            (1, 1, 0),
+            "threads {threads}: {moves:?}"
+        );
+        for (i, m) in moves.iter().enumerate().skip(4) {
+            assert_eq!(
+                *m,
+                Moves::default(),
+                "threads {threads}: step {i} moved: {moves:?}"
+            );
+        }
+    }
+}

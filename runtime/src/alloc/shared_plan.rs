@@ -105,14 +105,9 @@ impl State {
         let after = (reserved - movable.min(reserved))
             .saturating_add(home_bytes)
             .saturating_add(2 * g);
-        // Once the device has refused a map, not above what it is known to hold (the most this
-        // allocator held, or the level of the refusal): a pool that cannot be mapped costs its
-        // mapping and undoing, seconds at this size.
-        let known = match self.refused_at {
-            u64::MAX => self.cap(total),
-            refused => self.high_water.max(refused).min(self.cap(total)),
-        };
-        if pool == 0 || after > known {
+        // not above what the device is known to hold: a pool that cannot be mapped costs its
+        // mapping and undoing, seconds at this size
+        if pool == 0 || after > self.known_cap(total) {
             return None;
         }
         let over = reserved

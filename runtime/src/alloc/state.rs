@@ -579,6 +579,18 @@ impl State {
         }
     }
 
+    /// What the device is known to hold for this allocator: [`State::cap`] until the device
+    /// refused a map, then the most this allocator held or the level of the refusal, whichever
+    /// is higher (a card's reported total counts memory held outside the allocator, e.g. a
+    /// framework's context). A step plan above it is not tried: the try moves every free page
+    /// and creates memory until the device refuses, seconds at the edge of a large card.
+    pub fn known_cap(&self, total: u64) -> u64 {
+        match self.refused_at {
+            u64::MAX => self.cap(total),
+            refused => self.high_water.max(refused).min(self.cap(total)),
+        }
+    }
+
     /// Where growing stops being free: the memory limit (the device's capacity `total` without
     /// one; 0: unknown), lowered to the `page_recycle_threshold` share of it (or the high-water
     /// mark, when higher). Past it, growable segments move free pages instead of mapping new ones.

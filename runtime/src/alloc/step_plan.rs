@@ -337,8 +337,10 @@ impl State {
         if for_room && after as f64 > ROOM_PLAN_SHARE * reserved as f64 {
             return;
         }
-        // a range that cannot fit is not tried: the try would give every free page back first
-        let mapped = if after > self.cap(total) {
+        // a range that cannot fit is not tried: the try would give every free page back first,
+        // then create memory until the device refused (`known_cap`: after a refusal, what the
+        // device held, not the card's reported total)
+        let mapped = if after > self.known_cap(total) {
             None
         } else {
             self.map_plan_range(backend, stream, height, total, for_room)
