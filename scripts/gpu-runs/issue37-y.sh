@@ -70,6 +70,19 @@ tiles)
   native ./candle_llm serve --requests 200
   native ./candle_llm serve --requests 200
   default ./candle_llm serve --requests 200 ;;
+known)
+  # branch known-cap: a contiguous step plan taller than what the device is known to hold is
+  # not tried. The suites that map pages; VGG-16 at 1,951 rows under oomguard, this build
+  # against main's (tch_convnet_main), alternated, two rounds; OOM at 2 x 1,951, one each.
+  suites test-gpu test-pool_gpu tchtest-allocator_gpu
+  for r in 1 2; do for p in tch_convnet tch_convnet_main; do
+    echo "=== $p (oomguard) --batch 1951 --steps 6 --warmup 3" | tee -a "$log"
+    env -u PYTORCH_ALLOC_CONF timeout 100 ./$p --allocator oomguard --batch 1951 --steps 6 --warmup 3 2>&1 | grep -E "^(RESULT|STEP)|rror|panick" | cut -c1-400 | tee -a "$log"
+  done; done
+  for p in tch_convnet tch_convnet_main; do
+    echo "=== $p (oomguard) --batch 1951 --oom 2 --steps 4" | tee -a "$log"
+    env -u PYTORCH_ALLOC_CONF timeout 120 ./$p --allocator oomguard --batch 1951 --oom 2 --steps 4 2>&1 | grep -E "^(RESULT|OOM)|rror|panick" | cut -c1-400 | tee -a "$log"
+  done ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
