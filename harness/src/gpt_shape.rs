@@ -64,19 +64,38 @@ impl GptShape {
                 self.width, self.heads
             ));
         }
+        if self.checked_parameters().is_none() {
+            return Err(format!(
+                "model shape {self:?}: its parameter count does not fit in 64 bits"
+            ));
+        }
         Ok(())
     }
 
     /// The number of parameters (elements) of the model, the output head tied to the token
-    /// embedding (so counted once).
+    /// embedding (so counted once); `i64::MAX` for a shape whose count does not fit in 64 bits
+    /// (which [`GptShape::check`] refuses).
     pub fn parameters(&self) -> i64 {
+        self.checked_parameters().unwrap_or(i64::MAX)
+    }
+
+    /// [`GptShape::parameters`], `None` where it does not fit in an `i64`.
+    fn checked_parameters(&self) -> Option<i64> {
         let w = self.width;
-        let block = 2 * (2 * w) // two layer norms
-            + (3 * w * w + 3 * w) // qkv
-            + (w * w + w) // attention projection
-            + (4 * w * w + 4 * w) // MLP in
-            + (4 * w * w + w); // MLP out
-        self.vocab * w + self.seq * w + self.layers * block + 2 * w
+        let ww = w.checked_mul(w)?;
+        let per = |k: i64, bias: i64| ww.checked_mul(k)?.checked_add(bias.checked_mul(w)?);
+        // two layer norms, qkv, the attention projection, the MLP's two linears
+        let block = [per(0, 4)?, per(3, 3)?, per(1, 1)?, per(4, 4)?, per(4, 1)?]
+            .into_iter()
+            .try_fold(0i64, i64::checked_add)?;
+        [
+            self.vocab.checked_mul(w)?,
+            self.seq.checked_mul(w)?,
+            self.layers.checked_mul(block)?,
+            w.checked_mul(2)?, // the final norm
+        ]
+        .into_iter()
+        .try_fold(0i64, i64::checked_add)
     }
 }
 
@@ -134,6 +153,29 @@ mod tests {
         for shape in bad {
             let want = format!("model shape {shape:?}: {rule}");
             assert_eq!(shape.check(), Err(want));
+        }
+    }
+
+    #[test]
+    fn a_shape_whose_parameter_count_overflows_is_an_error_not_a_panic() {
+        for shape in [
+            GptShape {
+                width: 4_000_000_000,
+                heads: 1,
+                ..GptShape::tiny()
+            },
+            GptShape {
+                vocab: i64::MAX,
+                ..GptShape::tiny()
+            },
+            GptShape {
+                layers: i64::MAX / 2,
+                ..GptShape::tiny()
+            },
+        ] {
+            let e = shape.check().unwrap_err();
+            assert!(e.contains("does not fit in 64 bits"), "{e}");
+            assert_eq!(shape.parameters(), i64::MAX);
         }
     }
 
