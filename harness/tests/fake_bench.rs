@@ -283,6 +283,19 @@ fn lines(r: &Runner<Fake>) -> &[String] {
     }
 }
 
+/// Every output line that starts with `prefix`.
+fn lines_with<'a>(r: &'a Runner<Fake>, prefix: &str) -> Vec<&'a String> {
+    lines(r).iter().filter(|l| l.starts_with(prefix)).collect()
+}
+
+/// The value of `key=` in a `key=value` line (up to the next space).
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split(&format!(" {key}="))
+        .nth(1)
+        .and_then(|v| v.split(' ').next())
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+}
+
 fn line<'a>(r: &'a Runner<Fake>, prefix: &str) -> &'a str {
     lines(r)
         .iter()
@@ -320,10 +333,7 @@ fn max_stops_at_the_cap_when_every_batch_runs() {
 fn oom_runs_the_steps_asked_for_and_says_what_the_source_did() {
     let mut r = runner(Fake::new(), "--phase oom --oom-steps 6");
     assert_eq!(r.oom(), Ok(Outcome::Pass));
-    let steps: Vec<&String> = lines(&r)
-        .iter()
-        .filter(|l| l.starts_with("STEP phase=oom"))
-        .collect();
+    let steps = lines_with(&r, "STEP phase=oom");
     assert_eq!(steps.len(), 6, "{steps:#?}");
     for (i, l) in steps.iter().enumerate() {
         assert!(l.contains(&format!("step={} ", i + 1)), "{l}");
@@ -336,20 +346,10 @@ fn oom_runs_the_steps_asked_for_and_says_what_the_source_did() {
         l.contains("step1_secs=") && l.contains("later_median_secs="),
         "{l}"
     );
-    let losses = l
-        .split("losses=")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap();
-    assert_eq!(losses.split(',').count(), 6, "six losses: {l}");
+    assert_eq!(field(l, "losses").split(',').count(), 6, "six losses: {l}");
     // the whole batch (1 x 58, out of memory as a plain step), the settled plan (2 x 29) and the
     // next finer split (4 x 15), timed as plain steps
-    let splits: Vec<&String> = lines(&r)
-        .iter()
-        .filter(|l| l.starts_with("TRIAL phase=oom"))
-        .collect();
+    let splits = lines_with(&r, "TRIAL phase=oom");
     assert_eq!(splits.len(), 3, "{splits:#?}");
     assert!(
         splits[0].contains("split=1x58 micro_batch=58 chunks=1 out_of_memory=true"),
@@ -370,12 +370,9 @@ fn oom_runs_the_steps_asked_for_and_says_what_the_source_did() {
         l.contains("split_ms=1x58:oom,2x29:") && l.contains(",4x15:"),
         "{l}"
     );
-    let ratio: f64 = l
-        .split("settled_over_fastest_split=")
-        .nth(1)
-        .and_then(|v| v.split(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no ratio in {l}"));
+    let ratio: f64 = field(l, "settled_over_fastest_split")
+        .parse()
+        .unwrap_or_else(|_| panic!("no ratio in {l}"));
     assert!(ratio.is_finite() && ratio > 0.0, "{l}");
 }
 
@@ -515,10 +512,7 @@ fn run_succeeds_when_every_phase_passes() {
         "--phase all --find-steps 3 --steps 2 --overhead-rounds 1",
     );
     let code = r.run(|_, _| None);
-    let statuses: Vec<&String> = lines(&r)
-        .iter()
-        .filter(|l| l.starts_with("PHASE"))
-        .collect();
+    let statuses = lines_with(&r, "PHASE");
     assert_eq!(statuses.len(), 5, "{statuses:#?}");
     assert!(
         statuses.iter().all(|l| l.contains("status=ok")),
