@@ -83,6 +83,19 @@ known)
     echo "=== $p (oomguard) --batch 1951 --oom 2 --steps 4" | tee -a "$log"
     env -u PYTORCH_ALLOC_CONF timeout 120 ./$p --allocator oomguard --batch 1951 --oom 2 --steps 4 2>&1 | grep -E "^(RESULT|OOM)|rror|panick" | cut -c1-400 | tee -a "$log"
   done ;;
+passes)
+  # candle_llm's gap to native: the same 100 requests three times in one process, the cache
+  # kept, a line per pass (tokens/s and the allocator's driver calls), native / default /
+  # default / native after one warm-up. A gap only in pass 1 is the cache's growth; a gap in
+  # every pass is in the steps themselves.
+  ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
+  run() { echo "=== $*" | tee -a "$log"; timeout 170 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
+  for c in native default default native; do $c ./candle_llm serve --requests 100 --passes 3; done ;;
+abba)
+  # candle_llm serving, 80 requests a process, native / default / default / native four
+  # times over (sixteen processes, order balanced), after one warm-up.
+  ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
+  for r in 1 2 3 4; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200

@@ -3,13 +3,16 @@
 //! on oomguard's allocator (issue 24, item 7).
 //!
 //! ```text
-//! candle_llm [serve|max|all] [--allocator pool|oomguard] [--requests N] [--prompt TOKENS]
-//!            [--device ORDINAL]
+//! candle_llm [serve|max|all] [--allocator pool|oomguard] [--requests N] [--passes N]
+//!            [--prompt TOKENS] [--device ORDINAL]
 //! ```
 //! - `serve`: `--requests` (300) requests whose batch size (1-16), prompt length (32-1024 tokens)
 //!   and generated length (16-64 tokens) come from a seeded distribution; each is a prefill and
 //!   greedy generation with the model's KV cache. Peak reserved / peak used over the whole run,
-//!   and generated tokens per second;
+//!   and generated tokens per second. With `--passes N` (1) the same requests run N times, the
+//!   cache kept between passes: a `RESULT pass` line each (tokens/s, and under oomguard the
+//!   allocator's driver calls in the pass), so that a pass that grows the cache can be told from
+//!   one that reuses it;
 //! - `max`: the largest batch one request serves (prompt `--prompt`, default 1024 tokens, 16
 //!   generated), by bisection.
 //!
@@ -46,6 +49,7 @@ fn config() -> Config {
 }
 
 /// A small deterministic generator for the request stream and the prompts.
+#[derive(Clone)]
 struct Rng(u64);
 
 impl Rng {
@@ -108,6 +112,28 @@ fn generate(
     Ok(batch * gen)
 }
 
+/// The device oomguard's hook serves `dev` with, when it does.
+#[cfg(feature = "allocator-hook")]
+fn installed(dev: &Device) -> Option<oomguard::Device> {
+    oomguard_candle::alloc_hook::installed_device(dev)
+}
+
+#[cfg(not(feature = "allocator-hook"))]
+fn installed(_: &Device) -> Option<oomguard::Device> {
+    None
+}
+
+/// The allocator's driver calls so far: device allocations, frees, maps, unmaps.
+fn driver_calls(d: &oomguard::Device) -> [u64; 4] {
+    let s = d.stats();
+    [
+        s.num_device_alloc,
+        s.num_device_free,
+        s.num_map,
+        s.num_unmap,
+    ]
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let phase = args
@@ -136,22 +162,49 @@ fn main() -> Res<()> {
     request(&mut model, &dev, &mut rng, 1, 16, 2)?; // kernels and cuBLAS warmed up
     if phase == "all" || phase == "serve" {
         let requests = flag(&args, "--requests")?.unwrap_or(300);
+        let passes = flag(&args, "--passes")?.unwrap_or(1).max(1);
+        let hook = installed(&dev);
         source.empty_cache()?;
         source.reset_peak()?;
         let (mut tokens, mut prompt_tokens, mut ooms) = (0, 0, 0);
+        let stream = rng.clone();
         let t0 = Instant::now();
-        for _ in 0..requests {
-            let batch = rng.log_range(1, 16);
-            let prompt = rng.log_range(32, 1024);
-            let gen = rng.range(16, 64);
-            match request(&mut model, &dev, &mut rng, batch, prompt, gen) {
-                Ok(t) => {
-                    tokens += t;
-                    prompt_tokens += batch * prompt;
+        for pass in 1..=passes {
+            rng = stream.clone(); // every pass serves the same requests
+            let (t_pass, tokens_before) = (Instant::now(), tokens);
+            let calls_before = hook.as_ref().map(driver_calls);
+            for _ in 0..requests {
+                let batch = rng.log_range(1, 16);
+                let prompt = rng.log_range(32, 1024);
+                let gen = rng.range(16, 64);
+                match request(&mut model, &dev, &mut rng, batch, prompt, gen) {
+                    Ok(t) => {
+                        tokens += t;
+                        prompt_tokens += batch * prompt;
+                    }
+                    Err(e) if measure::is_oom(&e) => ooms += 1,
+                    Err(e) => return Err(e.into()),
                 }
-                Err(e) if measure::is_oom(&e) => ooms += 1,
-                Err(e) => return Err(e.into()),
             }
+            let secs = t_pass.elapsed().as_secs_f64();
+            let calls = match (&hook, calls_before) {
+                (Some(d), Some(b)) => {
+                    let a = driver_calls(d);
+                    format!(
+                        "; device allocs {}, frees {}, maps {}, unmaps {}",
+                        a[0] - b[0],
+                        a[1] - b[1],
+                        a[2] - b[2],
+                        a[3] - b[3]
+                    )
+                }
+                _ => String::new(),
+            };
+            oomguard_harness::say!(
+                "RESULT pass {pass}/{passes}: {} tokens in {secs:.1} s = {:.0} tokens/s{calls}",
+                tokens - tokens_before,
+                (tokens - tokens_before) as f64 / secs
+            );
         }
         let secs = t0.elapsed().as_secs_f64();
         let u = source.usage()?;
