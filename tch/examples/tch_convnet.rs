@@ -50,78 +50,39 @@ use oomguard_tch::{catch_oom, Error};
 use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, Kind, Tensor};
 
-/// What the allocator did, cumulatively (moves, synchronisations, retries).
+/// What the allocator did, cumulatively: one counter per name in [`Moves::NAMES`] (maps,
+/// unmaps, bytes unmapped, synchronisations, retries inside the allocator; then oomguard's own:
+/// retries that kept the cache, out-of-memory errors, step plans installed, dropped, requests
+/// served outside a plan that expected them, plans that could not be mapped, plans shared at
+/// page granularity).
 #[derive(Clone, Copy, Debug, Default)]
-struct Moves {
-    maps: i64,
-    unmaps: i64,
-    unmapped: i64,
-    syncs: i64,
-    retries: i64,
-    /// allocator retries that kept the cache (oomguard's allocator only)
-    skipped: i64,
-    /// out-of-memory errors the allocator returned (oomguard's allocator only)
-    ooms: i64,
-    /// step plans installed, dropped, and requests served outside a plan that expected them
-    /// (oomguard's allocator only)
-    plans: i64,
-    dropped: i64,
-    misses: i64,
-    /// step plans laid out that could not be mapped (oomguard's allocator only)
-    refused: i64,
-    /// of the plans installed, those shared at page granularity (oomguard's allocator only)
-    shared: i64,
-}
+struct Moves([i64; 12]);
 
 impl Moves {
+    /// The counters' names in the `STEP` and `RESULT` lines.
+    const NAMES: [&'static str; 12] = [
+        "maps",
+        "unmaps",
+        "unmapped",
+        "syncs",
+        "alloc_retries",
+        "releases_skipped",
+        "ooms",
+        "plans",
+        "plans_dropped",
+        "plan_misses",
+        "plans_refused",
+        "plans_shared",
+    ];
     fn minus(self, o: Self) -> Self {
-        Moves {
-            maps: self.maps - o.maps,
-            unmaps: self.unmaps - o.unmaps,
-            unmapped: self.unmapped - o.unmapped,
-            syncs: self.syncs - o.syncs,
-            retries: self.retries - o.retries,
-            skipped: self.skipped - o.skipped,
-            ooms: self.ooms - o.ooms,
-            plans: self.plans - o.plans,
-            dropped: self.dropped - o.dropped,
-            misses: self.misses - o.misses,
-            refused: self.refused - o.refused,
-            shared: self.shared - o.shared,
-        }
+        Moves(std::array::from_fn(|i| self.0[i] - o.0[i]))
     }
     fn plus(self, o: Self) -> Self {
-        Moves {
-            maps: self.maps + o.maps,
-            unmaps: self.unmaps + o.unmaps,
-            unmapped: self.unmapped + o.unmapped,
-            syncs: self.syncs + o.syncs,
-            retries: self.retries + o.retries,
-            skipped: self.skipped + o.skipped,
-            ooms: self.ooms + o.ooms,
-            plans: self.plans + o.plans,
-            dropped: self.dropped + o.dropped,
-            misses: self.misses + o.misses,
-            refused: self.refused + o.refused,
-            shared: self.shared + o.shared,
-        }
+        Moves(std::array::from_fn(|i| self.0[i] + o.0[i]))
     }
     fn text(&self) -> String {
-        format!(
-            "maps={} unmaps={} unmapped={} syncs={} alloc_retries={} releases_skipped={} ooms={} plans={} plans_dropped={} plan_misses={} plans_refused={} plans_shared={}",
-            self.maps,
-            self.unmaps,
-            self.unmapped,
-            self.syncs,
-            self.retries,
-            self.skipped,
-            self.ooms,
-            self.plans,
-            self.dropped,
-            self.misses,
-            self.refused,
-            self.shared
-        )
+        let pairs = Self::NAMES.iter().zip(self.0);
+        pairs.map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>().join(" ")
     }
 }
 
@@ -137,33 +98,30 @@ impl Alloc {
         match self {
             Alloc::Oomguard(d) => {
                 let s = d.stats();
-                Moves {
-                    maps: s.num_map as i64,
-                    unmaps: s.num_unmap as i64,
-                    unmapped: s.unmapped_bytes_total as i64,
-                    syncs: (s.num_sync_all_streams + s.num_stream_syncs) as i64,
-                    retries: s.num_alloc_retries as i64,
-                    skipped: s.num_releases_skipped as i64,
-                    ooms: s.num_ooms as i64,
-                    plans: s.num_plans_installed as i64,
-                    dropped: s.num_plans_dropped as i64,
-                    misses: s.num_plan_misses as i64,
-                    refused: s.num_plans_refused as i64,
-                    shared: s.num_plans_shared as i64,
-                }
+                let syncs = s.num_sync_all_streams + s.num_stream_syncs;
+                let counts = [
+                    s.num_map,
+                    s.num_unmap,
+                    s.unmapped_bytes_total,
+                    syncs,
+                    s.num_alloc_retries,
+                    s.num_releases_skipped,
+                    s.num_ooms,
+                    s.num_plans_installed,
+                    s.num_plans_dropped,
+                    s.num_plan_misses,
+                    s.num_plans_refused,
+                    s.num_plans_shared,
+                ];
+                Moves(counts.map(|c| c as i64))
             }
             // libtorch counts device allocations and frees (maps and unmaps of expandable
             // segments), whole-device synchronisations and its retries
             Alloc::Libtorch(i) => oomguard_tch::cuda_allocator::device_stats(*i)
-                .map(|s| Moves {
-                    maps: s.num_device_alloc,
-                    unmaps: s.num_device_free,
-                    unmapped: 0,
-                    syncs: s.num_sync_all_streams,
-                    retries: s.num_alloc_retries,
-                    skipped: 0,
-                    ooms: s.num_ooms,
-                    ..Moves::default()
+                .map(|s| {
+                    let (maps, unmaps) = (s.num_device_alloc, s.num_device_free);
+                    let (syncs, retries) = (s.num_sync_all_streams, s.num_alloc_retries);
+                    Moves([maps, unmaps, 0, syncs, retries, 0, s.num_ooms, 0, 0, 0, 0, 0])
                 })
                 .unwrap_or_default(),
             Alloc::Cpu => Moves::default(),
