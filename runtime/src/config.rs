@@ -171,11 +171,19 @@ impl AllocatorConfig {
 
     /// Parses a configuration string, starting from the default. Later keys override earlier ones.
     /// Keys of PyTorch's that have no effect here ([`IGNORED_KEYS`]) are accepted with a warning
-    /// logged through `tracing` ([`AllocatorConfig::parse_with_warnings`] returns them).
+    /// logged through `tracing`, and printed on standard error (the first time in the process)
+    /// when no `tracing` subscriber is installed ([`AllocatorConfig::parse_with_warnings`]
+    /// returns them instead).
     pub fn parse(s: &str) -> Result<Self, ConfigError> {
         let (c, warnings) = Self::parse_with_warnings(s)?;
-        for w in warnings {
+        for w in &warnings {
             tracing::warn!("{w}");
+        }
+        // Never silent: without a subscriber, said once on standard error, as `Device::sim`
+        // says a bad value (a configuration read at every device would repeat it otherwise).
+        if !warnings.is_empty() && !tracing::dispatcher::has_been_set() {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("oomguard warning: {}", warnings.join("; ")));
         }
         Ok(c)
     }

@@ -310,3 +310,86 @@ fn a_fixed_request_after_the_rows_still_stops() {
         "{r}"
     );
 }
+
+/// A step whose chunks of more than one row never fit (two 40 MiB blocks live together on a
+/// 64 MiB card; each alone fits, so no request is larger than the card), run at `batch` rows.
+fn run_a_step_that_needs_single_rows(engine: RetryEngine, batch: usize) -> RetryError<Error> {
+    let dev = Device::sim(ByteSize::mib(64));
+    engine
+        .run(
+            &dev,
+            batch,
+            |plan| {
+                if plan.micro_batch() > 1 {
+                    let _a = dev.alloc::<u8>(40 * MIB)?;
+                    let _b = dev.alloc::<u8>(40 * MIB)?;
+                }
+                Ok::<_, Error>(plan.micro_batch())
+            },
+            |m| m,
+        )
+        .unwrap_err()
+}
+
+/// A step given up on because the policy's retry limit was reached says so, and does not say
+/// that the policy allowed nothing smaller (it did: micro-batches of 1 row fit). Before: "the
+/// policy allows nothing smaller" after 17 attempts, `stopped: None`.
+#[test]
+fn a_step_stopped_by_the_retry_limit_says_so() {
+    let e = run_a_step_that_needs_single_rows(RetryEngine::new(), 1 << 20);
+    let r = e.report().unwrap();
+    assert_eq!(r.stopped, Some(StopReason::RetryLimit { max: 16 }), "{r}");
+    assert_eq!(r.attempts.len(), 17, "{r}");
+    assert!(r.final_plan.micro_batch() > 1, "{r}");
+    let text = e.to_string();
+    assert!(
+        text.contains("stopped: the retry policy's limit of 16 retries in one step was reached"),
+        "{text}"
+    );
+    assert!(!text.contains("allows nothing smaller"), "{text}");
+    assert!(
+        r.to_string().contains("stopped: the retry policy's limit"),
+        "{r}"
+    );
+
+    // a limit of the caller's, and one retry (the singular)
+    use oomguard_runtime::retry::{Accumulate, PolicyExt};
+    for max in [1, 3] {
+        let engine = RetryEngine::new().with_policy(Accumulate::halving().max_retries(max));
+        let e = run_a_step_that_needs_single_rows(engine, 1 << 20);
+        let r = e.report().unwrap();
+        assert_eq!(r.stopped, Some(StopReason::RetryLimit { max }), "{r}");
+        assert_eq!(r.attempts.len() as u32, max + 1, "{r}");
+    }
+    let engine = RetryEngine::new().with_policy(Accumulate::halving().max_retries(1));
+    let text = run_a_step_that_needs_single_rows(engine, 64).to_string();
+    assert!(text.contains("limit of 1 retry in one step"), "{text}");
+}
+
+/// A policy that runs out of smaller plans within its limit is not said to have hit it: 8 rows
+/// halve to 1 in 3 splits (after one retry of the same plan), and 1 row still does not fit
+/// here, so the policy has nothing smaller after 5 attempts.
+#[test]
+fn a_policy_out_of_plans_within_its_limit_is_not_stopped_by_it() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let e = RetryEngine::new()
+        .run(
+            &dev,
+            8,
+            |plan| {
+                let _a = dev.alloc::<u8>(40 * MIB)?;
+                let _b = dev.alloc::<u8>(plan.micro_batch() * 4 * MIB)?;
+                let _c = dev.alloc::<u8>(30 * MIB)?;
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_err();
+    let r = e.report().unwrap();
+    assert_eq!(r.stopped, None, "{r}");
+    assert_eq!(r.final_plan.micro_batch(), 1, "{r}");
+    assert!(
+        e.to_string().contains("the policy allows nothing smaller"),
+        "{e}"
+    );
+}

@@ -28,6 +28,30 @@ impl CachingAllocator {
     }
 }
 
+/// The width of the table's text column (the table is this plus four wide).
+const TEXT: usize = 89;
+
+/// `text` as rows of the table's text column: wrapped after a space or a comma (inside a word
+/// longer than the column, anywhere), the rows after the first indented by two.
+fn text_row(o: &mut String, text: &str) {
+    let mut rest = text;
+    let mut first = true;
+    while first || !rest.is_empty() {
+        let (indent, width) = if first { ("", TEXT) } else { ("  ", TEXT - 2) };
+        let (row, next) = match rest.char_indices().nth(width) {
+            None => (rest, ""),
+            Some((cut, _)) => match rest[..cut].rfind([' ', ',']) {
+                Some(i) if i > 0 && rest.as_bytes()[i] == b' ' => (&rest[..i], &rest[i + 1..]),
+                Some(i) if i > 0 => (&rest[..=i], &rest[i + 1..]),
+                _ => (&rest[..cut], &rest[cut..]),
+            },
+        };
+        let _ = writeln!(o, "| {:<TEXT$} |", format!("{indent}{row}"));
+        rest = next.trim_start();
+        first = false;
+    }
+}
+
 pub(crate) fn format_summary(
     s: &MemoryStats,
     name: &str,
@@ -39,35 +63,31 @@ pub(crate) fn format_summary(
     let thin = "|".to_string() + &"-".repeat(91) + "|\n";
     let mut o = String::new();
     o += &line;
-    let _ = writeln!(
-        o,
-        "| {:<89} |",
-        format!("oomguard memory summary, device {ordinal} ({name})")
+    text_row(
+        &mut o,
+        &format!("oomguard memory summary, device {ordinal} ({name})"),
     );
-    let _ = writeln!(o, "| {:<89} |", format!("config: {cfg}"));
-    let _ = writeln!(
-        o,
-        "| {:<89} |",
-        format!(
+    text_row(&mut o, &format!("config: {cfg}"));
+    text_row(
+        &mut o,
+        &format!(
             "alloc retries: {:<6} OOMs: {:<6} device allocs: {:<6} device frees: {:<6}",
             s.num_alloc_retries, s.num_ooms, s.num_device_alloc, s.num_device_free
-        )
+        ),
     );
     if s.num_releases_skipped > 0 {
-        let _ = writeln!(
-            o,
-            "| {:<89} |",
-            format!(
+        text_row(
+            &mut o,
+            &            format!(
                 "releases skipped: {:<6} (retries that kept the cache: releasing it could not have served them)",
                 s.num_releases_skipped
             )
         );
     }
     if s.num_plans_installed + s.num_plans_refused > 0 {
-        let _ = writeln!(
-            o,
-            "| {:<89} |",
-            format!(
+        text_row(
+            &mut o,
+            &            format!(
                 "step plans: {} installed ({} shared), {} refused, {} dropped; {} requests at their offset, {} missed",
                 s.num_plans_installed,
                 s.num_plans_shared,
@@ -79,10 +99,9 @@ pub(crate) fn format_summary(
         );
     }
     if let Some(n) = budget_refusals {
-        let _ = writeln!(
-            o,
-            "| {:<89} |",
-            format!(
+        text_row(
+            &mut o,
+            &            format!(
                 "budget refusals: {n:<6} (by memory budgets, before the allocator; not counted in OOMs)"
             )
         );
@@ -141,4 +160,32 @@ pub(crate) fn format_summary(
     );
     o += &line;
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every row of a text that does not fit is as wide as the table, and the text is all there.
+    #[test]
+    fn long_texts_wrap_inside_the_table() {
+        let cfg = "config: roundup_power2_divisions:[1:4,>:8],max_split_size_mb:64,\
+                   garbage_collection_threshold:0.6,expandable_segments:True,step_plans:False";
+        let skipped = "releases skipped: 1      (retries that kept the cache: releasing it could \
+                       not have served them)";
+        let word = "x".repeat(200);
+        for text in [cfg, skipped, word.as_str(), "short", ""] {
+            let mut o = String::new();
+            text_row(&mut o, text);
+            let rows: Vec<&str> = o.lines().collect();
+            for r in &rows {
+                assert_eq!(r.chars().count(), TEXT + 4, "{o}");
+            }
+            let cells = rows.iter().map(|r| r[2..r.len() - 2].trim());
+            let joined: String = cells.collect::<Vec<_>>().concat();
+            let want: String = text.chars().filter(|c| *c != ' ').collect();
+            assert_eq!(joined.replace(' ', ""), want, "{o}");
+            assert_eq!(rows.len() > 1, text.chars().count() > TEXT, "{o}");
+        }
+    }
 }

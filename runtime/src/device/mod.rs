@@ -80,6 +80,10 @@ impl Device {
     /// A host-backed simulated device of `capacity`, configured from `OOMGUARD_ALLOC_CONF`
     /// ([`AllocatorConfig::from_env`]; the default when unset), as [`Device::cuda`] is.
     ///
+    /// It reserves memory as on a CUDA GPU: pages of 2 MiB (the mapping granularity of an
+    /// H100) and segments of at least 2 MiB, so a device of less than 2 MiB serves no request
+    /// (its out-of-memory error names the 2 MiB the request needs).
+    ///
     /// This constructor cannot fail: when the variable holds an invalid configuration it logs
     /// the error (`tracing::error!`; once on standard error when no `tracing` subscriber is
     /// installed) and uses the default. [`Device::try_sim`] returns the error

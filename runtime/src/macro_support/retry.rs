@@ -439,6 +439,20 @@ mod tests {
         assert_eq!(tried, [64, 32, 16]);
     }
 
+    /// `max_retries` stops the halving, and the report says that the limit did.
+    #[test]
+    fn the_retry_limit_is_named_when_it_stops_the_step() {
+        let mut cfg = config("eval_limited", RetryKind::Batch(64), true);
+        cfg.max_retries = Some(1);
+        let (out, tried) = drive(Retry::new(cfg, &SiteCache::new()));
+        assert_eq!(tried, [64, 32]);
+        let Err(Error::RetriesExhausted { report, .. }) = out else {
+            panic!("expected the retries-exhausted error");
+        };
+        let limit = Some(crate::retry::StopReason::RetryLimit { max: 1 });
+        assert_eq!(report.stopped, limit, "{report}");
+    }
+
     #[test]
     fn a_training_batch_is_never_shrunk_and_the_error_says_why() {
         let _train = crate::guard::enable_grad();

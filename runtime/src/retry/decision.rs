@@ -63,6 +63,8 @@ pub(crate) struct Facts<'a> {
     pub stop_on_growth: bool,
     /// The last attempt's request larger than the capacity, with its bytes in use and plan.
     pub last_too_large: Option<(OomRequest, Option<u64>, BatchPlan)>,
+    /// The policy's limit on retries in one step ([`super::RetryPolicy::retry_limit`]).
+    pub retry_limit: Option<u32>,
 }
 
 /// This rank's vote: its status and the plan it proposes (the attempt's own plan unless it
@@ -143,6 +145,14 @@ pub(crate) fn vote(
         };
         next_plan(&RetryContext::new(s.plan, s.batch, s.oom_count, pressure))
     };
+    // The policy gave up past its limit: the limit stopped the step, whatever plans are left.
+    let stop = match (stop, next) {
+        (None, None) if !exhausted => s
+            .retry_limit
+            .filter(|&max| s.oom_count > max)
+            .map(|max| StopReason::RetryLimit { max }),
+        (stop, _) => stop,
+    };
     Vote {
         status: if next.is_some() { OOM } else { GIVE_UP },
         proposal: next.unwrap_or(s.plan),
@@ -221,6 +231,7 @@ mod tests {
             held,
             stop_on_growth: false,
             last_too_large: None,
+            retry_limit: None,
         }
     }
 
@@ -344,6 +355,35 @@ mod tests {
             ..state(&held)
         };
         assert_eq!(vote(oom(), &s, halve).status, OOM);
+    }
+
+    /// A policy that gives up past its retry limit is reported as stopped by the limit; one
+    /// that gives up within it (no smaller plan) is not, nor is a retry the policy still makes.
+    #[test]
+    fn giving_up_past_the_retry_limit_is_named() {
+        let held = [10];
+        let s = |oom_count| Facts {
+            oom_count,
+            retry_limit: Some(2),
+            ..state(&held)
+        };
+        let v = vote(oom(), &s(3), |_| None);
+        assert_eq!(v.status, GIVE_UP);
+        assert_eq!(v.stop, Some(StopReason::RetryLimit { max: 2 }));
+        let v = vote(oom(), &s(2), |_| None);
+        assert_eq!((v.status, v.stop), (GIVE_UP, None));
+        let v = vote(oom(), &s(3), halve);
+        assert_eq!((v.status, v.stop), (OOM, None));
+        // no limit: giving up is the policy's own
+        let v = vote(
+            oom(),
+            &Facts {
+                oom_count: 3,
+                ..state(&held)
+            },
+            |_| None,
+        );
+        assert_eq!((v.status, v.stop), (GIVE_UP, None));
     }
 
     /// The stop rule compares the same allocation: two different requests larger than the

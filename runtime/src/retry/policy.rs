@@ -92,6 +92,16 @@ impl RetryContext {
 pub trait RetryPolicy: Send + Sync + fmt::Debug {
     /// The next plan to run, or `None` to give up.
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan>;
+
+    /// The most retries in one step after which this policy gives up whatever plans are
+    /// left (`None`: no such limit, the default). The engine reports a step it gave up on
+    /// past this many retries as stopped by the limit
+    /// ([`StopReason::RetryLimit`](crate::retry::StopReason::RetryLimit)), not as having no
+    /// smaller plan. [`PolicyExt::max_retries`] sets it; the filters ([`PolicyExt::with_floor`],
+    /// [`KeepsRows`]) pass their inner policy's on.
+    fn retry_limit(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// A closure as a policy.
@@ -116,11 +126,17 @@ impl<P: RetryPolicy + ?Sized> RetryPolicy for Arc<P> {
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
         (**self).next_plan(ctx)
     }
+    fn retry_limit(&self) -> Option<u32> {
+        (**self).retry_limit()
+    }
 }
 
 impl<P: RetryPolicy + ?Sized> RetryPolicy for Box<P> {
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
         (**self).next_plan(ctx)
+    }
+    fn retry_limit(&self) -> Option<u32> {
+        (**self).retry_limit()
     }
 }
 
@@ -146,6 +162,9 @@ impl EmptyCacheRetry {
 impl RetryPolicy for EmptyCacheRetry {
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan> {
         (ctx.pressure == Pressure::Oom && ctx.attempt <= self.times).then_some(ctx.plan)
+    }
+    fn retry_limit(&self) -> Option<u32> {
+        Some(self.times)
     }
 }
 
@@ -308,6 +327,9 @@ impl<P: RetryPolicy> RetryPolicy for KeepsRows<P> {
         }
         Some(next)
     }
+    fn retry_limit(&self) -> Option<u32> {
+        self.inner.retry_limit()
+    }
 }
 
 /// Filters another policy's plans: plans with smaller micro-batches or batches than the floor
@@ -326,6 +348,9 @@ impl<P: RetryPolicy> RetryPolicy for Floor<P> {
             // the smallest chunk (rows are spread evenly) against the micro-batch floor
             .filter(|p| p.batch() / p.num_chunks() >= self.min_micro && p.batch() >= self.min_batch)
     }
+    fn retry_limit(&self) -> Option<u32> {
+        self.inner.retry_limit()
+    }
 }
 
 /// Gives up after `max` retries in one step.
@@ -342,6 +367,13 @@ impl<P: RetryPolicy> RetryPolicy for MaxRetries<P> {
         }
         self.inner.next_plan(ctx)
     }
+    fn retry_limit(&self) -> Option<u32> {
+        Some(
+            self.inner
+                .retry_limit()
+                .map_or(self.max, |m| m.min(self.max)),
+        )
+    }
 }
 
 /// Tries `first`; when it gives up, `second`.
@@ -356,6 +388,10 @@ impl<A: RetryPolicy, B: RetryPolicy> RetryPolicy for Chain<A, B> {
         self.first
             .next_plan(ctx)
             .or_else(|| self.second.next_plan(ctx))
+    }
+    /// Both parts give up past their limits: the larger one, when both have one.
+    fn retry_limit(&self) -> Option<u32> {
+        Some(self.first.retry_limit()?.max(self.second.retry_limit()?))
     }
 }
 

@@ -146,7 +146,7 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
                         failures.len()
                     )?,
                 }
-                if report.stopped.is_none() && report.held_grew() {
+                if report.may_leak() {
                     write!(
                         f,
                         "\n  allocated grew {} between attempts: the step keeps memory across \

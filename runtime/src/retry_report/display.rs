@@ -30,6 +30,12 @@ impl fmt::Display for StopReason {
                  the batch, so no plan can serve it",
                 plans.0, plans.1
             ),
+            StopReason::RetryLimit { max } => write!(
+                f,
+                "the retry policy's limit of {max} {} in one step was reached (smaller plans \
+                 were not tried; `max_retries` sets the limit)",
+                if *max == 1 { "retry" } else { "retries" }
+            ),
         }
     }
 }
@@ -121,15 +127,16 @@ impl fmt::Display for RetryReport {
                 )?;
             }
         }
-        match &self.stopped {
-            Some(s) => write!(f, "\n  stopped: {s}")?,
-            None if self.held_grew() => write!(
+        if let Some(s) = &self.stopped {
+            write!(f, "\n  stopped: {s}")?;
+        }
+        if self.may_leak() {
+            write!(
                 f,
                 "\n  allocated grew {} between attempts: the step keeps memory across attempts \
                  (a leak?)",
                 held_path(&self.held_bytes)
-            )?,
-            None => {}
+            )?;
         }
         if let Some(d) = &self.speed {
             write!(f, "\n  speed: {d}")?;

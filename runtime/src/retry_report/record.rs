@@ -41,7 +41,7 @@ pub struct AttemptRecord {
     pub too_large: Option<OomRequest>,
 }
 
-/// Why the engine stopped a step before its policy ran out of plans.
+/// Why the engine stopped a step before its policy ran out of smaller plans.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StopReason {
@@ -60,6 +60,14 @@ pub enum StopReason {
         request: OomRequest,
         /// The plans of the last two attempts (larger first).
         plans: (BatchPlan, BatchPlan),
+    },
+    /// The policy's limit on retries in one step
+    /// ([`RetryPolicy::retry_limit`](crate::retry::RetryPolicy::retry_limit), set by
+    /// `max_retries`: 16 in the training policy, 32 in the inference one) was reached: smaller
+    /// plans may be left, but the policy gives up after `max` retries.
+    RetryLimit {
+        /// The limit.
+        max: u32,
     },
 }
 
@@ -129,7 +137,7 @@ pub struct RetryReport {
     /// [`RetryReport::held_grew`]). Empty for a step whose first attempt ran without a loop
     /// set up ([`RetryEngine::begin_any_memo`](crate::retry::RetryEngine::begin_any_memo)).
     pub held_bytes: Vec<u64>,
-    /// Why the engine stopped before the policy ran out of plans (`None`: it did not).
+    /// Why the engine stopped before the policy ran out of smaller plans (`None`: it did not).
     pub stopped: Option<StopReason>,
     /// The micro-batch the first attempt started from because the engine was seeded with it
     /// ([`RetryEngine::start_from`](crate::retry::RetryEngine::start_from)) and nothing was remembered
@@ -198,6 +206,12 @@ impl RetryReport {
     /// a library's workspace).
     pub fn held_grew(&self) -> bool {
         self.held_bytes.windows(2).filter(|w| w[1] > w[0]).count() >= 2
+    }
+
+    /// Whether the texts add the leak hint: held memory grew twice and no stop already says
+    /// so (or says that no plan could help).
+    pub(crate) fn may_leak(&self) -> bool {
+        self.held_grew() && matches!(self.stopped, None | Some(StopReason::RetryLimit { .. }))
     }
 }
 

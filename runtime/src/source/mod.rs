@@ -139,7 +139,7 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     ///
     /// A `limit` of 0 is refused with [`crate::Error::InvalidArgument`] on every source (a
     /// driver pool cannot cap at 0 bytes: `maxSize = 0` means no cap); implementations should
-    /// do the same. [`Device::budget`] (a per-thread guard) takes 0 and refuses every
+    /// do the same. [`Device::thread_budget`] (a per-thread guard) takes 0 and refuses every
     /// allocation.
     fn budget(&self, limit: u64) -> Result<SourceBudget>;
     /// Identity: two handles of one source return the same value.
@@ -263,7 +263,7 @@ impl MemorySource for Device {
         Device::mark_step(self)
     }
     /// A device-wide [`MemoryBudget`] (every thread's allocations while it lives).
-    /// A limit of 0 is refused (as on every source; [`Device::budget`] takes 0).
+    /// A limit of 0 is refused (as on every source; [`Device::thread_budget`] takes 0).
     fn budget(&self, limit: u64) -> Result<SourceBudget> {
         if limit == 0 {
             return Err(zero_budget());
@@ -282,7 +282,7 @@ pub(crate) fn zero_budget() -> crate::Error {
     crate::Error::InvalidArgument(
         "a budget of 0 bytes: MemorySource::budget needs a limit of at least 1 byte (a driver \
          pool cannot cap at 0: maxSize 0 means no cap; to refuse every allocation on a Device, \
-         use Device::budget(0))"
+         use Device::thread_budget(0))"
             .into(),
     )
 }

@@ -188,6 +188,7 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             held: &self.report.held_bytes,
             stop_on_growth: self.engine.inner.stop_on_growth,
             last_too_large: self.last_too_large,
+            retry_limit: self.engine.inner.policy.retry_limit(),
         };
         let policy = &self.engine.inner.policy;
         let vote = decision::vote(outcome, &state, |ctx| {
