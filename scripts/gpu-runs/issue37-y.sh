@@ -96,6 +96,12 @@ abba)
   # times over (sixteen processes, order balanced), after one warm-up.
   ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
   for r in 1 2 3 4; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
+conv)
+  # tch_convnet's counters as one array (the lines' text unchanged): VGG-16 at 1,951 rows
+  # under oomguard (the shared plan's install at step 5, as in runs 106 and 108) and under
+  # expandable segments (libtorch's counters).
+  under oomguard 120 tch_convnet --batch 1951 --steps 6 --warmup 3
+  under expandable 120 tch_convnet --batch 1951 --steps 3 --warmup 2 ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
