@@ -48,6 +48,16 @@ pub enum ReadError {
     /// The trace has no events.
     #[error("the trace has no allocation events")]
     NoEvents,
+    /// More than 2^64 bytes are live at once at some event: no device holds that, and no
+    /// figure of bytes could be told (they are 64-bit).
+    #[error(
+        "event {event}: more than 16 EiB (2^64 bytes) live at once; no device holds that, so \
+         this is not a trace of one"
+    )]
+    TooMuchLive {
+        /// The 1-based index of the allocation that passed it.
+        event: usize,
+    },
     /// The input is larger than the largest trace read ([`crate::detect::MAX_TRACE_BYTES`]).
     #[error("{path}: larger than {limit} bytes, the largest trace this command reads")]
     TooLarge {

@@ -111,7 +111,9 @@ impl Trace {
         }
     }
 
-    /// The most bytes live at once (requested sizes): the floor of any allocator's peak.
+    /// The most bytes live at once (requested sizes): the floor of any allocator's peak. It
+    /// stops at `u64::MAX`; a trace read from a file never gets there (reading refuses one
+    /// with more live at once, [`crate::ReadError::TooMuchLive`]).
     ///
     /// ```
     /// use oomguard_cli::{Event, Trace, TraceFormat};

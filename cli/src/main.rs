@@ -104,7 +104,7 @@ enum Cmd {
     View {
         /// The trace file (`-`: standard input).
         file: PathBuf,
-        /// Output file (.html).
+        /// Output file: must end in .html (and not be the trace itself).
         #[arg(short, long)]
         output: PathBuf,
         /// Allocator configuration (PyTorch syntax); default: `$OOMGUARD_ALLOC_CONF`, else none.
@@ -255,6 +255,54 @@ fn config(s: &str) -> Result<AllocatorConfig, Fail> {
 }
 
 /// Writes a picture or page of a replay to `output` and says so, with the replay's figures.
+/// What `output` is to be written as (`html` or, where `svg` is allowed, `svg`), from its
+/// extension; refused when the extension is neither, or when `output` is the trace `file`
+/// itself (writing would destroy the input).
+fn output_kind(file: &Path, output: &Path, svg: bool) -> Result<&'static str, Fail> {
+    let ext = output
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(|e| e.to_ascii_lowercase());
+    let kind = match ext.as_deref() {
+        Some("html" | "htm") => "html",
+        Some("svg") if svg => "svg",
+        _ => {
+            let allowed = if svg { ".svg or .html" } else { ".html" };
+            return Err(Fail(
+                format!("{}: the output must end in {allowed}", output.display()),
+                2,
+            ));
+        }
+    };
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(file), std::fs::canonicalize(output)) {
+        if a == b {
+            return Err(Fail(
+                format!(
+                    "{}: the output is the trace being read; write elsewhere",
+                    output.display()
+                ),
+                2,
+            ));
+        }
+    }
+    Ok(kind)
+}
+
+/// `--steps n`: refused when the trace cannot be cut into `n` steps (too few events).
+fn check_steps(trace: &Trace, n: usize) -> Result<(), Fail> {
+    let cut = oomguard_cli::replay::step_starts(trace, n).len();
+    if n > 1 && cut < n {
+        return Err(Fail(
+            format!(
+                "--steps {n}: the trace's {} events could be cut into {cut} step(s) only",
+                trace.events.len()
+            ),
+            2,
+        ));
+    }
+    Ok(())
+}
+
 fn write_page(output: &Path, body: &str, r: &ReplayReport) -> Result<(), Fail> {
     std::fs::write(output, body).map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
     eprintln!(
@@ -409,17 +457,8 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                     2,
                 ));
             }
-            if let Some(n) = opts.steps.filter(|&n| n > 1) {
-                let cut = oomguard_cli::replay::step_starts(&trace, n).len();
-                if cut < n {
-                    return Err(Fail(
-                        format!(
-                            "--steps {n}: the trace's {} events could be cut into {cut} step(s) only",
-                            trace.events.len()
-                        ),
-                        2,
-                    ));
-                }
+            if let Some(n) = opts.steps {
+                check_steps(&trace, n)?;
             }
             let r = replay_with_progress(&trace, &opts);
             if json {
@@ -543,20 +582,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             config: c,
             capacity: cap,
         } => {
-            let ext = output
-                .extension()
-                .and_then(|e| e.to_str())
-                .map(|e| e.to_ascii_lowercase());
-            let html = match ext.as_deref() {
-                Some("html" | "htm") => true,
-                Some("svg") => false,
-                _ => {
-                    return Err(Fail(
-                        format!("{}: the output must end in .svg or .html", output.display()),
-                        2,
-                    ))
-                }
-            };
+            let html = output_kind(&file, &output, true)? == "html";
             let opts = ReplayOptions {
                 config: config(&c)?,
                 capacity: capacity(&cap)?,
@@ -586,6 +612,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             config: c,
             capacity: cap,
         } => {
+            output_kind(&file, &output, false)?;
             let opts = ReplayOptions {
                 config: config(&c)?,
                 capacity: capacity(&cap)?,
@@ -650,6 +677,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
         } => {
             let cap = cap.map(|c| capacity(&c)).transpose()?;
             let trace = load(&file)?;
+            check_steps(&trace, steps as usize)?;
             let r = oomguard_cli::layout::layout(&trace, steps as usize, tries).map_err(input)?;
             let fits = cap.map(|c| r.layout_bytes <= c);
             if json {
@@ -669,7 +697,8 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 );
                 outln!(
                     out,
-                    "peak live        {} ({} bytes)",
+                    "peak live        {} ({} bytes; each block rounded up to 512 bytes, as \
+                     the allocator rounds it)",
                     ByteSize(r.peak_live_bytes),
                     r.peak_live_bytes
                 );
@@ -713,6 +742,9 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                         ),
                         2,
                     ));
+                }
+                if s == 0 {
+                    return Err(Fail("--steps 0: a trace has at least 1 step".into(), 2));
                 }
                 spec.steps = s;
             }

@@ -124,11 +124,21 @@ struct Sites {
     by_frame: HashMap<ObjId, String>,
     by_text: HashMap<String, u32>,
     text: Vec<String>,
+    /// Bytes of site text kept so far (stored twice: by text and in order).
+    kept: usize,
+    /// The site that stands for every site past [`Sites::TEXT_BUDGET`].
+    over_budget: Option<u32>,
 }
 
 impl Sites {
     /// Frames kept per site: the innermost ones say where; the rest is the framework.
     const MAX_FRAMES: usize = 8;
+    /// Characters kept of a frame's function name and of its file name: one string shared by
+    /// many frames through the memo costs the file its length once, but every site's text
+    /// would hold it again (a 1 MB snapshot of 1 MB file names took 2.6 GB, then aborted).
+    const MAX_FIELD: usize = 160;
+    /// Bytes of site text kept in all; past it, new sites share one site that says so.
+    const TEXT_BUDGET: usize = 64 << 20;
 
     fn site(&mut self, heap: &Heap, frames: ObjId) -> Option<u32> {
         if let Some(s) = self.by_list.get(&frames) {
@@ -148,11 +158,9 @@ impl Sites {
                 text.push_str(line);
                 continue;
             }
-            let name = heap.get(f, "name").and_then(Value::as_str).unwrap_or("");
-            let file = heap
-                .get(f, "filename")
-                .and_then(Value::as_str)
-                .unwrap_or("?");
+            let name = clip(heap.get(f, "name").and_then(Value::as_str).unwrap_or(""));
+            let file = heap.get(f, "filename").and_then(Value::as_str);
+            let file = clip(file.unwrap_or("?"));
             let line = heap.get(f, "line").and_then(Value::as_int).unwrap_or(0);
             let line = if name.is_empty() {
                 format!("{file}:{line}")
@@ -170,15 +178,39 @@ impl Sites {
                 list.len() - Self::MAX_FRAMES
             ));
         }
-        let site = (!text.is_empty()).then(|| {
-            let next = self.text.len() as u32;
-            *self.by_text.entry(text.clone()).or_insert_with(|| {
-                self.text.push(text);
-                next
-            })
-        });
+        let site = (!text.is_empty()).then(|| self.keep(text));
         self.by_list.insert(frames, site);
         site
+    }
+
+    /// The index of the site `text`, stored once (or the shared one past the budget).
+    fn keep(&mut self, text: String) -> u32 {
+        if let Some(&i) = self.by_text.get(&text) {
+            return i;
+        }
+        if self.kept + 2 * text.len() > Self::TEXT_BUDGET {
+            let next = self.text.len() as u32;
+            return *self.over_budget.get_or_insert_with(|| {
+                self.text.push(format!(
+                    "(site not kept: the snapshot's allocation sites passed {} MiB of text)",
+                    Self::TEXT_BUDGET >> 20
+                ));
+                next
+            });
+        }
+        self.kept += 2 * text.len();
+        let next = self.text.len() as u32;
+        self.by_text.insert(text.clone(), next);
+        self.text.push(text);
+        next
+    }
+}
+
+/// `s` cut to [`Sites::MAX_FIELD`] characters, an ellipsis marking the cut.
+fn clip(s: &str) -> std::borrow::Cow<'_, str> {
+    match s.char_indices().nth(Sites::MAX_FIELD) {
+        None => s.into(),
+        Some((end, _)) => format!("{}…", &s[..end]).into(),
     }
 }
 

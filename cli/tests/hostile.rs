@@ -548,3 +548,121 @@ fn a_byte_order_mark_and_an_uppercase_csv_header_are_read() {
         assert_eq!(v["peak_live_bytes"].as_u64(), Some(512), "{csv:?}");
     }
 }
+
+#[test]
+fn frames_sharing_one_huge_file_name_keep_a_clipped_site() {
+    // A 1 MB file name (memo 4) shared by ten frame dicts (memo 5..=14), and allocations whose
+    // frames lists pick 8 of them in distinct orders: each site's text held the name 8 times
+    // (8 MB a site; 1,000 sites aborted after 2.6 GB). Names are now clipped to 160 characters.
+    let mut p = b"\x80\x04}\x94\x8c\x0ddevice_traces\x94]\x94]\x94".to_vec(); // memo 0..=3
+    p.push(b'X');
+    p.extend_from_slice(&1_000_000u32.to_le_bytes());
+    p.extend(std::iter::repeat_n(b'x', 1_000_000));
+    p.extend_from_slice(b"\x940");
+    for k in 0..10u8 {
+        p.extend_from_slice(b"}(\x8c\x04name\x8c\x01f\x8c\x08filenameh\x04\x8c\x04lineK");
+        p.push(k);
+        p.extend_from_slice(b"u\x940");
+    }
+    p.push(b'(');
+    for i in 0..20u32 {
+        p.extend_from_slice(b"}(\x8c\x06action\x8c\x05alloc\x8c\x04addrJ");
+        p.extend_from_slice(&(i * 512).to_le_bytes());
+        p.extend_from_slice(b"\x8c\x04sizeM\x00\x02\x8c\x06frames(");
+        for d in format!("{i:08}").bytes() {
+            p.extend_from_slice(&[b'h', 5 + (d - b'0')]);
+        }
+        p.extend_from_slice(b"lu");
+    }
+    p.extend_from_slice(b"eas.");
+    let dir = common::scratch("frames_name");
+    let f = write(dir.path(), "names.pickle", &p);
+    let out = dir.path().join("names.html").display().to_string();
+    let r = oomguard(&["view", &f, "-o", &out]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let page = std::fs::read_to_string(&out).unwrap();
+    // 20 sites of 8 clipped names: tens of kilobytes (160 MB before)
+    assert!(page.len() < 2_000_000, "{} bytes", page.len());
+    let clipped = format!("{}…", "x".repeat(160));
+    assert!(page.contains(&clipped), "no clipped name in the page");
+}
+
+#[test]
+fn view_writes_only_html_and_never_over_its_trace() {
+    // `view victim.csv -o victim.csv` wrote the page over the trace (exit 0); `-o x.svg` wrote
+    // HTML into an .svg file.
+    let dir = common::scratch("view_output");
+    let csv = "op,id,bytes,stream\na,0,100,0\nf,0,100,0\n";
+    let f = write(dir.path(), "victim.csv", csv.as_bytes());
+    assert_error(
+        &oomguard(&["view", &f, "-o", &f]),
+        2,
+        "the output must end in .html",
+    );
+    let svg = dir.path().join("x.svg").display().to_string();
+    assert_error(
+        &oomguard(&["view", &f, "-o", &svg]),
+        2,
+        "the output must end in .html",
+    );
+    assert!(!Path::new(&svg).exists());
+    // a trace whose name ends in .html is read, and not written over
+    let named = write(dir.path(), "trace.html", csv.as_bytes());
+    for cmd in ["view", "plot"] {
+        assert_error(
+            &oomguard(&[cmd, &named, "-o", &named]),
+            2,
+            "the output is the trace being read",
+        );
+        assert_eq!(std::fs::read_to_string(&named).unwrap(), csv);
+    }
+    let out = dir.path().join("page.html").display().to_string();
+    assert_eq!(oomguard(&["view", &f, "-o", &out]).code, Some(0));
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), csv);
+}
+
+#[test]
+fn layout_and_gen_refuse_step_counts_they_cannot_make() {
+    // `layout --steps 100000` laid out the whole trace (exit 0) where `replay` refuses the
+    // count; `gen --steps 0` wrote a trace of weights only.
+    let dir = common::scratch("layout_steps");
+    let csv = "op,id,bytes,stream\na,0,100,0\na,1,50,0\nf,0,100,0\na,2,10,0\n";
+    let f = write(dir.path(), "t3.csv", csv.as_bytes());
+    for cmd in ["layout", "replay"] {
+        assert_error(
+            &oomguard(&[cmd, &f, "--steps", "100000"]),
+            2,
+            "--steps 100000: the trace's 4 events could be cut into",
+        );
+    }
+    assert_error(
+        &oomguard(&["gen", "training", "--steps", "0"]),
+        2,
+        "--steps 0: a trace has at least 1 step",
+    );
+    // the layout's peak live says that its blocks are rounded (150 bytes live: 1 KiB of blocks)
+    let r = oomguard(&["layout", &f]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(
+        r.stdout
+            .contains("peak live        1.00 KiB (1024 bytes; each block rounded up"),
+        "{}",
+        r.stdout
+    );
+}
+
+#[test]
+fn live_bytes_past_two_to_the_64_are_refused() {
+    // Two allocations of 2^63 bytes: the figures stopped at 2^64 − 1 and were printed (exit 0).
+    let dir = common::scratch("two63");
+    let csv = "op,id,bytes,stream\na,0,9223372036854775808,0\na,1,9223372036854775808,0\n\
+               f,0,1,0\nf,1,1,0\n";
+    let f = write(dir.path(), "two63.csv", csv.as_bytes());
+    for cmd in ["layout", "replay", "mincap"] {
+        assert_error(
+            &oomguard(&[cmd, &f]),
+            2,
+            "event 2: more than 16 EiB (2^64 bytes) live at once",
+        );
+    }
+}
