@@ -127,7 +127,7 @@ pub fn open(
         let d = match page_size {
             Some(p) => d
                 .with_page_size(p)
-                .map_err(|e| format!("--page-size: {e}"))?,
+                .map_err(|e| format!("--page-size: {}", e.message))?,
             None => d,
         };
         Ok(Arc::new(d))

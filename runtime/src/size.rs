@@ -140,6 +140,9 @@ impl FromStr for ByteSize {
             .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         let unit = unit.trim();
+        if t.starts_with('-') {
+            return Err(err("a size cannot be negative"));
+        }
         if num.is_empty() {
             return Err(err("no number before the unit"));
         }
@@ -221,6 +224,15 @@ mod tests {
         assert!(e.reason.contains("unknown unit"));
         let e = "20000000 TiB".parse::<ByteSize>().unwrap_err();
         assert!(e.reason.contains("too large"));
+    }
+
+    #[test]
+    fn a_negative_size_is_named_as_negative() {
+        // "-1" said "no number before the unit" (found by the CLI's hostile pass)
+        for s in ["-1", "-1 GiB", " -0.5MiB"] {
+            let e = s.parse::<ByteSize>().unwrap_err();
+            assert_eq!(e.reason, "a size cannot be negative", "{s}");
+        }
     }
 
     #[test]
