@@ -448,6 +448,14 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             let trace = load(&file)?;
             probe(&opts)?;
             let named = oomguard_cli::threads::thread_count(&trace.events);
+            if threads && named <= 1 {
+                // on standard error: the replay's figures are those of a replay without it
+                eprintln!(
+                    "oomguard: note: --threads: the trace names at most one thread (every event \
+                     of a trace without a thread column is on thread 0), so its events are \
+                     replayed on one worker thread"
+                );
+            }
             if threads && named > oomguard_cli::threads::MAX_THREADS {
                 return Err(Fail(
                     format!(

@@ -666,3 +666,19 @@ fn live_bytes_past_two_to_the_64_are_refused() {
         );
     }
 }
+
+#[test]
+fn threads_on_a_trace_of_one_thread_say_so() {
+    // `--threads` on a trace without a thread column ran every event through one worker
+    // (14 x slower on a million events) and said nothing.
+    let dir = common::scratch("threads_one");
+    let csv = "op,id,bytes,stream\na,0,100,0\nf,0,100,0\n";
+    let f = write(dir.path(), "one.csv", csv.as_bytes());
+    let r = oomguard(&["replay", &f, "--threads", "--json"]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let said = "oomguard: note: --threads: the trace names at most one thread";
+    assert!(r.stderr.starts_with(said), "{}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    let r = oomguard(&["replay", &f, "--json"]);
+    assert!(!r.stderr.contains("--threads"), "{}", r.stderr);
+}
