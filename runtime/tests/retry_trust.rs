@@ -3,7 +3,7 @@
 //! `MAX_ATTEMPTS` failed attempts.
 
 use oomguard_runtime::retry::{
-    BatchPlan, FnPolicy, RetryContext, RetryEngine, RetryError, MAX_ATTEMPTS,
+    BatchPlan, FnPolicy, RetryContext, RetryEngine, RetryError, StopReason, MAX_ATTEMPTS,
 };
 use oomguard_runtime::{ByteSize, Device, Error};
 
@@ -43,6 +43,15 @@ fn a_policy_that_never_gives_up_is_stopped() {
     assert_eq!(r.attempts.len(), (MAX_ATTEMPTS + 1) as usize);
     assert_eq!(r.retries(), MAX_ATTEMPTS as usize);
     assert!(r.gave_up());
+    // and says that the cap stopped it (it said "the policy allows nothing smaller")
+    let cap = Some(StopReason::AttemptCap { max: MAX_ATTEMPTS });
+    assert_eq!(r.stopped, cap, "{r}");
+    let text = e.to_string();
+    assert!(
+        text.contains("stopped: the engine's cap of 64 failed attempts"),
+        "{text}"
+    );
+    assert!(!text.contains("allows nothing smaller"), "{text}");
 }
 
 #[test]

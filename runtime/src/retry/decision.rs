@@ -75,10 +75,8 @@ pub(crate) struct Vote {
     pub status: Status,
     /// The plan to retry with (the attempt's plan when not retrying).
     pub proposal: BatchPlan,
-    /// A stop rule ended the step.
+    /// A stop rule, a limit or the engine's cap ([`MAX_ATTEMPTS`]) ended the step.
     pub stop: Option<StopReason>,
-    /// The policy was asked [`MAX_ATTEMPTS`] times already.
-    pub exhausted: bool,
     /// What the next attempt's stop rule compares with.
     pub last_too_large: Option<(OomRequest, Option<u64>, BatchPlan)>,
 }
@@ -94,7 +92,6 @@ pub(crate) fn vote(
         status,
         proposal: s.plan,
         stop: None,
-        exhausted: false,
         last_too_large: s.last_too_large,
     };
     let (budget, too_large, in_use) = match outcome {
@@ -145,9 +142,11 @@ pub(crate) fn vote(
         };
         next_plan(&RetryContext::new(s.plan, s.batch, s.oom_count, pressure))
     };
-    // The policy gave up past its limit: the limit stopped the step, whatever plans are left.
+    // The engine's cap, or the policy's own limit past which it gave up, stopped the step,
+    // whatever plans are left.
     let stop = match (stop, next) {
-        (None, None) if !exhausted => s
+        (None, None) if exhausted => Some(StopReason::AttemptCap { max: MAX_ATTEMPTS }),
+        (None, None) => s
             .retry_limit
             .filter(|&max| s.oom_count > max)
             .map(|max| StopReason::RetryLimit { max }),
@@ -157,7 +156,6 @@ pub(crate) fn vote(
         status: if next.is_some() { OOM } else { GIVE_UP },
         proposal: next.unwrap_or(s.plan),
         stop,
-        exhausted,
         last_too_large,
     }
 }
@@ -323,7 +321,9 @@ mod tests {
             ..state(&held)
         };
         let v = vote(oom(), &s, |_| panic!("not asked"));
-        assert_eq!((v.status, v.exhausted), (GIVE_UP, true));
+        assert_eq!(v.status, GIVE_UP);
+        let cap = Some(StopReason::AttemptCap { max: MAX_ATTEMPTS });
+        assert_eq!(v.stop, cap);
         let s = Facts {
             oom_count: MAX_ATTEMPTS,
             ..state(&held)

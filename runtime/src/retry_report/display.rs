@@ -36,6 +36,11 @@ impl fmt::Display for StopReason {
                  were not tried; `max_retries` sets the limit)",
                 if *max == 1 { "retry" } else { "retries" }
             ),
+            StopReason::AttemptCap { max } => write!(
+                f,
+                "the engine's cap of {max} failed attempts in one step was reached (the policy \
+                 was not asked again)"
+            ),
         }
     }
 }

@@ -69,6 +69,13 @@ pub enum StopReason {
         /// The limit.
         max: u32,
     },
+    /// The engine's own cap of failed attempts in one step
+    /// ([`MAX_ATTEMPTS`](crate::retry::advanced::MAX_ATTEMPTS), whatever the policy says) was
+    /// reached: the policy was not asked again.
+    AttemptCap {
+        /// The cap.
+        max: u32,
+    },
 }
 
 /// A try of one size up after a run of clean steps.
@@ -211,7 +218,11 @@ impl RetryReport {
     /// Whether the texts add the leak hint: held memory grew twice and no stop already says
     /// so (or says that no plan could help).
     pub(crate) fn may_leak(&self) -> bool {
-        self.held_grew() && matches!(self.stopped, None | Some(StopReason::RetryLimit { .. }))
+        self.held_grew()
+            && matches!(
+                self.stopped,
+                None | Some(StopReason::RetryLimit { .. } | StopReason::AttemptCap { .. })
+            )
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::consensus::ConsensusError;
-use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL, MAX_ATTEMPTS};
+use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL};
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::{FailedAttempt, RetryError};
@@ -202,13 +202,6 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
                 "out of memory: {why}"
             );
             self.report.stopped = Some(why.clone());
-        }
-        if vote.exhausted {
-            tracing::error!(
-                target: "oomguard::retry",
-                site = %self.report.site,
-                "the policy retried {MAX_ATTEMPTS} times: giving up"
-            );
         }
         (vote.status, vote.proposal)
     }
