@@ -82,7 +82,10 @@ impl Moves {
     }
     fn text(&self) -> String {
         let pairs = Self::NAMES.iter().zip(self.0);
-        pairs.map(|(n, v)| format!("{n}={v}")).collect::<Vec<_>>().join(" ")
+        pairs
+            .map(|(n, v)| format!("{n}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 }
 
@@ -121,7 +124,9 @@ impl Alloc {
                 .map(|s| {
                     let (maps, unmaps) = (s.num_device_alloc, s.num_device_free);
                     let (syncs, retries) = (s.num_sync_all_streams, s.num_alloc_retries);
-                    Moves([maps, unmaps, 0, syncs, retries, 0, s.num_ooms, 0, 0, 0, 0, 0])
+                    Moves([
+                        maps, unmaps, 0, syncs, retries, 0, s.num_ooms, 0, 0, 0, 0, 0,
+                    ])
                 })
                 .unwrap_or_default(),
             Alloc::Cpu => Moves::default(),
