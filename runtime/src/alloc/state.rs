@@ -296,9 +296,16 @@ impl State {
             }
         }
         self.parked = 0;
-        // keep the map's allocations for the next round
-        self.quick = lists;
+        // Keep the map's allocations for the next round while it is small. Its keys are every
+        // (stream, size) parked since: a trace of 40,000 streams made every flush walk 40,000
+        // empty lists (91 % of its replay's time), one flush per new stream.
+        if lists.len() <= Self::QUICK_KEYS_KEPT {
+            self.quick = lists;
+        }
     }
+
+    /// Most (stream, size) lists a flush keeps for reuse (see [`State::flush_parked`]).
+    const QUICK_KEYS_KEPT: usize = 64;
 
     /// Merges and indexes the parked large block, if there is one (before a large request that
     /// it did not serve looks for a free block or grows, and at a step mark).
@@ -680,5 +687,34 @@ impl State {
     /// The free lists' versions (see [`FreeIndex::version`]).
     pub fn free_versions(&self) -> [u64; 2] {
         [self.free[0].version(), self.free[1].version()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::alloc::CachingAllocator;
+    use crate::backend::sim::SimDevice;
+    use crate::{AllocatorConfig, ByteSize};
+
+    /// An alloc+free pair on each of 2,000 streams: every miss flushes the parked blocks, and
+    /// the flush no longer keeps an empty list per stream ever seen (each flush walked them
+    /// all: quadratic in the streams).
+    #[test]
+    fn a_flush_keeps_few_empty_lists() {
+        for cfg in ["expandable_segments:True", "expandable_segments:False"] {
+            let sim = SimDevice::new(ByteSize::gib(80));
+            let a = CachingAllocator::new(Arc::new(sim), AllocatorConfig::parse(cfg).unwrap());
+            for s in 0..2_000u64 {
+                let x = a.allocate(512, s).unwrap();
+                a.free(x).unwrap();
+                let keys = a.lock().quick.len();
+                assert!(
+                    keys <= super::State::QUICK_KEYS_KEPT + 1,
+                    "{cfg}: {keys} lists"
+                );
+            }
+        }
     }
 }
