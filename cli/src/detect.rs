@@ -4,7 +4,7 @@ use std::io::Read;
 use std::path::Path;
 
 use crate::error::ReadError;
-use crate::event::{Op, Trace, TraceFormat};
+use crate::event::{Trace, TraceFormat};
 
 /// The format of `data` (named `path`, whose extension is a hint for pickles without a
 /// protocol header). `None`: none of the known formats.
@@ -61,21 +61,11 @@ pub fn parse(data: &[u8], path: Option<&Path>) -> Result<Trace, ReadError> {
 }
 
 /// Refuses a trace with more than 2^64 bytes live at once (the figures of bytes, 64-bit, would
-/// stop there and be wrong), counting live bytes as [`Trace::peak_live_bytes`] does.
+/// stop there and be wrong).
 fn check_live_bytes(t: &Trace) -> Result<(), ReadError> {
-    let mut live = 0u128;
-    for (i, e) in t.events.iter().enumerate() {
-        match e.op {
-            Op::Alloc => {
-                live += u128::from(e.bytes);
-                if live > u128::from(u64::MAX) {
-                    return Err(ReadError::TooMuchLive { event: i + 1 });
-                }
-            }
-            Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
-        }
-    }
-    Ok(())
+    t.checked_peak_live()
+        .map(drop)
+        .map_err(|event| ReadError::TooMuchLive { event })
 }
 
 /// The largest trace read (16 GiB): a bound on the memory an endless input (`/dev/zero`, a

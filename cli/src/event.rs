@@ -123,18 +123,24 @@ impl Trace {
     /// assert_eq!(t.peak_live_bytes(), 150);
     /// ```
     pub fn peak_live_bytes(&self) -> u64 {
+        self.checked_peak_live().unwrap_or(u64::MAX)
+    }
+
+    /// [`Trace::peak_live_bytes`], or the 1-based index of the allocation at which more than
+    /// `u64::MAX` bytes are live.
+    pub(crate) fn checked_peak_live(&self) -> Result<u64, usize> {
         let mut live = 0u64;
         let mut peak = 0u64;
-        for e in &self.events {
+        for (i, e) in self.events.iter().enumerate() {
             match e.op {
                 Op::Alloc => {
-                    live = live.saturating_add(e.bytes);
+                    live = live.checked_add(e.bytes).ok_or(i + 1)?;
                     peak = peak.max(live);
                 }
                 Op::Free => live = live.saturating_sub(e.bytes),
             }
         }
-        peak
+        Ok(peak)
     }
 
     /// Allocations never freed, and their bytes.

@@ -254,7 +254,6 @@ fn config(s: &str) -> Result<AllocatorConfig, Fail> {
         .map_err(|e| Fail(format!("--config (or OOMGUARD_ALLOC_CONF): {e}"), 2))
 }
 
-/// Writes a picture or page of a replay to `output` and says so, with the replay's figures.
 /// What `output` is to be written as (`html` or, where `svg` is allowed, `svg`), from its
 /// extension; refused when the extension is neither, or when `output` is the trace `file`
 /// itself (writing would destroy the input).
@@ -303,6 +302,7 @@ fn check_steps(trace: &Trace, n: usize) -> Result<(), Fail> {
     Ok(())
 }
 
+/// Writes a picture or page of a replay to `output` and says so, with the replay's figures.
 fn write_page(output: &Path, body: &str, r: &ReplayReport) -> Result<(), Fail> {
     std::fs::write(output, body).map_err(|e| Fail(format!("{}: {e}", output.display()), 2))?;
     eprintln!(

@@ -136,6 +136,18 @@ fn entry_dict(action: &str, junk: usize) -> Vec<u8> {
     p
 }
 
+/// Appends the entry dict `{'action': 'alloc', 'addr': i × 512, 'size': 512, 'frames': [...]}`,
+/// its frames list naming memo slots `frames` (BINGET).
+fn alloc_with_frames(p: &mut Vec<u8>, i: u32, frames: impl IntoIterator<Item = u8>) {
+    p.extend_from_slice(b"}(\x8c\x06action\x8c\x05alloc\x8c\x04addrJ");
+    p.extend_from_slice(&(i * 512).to_le_bytes());
+    p.extend_from_slice(b"\x8c\x04sizeM\x00\x02\x8c\x06frames(");
+    for slot in frames {
+        p.extend_from_slice(&[b'h', slot]);
+    }
+    p.extend_from_slice(b"lu");
+}
+
 #[test]
 fn deeply_nested_tuples_are_an_error_not_a_stack_overflow() {
     let dir = common::scratch("nested");
@@ -388,11 +400,7 @@ fn frames_lists_aliasing_one_huge_frame_decode_in_linear_time() {
     p.extend_from_slice(b"u\x940");
     p.push(b'(');
     for i in 0..2_000u32 {
-        p.extend_from_slice(b"}(\x8c\x06action\x8c\x05alloc\x8c\x04addrJ");
-        p.extend_from_slice(&(i * 512).to_le_bytes());
-        p.extend_from_slice(b"\x8c\x04sizeM\x00\x02\x8c\x06frames(");
-        p.extend(std::iter::repeat_n(*b"h\x04", 8).flatten());
-        p.extend_from_slice(b"lu");
+        alloc_with_frames(&mut p, i, [4; 8]);
     }
     p.extend_from_slice(b"eas.");
     let dir = common::scratch("frames_alias");
@@ -566,13 +574,7 @@ fn frames_sharing_one_huge_file_name_keep_a_clipped_site() {
     }
     p.push(b'(');
     for i in 0..20u32 {
-        p.extend_from_slice(b"}(\x8c\x06action\x8c\x05alloc\x8c\x04addrJ");
-        p.extend_from_slice(&(i * 512).to_le_bytes());
-        p.extend_from_slice(b"\x8c\x04sizeM\x00\x02\x8c\x06frames(");
-        for d in format!("{i:08}").bytes() {
-            p.extend_from_slice(&[b'h', 5 + (d - b'0')]);
-        }
-        p.extend_from_slice(b"lu");
+        alloc_with_frames(&mut p, i, format!("{i:08}").bytes().map(|d| 5 + (d - b'0')));
     }
     p.extend_from_slice(b"eas.");
     let dir = common::scratch("frames_name");

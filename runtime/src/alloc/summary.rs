@@ -59,52 +59,45 @@ pub(crate) fn format_summary(
     cfg: &str,
     budget_refusals: Option<u64>,
 ) -> String {
-    let line = "|".to_string() + &"=".repeat(91) + "|\n";
-    let thin = "|".to_string() + &"-".repeat(91) + "|\n";
+    let line = "|".to_string() + &"=".repeat(TEXT + 2) + "|\n";
+    let thin = "|".to_string() + &"-".repeat(TEXT + 2) + "|\n";
     let mut o = String::new();
     o += &line;
-    text_row(
-        &mut o,
-        &format!("oomguard memory summary, device {ordinal} ({name})"),
-    );
-    text_row(&mut o, &format!("config: {cfg}"));
-    text_row(
-        &mut o,
-        &format!(
+    let mut texts = vec![
+        format!("oomguard memory summary, device {ordinal} ({name})"),
+        format!("config: {cfg}"),
+        format!(
             "alloc retries: {:<6} OOMs: {:<6} device allocs: {:<6} device frees: {:<6}",
             s.num_alloc_retries, s.num_ooms, s.num_device_alloc, s.num_device_free
         ),
-    );
+    ];
     if s.num_releases_skipped > 0 {
-        text_row(
-            &mut o,
-            &            format!(
-                "releases skipped: {:<6} (retries that kept the cache: releasing it could not have served them)",
-                s.num_releases_skipped
-            )
-        );
+        texts.push(format!(
+            "releases skipped: {:<6} (retries that kept the cache: releasing it could not have \
+             served them)",
+            s.num_releases_skipped
+        ));
     }
     if s.num_plans_installed + s.num_plans_refused > 0 {
-        text_row(
-            &mut o,
-            &            format!(
-                "step plans: {} installed ({} shared), {} refused, {} dropped; {} requests at their offset, {} missed",
-                s.num_plans_installed,
-                s.num_plans_shared,
-                s.num_plans_refused,
-                s.num_plans_dropped,
-                s.num_plan_hits,
-                s.num_plan_misses
-            )
-        );
+        texts.push(format!(
+            "step plans: {} installed ({} shared), {} refused, {} dropped; {} requests at their \
+             offset, {} missed",
+            s.num_plans_installed,
+            s.num_plans_shared,
+            s.num_plans_refused,
+            s.num_plans_dropped,
+            s.num_plan_hits,
+            s.num_plan_misses
+        ));
     }
     if let Some(n) = budget_refusals {
-        text_row(
-            &mut o,
-            &            format!(
-                "budget refusals: {n:<6} (by memory budgets, before the allocator; not counted in OOMs)"
-            )
-        );
+        texts.push(format!(
+            "budget refusals: {n:<6} (by memory budgets, before the allocator; not counted in \
+             OOMs)"
+        ));
+    }
+    for t in &texts {
+        text_row(&mut o, t);
     }
     o += &line;
     let _ = writeln!(
