@@ -3,6 +3,7 @@
 # `verify`: tch_gpt at 44 rows (plain steps) under oomguard and expandable segments; candle_gpt
 # frag at 24 and 28 rows, oomguard's native mode first then the default, two rounds; candle_llm
 # serving, one pair in each order. `llm`: more candle_llm pairs, the order alternating (ABBA).
+# `main`: main's suites, tch_convnet's check and candle_llm pairs on the card (see the mode).
 . "$(dirname "$0")/prelude.sh" y "${1:-verify}"
 run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
 native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
@@ -102,6 +103,17 @@ conv)
   # expandable segments (libtorch's counters).
   under oomguard 120 tch_convnet --batch 1951 --steps 6 --warmup 3
   under expandable 120 tch_convnet --batch 1951 --steps 3 --warmup 2 ;;
+main)
+  # main after the flush of parked lists (120edf2, not yet on a card): the suites that install,
+  # map and unmap; tch_convnet's gradient and loss check (every parameter gets a gradient, the
+  # loss falls) before VGG-16 at 1,951 rows under oomguard, and expandable segments at the same
+  # batch; then candle_llm serving, 80 requests a process, native / default / default / native
+  # three times over, after one warm-up.
+  suites test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
+  under oomguard 150 tch_convnet --check --batch 1951 --steps 6 --warmup 3
+  under expandable 120 tch_convnet --batch 1951 --steps 3 --warmup 2
+  ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
+  for r in 1 2 3; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
