@@ -108,12 +108,12 @@ main)
   # map and unmap; tch_convnet's gradient and loss check (every parameter gets a gradient, the
   # loss falls) before VGG-16 at 1,951 rows under oomguard, and expandable segments at the same
   # batch; then candle_llm serving, 80 requests a process, native / default / default / native
-  # three times over, after one warm-up.
+  # four times over, after one warm-up.
   suites test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
   under oomguard 150 tch_convnet --check --batch 1951 --steps 6 --warmup 3
   under expandable 120 tch_convnet --batch 1951 --steps 3 --warmup 2
   ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
-  for r in 1 2 3; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
+  for r in 1 2 3 4; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
