@@ -957,6 +957,51 @@ fn p14_initial_reservation_serves_later_requests() {
     }
 }
 
+/// A reservation under 10 MiB takes what was asked (rounded up to 2 MiB), as rmm's initial pool
+/// does, in both modes: native mode gave it the 20 MiB segment of an allocation under 10 MiB, so
+/// 4 MiB reserved 20 MiB, and on an empty 8 MiB card it failed with the whole card free. An
+/// out-of-memory at the memory limit says the limit (it said only that there was one).
+#[test]
+fn small_initial_reservations_take_what_was_asked() {
+    for mode in MODES {
+        for (asked, taken) in [(1, 2 * MIB), (4 * MIB, 4 * MIB), (5 * MIB + 1, 6 * MIB)] {
+            let (sim, a) = allocator(ByteSize::gib(1), mode);
+            a.reserve_initial(asked).unwrap();
+            assert_eq!(
+                a.stats().reserved_bytes.all.current,
+                taken,
+                "{mode}: {asked}"
+            );
+            // served from it without asking the device
+            let calls = sim.calls();
+            let x = a.allocate((taken - MIB).max(MIB + 1), 0).unwrap();
+            assert_eq!(sim.calls(), calls, "{mode}: {asked}");
+            a.free(x).unwrap();
+            a.check_invariants().unwrap();
+            a.empty_cache().unwrap();
+            assert_eq!(a.stats().reserved_bytes.all.current, 0, "{mode}: {asked}");
+        }
+        let (_, small) = allocator(ByteSize::mib(8), mode);
+        small.reserve_initial(4 * MIB).unwrap();
+        assert_eq!(small.stats().reserved_bytes.all.current, 4 * MIB, "{mode}");
+        // under a limit that is not a multiple of 2 MiB, up to the limit (512-byte blocks)
+        let (_, limited) = allocator(ByteSize::gib(1), mode);
+        limited.set_memory_limit(Some(5 * MIB));
+        if mode.ends_with("False") {
+            limited.reserve_initial(5 * MIB).unwrap();
+            assert_eq!(limited.stats().reserved_bytes.all.current, 5 * MIB);
+        }
+        // an out-of-memory at the limit names the limit and what is reserved against it
+        let (_, capped) = allocator(ByteSize::gib(1), mode);
+        capped.set_memory_limit(Some(5 * MIB));
+        let e = capped.allocate(6 * MIB, 0).unwrap_err().to_string();
+        assert!(
+            e.contains("memory limit of 5.00 MiB") && e.contains("(0 bytes reserved"),
+            "{mode}: {e}"
+        );
+    }
+}
+
 // ---- point 19: tests that can fail ----
 
 /// With events that stay pending until their stream is synchronised, delayed reuse after

@@ -473,8 +473,7 @@ impl CachingAllocator {
             Err(GrowError::Backend(e)) => return Err(self.fail(st, bytes, e)),
             Err(GrowError::TooLarge) => return Err(too_large(bytes)),
             Err(GrowError::Limit) => {
-                let e =
-                    BackendError::oom("limit", "the device-wide memory limit would be exceeded");
+                let e = limit_exceeded(st);
                 return Err(self.fail(st, bytes, e));
             }
         };
@@ -536,7 +535,7 @@ impl CachingAllocator {
                 // (an address range the first grow reserved holds nothing)
                 st.release_empty_ranges_of(&*self.backend, pool, stream);
             }
-            return Err(self.fail(st, bytes, first_cause(err)));
+            return Err(self.fail(st, bytes, first_cause(st, err)));
         }
         let released = self.release_cache(st, waited);
         // the memory limit is the user's stated capacity: a request under it is served, in a
@@ -557,7 +556,7 @@ impl CachingAllocator {
             Ok(id) => Ok(id),
             Err(GrowError::Backend(e)) if !e.is_oom() => Err(Error::Backend(e)),
             Err(GrowError::Backend(e)) => Err(self.fail(st, bytes, e)),
-            Err(_) => Err(self.fail(st, bytes, first_cause(err))),
+            Err(_) => Err(self.fail(st, bytes, first_cause(st, err))),
         }
     }
 
@@ -885,9 +884,13 @@ impl CachingAllocator {
     /// Takes `bytes` from the device now and keeps them cached for later requests, as rmm's
     /// `pool_memory_resource` initial pool size or JAX's preallocation: one block of the large
     /// pool (requests above 1 MiB), which later requests split (`max_split_size` permitting; the
-    /// small pool keeps its own 2 MiB segments). `bytes` must not exceed the maximum (the memory
-    /// limit, [`CachingAllocator::set_memory_limit`] / `per_process_memory_fraction`) nor the
-    /// device's capacity ([`Error::InvalidArgument`]); out-of-memory otherwise. 0 does nothing.
+    /// small pool keeps its own 2 MiB segments). What is taken is `bytes` rounded up to the 2 MiB
+    /// pages (growable segments) or to a segment of a multiple of 2 MiB (native mode; exactly
+    /// `bytes`, rounded to 512, where that would pass the maximum), at least 2 MiB: native mode
+    /// does not give a reservation under 10 MiB the 20 MiB segment an allocation gets. `bytes`
+    /// must not exceed the maximum (the memory limit, [`CachingAllocator::set_memory_limit`] /
+    /// `per_process_memory_fraction`) nor the device's capacity ([`Error::InvalidArgument`]);
+    /// out-of-memory otherwise. 0 does nothing.
     pub fn reserve_initial(&self, bytes: u64) -> Result<(), Error> {
         if bytes == 0 {
             return Ok(());
@@ -901,6 +904,13 @@ impl CachingAllocator {
                 crate::ByteSize(max)
             )));
         }
+        let native = {
+            let st = self.lock();
+            !st.growable && !st.cfg.pass_through
+        };
+        if native {
+            return self.reserve_segment(bytes, max);
+        }
         // above the small pool, whatever was asked
         let a = self.allocate(bytes.max(pool::SMALL_SIZE + 1), 0)?;
         self.free(a)?;
@@ -908,6 +918,42 @@ impl CachingAllocator {
         // shared pool, where every thread's requests can split it
         self.drain_own_cache();
         Ok(())
+    }
+
+    /// [`CachingAllocator::reserve_initial`] in native mode: one fixed segment of `bytes` (see
+    /// there), its one block free in the large pool; the cache is emptied and the segment tried
+    /// again if the device refuses it.
+    fn reserve_segment(&self, bytes: u64, max: u64) -> Result<(), Error> {
+        let at_least = bytes.max(pool::SMALL_SIZE + 1);
+        let size = [pool::ROUND_LARGE, pool::MIN_BLOCK]
+            .into_iter()
+            .filter_map(|unit| at_least.checked_next_multiple_of(unit))
+            .find(|&size| size <= max)
+            .unwrap_or(at_least);
+        let mut st = self.lock();
+        let mut grown = st.grow_exact(&*self.backend, PoolKind::Large, 0, size);
+        if matches!(&grown, Err(GrowError::Backend(e)) if e.is_oom()) {
+            st.stats.num_alloc_retries += 1;
+            self.release_cache(&mut st, false);
+            grown = st.grow_exact(&*self.backend, PoolKind::Large, 0, size);
+        }
+        let r = match grown {
+            Ok(id) => {
+                st.index_insert(id);
+                return Ok(());
+            }
+            Err(GrowError::Backend(e)) => self.fail(&mut st, bytes, e),
+            Err(GrowError::TooLarge) => too_large(bytes),
+            Err(GrowError::Limit) => {
+                let e = limit_exceeded(&st);
+                self.fail(&mut st, bytes, e)
+            }
+        };
+        drop(st);
+        if let Error::Oom(e) = &r {
+            self.notify_oom(e);
+        }
+        Err(r)
     }
 
     /// Opens a nested statistics scope, as rmm's `statistics_resource_adaptor::push_counters`:
@@ -1083,11 +1129,27 @@ impl CachingAllocator {
 }
 
 /// The backend's refusal behind a failed grow (the memory limit's, when the limit refused it).
-fn first_cause(err: GrowError) -> BackendError {
+fn first_cause(st: &State, err: GrowError) -> BackendError {
     match err {
         GrowError::Backend(e) => e,
-        _ => BackendError::oom("limit", "the device-wide memory limit would be exceeded"),
+        _ => limit_exceeded(st),
     }
+}
+
+/// The cause of an out-of-memory at the device-wide memory limit: the limit and what is
+/// reserved against it (the figures a user sets the limit or the fraction by).
+fn limit_exceeded(st: &State) -> BackendError {
+    let limit = st
+        .limit
+        .map_or_else(|| "none".into(), |l| crate::ByteSize(l).to_string());
+    BackendError::oom(
+        "limit",
+        format!(
+            "the device-wide memory limit of {limit} would be exceeded ({} reserved; \
+             set_memory_limit / per_process_memory_fraction)",
+            crate::ByteSize(st.reserved())
+        ),
+    )
 }
 
 fn too_large(bytes: u64) -> Error {
