@@ -32,7 +32,9 @@ pub use block::PoolKind;
 pub use history::{Frame, HistoryContext, HistoryOptions, TraceAction, TraceEntry};
 pub use pool::{MIN_BLOCK, SMALL_SIZE};
 pub use snapshot::{BlockInfo, BlockStatus, SegmentInfo};
-pub use static_layout::{peak_live, plan_static_layout, LifeSpan, StaticLayout};
+pub use static_layout::{
+    peak_live, plan_static_layout, plan_static_layout_within, LifeSpan, StaticLayout,
+};
 pub use stats::{MemoryStats, PoolStats, ScopeCounter, ScopeStats, Stat};
 
 use crate::backend::{Backend, BackendError, StreamId};
