@@ -4,6 +4,7 @@
 # frag at 24 and 28 rows, oomguard's native mode first then the default, two rounds; candle_llm
 # serving, one pair in each order. `llm`: more candle_llm pairs, the order alternating (ABBA).
 # `main`: main's suites, tch_convnet's check and candle_llm pairs on the card (see the mode).
+# `after`: the suites, tch_gpt at 44 and candle_gpt at 24/28 NDDN after a32aebe.
 . "$(dirname "$0")/prelude.sh" y "${1:-verify}"
 run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
 native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
@@ -114,6 +115,15 @@ main)
   under expandable 120 tch_convnet --batch 1951 --steps 3 --warmup 2
   ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
   for r in 1 2 3 4; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
+after)
+  # main after reserve_initial's native segment and the bounded static layouts (a32aebe): the
+  # suites; tch_gpt at 44 rows under oomguard and expandable segments; candle_gpt frag at 24
+  # and 28 rows, native / default / default / native, three rounds.
+  suites test-gpu test-pool_gpu tchtest-allocator_gpu candletest-hook_gpu
+  for al in oomguard expandable; do under $al 90 tch_gpt --phase plain --batch 44 --steps 6 --warmup 3; done
+  for r in 1 2 3; do for b in 24 28; do for c in native default default native; do
+    $c ./candle_gpt frag --batch $b --steps 6
+  done; done; done ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
