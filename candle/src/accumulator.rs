@@ -59,8 +59,8 @@ impl GradAccumulator {
             chunk.rows(),
             "`.mean_all()`",
         )
-        .map_err(candle_core::Error::msg)?;
-        self.sum.admit(chunk).map_err(candle_core::Error::msg)?;
+        .map_err(crate::oom::refusal)?;
+        self.sum.admit(chunk).map_err(crate::oom::refusal)?;
         self.check_graph(chunk_loss)?;
 
         // The unweighted loss is backpropagated (its seed, 1, is exact in every dtype) and the
@@ -103,14 +103,14 @@ impl GradAccumulator {
             .iter()
             .map(|t| format!("{:?} {:?}", t.dims(), t.dtype()))
             .collect();
-        candle_core::bail!(
+        Err(crate::oom::refusal(format!(
             "{} variable(s) in the loss's graph are not among the step's parameters ({}): the \
              optimizer would never see their gradients and they would stay frozen without anyone \
              deciding so. Pass every variable the optimizer updates (`Params::from_varmap`), or \
              freeze them explicitly (`Params::freeze`)",
             unknown.len(),
             name_list(&list)
-        )
+        )))
     }
 
     /// The batch's mean loss so far (the weighted sum of the chunks' mean losses, in `f64`).
@@ -128,7 +128,7 @@ impl GradAccumulator {
     /// Errors: a trained variable received no gradient in any chunk (they are named: index
     /// among the trained variables, name, shape, dtype); the chunks did not cover the batch.
     pub fn into_grads(self) -> candle_core::Result<GradStore> {
-        self.sum.covers_batch().map_err(candle_core::Error::msg)?;
+        self.sum.covers_batch().map_err(crate::oom::refusal)?;
         let missing: Vec<(usize, &Param)> = self
             .params
             .trained
@@ -140,7 +140,7 @@ impl GradAccumulator {
             .collect();
         if !missing.is_empty() {
             let list: Vec<String> = missing.iter().map(|(i, p)| p.describe(*i)).collect();
-            candle_core::bail!(
+            return Err(crate::oom::refusal(format!(
                 "{}. The loss does not depend on them through differentiable ops: candle-nn \
                  0.11's `LayerNorm` module (contiguous input with a bias), `RmsNorm`, \
                  `ops::layer_norm`, `ops::rms_norm` and `ops::softmax_last_dim` are forward-only \
@@ -148,7 +148,7 @@ impl GradAccumulator {
                  bias, `ops::rms_norm_slow`, `ops::softmax(.., D::Minus1)`), as does \
                  `detach()`. If they are frozen on purpose, say so with `Params::freeze`",
                 missing_gradients(&list, self.params.trained.len())
-            );
+            )));
         }
         let mut store = GradStore::default();
         for (p, g) in self.params.trained.iter().zip(self.grads) {

@@ -64,7 +64,7 @@ where
     }
 
     fn batch_error(message: String) -> candle_core::Error {
-        candle_core::Error::msg(message)
+        crate::oom::refusal(message)
     }
 }
 

@@ -21,6 +21,13 @@ pub fn into_candle_error(e: oomguard::Error) -> candle_core::Error {
     candle_core::Error::Cuda(Box::new(e))
 }
 
+/// One of this crate's refusals (bad rows, a missing gradient, ...) as a candle error: the text
+/// alone, without the backtrace `candle_core::bail!` and `Error::msg` attach under
+/// `RUST_BACKTRACE=1` (a retry report quotes every attempt's message).
+pub(crate) fn refusal(message: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(message.to_string())
+}
+
 /// Takes `bytes` of `device`'s memory until the returned [`Charge`] drops, for testing candle
 /// code's out-of-memory handling on CPU: an OOM (the device is full, or a budget on it is
 /// exceeded) comes back as a `candle_core::Error` that [`IsOom`](oomguard::IsOom) classifies

@@ -11,12 +11,12 @@ use oomguard::retry::{BatchPlan, Chunk};
 pub fn chunk_rows(t: &Tensor, chunk: &Chunk) -> candle_core::Result<Tensor> {
     let rows = t.dims().first().copied().unwrap_or(0);
     if chunk.rows().end > rows {
-        candle_core::bail!(
+        return Err(crate::oom::refusal(format!(
             "chunk {:?} needs rows up to {}, but the tensor has {rows} (shape {:?})",
             chunk.rows(),
             chunk.rows().end,
             t.dims()
-        );
+        )));
     }
     t.narrow(0, chunk.start(), chunk.len())
 }
@@ -25,7 +25,7 @@ pub fn chunk_rows(t: &Tensor, chunk: &Chunk) -> candle_core::Result<Tensor> {
 /// tensor must have exactly `plan.batch()` rows.
 pub fn split_rows(tensors: &[&Tensor], plan: &BatchPlan) -> candle_core::Result<Vec<Vec<Tensor>>> {
     for t in tensors {
-        oomguard::train::rows_match(t.dims(), plan.batch()).map_err(candle_core::Error::msg)?;
+        oomguard::train::rows_match(t.dims(), plan.batch()).map_err(crate::oom::refusal)?;
     }
     plan.chunks()
         .map(|c| tensors.iter().map(|t| chunk_rows(t, &c)).collect())
