@@ -54,14 +54,17 @@ impl LossCurve {
 
     /// `Ok` when the last loss is finite and below the first divided by `factor` (2.0: it fell
     /// by half); otherwise a [`LossDidNotFall`] that says what it did. Fewer than two steps, a
-    /// first loss that is not finite and a `factor` that is not a finite number above 1 are
-    /// refused the same way (nothing shows the loss fell).
+    /// first loss that is not finite, a first loss that is not above 0 (a fall by a factor is
+    /// measured from a positive loss: a negative log-likelihood going from −1 to −0.6 is below
+    /// −1 / 2 but rose) and a `factor` that is not a finite number above 1 are refused the same
+    /// way (nothing shows the loss fell).
     pub fn check_fell_by(&self, factor: f64) -> Result<(), LossDidNotFall> {
         let (first, last) = (self.first(), self.last());
         let fell = self.losses.len() >= 2
             && factor.is_finite()
             && factor > 1.0
             && first.is_finite()
+            && first > 0.0
             && last.is_finite()
             && last < first / factor;
         if fell {
@@ -126,6 +129,13 @@ impl fmt::Display for LossDidNotFall {
                 self.factor
             );
         }
+        if self.first.is_finite() && self.first <= 0.0 {
+            return write!(
+                f,
+                "a fall by a factor is measured from a positive loss; the first is {} ({} -> {} in {} steps)",
+                self.first, self.first, self.last, self.steps
+            );
+        }
         write!(
             f,
             "the loss did not fall to 1/{} of its first value in {} steps: {} -> {}",
@@ -168,6 +178,11 @@ mod tests {
             &[1.0, f64::INFINITY],
         ] {
             assert!(curve(losses).check_fell_by(2.0).is_err(), "{losses:?}");
+        }
+        // a negative loss that rose, and losses from 0, show no fall by a factor
+        for losses in [&[-1.0, -0.6][..], &[-1.0, -3.0], &[0.0, -1.0]] {
+            let e = curve(losses).check_fell_by(2.0).unwrap_err();
+            assert!(e.to_string().contains("positive loss"), "{losses:?}: {e}");
         }
         let e = curve(&[1.0]).check_fell_by(2.0).unwrap_err();
         assert!(e.to_string().contains("1 step(s)"), "{e}");
