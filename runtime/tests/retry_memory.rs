@@ -136,6 +136,13 @@ fn regrow_after_clean_steps_and_fall_back_on_oom() {
     let regrow = r.report.regrow.expect("a regrow was tried");
     assert_eq!(regrow.tried, BatchPlan::new(100, 2).unwrap());
     assert!(!regrow.succeeded);
+    assert!(
+        r.report.to_string().contains(
+            "regrow: tried batch 100 in 2 micro-batches of ≤50 after clean steps; out of memory"
+        ),
+        "{}",
+        r.report
+    );
     assert_eq!(r.report.retries(), 1);
     assert_eq!(r.report.final_plan, BatchPlan::new(100, 4).unwrap());
     assert_eq!(r.value, 100);
@@ -148,6 +155,11 @@ fn regrow_after_clean_steps_and_fall_back_on_oom() {
     assert_eq!(
         r.report.regrow.map(|g| (g.tried.num_chunks(), g.succeeded)),
         Some((2, true))
+    );
+    assert!(
+        r.report.to_string().contains("; it fit, remembered"),
+        "{}",
+        r.report
     );
     assert_eq!(r.report.retries(), 0);
     assert_eq!(

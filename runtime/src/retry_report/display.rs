@@ -120,6 +120,21 @@ impl fmt::Display for RetryReport {
                  remembered for this step)"
             )?;
         }
+        if let Some(g) = &self.regrow {
+            if g.succeeded {
+                write!(
+                    f,
+                    "\n  regrow: tried {} after clean steps; it fit, remembered",
+                    g.tried
+                )?;
+            } else {
+                write!(
+                    f,
+                    "\n  regrow: tried {} after clean steps; out of memory, back to the plan that fit",
+                    g.tried
+                )?;
+            }
+        }
         for (i, a) in self.attempts.iter().enumerate() {
             write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;
             if let Some(e) = &a.error {
