@@ -148,7 +148,9 @@ pub struct RetryReport {
     pub stopped: Option<StopReason>,
     /// The micro-batch the first attempt started from because the engine was seeded with it
     /// ([`RetryEngine::start_from`](crate::retry::RetryEngine::start_from)) and nothing was remembered
-    /// for the step (`None`: not seeded, or something remembered took precedence).
+    /// for the step (`None`: not seeded, something remembered took precedence, or the seed
+    /// would not change the first plan: the batch is no larger than the seed, or a micro-batch
+    /// cap already below it applies).
     pub seeded: Option<usize>,
 }
 
