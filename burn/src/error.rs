@@ -41,8 +41,9 @@ pub enum Error {
     /// cuts the graph, or a parameter the loss does not use); the optimizer did not step.
     #[error(
         "{} parameter(s) requiring a gradient got none from the backward pass: {}; a module cut \
-         the graph or the loss does not use them (freeze unused ones with \
-         `set_require_grad(false)`); the optimizer did not step",
+         the graph or the loss does not use them (freeze unused ones: `Module::no_grad()` for \
+         a module, `Param::set_require_grad(false)` for one parameter); the optimizer did not \
+         step",
         .params.len(),
         oomguard::train::name_list(.params)
     )]

@@ -42,6 +42,17 @@ where
     }
 
     fn accumulator(&mut self) -> candle_core::Result<GradAccumulator> {
+        if self.params.trained.is_empty() {
+            return Err(crate::oom::refusal(format!(
+                "no variable to train: the step's parameters are {} (the optimizer's step would \
+                 change nothing). Pass every variable the optimizer updates",
+                if self.params.frozen.is_empty() {
+                    "empty"
+                } else {
+                    "all frozen"
+                }
+            )));
+        }
         Ok(GradAccumulator::new(&self.params))
     }
 

@@ -28,7 +28,11 @@ pub type TrainStepError = oomguard::train::TrainStepError<candle_core::Error>;
 ///   through one (`Tensor::arange(0u32, n, &dev)`).
 /// - `params`: every variable the optimizer updates (a `&Var`, a slice of `Var`s, a `&VarMap`, or
 ///   [`Params`] with frozen ones). Each must receive a gradient, and every float variable the
-///   loss depends on must be listed: see [`GradAccumulator`](crate::GradAccumulator).
+///   loss depends on must be listed: see [`GradAccumulator`](crate::GradAccumulator). At least
+///   one must be trained (none, or all frozen, is refused before the first chunk). They must be
+///   the variables `optimizer` was built with: candle's `Optimizer` does not say which it
+///   holds, so an optimizer over other variables is not detected (its step changes none of
+///   `params`).
 /// - `chunk_loss(chunk, rows)`: the loss of one micro-batch, given its rows of each of
 ///   `batch`'s tensors in order. **It must be the chunk's per-row mean loss** (a scalar: a sum
 ///   makes the update depend on the split), and must not use statistics of the whole batch

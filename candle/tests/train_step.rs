@@ -353,6 +353,43 @@ fn a_variable_the_optimizer_updates_but_the_step_does_not_list_is_an_error() {
     .unwrap();
 }
 
+/// A step with no variable to train (none given, or every one frozen) is refused before its
+/// first chunk: it returned `Ok` with its loss while the optimizer changed nothing.
+#[test]
+fn a_step_with_nothing_to_train_is_refused() {
+    let (x, y) = data();
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    let w = Var::zeros((4, 1), DType::F32, &Device::Cpu).unwrap();
+    let mut opt = Counting::new(vec![w.clone()], 0.05).unwrap();
+    let frozen =
+        oomguard_candle::Params::new(std::slice::from_ref(&w)).freeze(std::slice::from_ref(&w));
+    for (params, said) in [
+        (oomguard_candle::Params::default(), "are empty"),
+        (frozen, "are all frozen"),
+    ] {
+        let mut chunks = 0;
+        let err = train_step(
+            &RetryEngine::new(),
+            &sim,
+            &[&x, &y],
+            params,
+            &mut opt,
+            |_, r| {
+                chunks += 1;
+                (r[0].matmul(w.as_tensor())? - &r[1])?.sqr()?.mean_all()
+            },
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("no variable to train") && msg.contains(said),
+            "{msg}"
+        );
+        assert!(!err.is_oom(), "{msg}");
+        assert_eq!((chunks, opt.1), (0, 0));
+    }
+}
+
 #[test]
 fn train_step_errors_are_classified_budget_kind_included() {
     let (x, y) = data();
