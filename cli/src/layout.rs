@@ -105,12 +105,19 @@ pub fn layout(trace: &Trace, steps: usize, tries: u32) -> Result<LayoutReport, L
             spans.len()
         )));
     }
+    // rounded sizes are multiples of 512: a peak of u64::MAX is a sum that did not fit
+    let peak = peak_live(&spans);
+    if peak == u64::MAX {
+        return Err(LayoutError(format!(
+            "the step's blocks, each rounded up to {ROUND} bytes, are more than 2^64 bytes live at once"
+        )));
+    }
     let l: StaticLayout = plan_static_layout_within(&spans, tries, 0x5eed, WORK);
     Ok(LayoutReport {
         first_event: first,
         end_event: end,
         blocks: spans.len(),
-        peak_live_bytes: peak_live(&spans),
+        peak_live_bytes: peak,
         layout_bytes: l.height,
         tries: l.tries,
     })
@@ -135,6 +142,23 @@ mod tests {
             (r.blocks, r.peak_live_bytes, r.layout_bytes),
             (2, 2048, 2048)
         );
+    }
+
+    /// Blocks whose sizes fit in 64 bits but whose 512-byte rounding makes them more than
+    /// 2^64 bytes live at once: refused (the peak printed was 2^64 − 1, a saturated sum).
+    #[test]
+    fn a_step_over_2_pow_64_bytes_once_rounded_is_refused() {
+        let events = vec![
+            Event::alloc(1, u64::MAX - 615, 0),
+            Event::alloc(2, 512, 0),
+            Event::free(1, u64::MAX - 615, 0),
+        ];
+        let t = Trace::new(TraceFormat::Csv, events);
+        let e = layout(&t, 1, 10).unwrap_err();
+        assert!(e.to_string().contains("more than 2^64 bytes"), "{e}");
+        // a block that rounds past 2^64 alone, likewise
+        let t = Trace::new(TraceFormat::Csv, vec![Event::alloc(1, u64::MAX - 10, 0)]);
+        assert!(layout(&t, 1, 10).is_err());
     }
 
     #[test]

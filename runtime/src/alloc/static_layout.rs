@@ -101,7 +101,8 @@ pub fn plan_static_layout_within(
     let mut order: Vec<usize> = (0..spans.len()).collect();
     order.sort_by_key(|&i| (std::cmp::Reverse(spans[i].bytes), spans[i].start));
     // the first order tests every placed block: the lists pay off only over several orders
-    let mut best = place(spans, &Together(None), &order, u64::MAX, &mut spent).unwrap_or_default();
+    let mut best = place(spans, &Together(None), &order, None, &mut spent)
+        .expect("an order with nothing to beat is never dropped");
     let mut together = None;
     let mut tried = 1;
     let mut rng = seed | 1;
@@ -117,7 +118,7 @@ pub fn plan_static_layout_within(
         order.clear();
         order.extend(keys.iter().map(|&(_, i)| i));
         let together = together.get_or_insert_with(|| Together::of(spans));
-        if let Some(layout) = place(spans, together, &order, best.1, &mut spent) {
+        if let Some(layout) = place(spans, together, &order, Some(best.1), &mut spent) {
             best = layout;
         }
         tried += 1;
@@ -182,13 +183,14 @@ impl Together {
 
 /// Greedy placement in `order`: each block at the lowest offset clear of the blocks placed
 /// before it that live at the same time. Returns the offsets and the height, or `None` as soon
-/// as the height reaches `beat` (the order cannot give a lower layout: heights only grow).
+/// as the height reaches `beat` (the order cannot give a lower layout: heights only grow;
+/// `None`: never).
 /// Adds its work to `spent` (see [`plan_static_layout_within`]).
 fn place(
     spans: &[LifeSpan],
     together: &Together,
     order: &[usize],
-    beat: u64,
+    beat: Option<u64>,
     spent: &mut u64,
 ) -> Option<(Vec<u64>, u64)> {
     let mut offsets = vec![0u64; spans.len()];
@@ -236,7 +238,7 @@ fn place(
         }
         offsets[i] = at;
         height = height.max(at.saturating_add(s.bytes));
-        if height >= beat {
+        if beat.is_some_and(|b| height >= b) {
             return None;
         }
         is_placed[i] = true;
@@ -331,12 +333,12 @@ mod tests {
             }
             let order: Vec<usize> = (0..spans.len()).rev().collect();
             let (mut a, mut b) = (0, 0);
-            let listed = place(&spans, &Together::of(&spans), &order, u64::MAX, &mut a);
-            let tested = place(&spans, &Together(None), &order, u64::MAX, &mut b);
+            let listed = place(&spans, &Together::of(&spans), &order, None, &mut a);
+            let tested = place(&spans, &Together(None), &order, None, &mut b);
             assert_eq!(listed, tested);
             let height = listed.unwrap().1;
             assert_eq!(
-                place(&spans, &Together::of(&spans), &order, height, &mut a),
+                place(&spans, &Together::of(&spans), &order, Some(height), &mut a),
                 None
             );
         }
@@ -360,6 +362,14 @@ mod tests {
             plan_static_layout_within(&spans, 200, 7, u64::MAX),
             plan_static_layout(&spans, 200, 7)
         );
+    }
+
+    /// A height that saturates (a block of nearly 2^64 bytes) is the layout's, not dropped.
+    #[test]
+    fn a_saturated_height_is_kept() {
+        let spans = [span(0, 2, u64::MAX), span(1, 3, 512)];
+        let l = plan_static_layout(&spans, 5, 3);
+        assert_eq!((l.height, l.offsets.len()), (u64::MAX, 2));
     }
 
     #[test]
