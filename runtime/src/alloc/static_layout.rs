@@ -262,6 +262,27 @@ mod tests {
         LifeSpan { start, end, bytes }
     }
 
+    /// `n` seeded spans: starts below `starts`, lengths in `lens`, 1 to `units` × 512 bytes.
+    fn random_spans(
+        rng: &mut u64,
+        n: usize,
+        starts: u64,
+        lens: std::ops::Range<u64>,
+        units: u64,
+    ) -> Vec<LifeSpan> {
+        let mut next = || {
+            *rng = xorshift(*rng);
+            *rng
+        };
+        (0..n)
+            .map(|_| {
+                let start = (next() % starts) as usize;
+                let len = (lens.start + next() % (lens.end - lens.start)) as usize;
+                span(start, start + len, 512 * (1 + next() % units))
+            })
+            .collect()
+    }
+
     #[test]
     fn blocks_apart_in_time_share_memory() {
         let spans = [span(0, 2, 100), span(2, 4, 100), span(4, 6, 60)];
@@ -300,15 +321,7 @@ mod tests {
     fn random_steps_get_valid_layouts_between_the_bounds() {
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for _ in 0..50 {
-            let mut spans = Vec::new();
-            for _ in 0..40 {
-                rng = xorshift(rng);
-                let start = (rng % 100) as usize;
-                rng = xorshift(rng);
-                let len = 1 + (rng % 30) as usize;
-                rng = xorshift(rng);
-                spans.push(span(start, start + len, 512 * (1 + rng % 64)));
-            }
+            let spans = random_spans(&mut rng, 40, 100, 1..31, 64);
             let l = plan_static_layout(&spans, 20, rng);
             assert_eq!(l.conflict(&spans), None);
             assert!(l.height >= peak_live(&spans));
@@ -322,15 +335,8 @@ mod tests {
     fn listing_the_blocks_live_together_changes_no_layout() {
         let mut rng = 0x2545_f491_4f6c_dd1du64;
         for _ in 0..30 {
-            let mut spans = Vec::new();
-            for _ in 0..60 {
-                rng = xorshift(rng);
-                let start = (rng % 80) as usize;
-                rng = xorshift(rng);
-                let len = (rng % 25) as usize; // zero-length spans included
-                rng = xorshift(rng);
-                spans.push(span(start, start + len, 512 * (1 + rng % 16)));
-            }
+            // zero-length spans included
+            let spans = random_spans(&mut rng, 60, 80, 0..25, 16);
             let order: Vec<usize> = (0..spans.len()).rev().collect();
             let (mut a, mut b) = (0, 0);
             let listed = place(&spans, &Together::of(&spans), &order, None, &mut a);
