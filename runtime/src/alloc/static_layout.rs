@@ -300,15 +300,20 @@ mod tests {
         assert_eq!(l.conflict(&spans), None);
     }
 
-    #[test]
-    fn the_search_is_never_worse_than_largest_first() {
-        let spans = [
+    /// Five blocks with staggered lifetimes.
+    fn five_staggered() -> [LifeSpan; 5] {
+        [
             span(0, 2, 40),
             span(1, 3, 30),
             span(2, 4, 30),
             span(3, 5, 40),
             span(0, 5, 10),
-        ];
+        ]
+    }
+
+    #[test]
+    fn the_search_is_never_worse_than_largest_first() {
+        let spans = five_staggered();
         let first = plan_static_layout(&spans, 1, 7);
         let searched = plan_static_layout(&spans, 200, 7);
         assert!(searched.height <= first.height);
@@ -354,13 +359,7 @@ mod tests {
     /// not reached.
     #[test]
     fn the_work_bound_stops_new_orders() {
-        let spans = [
-            span(0, 2, 40),
-            span(1, 3, 30),
-            span(2, 4, 30),
-            span(3, 5, 40),
-            span(0, 5, 10),
-        ];
+        let spans = five_staggered();
         let first = plan_static_layout_within(&spans, 200, 7, 0);
         assert_eq!(first.tries, 1);
         assert_eq!(first, plan_static_layout(&spans, 1, 7));
