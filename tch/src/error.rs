@@ -36,13 +36,13 @@ pub enum Error {
     #[error("{0}")]
     Loss(String),
     /// Variables of the `VarStore` that require a gradient got none from the backward passes of
-    /// a step (the loss does not depend on them, or a `detach()` / `no_grad` cut the graph);
-    /// the optimizer did not step. Freeze one on purpose with `set_requires_grad(false)` (or
-    /// the whole store with `VarStore::freeze`); not retried.
+    /// a step (the loss does not depend on them, or a `detach()` / `no_grad` cut the graph: a
+    /// loss that requires no gradient at all names every one); the optimizer did not step.
+    /// Freeze one on purpose with `set_requires_grad(false)`; not retried.
     #[error(
         "{}: the loss does not depend on them, or a `detach()`, `no_grad` or an integer cast cut \
-         the graph; freeze a variable on purpose with `set_requires_grad(false)` \
-         (`VarStore::freeze` for all). The optimizer did not step",
+         the graph; freeze a variable on purpose with `set_requires_grad(false)`. The optimizer \
+         did not step",
         oomguard::train::missing_gradients(.params, *.trained)
     )]
     NoGradient {
@@ -63,6 +63,18 @@ pub enum Error {
     NotOptimized {
         /// Their names in the `VarStore`, sorted.
         params: Vec<String>,
+    },
+    /// No variable of the `VarStore` requires a gradient (it has none, or all are frozen, e.g.
+    /// `VarStore::freeze`): the optimizer's step would change nothing. Refused before the first
+    /// chunk; not retried.
+    #[error(
+        "no variable of the VarStore requires a gradient ({variables} variable(s), all frozen or \
+         none): the optimizer's step would change nothing. Train at least one (unfreeze with \
+         `VarStore::unfreeze` or `set_requires_grad(true)`)"
+    )]
+    NothingToTrain {
+        /// The store's variables (all of them frozen), 0 for an empty store.
+        variables: usize,
     },
     /// The batch [`find_max_batch_train`](crate::find_max_batch_train)'s `make_batch(rows)`
     /// gave is not `rows` rows (its tensors disagree on dimension 0, or have another count);
@@ -86,6 +98,7 @@ impl IsOom for Error {
             Error::Oomguard(e) => IsOom::is_oom(e),
             Error::Loss(_)
             | Error::NoGradient { .. }
+            | Error::NothingToTrain { .. }
             | Error::NotOptimized { .. }
             | Error::Batch(_) => false,
         }

@@ -16,6 +16,8 @@ use crate::Error;
 /// loss.
 pub(crate) struct TchStep<'o, L> {
     pub(crate) trained: Vec<(String, Tensor)>,
+    /// The store's variables, frozen ones included (for [`Error::NothingToTrain`]).
+    pub(crate) variables: usize,
     pub(crate) optimizer: &'o mut nn::Optimizer,
     pub(crate) chunk_loss: L,
 }
@@ -23,14 +25,14 @@ pub(crate) struct TchStep<'o, L> {
 impl<'o, L> TchStep<'o, L> {
     /// A step over `vs`'s variables that require a gradient.
     pub(crate) fn new(vs: &nn::VarStore, optimizer: &'o mut nn::Optimizer, chunk_loss: L) -> Self {
-        let mut trained: Vec<(String, Tensor)> = vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| t.requires_grad())
-            .collect();
+        let all = vs.variables();
+        let variables = all.len();
+        let mut trained: Vec<(String, Tensor)> =
+            all.into_iter().filter(|(_, t)| t.requires_grad()).collect();
         trained.sort_by(|a, b| a.0.cmp(&b.0));
         Self {
             trained,
+            variables,
             optimizer,
             chunk_loss,
         }
@@ -43,6 +45,17 @@ impl<'o, L> TchStep<'o, L> {
             .iter()
             .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
             .sum()
+    }
+
+    /// [`Error::NoGradient`] for `params` (names, sorted), against the variables that require
+    /// a gradient.
+    fn no_gradient(&self, params: Vec<String>) -> Error {
+        let trained = self
+            .trained
+            .iter()
+            .filter(|(_, t)| t.requires_grad())
+            .count();
+        Error::NoGradient { params, trained }
     }
 
     /// [`Error::NotOptimized`]: trained variables the optimizer does not hold.
@@ -93,6 +106,11 @@ where
     }
 
     fn accumulator(&mut self) -> Result<LossSum, Error> {
+        if self.trained.is_empty() {
+            return Err(Error::NothingToTrain {
+                variables: self.variables,
+            });
+        }
         self.not_optimized()?;
         // A failed attempt's partial gradients never reach the next one.
         self.optimizer.zero_grad();
@@ -117,6 +135,10 @@ where
         } else {
             weighted.f_mul_scalar(c.weight())?
         };
+        if !weighted.requires_grad() {
+            // libtorch would refuse the backward with its stack: say which variables it cuts off
+            return Err(self.no_gradient(self.trained.iter().map(|(n, _)| n.clone()).collect()));
+        }
         weighted.f_backward()?;
         // Reading the value waits for the device: this chunk's errors surface here.
         let value = loss.f_reshape([-1])?.f_double_value(&[0])?;
@@ -133,15 +155,7 @@ where
             .map(|(name, _)| name.clone())
             .collect();
         if !missing.is_empty() {
-            let trained = self
-                .trained
-                .iter()
-                .filter(|(_, t)| t.requires_grad())
-                .count();
-            return Err(Error::NoGradient {
-                params: missing,
-                trained,
-            });
+            return Err(self.no_gradient(missing));
         }
         Ok(Gradients {
             grads: (),

@@ -19,7 +19,7 @@ pub use oomguard::train::TrainedStep;
 ///
 /// In-attempt refusals are [`Error`]s inside
 /// [`TrainStepError::Retry`](oomguard::train::TrainStepError::Retry): [`Error::Loss`],
-/// [`Error::NoGradient`], [`Error::NotOptimized`].
+/// [`Error::NoGradient`], [`Error::NothingToTrain`], [`Error::NotOptimized`].
 pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 
 /// One training step over a batch of tch tensors, kept alive through out-of-memory.
@@ -49,7 +49,10 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 /// **Frozen variables.** A variable needs no gradient when it does not require one: created
 /// with `trainable = false` (`zeros_no_train`, `ones_no_train`, BatchNorm's running
 /// statistics), or frozen on purpose with `set_requires_grad(false)` (one variable) or
-/// `VarStore::freeze` (all). Every other variable of the store must get a gradient.
+/// `VarStore::freeze` (all). Every other variable of the store must get a gradient, and at
+/// least one must require one ([`Error::NothingToTrain`] before the first chunk: a step that
+/// trains nothing); a loss that requires no gradient (detached) is [`Error::NoGradient`]
+/// naming every trained variable.
 ///
 /// The attempt runs under [`catch_oom`](crate::catch_oom) (and a libtorch error unwrapped by a
 /// plain tch method is that error): an out-of-memory returned by an `f_*` method or raised as

@@ -391,6 +391,63 @@ fn a_variable_without_gradient_is_named_and_frozen_ones_are_not() {
     assert_ne!(params(&vs), before);
 }
 
+/// A detached loss (or one that requires no gradient) names every trained variable, and a
+/// store with nothing to train is refused before its first chunk: both were libtorch's
+/// "element 0 of tensors does not require grad" with its C++ stack (37 lines).
+#[test]
+fn a_detached_loss_and_a_store_with_nothing_to_train_are_refused_in_words() {
+    let (x, y) = data();
+    let (mut vs, m, mut opt) = model();
+    let before = params(&vs);
+    let card = oomguard::Device::sim(ByteSize::gib(1));
+    let e = step_error(
+        train_step(
+            &RetryEngine::new(),
+            &card,
+            &[&x, &y],
+            &vs,
+            &mut opt,
+            |_, rows| Ok(m.mse(&rows[0], &rows[1])?.detach()),
+        )
+        .unwrap_err(),
+    );
+    match &e {
+        Error::NoGradient { params, trained } => {
+            assert_eq!(params, &["b1", "b2", "w1", "w2"]);
+            assert_eq!(*trained, 4);
+        }
+        other => panic!("expected NoGradient, got {other}"),
+    }
+    assert!(!e.to_string().contains("frame #"), "{e}");
+    assert_eq!(params(&vs), before);
+
+    vs.freeze();
+    let mut chunks = 0;
+    let e = step_error(
+        train_step(
+            &RetryEngine::new(),
+            &card,
+            &[&x, &y],
+            &vs,
+            &mut opt,
+            |_, rows| {
+                chunks += 1;
+                Ok(m.mse(&rows[0], &rows[1])?)
+            },
+        )
+        .unwrap_err(),
+    );
+    assert!(matches!(e, Error::NothingToTrain { variables: 4 }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("no variable of the VarStore requires a gradient"),
+        "{e}"
+    );
+    assert!(!e.is_oom());
+    assert_eq!(chunks, 0);
+    assert_eq!(params(&vs), before);
+}
+
 #[test]
 fn variables_the_optimizer_does_not_update_are_refused() {
     let (x, y) = data();
