@@ -236,6 +236,14 @@ fn a_step_the_source_cannot_see_is_an_error() {
         FinderError::Unmeasured { rows, .. } => assert_eq!(rows, &[1, 8]),
         other => panic!("{other}"),
     }
+    // what to do, for each framework and for a simulated card
+    for fix in [
+        "oomguard_candle::memory_source",
+        "LibtorchCudaSource",
+        "Device::charge",
+    ] {
+        assert!(e.to_string().contains(fix), "{fix} in {e}");
+    }
     assert!(e.to_string().contains("invisible"), "{e}");
     // `start == max`: one trial, still refused
     let opts = FinderOptions {

@@ -57,7 +57,7 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
     },
     /// Every trial that ran measured a peak of 0 bytes: the step's memory comes from
     /// somewhere this source does not see, and a search would return `max` untested.
-    #[error("the step's memory is invisible to the {measured}: its peak was 0 bytes at every size tried ({rows:?} rows). The step allocates from another source (candle's CUDA tensors come from the driver pool: pass oomguard_candle's memory_source or a DriverPool, not a Device), or allocates nothing")]
+    #[error("the step's memory is invisible to the {measured}: its peak was 0 bytes at every size tried ({rows:?} rows). The step allocates from another source, or nothing this source counts. Measure the source its tensors come from: on CUDA, oomguard_candle::memory_source (candle), oomguard_tch::LibtorchCudaSource or the allocator oomguard_tch::allocator::install puts under libtorch (tch), oomguard_burn::memory_source (burn); on a simulated card, charge it what a chunk would hold on a GPU (Device::charge, oomguard_candle::charge, oomguard_tch::charge)")]
     Unmeasured {
         /// The source measured.
         measured: crate::source::SourceInfo,
