@@ -172,6 +172,43 @@ fn a_too_large_request_that_shrinks_with_the_plan_is_followed_down() {
     );
 }
 
+/// A step followed down to one row whose one row alone is larger than the whole budget (or
+/// card) says what to raise: it said only that the policy allowed nothing smaller.
+#[test]
+fn a_step_whose_one_row_passes_the_whole_says_what_to_raise() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let per_row = |dev: &Device, bytes: usize| {
+        RetryEngine::new()
+            .run(
+                dev,
+                8,
+                |plan| {
+                    for c in plan.chunks() {
+                        dev.alloc::<u8>(c.len() * bytes)?;
+                    }
+                    Ok::<_, Error>(())
+                },
+                |()| (),
+            )
+            .unwrap_err()
+    };
+    let budget = dev.thread_budget(ByteSize::b(0));
+    let e = per_row(&dev, MIB);
+    assert_eq!(e.report().unwrap().stopped, None, "{e}");
+    let text = e.to_string();
+    assert!(text.contains("the policy allows nothing smaller"), "{text}");
+    assert!(
+        text.contains("its last plan made a request of 1.00 MiB against the budget's whole limit of 0 bytes: raise the budget"),
+        "{text}"
+    );
+    drop(budget);
+    let text = per_row(&dev, 100 * MIB).to_string();
+    assert!(
+        text.contains("against the device's whole capacity of 64.00 MiB: it needs a larger device"),
+        "{text}"
+    );
+}
+
 /// The error says what was requested against what: `IsOom::oom_request` through oomguard's
 /// errors, wrappers and `io::Error`; the engine asks the policy with `Pressure::TooLarge`.
 #[test]

@@ -139,12 +139,24 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
                         report.site,
                         failures.len()
                     )?,
-                    None => write!(
-                        f,
-                        "out of memory at {} after {} attempts; the policy allows nothing smaller",
-                        report.site,
-                        failures.len()
-                    )?,
+                    None => {
+                        write!(
+                            f,
+                            "out of memory at {} after {} attempts; the policy allows nothing \
+                             smaller",
+                            report.site,
+                            failures.len()
+                        )?;
+                        // the smallest plan's request alone passed the whole: say what to raise
+                        if let Some(r) = report.attempts.last().and_then(|a| a.too_large) {
+                            let raise = if r.budget {
+                                "raise the budget"
+                            } else {
+                                "it needs a larger device"
+                            };
+                            write!(f, ", and its last plan made {r}: {raise}")?;
+                        }
+                    }
                 }
                 if report.may_leak() {
                     write!(
