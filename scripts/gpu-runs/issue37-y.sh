@@ -4,7 +4,8 @@
 # frag at 24 and 28 rows, oomguard's native mode first then the default, two rounds; candle_llm
 # serving, one pair in each order. `llm`: more candle_llm pairs, the order alternating (ABBA).
 # `main`: main's suites, tch_convnet's check and candle_llm pairs on the card (see the mode).
-# `after`: the suites, tch_gpt at 44 and candle_gpt at 24/28 NDDN after a32aebe.
+# `after`: the suites, tch_gpt at 44 and candle_gpt at 24/28 NDDN after a32aebe. `tchstep`:
+# tch's train_step on the card after d93fa84 (tch_gpt and VGG-16 OOM at twice their largest).
 . "$(dirname "$0")/prelude.sh" y "${1:-verify}"
 run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
 native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
@@ -124,6 +125,13 @@ after)
   for r in 1 2 3; do for b in 24 28; do for c in native default default native; do
     $c ./candle_gpt frag --batch $b --steps 6
   done; done; done ;;
+tchstep)
+  # tch's train_step after its detached-loss and nothing-to-train checks (d93fa84): the tch
+  # allocator suite; tch_gpt's OOM at 160 rows (twice its largest batch) through train_step,
+  # 4 steps, oomguard then expandable segments; VGG-16's OOM at 2 x 1,951 under oomguard.
+  suites tchtest-allocator_gpu
+  for al in oomguard expandable; do under $al 150 tch_gpt --phase oom --oom-batch 160 --oom-steps 4; done
+  under oomguard 150 tch_convnet --batch 1951 --oom 2 --steps 4 ;;
 llm)
   for r in 1 2; do
     native ./candle_llm serve --requests 200
