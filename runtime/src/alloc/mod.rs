@@ -470,15 +470,7 @@ impl CachingAllocator {
             st.release_fixed(&*self.backend);
             grown = st.grow_exact(&*self.backend, pool, stream, size);
         }
-        let id = match grown {
-            Ok(id) => id,
-            Err(GrowError::Backend(e)) => return Err(self.fail(st, bytes, e)),
-            Err(GrowError::TooLarge) => return Err(too_large(bytes)),
-            Err(GrowError::Limit) => {
-                let e = limit_exceeded(st);
-                return Err(self.fail(st, bytes, e));
-            }
-        };
+        let id = grown.map_err(|e| self.grow_failed(st, bytes, e))?;
         st.mark_allocated(id, bytes);
         Ok(self.handle(st, id, bytes, stream))
     }
@@ -576,6 +568,18 @@ impl CachingAllocator {
             st.grow_growable(&*self.backend, pool, stream, size, self.total)
         } else {
             st.grow_fixed(&*self.backend, pool, stream, size, exact_under_limit)
+        }
+    }
+
+    /// The error of a segment that could not be grown for a request of `bytes`.
+    fn grow_failed(&self, st: &mut State, bytes: u64, e: GrowError) -> Error {
+        match e {
+            GrowError::Backend(e) => self.fail(st, bytes, e),
+            GrowError::TooLarge => too_large(bytes),
+            GrowError::Limit => {
+                let e = limit_exceeded(st);
+                self.fail(st, bytes, e)
+            }
         }
     }
 
@@ -944,12 +948,7 @@ impl CachingAllocator {
                 st.index_insert(id);
                 return Ok(());
             }
-            Err(GrowError::Backend(e)) => self.fail(&mut st, bytes, e),
-            Err(GrowError::TooLarge) => too_large(bytes),
-            Err(GrowError::Limit) => {
-                let e = limit_exceeded(&st);
-                self.fail(&mut st, bytes, e)
-            }
+            Err(e) => self.grow_failed(&mut st, bytes, e),
         };
         drop(st);
         if let Error::Oom(e) = &r {
