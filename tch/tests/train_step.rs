@@ -400,17 +400,17 @@ fn a_detached_loss_and_a_store_with_nothing_to_train_are_refused_in_words() {
     let (mut vs, m, mut opt) = model();
     let before = params(&vs);
     let card = oomguard::Device::sim(ByteSize::gib(1));
-    let e = step_error(
-        train_step(
-            &RetryEngine::new(),
-            &card,
-            &[&x, &y],
-            &vs,
-            &mut opt,
-            |_, rows| Ok(m.mse(&rows[0], &rows[1])?.detach()),
-        )
-        .unwrap_err(),
-    );
+    let refusal = |vs: &nn::VarStore, opt: &mut nn::Optimizer, detach: bool, chunks: &mut u32| {
+        let e = train_step(&RetryEngine::new(), &card, &[&x, &y], vs, opt, |_, rows| {
+            *chunks += 1;
+            let loss = m.mse(&rows[0], &rows[1])?;
+            Ok(if detach { loss.detach() } else { loss })
+        })
+        .unwrap_err();
+        step_error(e)
+    };
+    let mut chunks = 0;
+    let e = refusal(&vs, &mut opt, true, &mut chunks);
     match &e {
         Error::NoGradient { params, trained } => {
             assert_eq!(params, &["b1", "b2", "w1", "w2"]);
@@ -423,20 +423,7 @@ fn a_detached_loss_and_a_store_with_nothing_to_train_are_refused_in_words() {
 
     vs.freeze();
     let mut chunks = 0;
-    let e = step_error(
-        train_step(
-            &RetryEngine::new(),
-            &card,
-            &[&x, &y],
-            &vs,
-            &mut opt,
-            |_, rows| {
-                chunks += 1;
-                Ok(m.mse(&rows[0], &rows[1])?)
-            },
-        )
-        .unwrap_err(),
-    );
+    let e = refusal(&vs, &mut opt, false, &mut chunks);
     assert!(matches!(e, Error::NothingToTrain { variables: 4 }), "{e}");
     assert!(
         e.to_string()
