@@ -901,7 +901,11 @@ impl CachingAllocator {
         if bytes == 0 {
             return Ok(());
         }
-        let max = self.lock().limit.unwrap_or(u64::MAX).min(self.total);
+        let (max, native) = {
+            let st = self.lock();
+            let max = st.limit.unwrap_or(u64::MAX).min(self.total);
+            (max, !st.growable && !st.cfg.pass_through)
+        };
         if bytes > max {
             return Err(Error::InvalidArgument(format!(
                 "initial reservation of {} exceeds the maximum of {} (the memory limit or the \
@@ -910,10 +914,6 @@ impl CachingAllocator {
                 crate::ByteSize(max)
             )));
         }
-        let native = {
-            let st = self.lock();
-            !st.growable && !st.cfg.pass_through
-        };
         if native {
             return self.reserve_segment(bytes, max);
         }

@@ -121,19 +121,16 @@ impl fmt::Display for RetryReport {
             )?;
         }
         if let Some(g) = &self.regrow {
-            if g.succeeded {
-                write!(
-                    f,
-                    "\n  regrow: tried {} after clean steps; it fit, remembered",
-                    g.tried
-                )?;
+            let outcome = if g.succeeded {
+                "it fit, remembered"
             } else {
-                write!(
-                    f,
-                    "\n  regrow: tried {} after clean steps; out of memory, back to the plan that fit",
-                    g.tried
-                )?;
-            }
+                "out of memory, back to the plan that fit"
+            };
+            write!(
+                f,
+                "\n  regrow: tried {} after clean steps; {outcome}",
+                g.tried
+            )?;
         }
         for (i, a) in self.attempts.iter().enumerate() {
             write!(f, "\n  attempt {}: {} → {:?}", i + 1, a.plan, a.outcome)?;

@@ -132,8 +132,8 @@ impl fmt::Display for LossDidNotFall {
         if self.first.is_finite() && self.first <= 0.0 {
             return write!(
                 f,
-                "a fall by a factor is measured from a positive loss; the first is {} ({} -> {} in {} steps)",
-                self.first, self.first, self.last, self.steps
+                "a fall by a factor is measured from a positive loss: {} -> {} in {} steps",
+                self.first, self.last, self.steps
             );
         }
         write!(
