@@ -82,11 +82,76 @@ pub fn read_trace(path: &Path) -> Result<Trace, ReadError> {
     if path == Path::new("-") {
         return read_from(std::io::stdin().lock(), path, None);
     }
-    let file = std::fs::File::open(path).map_err(|source| ReadError::Io {
+    let io = |source| ReadError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
-    read_from(file, path, Some(path))
+    };
+    let file = open_without_waiting(path).map_err(io)?;
+    if file.metadata().map_err(io)?.file_type().is_file() {
+        read_from(file, path, Some(path))
+    } else {
+        read_from(
+            PolledRead {
+                file,
+                started: false,
+                waiting_since: None,
+            },
+            path,
+            Some(path),
+        )
+    }
+}
+
+/// Opens `path` for reading without waiting for a writer: a FIFO's `open` blocks until one
+/// comes (so `cat` hangs on a FIFO nobody writes); opened non-blocking, a FIFO with no writer
+/// reads as empty, and one with a writer is read through [`PolledRead`].
+fn open_without_waiting(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    options.open(path)
+}
+
+/// How long a FIFO is given to find a writer before its input counts as empty.
+const WRITER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A non-blocking reader (a FIFO, a device) read as a blocking one: a read that would block
+/// waits a moment and tries again. Until the first byte, an end of input may be a writer that
+/// has not opened the FIFO yet: it is waited for up to [`WRITER_WAIT`], then the input is
+/// empty; after it, end of input is the writer closing.
+struct PolledRead {
+    file: std::fs::File,
+    /// Whether a byte has come (then an end of input is the writer closing).
+    started: bool,
+    /// Since when an end of input before the first byte has been seen.
+    waiting_since: Option<std::time::Instant>,
+}
+
+impl PolledRead {
+    /// Whether [`WRITER_WAIT`] has passed since the first end of input.
+    fn writer_wait_over(&mut self) -> bool {
+        let since = *self
+            .waiting_since
+            .get_or_insert_with(std::time::Instant::now);
+        since.elapsed() >= WRITER_WAIT
+    }
+}
+
+impl Read for PolledRead {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            match self.file.read(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Ok(0) if !self.started && !buf.is_empty() && !self.writer_wait_over() => {}
+                r => {
+                    self.started |= matches!(r, Ok(n) if n > 0);
+                    return r;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
 }
 
 fn read_from(mut r: impl Read, path: &Path, hint: Option<&Path>) -> Result<Trace, ReadError> {

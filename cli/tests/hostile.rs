@@ -684,3 +684,44 @@ fn threads_on_a_trace_of_one_thread_say_so() {
     let r = oomguard(&["replay", &f, "--json"]);
     assert!(!r.stderr.contains("--threads"), "{}", r.stderr);
 }
+
+/// A FIFO that no process opens for writing: `open` blocked until a writer came, so `replay`
+/// hung as `cat` does. Now it is opened without waiting; after a short wait for a writer it is
+/// empty input. A FIFO whose writer comes during that wait is read whole.
+#[cfg(unix)]
+#[test]
+fn a_fifo_without_a_writer_is_empty_input_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("trace.csv");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    let path = fifo.display().to_string();
+    let r = oomguard(&["replay", &path]);
+    assert_error(&r, 2, "empty file");
+
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            // blocks until `replay` has opened the FIFO for reading
+            std::fs::write(&fifo, "op,id,bytes,stream\nalloc,1,4096,0\nfree,1,0,0\n").unwrap();
+        })
+    };
+    let r = oomguard(&["replay", "--json", &path]);
+    writer.join().unwrap();
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let out: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(out["events"], 2, "{}", r.stdout);
+}
+
+/// `--capacity 1.5` (no unit) was read as 1 byte, and every allocation of the replay failed.
+#[test]
+fn a_capacity_with_a_fraction_of_a_byte_is_refused() {
+    let r = oomguard(&[
+        "replay",
+        "--capacity",
+        "1.5",
+        &real("bert_infer.trace.csv").display().to_string(),
+    ]);
+    assert_error(&r, 2, "fraction of a byte");
+}

@@ -6,8 +6,9 @@ use std::str::FromStr;
 /// A number of bytes, parsed from and printed as human-readable text.
 ///
 /// Binary units (`KiB`, `MiB`, `GiB`, `TiB`) are powers of 1024; decimal units (`KB`, `MB`, `GB`,
-/// `TB`) powers of 1000, as in the SI. A bare number (or `B`) is bytes. Fractions are allowed and
-/// rounded down to whole bytes.
+/// `TB`) powers of 1000, as in the SI. A bare number (or `B`) is bytes, and whole: `"1.5"` is
+/// an error (a fraction needs its unit, `"1.5 GiB"`). Fractions of a unit are rounded down to
+/// whole bytes.
 ///
 /// ```
 /// use oomguard_runtime::ByteSize;
@@ -168,6 +169,13 @@ impl FromStr for ByteSize {
         if frac.contains('.') || (int.is_empty() && frac.is_empty()) {
             return Err(err("not a number"));
         }
+        // "1.5" alone is no size a user meant in bytes (1.5 GiB, most likely): refused, not
+        // read as 1 byte.
+        if mult == 1 && frac.bytes().any(|d| d != b'0') {
+            return Err(err(
+                "a fraction of a byte; give the unit of the fraction, e.g. \"1.5 GiB\"",
+            ));
+        }
         let too_large = || err("too large for 64 bits");
         let int: u128 = if int.is_empty() {
             0
@@ -224,6 +232,18 @@ mod tests {
         assert!(e.reason.contains("unknown unit"));
         let e = "20000000 TiB".parse::<ByteSize>().unwrap_err();
         assert!(e.reason.contains("too large"));
+    }
+
+    #[test]
+    fn a_fraction_of_a_byte_is_refused() {
+        // "--capacity 1.5" read as 1 byte (found by the CLI's hostile pass)
+        for s in ["1.5", "0.5", "1.25 B", "7.01bytes"] {
+            let e = s.parse::<ByteSize>().unwrap_err();
+            assert!(e.reason.contains("fraction of a byte"), "{s}: {e}");
+        }
+        assert_eq!("3.0".parse::<ByteSize>().unwrap().0, 3);
+        assert_eq!("3.".parse::<ByteSize>().unwrap().0, 3);
+        assert_eq!("0.5 KiB".parse::<ByteSize>().unwrap().0, 512);
     }
 
     #[test]
