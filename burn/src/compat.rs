@@ -203,6 +203,28 @@ where
 
 /// The paths (`"blocks.3.attn.query.weight"`) of the float parameters of `model` that require a
 /// gradient and have none in `grads`.
+/// The float parameters of `model`: how many, and how many require a gradient.
+pub(crate) fn trainable_params<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+) -> (usize, usize) {
+    let mut v = Trainable::default();
+    model.visit(&mut v);
+    (v.floats, v.trainable)
+}
+
+#[derive(Default)]
+struct Trainable {
+    floats: usize,
+    trainable: usize,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Trainable {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.floats += 1;
+        self.trainable += usize::from(param.val().is_require_grad());
+    }
+}
+
 pub(crate) fn missing_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,

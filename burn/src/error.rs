@@ -1,6 +1,7 @@
 //! The error of oomguard-burn's steps: burn's `ExecutionError`, a cubecl out-of-memory seen as a
 //! panic, or a refusal (rows that do not match the batch, a loss that is not one value,
-//! parameters without a gradient, parameters burn can no longer initialise).
+//! parameters without a gradient, a model with nothing to train, parameters burn can no longer
+//! initialise).
 
 use oomguard::IsOom;
 
@@ -8,6 +9,7 @@ use crate::compat::ExecutionError;
 
 /// Why a micro-batch, a step or a [`catch_oom`](crate::catch_oom) closure failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// An error burn returned (`try_into_data`, `Backend::sync`, ...). An out-of-memory when it
     /// holds one of cubecl's out-of-memory errors ([`IsOom`] for `ExecutionError`, feature
@@ -50,6 +52,18 @@ pub enum Error {
     NoGradient {
         /// Their paths in the module (`"blocks.0.attn.query.weight"`).
         params: Vec<String>,
+    },
+    /// No float parameter of the model requires a gradient (it has none, or every one is frozen:
+    /// `Module::no_grad()`, `Param::set_require_grad(false)`): the optimizer's step would change
+    /// nothing. Refused before the first chunk; not retried.
+    #[error(
+        "no float parameter of the model requires a gradient ({params} parameter(s), all frozen \
+         or none): the optimizer's step would change nothing. Train at least one \
+         (`Param::set_require_grad(true)`, or a module built without `Module::no_grad()`)"
+    )]
+    NothingToTrain {
+        /// The model's float parameters (all of them frozen), 0 for a model with none.
+        params: usize,
     },
     /// Lazy parameters whose initialisation failed earlier outside
     /// [`train_step`](crate::train_step) (an out-of-memory panic in burn's `Param::val`, e.g.
@@ -95,6 +109,7 @@ impl IsOom for Error {
             Error::Rows(_)
             | Error::Loss(_)
             | Error::NoGradient { .. }
+            | Error::NothingToTrain { .. }
             | Error::BrokenParameters { .. } => false,
         }
     }

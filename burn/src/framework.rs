@@ -53,6 +53,10 @@ where
     }
 
     fn accumulator(&mut self) -> Result<GradAccumulator<B, M>, Error> {
+        let (params, trainable) = compat::trainable_params::<B, M>(self.model);
+        if trainable == 0 {
+            return Err(Error::NothingToTrain { params });
+        }
         Ok(GradAccumulator::new())
     }
 

@@ -158,8 +158,10 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 /// out-of-memory
 /// ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows),
 /// before anything runs; a policy that proposes such a plan only later makes the step give up
-/// instead), a loss that is not one value ([`Error::Loss`]), and float parameters that require a
-/// gradient and got none ([`Error::NoGradient`]).
+/// instead), a model none of whose float parameters requires a gradient
+/// ([`Error::NothingToTrain`], before the first chunk), a loss that is not one value
+/// ([`Error::Loss`]), and float parameters that require a gradient and got none
+/// ([`Error::NoGradient`]).
 ///
 /// Later steps at this call site start from the plan that worked (remembered per call site and
 /// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)

@@ -616,3 +616,44 @@ fn an_update_error_is_not_an_oom_boxed_either() {
     let boxed: Box<dyn std::error::Error> = Box::new(err);
     assert!(!boxed.is_oom() && !boxed.is_budget_exceeded(), "{boxed}");
 }
+
+/// A model whose every parameter is frozen (or that has none) trained nothing and `train_step`
+/// returned `Ok`: now refused before the first chunk, naming the count, and nothing steps.
+#[test]
+fn a_model_with_nothing_to_train_is_refused() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    let mut model = WithUnused::<B> {
+        used: LinearConfig::new(4, 1).init(&dev),
+        unused: LinearConfig::new(4, 1).init(&dev),
+    }
+    .no_grad();
+    let before = model.used.weight.val().into_data();
+    let steps = Arc::new(AtomicUsize::new(0));
+    let mut opt = Counting {
+        inner: SgdConfig::new().init::<B, WithUnused<B>>(),
+        steps: steps.clone(),
+    };
+    let chunks = AtomicUsize::new(0);
+    let r = train_step(
+        &RetryEngine::new(),
+        &sim,
+        8,
+        &mut model,
+        &mut opt,
+        0.05,
+        |m, c| {
+            chunks.fetch_add(1, Ordering::SeqCst);
+            let pred = m.used.forward(chunk_rows(&x, c)?);
+            Ok((pred - chunk_rows(&y, c)?).powi_scalar(2).mean())
+        },
+    );
+    let e = step_error(r.unwrap_err());
+    assert!(matches!(e, Error::NothingToTrain { params: 4 }), "{e}");
+    assert!(e.to_string().contains("set_require_grad(true)"), "{e}");
+    assert!(!e.is_oom());
+    assert_eq!(chunks.load(Ordering::SeqCst), 0);
+    assert_eq!(steps.load(Ordering::SeqCst), 0);
+    assert_eq!(model.used.weight.val().into_data(), before);
+}

@@ -306,6 +306,8 @@ pub fn err_kind(e: &Error) -> &'static str {
         Error::Loss(_) => "Loss",
         Error::NoGradient { .. } => "NoGradient",
         Error::BrokenParameters { .. } => "BrokenParameters",
+        Error::NothingToTrain { .. } => "NothingToTrain",
+        _ => "other",
     }
 }
 
