@@ -367,20 +367,30 @@ struct WithUnused<B: Backend> {
     unused: Linear<B>,
 }
 
+fn with_unused(dev: &burn::tensor::Device<B>) -> WithUnused<B> {
+    WithUnused {
+        used: LinearConfig::new(4, 1).init(dev),
+        unused: LinearConfig::new(4, 1).init(dev),
+    }
+}
+
+/// SGD counting its steps.
+fn counting_sgd() -> (Counting<impl Optimizer<WithUnused<B>, B>>, Arc<AtomicUsize>) {
+    let steps = Arc::new(AtomicUsize::new(0));
+    let opt = Counting {
+        inner: SgdConfig::new().init::<B, WithUnused<B>>(),
+        steps: steps.clone(),
+    };
+    (opt, steps)
+}
+
 #[test]
 fn a_parameter_without_gradient_is_reported() {
     let dev = Default::default();
     let (x, y) = data(&dev);
     let sim = oomguard::Device::sim(ByteSize::gib(1));
-    let mut model = WithUnused::<B> {
-        used: LinearConfig::new(4, 1).init(&dev),
-        unused: LinearConfig::new(4, 1).init(&dev),
-    };
-    let steps = Arc::new(AtomicUsize::new(0));
-    let mut opt = Counting {
-        inner: SgdConfig::new().init::<B, WithUnused<B>>(),
-        steps: steps.clone(),
-    };
+    let mut model = with_unused(&dev);
+    let (mut opt, steps) = counting_sgd();
     let mut step = |model: &mut WithUnused<B>| {
         train_step(
             &RetryEngine::new(),
@@ -624,17 +634,9 @@ fn a_model_with_nothing_to_train_is_refused() {
     let dev = Default::default();
     let (x, y) = data(&dev);
     let sim = oomguard::Device::sim(ByteSize::gib(1));
-    let mut model = WithUnused::<B> {
-        used: LinearConfig::new(4, 1).init(&dev),
-        unused: LinearConfig::new(4, 1).init(&dev),
-    }
-    .no_grad();
+    let mut model = with_unused(&dev).no_grad();
     let before = model.used.weight.val().into_data();
-    let steps = Arc::new(AtomicUsize::new(0));
-    let mut opt = Counting {
-        inner: SgdConfig::new().init::<B, WithUnused<B>>(),
-        steps: steps.clone(),
-    };
+    let (mut opt, steps) = counting_sgd();
     let chunks = AtomicUsize::new(0);
     let r = train_step(
         &RetryEngine::new(),
