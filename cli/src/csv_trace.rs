@@ -60,10 +60,17 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     } else {
         (4, HEADER)
     };
+    // What the events and their ids take is reserved first, so that a trace too large for this
+    // machine's memory is an error, not an abort on a failed allocation.
+    let lines = data.iter().filter(|&&b| b == b'\n').count() + 1;
     let mut events = Vec::new();
     // id -> (bytes, line of its allocation); ids once freed stay reserved.
     let mut live: HashMap<u64, u64> = HashMap::new();
     let mut used: std::collections::HashSet<u64> = std::collections::HashSet::new();
+    events
+        .try_reserve_exact(lines)
+        .and_then(|()| used.try_reserve(lines / 2))
+        .map_err(|_| ReadError::OutOfMemory { events: lines })?;
     for item in body_lines(data) {
         let (n, line) = item?;
         let fields: Vec<&str> = line.split(',').collect();

@@ -66,6 +66,15 @@ pub enum ReadError {
         /// The limit, in bytes.
         limit: u64,
     },
+    /// This machine's memory could not hold the trace's events.
+    #[error(
+        "not enough memory on this machine to read the trace's {events} lines as events (cut \
+         the trace into parts)"
+    )]
+    OutOfMemory {
+        /// The lines of the trace.
+        events: usize,
+    },
 }
 
 impl ReadError {

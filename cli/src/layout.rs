@@ -21,6 +21,9 @@ const WORK: u64 = 1_000_000_000;
 /// Bytes a block takes at least (the allocator's smallest block and rounding).
 const ROUND: u64 = 512;
 
+/// The page a layout is mapped in (the simulated device's and a CUDA card's granularity).
+pub const PAGE: u64 = 2 << 20;
+
 /// What `oomguard layout` found.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct LayoutReport {
@@ -34,6 +37,9 @@ pub struct LayoutReport {
     pub peak_live_bytes: u64,
     /// The height of the lowest static layout found.
     pub layout_bytes: u64,
+    /// That height in whole pages of [`PAGE`] bytes: the memory the layout maps, which a
+    /// capacity must hold.
+    pub layout_pages_bytes: u64,
     /// Block orders tried.
     pub tries: u32,
 }
@@ -119,6 +125,7 @@ pub fn layout(trace: &Trace, steps: usize, tries: u32) -> Result<LayoutReport, L
         blocks: spans.len(),
         peak_live_bytes: peak,
         layout_bytes: l.height,
+        layout_pages_bytes: l.height.checked_next_multiple_of(PAGE).unwrap_or(u64::MAX),
         tries: l.tries,
     })
 }

@@ -181,8 +181,13 @@ fn input<E: std::fmt::Display>(e: E) -> Fail {
     Fail(e.to_string(), 2)
 }
 
-/// The most steps `gen` makes (about 75 events each for training: ~7.5 million events).
+/// The most steps `gen` makes.
 const MAX_GEN_STEPS: u32 = 100_000;
+
+/// The most events `gen` makes (the trace is built in memory, about 60 bytes an event with its
+/// text): a training step of the standard workload makes about 530, an inference request about
+/// 1,440, so the step bound alone let `gen inference` build 144 million.
+const MAX_GEN_EVENTS: usize = 60_000_000;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -198,10 +203,20 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
             }
-            eprintln!(
-                "oomguard: {} (see `oomguard --help`)",
-                clap_line(&e.to_string())
-            );
+            // clap reads OOMGUARD_ALLOC_CONF as an argument and does not name it
+            let env_not_utf8 =
+                std::env::var_os("OOMGUARD_ALLOC_CONF").is_some_and(|v| v.to_str().is_none());
+            if e.kind() == ErrorKind::InvalidUtf8 && env_not_utf8 {
+                eprintln!(
+                    "oomguard: OOMGUARD_ALLOC_CONF is not valid UTF-8 (an allocator configuration \
+                     such as \"expandable_segments:True\"; unset it or fix it)"
+                );
+            } else {
+                eprintln!(
+                    "oomguard: {} (see `oomguard --help`)",
+                    clap_line(&e.to_string())
+                );
+            }
             return ExitCode::from(2);
         }
     };
@@ -273,18 +288,32 @@ fn output_kind(file: &Path, output: &Path, svg: bool) -> Result<&'static str, Fa
             ));
         }
     };
-    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(file), std::fs::canonicalize(output)) {
-        if a == b {
-            return Err(Fail(
-                format!(
-                    "{}: the output is the trace being read; write elsewhere",
-                    output.display()
-                ),
-                2,
-            ));
-        }
+    if same_file(file, output) {
+        return Err(Fail(
+            format!(
+                "{}: the output is the trace being read; write elsewhere",
+                output.display()
+            ),
+            2,
+        ));
     }
     Ok(kind)
+}
+
+/// Whether `a` and `b` are one file: the same path once resolved, or (a hard link) the same
+/// device and inode.
+fn same_file(a: &Path, b: &Path) -> bool {
+    if let (Ok(a), Ok(b)) = (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        if a == b {
+            return true;
+        }
+    }
+    #[cfg(unix)]
+    if let (Ok(a), Ok(b)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        use std::os::unix::fs::MetadataExt;
+        return (a.dev(), a.ino()) == (b.dev(), b.ino());
+    }
+    false
 }
 
 /// `--steps n`: refused when the trace cannot be cut into `n` steps (too few events).
@@ -323,7 +352,9 @@ fn capacity(s: &str) -> Result<u64, Fail> {
     if c.0 > MAX_CAPACITY {
         return Err(Fail(
             format!(
-                "--capacity: {c} is more than the {} a replay goes up to",
+                "--capacity: {c} ({} bytes) is more than the {} ({MAX_CAPACITY} bytes) a \
+                 replay goes up to",
+                c.0,
                 ByteSize(MAX_CAPACITY)
             ),
             2,
@@ -687,7 +718,8 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             let trace = load(&file)?;
             check_steps(&trace, steps as usize)?;
             let r = oomguard_cli::layout::layout(&trace, steps as usize, tries).map_err(input)?;
-            let fits = cap.map(|c| r.layout_bytes <= c);
+            // the layout is mapped in whole pages: those must fit
+            let fits = cap.map(|c| r.layout_pages_bytes <= c);
             if json {
                 let mut v = serde_json::to_value(&r).map_err(input)?;
                 v["capacity_bytes"] = serde_json::json!(cap);
@@ -712,11 +744,13 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 );
                 outln!(
                     out,
-                    "static layout    {} ({} bytes), {:.4} x peak live, after {} block orders",
+                    "static layout    {} ({} bytes), {:.4} x peak live, after {} block orders; \
+                     mapped in 2 MiB pages: {}",
                     ByteSize(r.layout_bytes),
                     r.layout_bytes,
                     r.layout_bytes as f64 / r.peak_live_bytes.max(1) as f64,
-                    r.tries
+                    r.tries,
+                    ByteSize(r.layout_pages_bytes)
                 );
                 if let (Some(c), Some(f)) = (cap, fits) {
                     let verdict = if f {
@@ -724,7 +758,11 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                     } else {
                         "no layout found under it (the search is not exhaustive)"
                     };
-                    outln!(out, "capacity         {}: {verdict}", ByteSize(c));
+                    outln!(
+                        out,
+                        "capacity         {} ({c} bytes): {verdict}",
+                        ByteSize(c)
+                    );
                 }
             }
             Ok(0)
@@ -753,6 +791,19 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 }
                 if s == 0 {
                     return Err(Fail("--steps 0: a trace has at least 1 step".into(), 2));
+                }
+                // events grow linearly in steps (after the first few): measured on 256
+                let sample = GenSpec { steps: 256, ..spec };
+                let per_step = generate(&sample).events.len().div_ceil(256).max(1);
+                let most = (MAX_GEN_EVENTS / per_step).min(MAX_GEN_STEPS as usize);
+                if s as usize > most {
+                    return Err(Fail(
+                        format!(
+                            "--steps {s}: at most {most} for this workload (about {per_step} \
+                             events a step; the trace is built in memory)"
+                        ),
+                        2,
+                    ));
                 }
                 spec.steps = s;
             }
@@ -794,9 +845,19 @@ fn print_report(out: &mut String, file: &Path, trace: &Trace, r: &ReplayReport) 
             ""
         }
     );
+    // with failed allocations the replay's peak is of those served, not the trace's
+    let of_trace = if r.failures.is_empty() {
+        String::new()
+    } else {
+        let t = trace.peak_live_bytes();
+        format!(
+            " of the allocations served; the trace's own: {} ({t} bytes)",
+            ByteSize(t)
+        )
+    };
     outln!(
         out,
-        "peak live        {} ({} bytes)",
+        "peak live        {} ({} bytes){of_trace}",
         ByteSize(r.peak_live_bytes),
         r.peak_live_bytes
     );

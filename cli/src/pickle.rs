@@ -416,7 +416,12 @@ impl<'a> Vm<'a> {
         self.charged += VALUE + 8;
         match usize::try_from(idx) {
             Ok(i) if i < self.memo.len() => self.memo[i] = v,
-            Ok(i) if i == self.memo.len() => self.memo.push(v),
+            Ok(i) if i == self.memo.len() => {
+                // a key put sparse before the dense run reached it moves here: no key is in
+                // both, so `memo_len` counts each once
+                self.memo_sparse.remove(&idx);
+                self.memo.push(v);
+            }
             _ => {
                 self.memo_sparse.insert(idx, v);
             }
@@ -508,24 +513,22 @@ impl<'a> Vm<'a> {
                     self.push(v);
                 }
                 b'I' | b'L' => {
+                    // as CPython's C unpickler: `I` is C's strtol in base 0 (so "010" is 8),
+                    // else Python's int(text, 0); a two-character 0 or 1 is a bool. `L`
+                    // drops one trailing "L" and reads int(text, 0).
                     let line = self.line()?;
                     let s = String::from_utf8_lossy(line);
-                    let s = s.trim().trim_end_matches('L');
-                    let v = match s {
-                        "00" => Value::Bool(false),
-                        "01" => Value::Bool(true),
-                        _ => match s.parse::<i64>() {
-                            Ok(i) => Value::Int(i),
-                            Err(_)
-                                if !s.is_empty()
-                                    && s.trim_start_matches('-')
-                                        .bytes()
-                                        .all(|c| c.is_ascii_digit()) =>
-                            {
-                                Value::BigInt
-                            }
-                            Err(_) => return Err(self.err(format!("bad integer {s:?}"))),
-                        },
+                    let (s, strtol) = match op {
+                        b'L' => (s.strip_suffix('L').unwrap_or(&s), None),
+                        _ => (&*s, c_strtol_base0(&s)),
+                    };
+                    let v = match strtol.map(Some).or_else(|| python_int(s.trim())) {
+                        Some(Some(i @ (0 | 1))) if op == b'I' && line.len() == 2 => {
+                            Value::Bool(i == 1)
+                        }
+                        Some(Some(i)) => Value::Int(i),
+                        Some(None) => Value::BigInt,
+                        None => return Err(self.err(format!("bad integer {:?}", s.trim()))),
                     };
                     self.push(v);
                 }
@@ -542,18 +545,20 @@ impl<'a> Vm<'a> {
                     let b = self.le::<8>()?;
                     self.push(Value::Float(f64::from_be_bytes(b)));
                 }
-                b'S' | b'V' => {
+                b'S' => {
+                    // a quoted repr, decoded as CPython does (one pair of matching quotes,
+                    // then Python's string escapes)
                     let line = self.line()?;
-                    // protocol-0 strings: quoted repr (S) or raw-unicode-escape (V); keep the
-                    // text without interpreting escapes beyond the quotes.
-                    let s = String::from_utf8_lossy(line);
-                    let s = s.trim();
-                    let s = if op == b'S' {
-                        s.trim_matches(|c| c == '\'' || c == '"')
-                    } else {
-                        s
-                    };
-                    self.push(Value::Str(Rc::from(s)));
+                    let s = quoted_string(line)
+                        .ok_or_else(|| self.err("the STRING opcode argument must be quoted"))?;
+                    self.push(Value::Str(Rc::from(s.as_str())));
+                }
+                b'V' => {
+                    // raw-unicode-escape: Latin-1 bytes, with \uXXXX and \UXXXXXXXX escapes
+                    let line = self.line()?;
+                    let s = raw_unicode_escape(line)
+                        .ok_or_else(|| self.err("bad \\u escape in a UNICODE string"))?;
+                    self.push(Value::Str(Rc::from(s.as_str())));
                 }
                 b'T' | b'X' => {
                     let n = u32::from_le_bytes(self.le::<4>()?) as u64;
@@ -800,6 +805,164 @@ fn object_of(class: &Value) -> Value {
     }
 }
 
+/// C's `strtol(s, &end, 0)` when it reads all of `s` into 64 bits: leading white space, a
+/// sign, then `0x` and hex digits, `0` and octal digits, or decimal digits. `None` otherwise
+/// (CPython then reads the text as Python's `int(s, 0)`).
+fn c_strtol_base0(s: &str) -> Option<i64> {
+    let t = s.trim_start_matches([' ', '\t', '\n', '\r', '\x0b', '\x0c']);
+    let (negative, t) = match t.as_bytes().first() {
+        Some(b'-') => (true, &t[1..]),
+        Some(b'+') => (false, &t[1..]),
+        _ => (false, t),
+    };
+    let hex = t
+        .get(..3)
+        .filter(|h| h[..2].eq_ignore_ascii_case("0x") && h.as_bytes()[2].is_ascii_hexdigit());
+    let (radix, digits) = if hex.is_some() {
+        (16, &t[2..])
+    } else if t.starts_with('0') {
+        (8, t)
+    } else {
+        (10, t)
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    let v = i128::from_str_radix(digits, radix).ok()?;
+    i64::try_from(if negative { -v } else { v }).ok()
+}
+
+/// `int(s, 0)` as Python reads it: an optional sign, a `0x`/`0o`/`0b` prefix or decimal
+/// digits (no leading zero but for zero itself), single underscores between digits. `None`:
+/// not an integer; `Some(None)`: one outside 64 bits.
+fn python_int(s: &str) -> Option<Option<i64>> {
+    let (negative, s) = match s.as_bytes().first() {
+        Some(b'-') => (true, &s[1..]),
+        Some(b'+') => (false, &s[1..]),
+        _ => (false, s),
+    };
+    let prefixed = |p: &str| {
+        s.get(..2)
+            .filter(|h| h.eq_ignore_ascii_case(p))
+            .map(|_| &s[2..])
+    };
+    let (radix, digits) = if let Some(d) = prefixed("0x") {
+        (16, d.strip_prefix('_').unwrap_or(d))
+    } else if let Some(d) = prefixed("0o") {
+        (8, d.strip_prefix('_').unwrap_or(d))
+    } else if let Some(d) = prefixed("0b") {
+        (2, d.strip_prefix('_').unwrap_or(d))
+    } else {
+        (10, s)
+    };
+    let well_formed = !digits.is_empty()
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__")
+        && digits.chars().all(|c| c == '_' || c.is_digit(radix))
+        && !(radix == 10
+            && digits.starts_with('0')
+            && digits.bytes().any(|b| b != b'0' && b != b'_'));
+    if !well_formed {
+        return None;
+    }
+    let plain: String = digits.chars().filter(|&c| c != '_').collect();
+    let v = i128::from_str_radix(&plain, radix).ok();
+    Some(v.and_then(|v| i64::try_from(if negative { -v } else { v }).ok()))
+}
+
+/// A protocol-0 `STRING` argument as CPython reads it: one pair of matching quotes around
+/// the text, then `codecs.escape_decode` (`\\`, `\'`, `\n`, `\xhh`, octal, ...); `None`
+/// when it is not quoted or an `\x` escape is bad. Bytes outside ASCII are read as UTF-8.
+fn quoted_string(line: &[u8]) -> Option<String> {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let (&q, rest) = line.split_first()?;
+    let body = rest.strip_suffix(&[q])?;
+    if q != b'\'' && q != b'"' {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len());
+    let mut i = 0;
+    while i < body.len() {
+        let c = body[i];
+        i += 1;
+        if c != b'\\' {
+            out.push(c);
+            continue;
+        }
+        let Some(&e) = body.get(i) else {
+            return None; // a trailing backslash: Python's "\\ at end of string"
+        };
+        i += 1;
+        match e {
+            b'\n' => {}
+            b'\\' | b'\'' | b'"' => out.push(e),
+            b'a' => out.push(7),
+            b'b' => out.push(8),
+            b'f' => out.push(12),
+            b'n' => out.push(b'\n'),
+            b'r' => out.push(b'\r'),
+            b't' => out.push(b'\t'),
+            b'v' => out.push(11),
+            b'0'..=b'7' => {
+                let mut v = u32::from(e - b'0');
+                for _ in 0..2 {
+                    match body.get(i) {
+                        Some(&d @ b'0'..=b'7') => {
+                            v = v * 8 + u32::from(d - b'0');
+                            i += 1;
+                        }
+                        _ => break,
+                    }
+                }
+                out.push((v & 0xff) as u8);
+            }
+            b'x' => {
+                let hex = body.get(i..i + 2)?;
+                let v = u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
+                out.push(v);
+                i += 2;
+            }
+            _ => out.extend([b'\\', e]),
+        }
+    }
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// A protocol-0 `UNICODE` argument: raw-unicode-escape (each byte a Latin-1 character, but
+/// `\uXXXX` and `\UXXXXXXXX`, after an odd number of backslashes, are code points); `None` on
+/// a bad escape.
+fn raw_unicode_escape(line: &[u8]) -> Option<String> {
+    let mut out = String::with_capacity(line.len());
+    let mut i = 0;
+    while i < line.len() {
+        let c = line[i];
+        if c == b'\\' {
+            // a run of backslashes: an escape only after an odd count
+            let run = line[i..].iter().take_while(|&&b| b == b'\\').count();
+            let at = i + run;
+            let width = match line.get(at) {
+                Some(b'u') if run % 2 == 1 => 4,
+                Some(b'U') if run % 2 == 1 => 8,
+                _ => 0,
+            };
+            if width == 0 {
+                out.extend(std::iter::repeat_n('\\', run));
+                i = at;
+                continue;
+            }
+            out.extend(std::iter::repeat_n('\\', run - 1));
+            let hex = std::str::from_utf8(line.get(at + 1..at + 1 + width)?).ok()?;
+            out.push(char::from_u32(u32::from_str_radix(hex, 16).ok()?)?);
+            i = at + 1 + width;
+        } else {
+            out.push(char::from(c));
+            i += 1;
+        }
+    }
+    Some(out)
+}
+
 fn parse_memo_index(line: &[u8]) -> Option<u64> {
     std::str::from_utf8(line).ok()?.trim().parse().ok()
 }
@@ -831,8 +994,11 @@ mod tests {
 
     #[test]
     fn protocol_0_strings_ending_in_multibyte_chars() {
-        // Found by the garbage fuzz test: stripping quotes must respect char boundaries.
-        let d = decode("Sab\u{146}\n.".as_bytes()).unwrap();
+        // Found by the garbage fuzz test: stripping quotes must respect char boundaries. (An
+        // unquoted argument was read as its text; CPython refuses it, and so does this now.)
+        let e = decode("Sab\u{146}\n.".as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("must be quoted"), "{e}");
+        let d = decode("S'ab\u{146}'\n.".as_bytes()).unwrap();
         assert_eq!(d.value, Value::Str(Rc::from("ab\u{146}")));
         let d = decode(b"S'x'\n.").unwrap();
         assert_eq!(d.value, Value::Str(Rc::from("x")));
@@ -846,6 +1012,71 @@ mod tests {
         let outer = d.heap.list(&d.value).unwrap();
         assert_eq!(outer.len(), 2);
         assert_eq!(outer[0], outer[1]);
+    }
+
+    /// Protocol-0 strings and integers as CPython 3 reads them (the expected values are
+    /// `pickle.loads`'s on each input). Before: `S` stripped every quote at both ends and kept
+    /// escapes, `V` read UTF-8 and kept `\uXXXX`, `I` read only decimal digits.
+    #[test]
+    fn protocol_0_strings_and_integers_read_as_cpython_reads_them() {
+        let text = |p: &[u8]| match decode(p) {
+            Ok(Decoded {
+                value: Value::Str(s),
+                ..
+            }) => Ok(s.to_string()),
+            Ok(d) => Err(format!("{:?}", d.value)),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(text(b"S'alloc'\n.").unwrap(), "alloc");
+        assert_eq!(text(b"S\"alloc'\"\n.").unwrap(), "alloc'");
+        assert_eq!(text(b"S'\\x61lloc'\n.").unwrap(), "alloc");
+        assert_eq!(text(b"S'a\\\\b\\n\\t\\101'\n.").unwrap(), "a\\b\n\tA");
+        assert_eq!(text(b"S'a\\qb'\n.").unwrap(), "a\\qb");
+        for unquoted in [&b"Salloc\n."[..], b"S'alloc\"\n.", b"S'\n."] {
+            let e = text(unquoted).unwrap_err();
+            assert!(e.contains("must be quoted"), "{e}");
+        }
+        assert_eq!(
+            text(b"VC:\\u005cpath\\u005cx.py\np0\n.").unwrap(),
+            "C:\\path\\x.py"
+        );
+        assert_eq!(text(b"V\xe9 \xfc\np0\n.").unwrap(), "\u{e9} \u{fc}");
+        assert_eq!(text(b"Va\\u1234b\np0\n.").unwrap(), "a\u{1234}b");
+        assert_eq!(text(b"V\\u005cu0041\np0\n.").unwrap(), "\\u0041");
+
+        let int = |p: &[u8]| decode(p).map(|d| d.value).map_err(|e| e.to_string());
+        for (p, v) in [
+            (&b"I1_000\n."[..], Value::Int(1000)),
+            (b"I0x1f\n.", Value::Int(31)),
+            (b"I010\n.", Value::Int(8)),
+            (b"I+5\n.", Value::Int(5)),
+            (b"I 7 \n.", Value::Int(7)),
+            (b"I0_0\n.", Value::Int(0)),
+            (b"I0b_1\n.", Value::Int(1)),
+            (b"I-0\n.", Value::Bool(false)),
+            (b"I00\n.", Value::Bool(false)),
+            (b"I01\n.", Value::Bool(true)),
+            (b"L00L\n.", Value::Int(0)),
+            (b"L99999999999999999999L\n.", Value::BigInt),
+        ] {
+            assert_eq!(int(p), Ok(v), "{}", String::from_utf8_lossy(p));
+        }
+        for bad in [&b"I1__0\n."[..], b"I_1\n.", b"I08\n.", b"L010L\n."] {
+            let e = int(bad).unwrap_err();
+            assert!(e.contains("bad integer"), "{e}");
+        }
+    }
+
+    /// A key put sparse (past the dense run) and later reached by the dense run was counted
+    /// twice, so `MEMOIZE` stored at the wrong index (CPython: `BINPUT 1, BINPUT 4, BINPUT 0,
+    /// BINPUT 1, MEMOIZE` fills keys 0, 1, 4 and then 3).
+    #[test]
+    fn a_memo_key_put_twice_counts_once() {
+        // 7 BINPUT 1; 8 BINPUT 4; 9 BINPUT 0; 9 BINPUT 1; 5 MEMOIZE (key 3); BINGET 4
+        let p = b"\x80\x04K\x07q\x01K\x08q\x04K\x09q\x00q\x01K\x05\x94h\x04.";
+        assert_eq!(decode(p).unwrap().value, Value::Int(8));
+        let p = b"\x80\x04K\x07q\x01K\x08q\x04K\x09q\x00q\x01K\x05\x94h\x03.";
+        assert_eq!(decode(p).unwrap().value, Value::Int(5));
     }
 
     #[test]

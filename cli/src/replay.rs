@@ -139,7 +139,8 @@ pub struct StepMoves {
 
 /// Where `steps` steps of `trace` begin: near each `k / steps` of the events, the event after
 /// which the fewest bytes are live (a step's end: its activations freed), searched within a
-/// quarter step either side. The first step begins at event 0.
+/// quarter step either side. The first step begins at event 0; every step has an event (fewer
+/// starts than `steps` when the trace is too short).
 pub fn step_starts(trace: &Trace, steps: usize) -> Vec<usize> {
     let n = trace.events.len();
     if steps <= 1 || n == 0 {
@@ -169,7 +170,8 @@ pub fn step_starts(trace: &Trace, steps: usize) -> Vec<usize> {
         let lo = mid
             .saturating_sub(per / 4)
             .max(starts[starts.len() - 1] + 1);
-        let hi = (mid + per / 4).min(n - 1);
+        // a step ends before the last event: each step has at least one event
+        let hi = (mid + per / 4).min(n.saturating_sub(2));
         if lo > hi {
             break;
         }

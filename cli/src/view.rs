@@ -165,8 +165,10 @@ pub fn html(title: &str, trace: &Trace, report: &ReplayReport, data: &ViewData) 
             "meta": u32s(meta.into_iter()),
         },
     });
-    // Inside <script type="application/json">, only "</" could end the element early.
-    let json = doc.to_string().replace("</", "<\\/");
+    // Inside <script type="application/json">, "</script" ends the element and "<!--" can
+    // start the parser's double-escaped mode (which swallows the page's own script): no "<"
+    // reaches the page as such (JSON reads "\u003c" as "<").
+    let json = doc.to_string().replace('<', "\\u003c");
     fill(
         PAGE,
         &[

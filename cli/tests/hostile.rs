@@ -725,3 +725,145 @@ fn a_capacity_with_a_fraction_of_a_byte_is_refused() {
     ]);
     assert_error(&r, 2, "fraction of a byte");
 }
+
+/// `layout --capacity` compared the layout's height with the capacity, but a layout is mapped
+/// in 2 MiB pages: a 27.5 MiB block "fit" in 27.6 MiB, where a replay fails (it needs 28 MiB).
+#[test]
+fn layout_compares_whole_pages_with_the_capacity() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = 27 * (1 << 20) + (1 << 19);
+    let f = write(
+        dir.path(),
+        "half_page.csv",
+        format!("op,id,bytes,stream\na,1,{bytes},0\nf,1,0,0\n").as_bytes(),
+    );
+    let verdict = |cap: &str| {
+        let r = oomguard(&["layout", &f, "--capacity", cap, "--json"]);
+        assert_eq!(r.code, Some(0), "{}", r.stderr);
+        let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+        assert_eq!(v["layout_pages_bytes"], 28 << 20, "{v}");
+        v["fits"].as_bool().unwrap()
+    };
+    assert!(!verdict("27.6MiB"));
+    assert!(verdict("28MiB"));
+    let replay = oomguard(&["replay", &f, "--capacity", "27.6MiB"]);
+    assert_eq!(replay.code, Some(1), "the replay agrees: {}", replay.stdout);
+}
+
+/// Frame names reach the `view` page inside a `<script type="application/json">`; one with
+/// `<!--<script` switched the HTML parser into its double-escaped mode, which swallowed the
+/// page's own script (the page showed nothing). No `<` reaches the page's data as such now.
+#[test]
+fn view_data_holds_no_markup() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "x<!--<script>.csv",
+        b"op,id,bytes,stream\na,1,4096,0\nf,1,0,0\n",
+    );
+    let out = dir.path().join("page.html");
+    let r = oomguard(&["view", &f, "-o", &out.display().to_string()]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let page = std::fs::read_to_string(&out).unwrap();
+    let start = page.find("type=\"application/json\"").unwrap();
+    let data = &page[start..];
+    let data = &data[data.find('>').unwrap() + 1..data.find("</script>").unwrap()];
+    assert!(!data.contains('<'), "{data}");
+    let v: serde_json::Value = serde_json::from_str(data).unwrap();
+    assert!(v.to_string().contains("x<!--<script>.csv"), "{v}");
+}
+
+/// A picture written over a hard link to the trace replaced the trace (only resolved paths
+/// were compared).
+#[cfg(unix)]
+#[test]
+fn plot_refuses_a_hard_link_to_its_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "t.csv",
+        b"op,id,bytes,stream\na,1,4096,0\nf,1,0,0\n",
+    );
+    let link = dir.path().join("t.svg");
+    std::fs::hard_link(&f, &link).unwrap();
+    let r = oomguard(&["plot", &f, "-o", &link.display().to_string()]);
+    assert_error(&r, 2, "the output is the trace being read");
+    assert!(std::fs::read_to_string(&f).unwrap().starts_with("op,id"));
+}
+
+/// `--steps 2` on a trace of 2 events cut it into a step and an empty one.
+#[test]
+fn every_step_has_an_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "two.csv",
+        b"op,id,bytes,stream\na,1,10,0\nf,1,10,0\n",
+    );
+    for cmd in ["replay", "layout"] {
+        assert_error(
+            &oomguard(&[cmd, &f, "--steps", "2"]),
+            2,
+            "could be cut into 1 step(s) only",
+        );
+    }
+}
+
+/// A replay with failed allocations printed the peak of those served as "peak live", which
+/// `compare` and `mincap` print as the trace's: it now says which it is, and gives both.
+#[test]
+fn peak_live_of_a_failing_replay_says_what_it_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "oom.csv",
+        b"op,id,bytes,stream\na,1,1048576,0\na,2,3145728,0\nf,1,0,0\nf,2,0,0\n",
+    );
+    let r = oomguard(&[
+        "replay",
+        &f,
+        "--capacity",
+        "2MiB",
+        "--config",
+        "expandable_segments:False",
+    ]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    let line = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("peak live"))
+        .unwrap();
+    assert!(
+        line.contains(
+            "1.00 MiB (1048576 bytes) of the allocations served; the trace's own: 4.00 MiB"
+        ),
+        "{line}"
+    );
+}
+
+/// `gen inference --steps 100000` made 144 million events (1,440 a request, where the step
+/// bound assumed 75) and aborted on a failed allocation: the bound now counts events.
+#[test]
+fn gen_bounds_the_events_it_makes() {
+    let r = oomguard(&["gen", "inference", "--steps", "100000"]);
+    assert_error(&r, 2, "events a step; the trace is built in memory");
+}
+
+/// clap read a non-UTF-8 `OOMGUARD_ALLOC_CONF` as a bad argument without naming it.
+#[cfg(unix)]
+#[test]
+fn a_non_utf8_config_variable_is_named() {
+    use std::os::unix::ffi::OsStrExt;
+    let out = Command::new(env!("CARGO_BIN_EXE_oomguard"))
+        .args(["replay", "-"])
+        .env("OOMGUARD_ALLOC_CONF", std::ffi::OsStr::from_bytes(b"\xff"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let r = Run {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+    };
+    assert_error(&r, 2, "OOMGUARD_ALLOC_CONF is not valid UTF-8");
+}
