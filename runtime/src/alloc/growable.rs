@@ -11,6 +11,9 @@ use super::GrowError;
 use crate::backend::handle_runs::handle_size;
 use crate::backend::{Backend, BackendError, StreamId};
 
+/// The largest address range reserved for a pool and stream when the request is not larger.
+const MAX_RANGE: u64 = 1 << 56;
+
 /// Where [`State::grow_growable`] maps pages: `cost` bytes at the start of the unmapped block
 /// `hole`, joining the free mapped neighbours in `uses`.
 #[derive(Clone, Copy, Debug)]
@@ -137,12 +140,10 @@ impl State {
         let (hole, cost) = match choice {
             Some(p) => (p.hole, p.cost),
             None => {
-                // (a capacity within a page of 2^64: half the address space, whole pages)
-                let va = pages.max(
-                    total
-                        .checked_next_multiple_of(g)
-                        .unwrap_or(u64::MAX / 2 / g * g),
-                );
+                // A range as large as the device, at most 2^56 bytes (no card comes near): a
+                // simulated device near 2^64 bytes still has room for its pools' and
+                // streams' ranges in the 64-bit space.
+                let va = pages.max(total.min(MAX_RANGE).next_multiple_of(g));
                 let id = self.reserve_range(backend, pool, stream, va, total)?;
                 (id, pages)
             }

@@ -427,20 +427,34 @@ impl SimDevice {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Address space for `bytes`: past every range handed out so far while the 64-bit space
+    /// lasts, then the first gap that ranges given back left (a process that reserves and
+    /// releases forever, as `empty_cache` in a loop does, never runs out); none: an
+    /// out-of-memory, as `cuMemAddressReserve` reports it.
     fn take_va(st: &mut SimState, bytes: u64) -> Result<u64, BackendError> {
-        let base = st.next_va;
-        let span = bytes
-            .checked_next_multiple_of(st.granularity)
-            .and_then(|s| base.checked_add(s))
-            .ok_or_else(|| {
-                BackendError::new(
-                    BackendErrorKind::InvalidArgument,
-                    "reserve",
-                    "size too large",
-                )
-            })?;
-        st.next_va = span;
-        Ok(base)
+        let g = st.granularity;
+        let exhausted = || {
+            BackendError::new(
+                BackendErrorKind::OutOfMemory,
+                "reserve",
+                format!("no free range of {bytes} bytes of address space is left"),
+            )
+        };
+        let span = bytes.checked_next_multiple_of(g).ok_or_else(exhausted)?;
+        if let Some(end) = st.next_va.checked_add(span) {
+            let base = st.next_va;
+            st.next_va = end;
+            return Ok(base);
+        }
+        let mut cursor = VA_START;
+        for (&base, r) in &st.regions {
+            if base >= cursor && base - cursor >= span {
+                return Ok(cursor);
+            }
+            let end = base.saturating_add(r.size).checked_next_multiple_of(g);
+            cursor = cursor.max(end.ok_or_else(exhausted)?);
+        }
+        cursor.checked_add(span).map(|_| cursor).ok_or_else(exhausted)
     }
 
     /// Checks that `[addr, addr+len)` lies in a live segment or in mapped pages.
