@@ -98,6 +98,38 @@ fn snapshot_json_round_trips() {
     assert!(MemorySnapshot::from_json("{\"device\": 0").is_err());
 }
 
+/// Numbers no device's snapshot has (found by a hostile pass of the API): `from_json` took
+/// them, then `to_pytorch_pickle` panicked adding past 2^64 (or asked for a list of 10^12
+/// entries for a device ordinal of 10^12). Now refused when read; a snapshot set by hand still
+/// pickles.
+#[test]
+fn numbers_no_device_has_are_refused_when_read() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let _keep = workload(&dev);
+    let snap = dev.memory_snapshot();
+    let mut j: serde_json::Value = serde_json::from_str(&snap.to_json().unwrap()).unwrap();
+    let mut huge_device = j.clone();
+    huge_device["device"] = serde_json::json!(1_000_000_000_000u64);
+    let e = MemorySnapshot::from_json(&huge_device.to_string()).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("device ordinal 1000000000000 is above 1023"),
+        "{e}"
+    );
+    for b in j["segments"][0]["blocks"].as_array_mut().unwrap() {
+        b["size"] = serde_json::json!(u64::MAX);
+    }
+    let e = MemorySnapshot::from_json(&j.to_string()).unwrap_err();
+    assert!(e.to_string().contains("more than 2^64 bytes"), "{e}");
+
+    let mut by_hand = snap.clone();
+    by_hand.device = usize::MAX;
+    for b in &mut by_hand.segments[0].blocks {
+        b.size = u64::MAX;
+    }
+    assert_eq!(&by_hand.to_pytorch_pickle()[..2], &[0x80, 2]);
+}
+
 #[test]
 fn pytorch_pickle_loads_in_python_with_pytorch_keys() {
     let Ok(out) = std::process::Command::new("python3")

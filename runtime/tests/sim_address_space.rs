@@ -26,7 +26,10 @@ fn a_card_near_2_pow_64_serves_both_pools() {
     let small = d.alloc::<u8>(1).unwrap();
     let large = d.alloc::<u8>(2 << 20).unwrap();
     let more = d.alloc::<u8>(64 << 20).unwrap();
-    assert_eq!(d.stats().allocated_bytes.all.current, 512 + (2 << 20) + (64 << 20));
+    assert_eq!(
+        d.stats().allocated_bytes.all.current,
+        512 + (2 << 20) + (64 << 20)
+    );
     drop((small, large, more));
     let e = d.alloc::<u8>(usize::MAX).unwrap_err();
     assert!(e.is_oom(), "{e}");

@@ -454,7 +454,10 @@ impl SimDevice {
             let end = base.saturating_add(r.size).checked_next_multiple_of(g);
             cursor = cursor.max(end.ok_or_else(exhausted)?);
         }
-        cursor.checked_add(span).map(|_| cursor).ok_or_else(exhausted)
+        cursor
+            .checked_add(span)
+            .map(|_| cursor)
+            .ok_or_else(exhausted)
     }
 
     /// Checks that `[addr, addr+len)` lies in a live segment or in mapped pages.

@@ -8,6 +8,9 @@ use crate::alloc::{BlockStatus, PoolKind, SegmentInfo, TraceEntry};
 use crate::device::Device;
 use pickle::{pydict, to_pickle, PyValue};
 
+/// The largest device ordinal a snapshot is read with (CUDA numbers a host's devices from 0).
+pub const MAX_ORDINAL: usize = 1023;
+
 /// Segments, blocks and recorded events of one device at one moment.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MemorySnapshot {
@@ -52,13 +55,41 @@ impl MemorySnapshot {
     }
 
     /// Reads a snapshot written by [`MemorySnapshot::to_json`].
+    /// Refused: a device ordinal above [`MAX_ORDINAL`], a segment with no block, and a segment
+    /// whose blocks' sizes add up past 2^64 bytes (no snapshot of a device has them).
     pub fn from_json(s: &str) -> Result<Self, serde_json::Error> {
-        serde_json::from_str(s)
+        let snap: Self = serde_json::from_str(s)?;
+        let bad = |m: String| Err(<serde_json::Error as serde::de::Error>::custom(m));
+        if snap.device > MAX_ORDINAL {
+            return bad(format!(
+                "device ordinal {} is above {MAX_ORDINAL}",
+                snap.device
+            ));
+        }
+        for (i, seg) in snap.segments.iter().enumerate() {
+            if seg.blocks.is_empty() {
+                return bad(format!("segment {i} has no block"));
+            }
+            let total = seg
+                .blocks
+                .iter()
+                .try_fold(0u64, |t, b| t.checked_add(b.size));
+            if total.is_none() {
+                return bad(format!(
+                    "segment {i}'s blocks add up to more than 2^64 bytes"
+                ));
+            }
+        }
+        Ok(snap)
     }
 
     /// The snapshot as a pickle in PyTorch's `_snapshot()` format: `segments` (with `blocks`),
     /// `device_traces` (one list per device) and `allocator_settings`. A growable segment is
     /// written as one segment per run of mapped memory, as PyTorch shows expandable segments.
+    /// `device_traces` has one list per ordinal up to this device's; a `device` above
+    /// [`MAX_ORDINAL`] (set by hand: [`from_json`](Self::from_json) refuses it) has its events
+    /// in the list of [`MAX_ORDINAL`], and sizes that add up past 2^64 bytes are written as
+    /// 2^64 − 1.
     pub fn to_pytorch_pickle(&self) -> Vec<u8> {
         let mut segments = Vec::new();
         for s in &self.segments {
@@ -66,8 +97,9 @@ impl MemorySnapshot {
                 segments.push(segment_value(self.device, s, run));
             }
         }
-        let mut traces = vec![PyValue::List(Vec::new()); self.device + 1];
-        traces[self.device] = PyValue::List(self.device_traces.iter().map(trace_value).collect());
+        let slot = self.device.min(MAX_ORDINAL);
+        let mut traces = vec![PyValue::List(Vec::new()); slot + 1];
+        traces[slot] = PyValue::List(self.device_traces.iter().map(trace_value).collect());
         let expandable = self.config.contains("expandable_segments:True");
         let root = pydict! {
             "segments" => PyValue::List(segments),
@@ -95,7 +127,7 @@ fn segment_value(device: usize, s: &SegmentInfo, blocks: &[crate::alloc::BlockIn
             .iter()
             .filter(|b| f(b))
             .map(|b| if req { b.requested } else { b.size })
-            .sum()
+            .fold(0u64, u64::saturating_add)
     };
     let allocated = sum(&|b| b.status == BlockStatus::Allocated, false);
     let active = sum(&|b| b.status != BlockStatus::Free, false);
@@ -124,7 +156,7 @@ fn segment_value(device: usize, s: &SegmentInfo, blocks: &[crate::alloc::BlockIn
     pydict! {
         "device" => device as u64,
         "address" => blocks[0].addr,
-        "total_size" => blocks.iter().map(|b| b.size).sum::<u64>(),
+        "total_size" => blocks.iter().map(|b| b.size).fold(0u64, u64::saturating_add),
         "allocated_size" => allocated,
         "active_size" => active,
         "requested_size" => requested,
