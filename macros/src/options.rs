@@ -260,9 +260,14 @@ impl BudgetOptions {
                                 _ => None,
                             };
                             match f {
-                                Some(f) if f > 0.0 && f <= 1.0 => {
+                                // below 2^-53 the runtime cannot tell it from 0
+                                Some(f) if f > 0.0 && f <= 1.0 && f * 2f64.powi(53) >= 0.5 => {
                                     set_limit(&mut o, BudgetLimit::Fraction(f), &key, errors)
                                 }
+                                Some(f) if f > 0.0 && f <= 1.0 => errors.at(
+                                    &value,
+                                    format!("`fraction` {f:e} is below 2^-53, the smallest a budget tells from 0; give `bytes = ...`"),
+                                ),
                                 Some(f) => errors.at(&value, format!("`fraction` must be in (0, 1], not {f}")),
                                 None => errors.at(&value, "`fraction` takes a number literal in (0, 1], e.g. `fraction = 0.9`"),
                             }

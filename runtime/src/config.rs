@@ -152,6 +152,39 @@ impl AllocatorConfig {
         }
     }
 
+    /// Whether this configuration is one [`AllocatorConfig::parse`] can make: every field in
+    /// the range its key takes (fractions in their ranges and not NaN, `max_split_size` and
+    /// `max_non_split_rounding` whole MiB of at least 20), so that what it prints
+    /// ([`Display`](fmt::Display), which summaries and snapshots show) is what is in force. A
+    /// configuration built by setting fields needs this; one from `parse` always passes.
+    ///
+    /// ```
+    /// use oomguard_runtime::AllocatorConfig;
+    /// let mut c = AllocatorConfig::default();
+    /// c.per_process_memory_fraction = Some(f64::NAN);
+    /// assert!(c.check().unwrap_err().to_string().contains("per_process_memory_fraction"));
+    /// c.per_process_memory_fraction = Some(0.5);
+    /// c.max_split_size = 3 << 20;
+    /// assert!(c.check().unwrap_err().to_string().contains("max_split_size_mb"));
+    /// c.max_split_size = 64 << 20;
+    /// assert!(c.check().is_ok());
+    /// ```
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let text = self.to_string();
+        let (back, _) = Self::parse_with_warnings(&text)?;
+        if back == *self {
+            return Ok(());
+        }
+        Err(ConfigError {
+            key: None,
+            message: format!(
+                "a field holds a value its key cannot say (sizes are whole MiB; a memory \
+                 fraction of 0 is None): it prints as `{text}`, which means another \
+                 configuration"
+            ),
+        })
+    }
+
     /// Reads [`ENV_VAR`]; the default when it is unset or empty.
     pub fn from_env() -> Result<Self, ConfigError> {
         match std::env::var(ENV_VAR) {

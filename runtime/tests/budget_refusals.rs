@@ -74,3 +74,20 @@ fn the_summary_counts_budget_refusals() {
     assert_eq!(dev.budget_refusals(), 0);
     assert!(dev.memory_summary().contains("budget refusals: 0 "));
 }
+
+/// A fraction was kept in millionths: 4e-7 of an 80 GiB card (about 34 KiB) became a budget of
+/// 0 bytes that refused everything (found by a hostile pass of the API). Now kept to 2^-53; a
+/// fraction smaller than that is an error, not a budget of 0.
+#[test]
+fn a_small_fraction_is_a_small_budget_not_zero() {
+    let dev = Device::sim(ByteSize::gib(80));
+    {
+        let _b = thread_budget_fraction(4e-7).unwrap();
+        let _fits = dev.alloc::<u8>(1024).unwrap();
+        let e = budget_error(dev.alloc::<u8>(64 << 10).unwrap_err());
+        let expected = (4e-7 * (80u64 << 30) as f64) as u64;
+        assert!(e.limit.abs_diff(expected) <= 1, "{e}");
+    }
+    let e = thread_budget_fraction(1e-300).unwrap_err();
+    assert!(e.to_string().contains("below 2^-53"), "{e}");
+}

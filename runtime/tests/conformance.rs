@@ -1336,3 +1336,37 @@ fn i26_a_request_under_the_limit_is_served_when_its_segment_would_not_fit() {
     a.free(t).unwrap();
     a.check_invariants().unwrap();
 }
+
+/// A configuration built by setting fields was used as it was (found by a hostile pass of the
+/// API): a NaN memory fraction made `memory_fraction()` NaN, and a 3 MiB `max_split_size`
+/// printed as `max_split_size_mb:3` in summaries and snapshots, a configuration `parse`
+/// refuses. `check` says what is wrong, and a device does not use such a configuration.
+#[test]
+fn a_configuration_set_by_hand_is_checked() {
+    let nan = AllocatorConfig {
+        per_process_memory_fraction: Some(f64::NAN),
+        ..AllocatorConfig::default()
+    };
+    assert!(nan.check().is_err());
+    let dev = Device::new(SimDevice::new(ByteSize::mib(64)), nan);
+    assert_eq!(dev.allocator().memory_fraction(), 1.0);
+    assert_eq!(dev.allocator().config(), AllocatorConfig::default());
+
+    let mut split = AllocatorConfig::native();
+    split.max_split_size = 3 << 20;
+    let e = split.check().unwrap_err();
+    assert!(e.to_string().contains("below the minimum of 20 MiB"), "{e}");
+    split.max_split_size = (25 << 20) + 1;
+    let e = split.check().unwrap_err();
+    assert!(e.to_string().contains("a value its key cannot say"), "{e}");
+
+    let fine = AllocatorConfig {
+        max_split_size: 64 << 20,
+        per_process_memory_fraction: Some(0.5),
+        ..AllocatorConfig::native()
+    };
+    fine.check().unwrap();
+    let dev = Device::new(SimDevice::new(ByteSize::mib(64)), fine.clone());
+    assert_eq!(dev.allocator().config(), fine);
+    assert_eq!(dev.allocator().memory_fraction(), 0.5);
+}

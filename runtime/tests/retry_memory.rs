@@ -199,6 +199,38 @@ fn plans_persist_across_a_restart() {
     std::fs::remove_file(&path).unwrap();
 }
 
+/// A plan file whose entry caps the micro-batch at 0 rows (the engine never writes one) ran
+/// every later step at that call site as micro-batches of 1 row without a word (found by a
+/// hostile pass of the API): now the file is refused, naming the call site.
+#[test]
+fn a_plan_file_with_a_cap_of_zero_rows_is_refused() {
+    let path = temp_path("zero-cap");
+    let _ = std::fs::remove_file(&path);
+    {
+        let dev = Device::sim(ByteSize::mib(64));
+        let engine = two_retry_engine().with_memory_file(&path).unwrap();
+        assert_eq!(step_here(&engine, &dev, 100).report.retries(), 2);
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("\"micro_batch\": 25"), "{text}");
+    std::fs::write(
+        &path,
+        text.replace("\"micro_batch\": 25", "\"micro_batch\": 0"),
+    )
+    .unwrap();
+    let e = two_retry_engine().with_memory_file(&path).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("caps a batch or micro-batch at 0 rows"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("retry_memory.rs"),
+        "names the call site: {msg}"
+    );
+    std::fs::remove_file(&path).unwrap();
+}
+
 #[test]
 fn thrashing_moves_down_before_a_hard_oom() {
     // Oversize blocks (>= 64 MiB) are never split and serve only requests within 20 MiB of their

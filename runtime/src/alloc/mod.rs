@@ -209,7 +209,26 @@ pub fn thread_alloc_retries() -> u64 {
 impl CachingAllocator {
     /// An allocator over `backend`. Growable segments are used when the configuration asks for
     /// them and the backend supports them.
+    ///
+    /// A configuration that fails [`AllocatorConfig::check`] (a field set by hand out of its
+    /// key's range, e.g. a NaN memory fraction) is not used: the error is logged
+    /// (`tracing::error!`; once on standard error when no `tracing` subscriber is installed)
+    /// and the default configuration is in force, as [`crate::Device::sim`] does with a bad
+    /// `OOMGUARD_ALLOC_CONF`. Check a configuration you build before you pass it.
     pub fn new(backend: Arc<dyn Backend>, config: AllocatorConfig) -> Self {
+        let config = config.check().map(|()| config).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "ignoring the allocator configuration; using the default");
+            static SAID: std::sync::Once = std::sync::Once::new();
+            if !tracing::dispatcher::has_been_set() {
+                SAID.call_once(|| {
+                    eprintln!(
+                        "oomguard error: ignoring the allocator configuration: {e}; using the \
+                         default (AllocatorConfig::check says this before a device is made)"
+                    );
+                });
+            }
+            AllocatorConfig::default()
+        });
         let growable =
             config.expandable_segments && !config.pass_through && backend.supports_growable();
         let total = backend.mem_info().map(|m| m.total).unwrap_or(0);

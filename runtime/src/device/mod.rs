@@ -117,7 +117,9 @@ impl Device {
     }
 
     /// A device over any backend, with `config` (the environment variable is not read: an
-    /// explicit configuration overrides it).
+    /// explicit configuration overrides it). A configuration that fails
+    /// [`AllocatorConfig::check`] is replaced by the default, and said
+    /// ([`crate::CachingAllocator::new`]).
     pub fn new(backend: impl Backend, config: AllocatorConfig) -> Self {
         Self::from_arc(Arc::new(backend), config)
     }

@@ -55,9 +55,14 @@ pub(crate) struct ScopeKind {
 pub(crate) enum Limit {
     /// This many bytes.
     Bytes(u64),
-    /// This many millionths of each device's capacity.
+    /// This many [`FRACTION_ONE`]ths of each device's capacity.
     Fraction(u64),
 }
+
+/// The unit of [`Limit::Fraction`]: 2^53, so that any fraction a budget takes (a double in
+/// (0, 1]) keeps its value to one part in 2^32 or better down to 2^-21, and stays above 0
+/// down to 2^-53.
+pub(crate) const FRACTION_ONE: u64 = 1 << 53;
 
 impl ScopeKind {
     /// A leak check.
@@ -121,7 +126,9 @@ impl Scope {
     fn limit(&self, device_total: u64) -> Option<u64> {
         match self.kind.limit? {
             Limit::Bytes(l) => Some(l),
-            Limit::Fraction(ppm) => Some((device_total as u128 * ppm as u128 / 1_000_000) as u64),
+            Limit::Fraction(parts) => {
+                Some((device_total as u128 * parts as u128 / FRACTION_ONE as u128) as u64)
+            }
         }
     }
 }

@@ -27,13 +27,22 @@ fn open(kind: ScopeKind, at: &'static Location<'static>, attached: bool) -> Arc<
     scope
 }
 
-fn fraction_ppm(fraction: f64) -> Result<u64> {
+/// `fraction` in units of [`FRACTION_ONE`](crate::device::tracker::FRACTION_ONE) (it was
+/// millionths: a fraction under 5e-7 became a budget of 0 bytes).
+fn fraction_parts(fraction: f64) -> Result<u64> {
+    use crate::device::tracker::FRACTION_ONE;
     if !(fraction > 0.0 && fraction <= 1.0) {
         return Err(Error::InvalidArgument(format!(
             "memory fraction {fraction} is outside (0, 1]"
         )));
     }
-    Ok((fraction * 1_000_000.0).round() as u64)
+    match (fraction * FRACTION_ONE as f64).round() as u64 {
+        0 => Err(Error::InvalidArgument(format!(
+            "memory fraction {fraction} is below 2^-53, the smallest a budget tells from 0; \
+             give a budget in bytes"
+        ))),
+        parts => Ok(parts),
+    }
 }
 
 fn leak_report(scope: &Arc<Scope>, allowed: u64) -> LeakReport {
@@ -82,10 +91,10 @@ pub fn thread_budget(limit: impl Into<ByteSize>) -> ThreadBudget {
 /// device's share ([`ThreadBudget::used`] is the sum over devices).
 #[track_caller]
 pub fn thread_budget_fraction(fraction: f64) -> Result<ThreadBudget> {
-    let ppm = fraction_ppm(fraction)?;
+    let parts = fraction_parts(fraction)?;
     Ok(ThreadBudget {
         scope: open(
-            ScopeKind::budget(Limit::Fraction(ppm)),
+            ScopeKind::budget(Limit::Fraction(parts)),
             Location::caller(),
             true,
         ),
@@ -159,7 +168,7 @@ pub fn thread_leak_check_with_budget(limit: impl Into<ByteSize>) -> ThreadLeakCh
 /// (see [`thread_budget_fraction`]); `Err` unless 0 < fraction ≤ 1.
 #[track_caller]
 pub fn thread_leak_check_with_budget_fraction(fraction: f64) -> Result<ThreadLeakCheck> {
-    let kind = ScopeKind::leak_and_budget(Limit::Fraction(fraction_ppm(fraction)?));
+    let kind = ScopeKind::leak_and_budget(Limit::Fraction(fraction_parts(fraction)?));
     Ok(leak_check_of(kind, Location::caller()))
 }
 
@@ -248,9 +257,9 @@ impl GuardSet {
     /// A budget of `fraction` of each device's capacity, each device counted on its own.
     #[track_caller]
     pub fn budget_fraction(mut self, fraction: f64) -> Result<Self> {
-        let ppm = fraction_ppm(fraction)?;
+        let parts = fraction_parts(fraction)?;
         self.budget = Some(open(
-            ScopeKind::budget(Limit::Fraction(ppm)),
+            ScopeKind::budget(Limit::Fraction(parts)),
             Location::caller(),
             false,
         ));

@@ -28,14 +28,17 @@ pub enum BudgetLimit {
     message = "`bytes = ...` takes an integer number of bytes or a `ByteSize`, not `{Self}`"
 )]
 pub trait BudgetBytes {
-    /// The number of bytes (negative numbers are 0).
+    /// The number of bytes (negative numbers are 0; numbers past `u64::MAX` are `u64::MAX`,
+    /// a budget no allocation reaches).
     fn budget_bytes(self) -> u64;
 }
 macro_rules! budget_ints {
     ($($t:ty),*) => {$(
         impl BudgetBytes for $t {
             fn budget_bytes(self) -> u64 {
-                u64::try_from(self).unwrap_or(0)
+                #[allow(unused_comparisons)] // (unsigned types are never negative)
+                let negative = self < 0;
+                u64::try_from(self).unwrap_or(if negative { 0 } else { u64::MAX })
             }
         }
     )*};
@@ -203,6 +206,9 @@ mod tests {
         assert_eq!(budget_bytes(-5_i32), 0);
         assert_eq!(budget_bytes(ByteSize::kib(2)), 2048);
         assert_eq!(budget_bytes(7_u8), 7);
+        // past 64 bits: no limit, not a budget of 0 bytes (found by a hostile pass)
+        assert_eq!(budget_bytes(1_u128 << 64), u64::MAX);
+        assert_eq!(budget_bytes(i128::MIN), 0);
     }
 
     #[test]

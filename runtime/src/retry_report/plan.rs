@@ -21,9 +21,25 @@ use serde::{Deserialize, Serialize};
 /// assert_eq!(plan.micro_batch(), 34);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "PlanFields")]
 pub struct BatchPlan {
     batch: usize,
     chunks: usize,
+}
+
+/// A plan as serialized, checked by [`BatchPlan::new`] when read (a file that says
+/// `{"batch":0,"chunks":0}` is an error, not a plan that divides by zero).
+#[derive(Deserialize)]
+struct PlanFields {
+    batch: usize,
+    chunks: usize,
+}
+
+impl TryFrom<PlanFields> for BatchPlan {
+    type Error = PlanError;
+    fn try_from(f: PlanFields) -> Result<Self, PlanError> {
+        BatchPlan::new(f.batch, f.chunks)
+    }
 }
 
 /// A plan that cannot exist (an empty batch, more chunks than rows).
@@ -189,6 +205,19 @@ mod tests {
         assert!(p.chunks().all(|c| c.batch() == 100));
         assert!(p.chunk(3).is_none());
         assert_eq!(p.to_string(), "batch 100 in 3 micro-batches of ≤34");
+    }
+
+    /// Read back, a plan is checked as `new` checks it: `{"batch":0,"chunks":0}` was a plan
+    /// whose `micro_batch` divided by zero (found by a hostile pass of the API).
+    #[test]
+    fn a_serialized_plan_is_checked_when_read() {
+        let p = BatchPlan::new(100, 3).unwrap();
+        let back: BatchPlan = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back, p);
+        for bad in [r#"{"batch":0,"chunks":0}"#, r#"{"batch":5,"chunks":9}"#] {
+            let e = serde_json::from_str::<BatchPlan>(bad).unwrap_err();
+            assert!(e.to_string().contains("invalid batch plan"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -148,5 +148,20 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryE
             ),
         });
     }
+    // the engine never learns a cap of 0 rows: one in the file is a corrupted entry (it ran
+    // every step at that call site as micro-batches of 1 row)
+    if let Some(e) = file
+        .plans
+        .iter()
+        .find(|e| e.limits.micro_batch == Some(0) || e.limits.batch == Some(0))
+    {
+        return Err(MemoryError::Format {
+            path: path.to_path_buf(),
+            message: format!(
+                "the plan of {} caps a batch or micro-batch at 0 rows",
+                e.key.site
+            ),
+        });
+    }
     Ok(file.plans.into_iter().map(|e| (e.key, e.limits)).collect())
 }
