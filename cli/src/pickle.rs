@@ -523,7 +523,7 @@ impl<'a> Vm<'a> {
                         _ => (&*s, c_strtol_base0(&s)),
                     };
                     let v = match strtol.map(Some).or_else(|| python_int(s.trim())) {
-                        Some(Some(i @ (0 | 1))) if op == b'I' && line.len() == 2 => {
+                        Some(Some(i @ (0 | 1))) if strtol.is_some() && line.len() == 2 => {
                             Value::Bool(i == 1)
                         }
                         Some(Some(i)) => Value::Int(i),
@@ -1056,6 +1056,8 @@ mod tests {
             (b"I-0\n.", Value::Bool(false)),
             (b"I00\n.", Value::Bool(false)),
             (b"I01\n.", Value::Bool(true)),
+            (b"I 1\n.", Value::Bool(true)),
+            (b"I1 \n.", Value::Int(1)),
             (b"L00L\n.", Value::Int(0)),
             (b"L99999999999999999999L\n.", Value::BigInt),
         ] {
