@@ -164,8 +164,11 @@ fn a_run_of_hopeless_requests_does_not_rescan_the_cache() {
             assert!(a.allocate(request, 0).unwrap_err().is_oom(), "{cfg}");
         }
         let scanned = a.cache_entries_scanned() - before;
+        // (5 scans of the 1,000 blocks at most: the last block freed stays parked through
+        // `stats()` above, which reads without merging it, and the first request merges it,
+        // which costs one more scan once; 500 failures rescanning would be 500)
         assert!(
-            scanned <= 4 * 1_000,
+            scanned <= 5 * 1_000,
             "{cfg}: {scanned} free blocks visited for 500 failures"
         );
         assert_eq!(a.stats().num_releases_skipped, 500, "{cfg}");

@@ -57,9 +57,9 @@ pub struct SegmentInfo {
 impl CachingAllocator {
     /// The segments and their blocks, in address order.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
-        let mut st = self.lock();
-        // (free blocks as merged: a parked large block is free memory beside its neighbours)
-        st.unpark_large();
+        let st = self.lock();
+        // A parked block is listed as the free block it is (it has no free neighbour of its
+        // mapped state: a neighbour's free merges it), and stays parked: reading changes nothing.
         self.with_caches_locked(|locked| snapshot(&st, locked))
     }
 

@@ -321,6 +321,22 @@ impl State {
         self.unpark(id);
     }
 
+    /// The free block the parked large block would be once merged (`unpark_large`), without
+    /// merging it: 0 when none is parked. Its counters are the same parked or merged (parked, it
+    /// counts as the free block it would be).
+    pub fn parked_large_merged(&self) -> u64 {
+        let Some(id) = self.large_parked else {
+            return 0;
+        };
+        let b = &self.blocks[id];
+        let merging = |n: Option<BlockId>| {
+            n.map(|n| &self.blocks[n])
+                .filter(|n| n.is_free() && n.mapped == b.mapped)
+                .map_or(0, |n| n.size)
+        };
+        b.size + merging(b.next) + merging(b.prev)
+    }
+
     /// A parked block (counted as parked: inactive split where it is one) merged and indexed.
     pub fn unpark(&mut self, id: BlockId) {
         self.count_inactive_split(id, false);
