@@ -925,3 +925,38 @@ fn memory_the_first_trial_leaves_allocated_counts_at_every_size() {
         "{fit:?}"
     );
 }
+
+/// A step that keeps 1 MiB at every call (pushed into a `Vec`) on a 128 MiB card: the finder
+/// reported 10,827 rows "safe for a loop of steps", and a loop at that batch ran out of memory
+/// after 2 more steps (found by a newcomer's crate: the held peak was at the card's size and
+/// could not rise, and the bytes in use after each step were never compared). Now it says the
+/// step keeps memory.
+#[test]
+fn a_step_that_keeps_memory_between_calls_is_named() {
+    let dev = Device::sim(ByteSize::mib(128));
+    let kept = std::cell::RefCell::new(Vec::new());
+    let e = find_max_batch(&dev, FinderOptions::default(), |rows| {
+        let activations = dev.alloc::<u8>(rows * 4096)?;
+        kept.borrow_mut().push(dev.alloc::<u8>(1 << 20)?);
+        drop(activations);
+        Ok::<_, oomguard_runtime::Error>(())
+    })
+    .unwrap_err();
+    match &e {
+        FinderError::StepKeepsMemory { kept_bytes, .. } => {
+            assert!(*kept_bytes >= 8 << 20, "{e}")
+        }
+        other => panic!("expected StepKeepsMemory, got {other}"),
+    }
+    assert!(e.to_string().contains("keeps memory between calls"), "{e}");
+
+    // The same step freeing what it made is measured as before.
+    kept.borrow_mut().clear();
+    let found = find_max_batch(&dev, FinderOptions::default(), |rows| {
+        let activations = dev.alloc::<u8>(rows * 4096)?;
+        drop(activations);
+        Ok::<_, oomguard_runtime::Error>(())
+    })
+    .unwrap();
+    assert!(found.max_batch > 20_000, "{found}");
+}

@@ -8,6 +8,7 @@ use super::report::Trial;
 
 /// [`find_max_batch`](crate::retry::find_max_batch) failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FinderError<E: fmt::Debug + fmt::Display> {
     /// The step failed with an error that is not out-of-memory.
     #[error("the step failed: {0}")]
@@ -40,6 +41,19 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
         rows: usize,
         /// The inner step's report.
         report: Box<RetryReport>,
+    },
+    /// The step keeps memory between calls: in a verification loop, the bytes in use after
+    /// each step kept rising over the second half of the steps (by more than 0.1% of the
+    /// budget), so a loop of steps runs out of memory at any batch, sooner or later. A batch
+    /// found would hold only until then: none is reported.
+    #[error("the step keeps memory between calls: {} more in use after {steps} steps at {rows} rows than halfway through (it rose step after step), so a loop of steps runs out of memory at any batch; free what the step keeps between calls (tensors pushed into a Vec, a cache that grows), then measure again", crate::ByteSize(*.kept_bytes))]
+    StepKeepsMemory {
+        /// The rows of the verification loop.
+        rows: usize,
+        /// Steps it ran.
+        steps: u32,
+        /// How much the bytes in use after a step rose over the second half of the steps.
+        kept_bytes: u64,
     },
     /// The search found a batch, but no batch down to the smallest verified ran
     /// [`FinderOptions::verify_steps`](crate::retry::FinderOptions::verify_steps) consecutive steps (in [`MAX_VERIFICATIONS`](crate::retry::MAX_VERIFICATIONS) runs): the

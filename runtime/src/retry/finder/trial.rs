@@ -65,6 +65,9 @@ struct Ran<E> {
     steps: u32,
     /// How much the held peak rose over the second half of the steps.
     rise: u64,
+    /// Verification runs: how much the bytes in use after a step rose over the second half of
+    /// the steps (memory the step keeps between calls).
+    kept: u64,
     /// The first step on this thread that did not run its whole batch in one pass.
     inner: Option<RetryReport>,
 }
@@ -113,6 +116,15 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
                 },
             );
         }
+        if ran.result.is_ok() && ran.kept > rise_tolerance(self.budget) {
+            // A loop would run out of memory whatever the batch: no batch to report.
+            self.device.empty_cache()?;
+            return Err(FinderError::StepKeepsMemory {
+                rows,
+                steps: ran.steps,
+                kept_bytes: ran.kept,
+            });
+        }
         let peak_bytes = match ran.result {
             Ok(()) => Some(ran.peak),
             Err(e) if e.is_oom() => None,
@@ -157,6 +169,7 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
         let mut steps = 0;
         let mut inner = None;
         let mut held: Vec<u64> = Vec::new();
+        let mut used_after: Vec<u64> = Vec::new();
         let mut rise = 0;
         let mut usage_error = None;
         let verifying = extend_to > steps_per_trial;
@@ -184,7 +197,10 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
                 }
                 if extend_to > steps_per_trial {
                     match device.usage() {
-                        Ok(u) => held.push(u.reserved_peak),
+                        Ok(u) => {
+                            held.push(u.reserved_peak);
+                            used_after.push(u.used);
+                        }
                         Err(e) => {
                             usage_error = Some(e);
                             break;
@@ -202,6 +218,9 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
             reserved_peak,
             steps,
             rise,
+            // (the same measure as the held peak's: state a step makes once, in its first
+            // steps, is not in it; a step that keeps memory at every call is)
+            kept: held_rise(&used_after),
             inner,
         })
     }
