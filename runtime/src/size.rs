@@ -147,6 +147,16 @@ impl FromStr for ByteSize {
         if num.is_empty() {
             return Err(err("no number before the unit"));
         }
+        if unit.len() > 1
+            && unit.starts_with(['e', 'E'])
+            && unit[1..]
+                .trim_start_matches(['+', '-'])
+                .starts_with(|c: char| c.is_ascii_digit())
+        {
+            return Err(err(
+                "scientific notation is not read; write the number out (1000 KiB, 1.5 GiB)",
+            ));
+        }
         let mult: u64 = match unit.to_ascii_lowercase().as_str() {
             "" | "b" | "byte" | "bytes" => 1,
             "k" | "kib" => KIB,
@@ -223,6 +233,7 @@ mod tests {
             "-5",
             "99999999999999999999 TiB",
             "1e3",
+            "1e3 KiB",
         ] {
             let e = bad.parse::<ByteSize>().unwrap_err();
             assert_eq!(e.input, bad);
@@ -230,6 +241,11 @@ mod tests {
         }
         let e = "2 GiX".parse::<ByteSize>().unwrap_err();
         assert!(e.reason.contains("unknown unit"));
+        // "1e3 KiB" said "unknown unit" (found by a newcomer's crate)
+        for s in ["1e3 KiB", "2E-1GiB", "1e3"] {
+            let e = s.parse::<ByteSize>().unwrap_err();
+            assert!(e.reason.contains("scientific notation"), "{s}: {e}");
+        }
         let e = "20000000 TiB".parse::<ByteSize>().unwrap_err();
         assert!(e.reason.contains("too large"));
     }

@@ -347,6 +347,46 @@ fn stats_track_peaks_and_reset() {
     drop(b);
 }
 
+/// `memory_summary` has PyTorch's rows: the counts of active and non-releasable blocks and
+/// the oversize rows were missing (found by a port of PyTorch's tests), and every row is as
+/// wide as the table.
+#[test]
+fn the_summary_has_pytorchs_rows() {
+    let (_, a) = allocator(
+        ByteSize::gib(1),
+        "expandable_segments:False,max_split_size_mb:64",
+    );
+    let big = a.allocate(100 * MIB, 0).unwrap();
+    let small = a.allocate(1000, 0).unwrap();
+    let s = a.memory_summary();
+    for row in [
+        "Allocated memory",
+        "Active memory",
+        "Requested memory",
+        "Reserved memory",
+        "Non-releasable memory",
+        "Allocations",
+        "Active allocs",
+        "Segments",
+        "Non-releasable allocs",
+        "Oversize allocations",
+        "Oversize segments",
+    ] {
+        assert!(s.contains(&format!("| {row:<25} |")), "{row}: {s}");
+    }
+    let oversize = s
+        .lines()
+        .find(|l| l.contains("Oversize allocations"))
+        .unwrap();
+    let cells: Vec<&str> = oversize.split('|').map(str::trim).collect();
+    assert_eq!(&cells[2..6], ["1", "1", "1", "0"], "{oversize}");
+    let active = s.lines().find(|l| l.contains("| Active allocs")).unwrap();
+    assert!(active.split('|').nth(2).unwrap().trim() == "2", "{active}");
+    assert!(s.lines().all(|l| l.chars().count() == 93), "{s}");
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+}
+
 #[test]
 fn max_split_size_keeps_oversize_blocks_whole() {
     let (_, a) = allocator(

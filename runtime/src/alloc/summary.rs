@@ -109,14 +109,17 @@ pub(crate) fn format_summary(
     let bytes = |v: u64| ByteSize(v).to_string();
     let count = |v: u64| v.to_string();
     type Row<'a> = (&'a str, &'a PoolStats, &'a dyn Fn(u64) -> String);
-    let rows: [Row<'_>; 7] = [
+    // PyTorch's rows, in its order (`torch.cuda.memory_summary`)
+    let rows: [Row<'_>; 9] = [
         ("Allocated memory", &s.allocated_bytes, &bytes),
         ("Active memory", &s.active_bytes, &bytes),
         ("Requested memory", &s.requested_bytes, &bytes),
         ("Reserved memory", &s.reserved_bytes, &bytes),
         ("Non-releasable memory", &s.inactive_split_bytes, &bytes),
         ("Allocations", &s.allocation, &count),
+        ("Active allocs", &s.active, &count),
         ("Segments", &s.segment, &count),
+        ("Non-releasable allocs", &s.inactive_split, &count),
     ];
     for (title, p, f) in rows {
         for (label, st) in [
@@ -141,15 +144,25 @@ pub(crate) fn format_summary(
         }
         o += &thin;
     }
+    for (name, st) in [
+        ("Oversize allocations", &s.oversize_allocations),
+        ("Oversize segments", &s.oversize_segments),
+    ] {
+        let _ = writeln!(
+            o,
+            "| {:<25} | {:>13} | {:>13} | {:>13} | {:>13} |",
+            name,
+            count(st.current),
+            count(st.peak),
+            count(st.allocated),
+            count(st.freed)
+        );
+    }
+    o += &thin;
     let _ = writeln!(
         o,
         "| {:<89} |",
-        format!(
-            "largest free block: {}   oversize allocations: {}   oversize segments: {}",
-            ByteSize(s.largest_free_block),
-            s.oversize_allocations.current,
-            s.oversize_segments.current
-        )
+        format!("largest free block: {}", ByteSize(s.largest_free_block))
     );
     o += &line;
     o
