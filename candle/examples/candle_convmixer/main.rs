@@ -29,14 +29,7 @@ use model::{synthetic_batch, trainable, Config, ConvMixer};
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let phase = args
-        .first()
-        .map(String::as_str)
-        .unwrap_or("all")
-        .to_string();
-    if !["all", "frag", "max", "oom"].contains(&phase.as_str()) {
-        return Err(format!("unknown phase {phase}: all, frag, max or oom").into());
-    }
+    let phase = measure::phase(&args, &["frag", "max", "oom"])?;
     let allocator = Allocator::from_args(&args)?;
     let dev = Device::new_cuda(flag(&args, "--device")?.unwrap_or(0))?;
     let source = allocator.source(&dev)?;

@@ -136,14 +136,7 @@ fn driver_calls(d: &oomguard::Device) -> [u64; 4] {
 
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let phase = args
-        .first()
-        .map(String::as_str)
-        .unwrap_or("all")
-        .to_string();
-    if !["all", "serve", "max"].contains(&phase.as_str()) {
-        return Err(format!("unknown phase {phase}: all, serve or max").into());
-    }
+    let phase = measure::phase(&args, &["serve", "max"])?;
     let allocator = Allocator::from_args(&args)?;
     let dev = Device::new_cuda(flag(&args, "--device")?.unwrap_or(0))?;
     let source = allocator.source(&dev)?;

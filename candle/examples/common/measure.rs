@@ -50,6 +50,15 @@ impl Allocator {
     }
 }
 
+/// The phase (the first argument, `all` when there is none), one of `phases` or `all`.
+pub fn phase(args: &[String], phases: &[&str]) -> Res<String> {
+    let phase = args.first().map(String::as_str).unwrap_or("all");
+    if phase == "all" || phases.contains(&phase) {
+        return Ok(phase.to_string());
+    }
+    Err(format!("unknown phase {phase}: all, {}", phases.join(", ")).into())
+}
+
 /// `--name VALUE` as a number.
 pub fn flag(args: &[String], name: &str) -> Res<Option<usize>> {
     match args.iter().position(|a| a == name) {
