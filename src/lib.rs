@@ -359,4 +359,8 @@ pub mod __private {
         remembered, BatchInt, BudgetBytes, BudgetLimit, FnResult, GuardSpec, Retry, RetryConfig,
         RetryKind, Site, SiteCache,
     };
+    pub use oomguard_runtime::macro_support::{
+        ConstBool, ConstChar, ConstI128, ConstI16, ConstI32, ConstI64, ConstI8, ConstIsize,
+        ConstU128, ConstU16, ConstU32, ConstU64, ConstU8, ConstUsize,
+    };
 }

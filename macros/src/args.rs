@@ -105,8 +105,27 @@ pub fn int_lit(e: &Expr, what: &str, errors: &mut Errors) -> Option<u64> {
         lit: Lit::Int(i), ..
     }) = e
     {
+        // as rustc reads the literal: its suffix a type, its value within it
+        let most = match i.suffix() {
+            "" | "u64" | "usize" | "u128" | "i128" => u64::MAX,
+            "u8" => u8::MAX.into(),
+            "u16" => u16::MAX.into(),
+            "u32" => u32::MAX.into(),
+            "i8" => i8::MAX as u64,
+            "i16" => i16::MAX as u64,
+            "i32" => i32::MAX as u64,
+            "i64" | "isize" => i64::MAX as u64,
+            other => {
+                errors.at(
+                    i,
+                    format!("`{other}` is not an integer type (`{what} = 4`)"),
+                );
+                return None;
+            }
+        };
         match i.base10_parse::<u64>() {
-            Ok(n) => return Some(n),
+            Ok(n) if n <= most => return Some(n),
+            Ok(n) => errors.at(i, format!("{n} does not fit in `{}`", i.suffix())),
             Err(err) => errors.push(err),
         }
         return None;

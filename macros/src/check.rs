@@ -58,6 +58,33 @@ pub fn not_const(f: &ItemFn, attr: &str, errors: &mut Errors) {
     }
 }
 
+/// Rejects a function that is not `async` but returns `impl Future`: a guard would hold only
+/// while the call makes the future, not while the future runs (an `async fn`'s guards hold on
+/// every poll).
+pub fn not_impl_future(f: &ItemFn, attr: &str, errors: &mut Errors) {
+    if f.sig.asyncness.is_some() {
+        return;
+    }
+    if let ReturnType::Type(_, ty) = &f.sig.output {
+        if let syn::Type::ImplTrait(it) = &**ty {
+            let future = it.bounds.iter().any(|b| {
+                matches!(b, syn::TypeParamBound::Trait(t)
+                    if t.path.segments.last().is_some_and(|s| s.ident == "Future"))
+            });
+            if future {
+                errors.at(
+                    ty,
+                    format!(
+                        "#[{attr}] on a function that returns `impl Future` would guard only the \
+                         call that makes the future, not the future's work: write it as an \
+                         `async fn` (its guards hold on every poll)"
+                    ),
+                );
+            }
+        }
+    }
+}
+
 /// The `Result` return type, or an error at the return type.
 pub fn require_result(f: &ItemFn, attr: &str, why: &str, errors: &mut Errors) -> bool {
     match &f.sig.output {

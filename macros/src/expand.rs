@@ -70,6 +70,7 @@ pub fn guard_attribute(
         errors,
     );
     check::not_const(&f, name, errors);
+    check::not_impl_future(&f, name, errors);
     check_leak_error(&f, &guards, errors);
     if let Some(retry) = f
         .attrs
@@ -169,6 +170,16 @@ fn wrap_function(f: ItemFn, guards: &Guards, krate: &syn::Path) -> TokenStream {
     } else {
         guarded_block(quote!(#body), guards, krate, &ret)
     };
+    let mut f = f;
+    if guards
+        .leak
+        .as_ref()
+        .is_some_and(|l| l.action != LeakAction::Error)
+    {
+        // The body's value is read after its block (see `guarded_block`): a body that ends by
+        // diverging (`panic!`) would make that read "unreachable code".
+        f.attrs.push(syn::parse_quote!(#[allow(unreachable_code)]));
+    }
     set_block(f, new_body)
 }
 
@@ -247,11 +258,16 @@ fn guarded_block(
         Some(l) => {
             let (allow, action) = (l.allow, leak_action(l.action, &p));
             let stmts = statements(body);
+            // The body's value is taken before the check ends: the temporaries of its last
+            // expression (`Ok(dev.alloc(..)?.len())`) are dropped at the end of this `let`, not
+            // after the check, which reported them as leaked.
             quote!({
                 let #__oomguard_leak = #p::leak_check(#action, #allow, #function, #leak_budget);
                 #budget
                 #grad
-                #stmts
+                #[allow(unused_braces, clippy::let_and_return, clippy::let_unit_value)]
+                let #__oomguard_out = { #stmts };
+                #__oomguard_out
             })
         }
         None => {
@@ -332,10 +348,51 @@ fn guarded_future(
 fn budget_limit(b: &BudgetLimit, p: &TokenStream) -> TokenStream {
     match b {
         BudgetLimit::Bytes(n) => quote!(#p::BudgetLimit::Bytes(#n)),
+        // Integer literals without a type fall back to `i32` through a generic function: `4 <<
+        // 30` became 0 bytes. Arithmetic of untyped literals is read as u64 bytes.
+        BudgetLimit::Expr(e) if untyped_integers(e) => {
+            let bytes = generated("__oomguard_bytes");
+            quote_spanned!(e.span()=> #p::BudgetLimit::Bytes({ let #bytes: u64 = #e; #bytes }))
+        }
         BudgetLimit::Expr(e) => {
             quote_spanned!(e.span()=> #p::BudgetLimit::Bytes(#p::budget_bytes(#e)))
         }
         BudgetLimit::Fraction(f) => quote!(#p::BudgetLimit::Fraction(#f)),
+    }
+}
+
+/// The `__private` type that names a const generic's value in a type (`ConstU8<N>`).
+fn const_key(ty: &syn::Type) -> Option<proc_macro2::Ident> {
+    let syn::Type::Path(p) = ty else { return None };
+    let name = p.path.get_ident()?.to_string();
+    let holder = match name.as_str() {
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" | "i8" | "i16" | "i32" | "i64" | "i128"
+        | "isize" | "bool" | "char" => format!("Const{}", capitalize(&name)),
+        _ => return None,
+    };
+    Some(format_ident!("{holder}"))
+}
+
+fn capitalize(s: &str) -> String {
+    let mut c = s.chars();
+    c.next()
+        .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+        .unwrap_or_default()
+}
+
+/// Whether `e` is arithmetic of integer literals without a type suffix (`4 << 30`, `(1 + 2) *
+/// 1024`): its type comes from where it is used.
+fn untyped_integers(e: &syn::Expr) -> bool {
+    match e {
+        syn::Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Int(i),
+            ..
+        }) => i.suffix().is_empty(),
+        syn::Expr::Binary(b) => untyped_integers(&b.left) && untyped_integers(&b.right),
+        syn::Expr::Paren(p) => untyped_integers(&p.expr),
+        syn::Expr::Group(g) => untyped_integers(&g.expr),
+        syn::Expr::Unary(u) => untyped_integers(&u.expr),
+        _ => false,
     }
 }
 
@@ -401,7 +458,14 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
                 absorbed.push(quote!(#[allow(unused_imports)] use #path as _;));
                 let tokens = match &a.meta {
                     syn::Meta::List(l) => l.tokens.clone(),
-                    _ => TokenStream::new(),
+                    syn::Meta::Path(_) => TokenStream::new(),
+                    syn::Meta::NameValue(_) => {
+                        errors.at(
+                            &a,
+                            format!("#[{n} = ...] takes no value: write #[{n}] or #[{n}(options)]"),
+                        );
+                        continue;
+                    }
                 };
                 match args::parse_args(tokens) {
                     Ok(list) => {
@@ -500,7 +564,7 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
             // the attempt is then unused, and the warning would be wrong.
             Passing::MutRef => rebind.push(quote!(#allow_unused let #pat = &mut *#ident;)),
             Passing::Value => rebind.push(
-                quote_spanned!(pat.span()=> #allow_unused let #pat = #p::clone_for_retry(&#ident);),
+                quote_spanned!(pat.span()=> #allow_unused #[allow(unused_mut)] let #pat = #p::clone_for_retry(&#ident);),
             ),
         }
     }
@@ -514,12 +578,13 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
             }
         }
     }
-    // Outer `mut` on cloned parameters would be unused: the attempt rebinds them.
+    // Outer `mut` on cloned parameters is unused when only the attempts (which rebind them)
+    // touch them, and used by a commit that mutates one: kept, its warning allowed.
     for a in f.sig.inputs.iter_mut() {
         if let syn::FnArg::Typed(t) = a {
-            if let Pat::Ident(pi) = &mut *t.pat {
-                if !matches!(&*t.ty, syn::Type::Reference(_)) {
-                    pi.mutability = None;
+            if let Pat::Ident(pi) = &*t.pat {
+                if pi.mutability.is_some() && !matches!(&*t.ty, syn::Type::Reference(_)) {
+                    t.attrs.push(syn::parse_quote!(#[allow(unused_mut)]));
                 }
             }
         }
@@ -564,12 +629,33 @@ pub fn oom_retry(args: TokenStream, mut f: ItemFn, errors: &mut Errors) -> Token
     };
     let no_grad = guards.no_grad;
     // Plans are remembered per generic instance: the memory of `step::<f32>` is not
-    // `step::<f64>`'s.
-    let type_params: Vec<_> = f.sig.generics.type_params().map(|t| &t.ident).collect();
-    let instance = if type_params.is_empty() {
+    // `step::<f64>`'s, nor `Big::eval`'s that of `Small::eval` (a method's `Self`, which holds
+    // its impl's generics), nor `f::<4>`'s that of `f::<8>` (const generics).
+    let mut key_types: Vec<TokenStream> = f
+        .sig
+        .generics
+        .type_params()
+        .map(|t| t.ident.to_token_stream())
+        .collect();
+    if f.sig.receiver().is_some() {
+        // (in a tuple: `Self` of a trait's default method need not be sized)
+        key_types.push(quote!(::core::marker::PhantomData<Self>));
+    }
+    for c in f.sig.generics.const_params() {
+        let id = &c.ident;
+        match const_key(&c.ty) {
+            Some(holder) => key_types.push(quote!(#p::#holder<#id>)),
+            None => errors.at(
+                &c.ty,
+                "#[oom_retry] remembers plans per generic instance; a const parameter of this \
+                 type cannot name one (use an integer, bool or char)",
+            ),
+        }
+    }
+    let instance = if key_types.is_empty() {
         quote!("")
     } else {
-        quote!(::core::any::type_name::<(#(#type_params,)*)>())
+        quote!(::core::any::type_name::<(#(#key_types,)*)>())
     };
     // `Retry::<E>`, E from the return type (through `FnResult`, so that aliases work and a
     // return type that is not a `Result` gets a clear error).

@@ -210,6 +210,15 @@ impl BudgetOptions {
                 Arg::Literal(l) => {
                     errors.at(l, "the budget literal is a size string such as \"2 GiB\"")
                 }
+                Arg::Flag(key) if BUDGET_KEYS.contains(&key.to_string().as_str()) => {
+                    limit_given = true;
+                    let example = match key.to_string().as_str() {
+                        "bytes" => "bytes = expr",
+                        "fraction" => "fraction = 0.9",
+                        _ => "crate = \"path\"",
+                    };
+                    errors.at(&key, format!("`{key}` needs a value: {example}"))
+                }
                 Arg::Flag(key) => {
                     limit_given = true;
                     errors.at(
@@ -228,6 +237,8 @@ impl BudgetOptions {
                 Arg::KeyValue { key, value } => {
                     if !BUDGET_KEYS.contains(&key.to_string().as_str()) {
                         args::unknown(&key, "memory_budget", BUDGET_KEYS, errors);
+                        // (a misspelt `bytes`/`fraction` is said once, not again as no budget)
+                        limit_given = true;
                         continue;
                     }
                     if !seen.first(&key, errors) {
@@ -253,10 +264,12 @@ impl BudgetOptions {
                             let f = match &value {
                                 Expr::Lit(syn::ExprLit {
                                     lit: Lit::Float(f), ..
-                                }) => f.base10_parse::<f64>().ok(),
+                                }) if matches!(f.suffix(), "" | "f32" | "f64") => {
+                                    f.base10_parse::<f64>().ok()
+                                }
                                 Expr::Lit(syn::ExprLit {
                                     lit: Lit::Int(i), ..
-                                }) => i.base10_parse::<f64>().ok(),
+                                }) if i.suffix().is_empty() => i.base10_parse::<f64>().ok(),
                                 _ => None,
                             };
                             match f {
@@ -318,6 +331,15 @@ impl LeakOptions {
         for arg in list {
             let (key, value) = match arg {
                 Arg::KeyValue { key, value } => (key, value),
+                Arg::Flag(key) if LEAK_KEYS.contains(&key.to_string().as_str()) => {
+                    let example = match key.to_string().as_str() {
+                        "action" => "action = warn (panic, warn or error)",
+                        "allow" => "allow = \"1 MiB\"",
+                        _ => "crate = \"path\"",
+                    };
+                    errors.at(&key, format!("`{key}` needs a value: {example}"));
+                    continue;
+                }
                 Arg::Flag(key) => {
                     args::unknown(&key, "leak_check", LEAK_KEYS, errors);
                     continue;
