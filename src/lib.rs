@@ -108,7 +108,9 @@ pub use oomguard_runtime::*;
 /// mark ([`retry::IsOom::after_commit`]: [`Error::AfterCommit`], an anyhow context, an
 /// `io::Error` wrapper), so that `is_oom` says `false` for it.
 ///
-/// Plans are remembered per function definition (`file:line name`, and per generic instance),
+/// Plans are remembered per function definition (`file:line name`, and per generic instance:
+/// its type parameters, a method's `Self`, and its const parameters, which must be integers,
+/// `bool` or `char`),
 /// per device (the device the thread allocated on: name, ordinal, capacity), and per mode
 /// (train/eval, as inside the function). [`remembered_plans`] lists them,
 /// [`forget_remembered_plans`] forgets them. Accumulation is exact up to floating-point
