@@ -8,7 +8,7 @@ use std::str::FromStr;
 /// Binary units (`KiB`, `MiB`, `GiB`, `TiB`) are powers of 1024; decimal units (`KB`, `MB`, `GB`,
 /// `TB`) powers of 1000, as in the SI. A bare number (or `B`) is bytes, and whole: `"1.5"` is
 /// an error (a fraction needs its unit, `"1.5 GiB"`). Fractions of a unit are rounded down to
-/// whole bytes.
+/// whole bytes. Underscores between digits are separators, as in Rust (`"1_000 MiB"`).
 ///
 /// ```
 /// use oomguard_runtime::ByteSize;
@@ -132,7 +132,14 @@ impl FromStr for ByteSize {
             input: s.to_string(),
             reason,
         };
-        let t = s.trim();
+        // digit separators as Rust writes them: "1_000 MiB"
+        let owned: String;
+        let t = if s.contains('_') {
+            owned = s.trim().replace('_', "");
+            owned.as_str()
+        } else {
+            s.trim()
+        };
         if t.is_empty() {
             return Err(err("empty; expected a number and a unit such as \"2 GiB\""));
         }
@@ -221,6 +228,11 @@ mod tests {
         assert_eq!("4096".parse::<ByteSize>().unwrap().0, 4096);
         assert_eq!(" 7 b ".parse::<ByteSize>().unwrap().0, 7);
         assert_eq!("1kb".parse::<ByteSize>().unwrap().0, 1000);
+        // digit separators (a macro's "1_000 MiB" said "unknown unit")
+        assert_eq!(
+            "1_000 MiB".parse::<ByteSize>().unwrap(),
+            ByteSize::mib(1000)
+        );
     }
 
     #[test]
