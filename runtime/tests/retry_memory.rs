@@ -173,9 +173,10 @@ fn temp_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("oomguard-{name}-{}.json", std::process::id()))
 }
 
-#[test]
-fn plans_persist_across_a_restart() {
-    let path = temp_path("persist");
+/// A plan file at a fresh `temp_path(name)` holding the plan a 64 MiB card learns for a step of
+/// 100 rows (2 retries, micro-batches of 25): the path and the file's text.
+fn learned_plan_file(name: &str) -> (std::path::PathBuf, String) {
+    let path = temp_path(name);
     let _ = std::fs::remove_file(&path);
     {
         let dev = Device::sim(ByteSize::mib(64));
@@ -184,6 +185,12 @@ fn plans_persist_across_a_restart() {
     }
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains("\"micro_batch\": 25"), "{text}");
+    (path, text)
+}
+
+#[test]
+fn plans_persist_across_a_restart() {
+    let (path, text) = learned_plan_file("persist");
     assert!(text.contains("\"mode\": \"train\""), "{text}");
     // "restart": a new engine and a new device of the same kind
     let dev = Device::sim(ByteSize::mib(64));
@@ -204,15 +211,7 @@ fn plans_persist_across_a_restart() {
 /// hostile pass of the API): now the file is refused, naming the call site.
 #[test]
 fn a_plan_file_with_a_cap_of_zero_rows_is_refused() {
-    let path = temp_path("zero-cap");
-    let _ = std::fs::remove_file(&path);
-    {
-        let dev = Device::sim(ByteSize::mib(64));
-        let engine = two_retry_engine().with_memory_file(&path).unwrap();
-        assert_eq!(step_here(&engine, &dev, 100).report.retries(), 2);
-    }
-    let text = std::fs::read_to_string(&path).unwrap();
-    assert!(text.contains("\"micro_batch\": 25"), "{text}");
+    let (path, text) = learned_plan_file("zero-cap");
     std::fs::write(
         &path,
         text.replace("\"micro_batch\": 25", "\"micro_batch\": 0"),
