@@ -35,8 +35,8 @@ pub enum Error {
     /// (a chunk twice, chunks of two plans, a chunk left out); not retried.
     #[error("{0}")]
     Rows(String),
-    /// The chunk's loss is not one value (the chunk's mean loss, e.g. `loss.mean()`); not
-    /// retried.
+    /// The chunk's loss is not one value (the chunk's mean loss, e.g. `loss.mean()`), or it is
+    /// NaN or infinite; not retried, no update.
     #[error("{0}")]
     Loss(String),
     /// Float parameters that require a gradient got none from the backward pass (a module that

@@ -79,6 +79,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         let value = compat::read_f64(weighted)?;
         compat::sync::<B>(&device)?;
         self.device = Some(device);
+        // (the weighted value is finite exactly when the chunk's mean loss is)
+        oomguard::train::finite_loss(chunk, value).map_err(Error::Loss)?;
         self.losses.add_weighted(chunk, value);
         Ok(())
     }
@@ -159,7 +161,7 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 /// ([`TrainStepError::PolicyDropsRows`](oomguard::train::TrainStepError::PolicyDropsRows),
 /// before anything runs; a policy that proposes such a plan only later makes the step give up
 /// instead), a model none of whose float parameters requires a gradient
-/// ([`Error::NothingToTrain`], before the first chunk), a loss that is not one value
+/// ([`Error::NothingToTrain`], before the first chunk), a loss that is not one finite value
 /// ([`Error::Loss`]), and float parameters that require a gradient and got none
 /// ([`Error::NoGradient`]).
 ///

@@ -659,3 +659,38 @@ fn a_model_with_nothing_to_train_is_refused() {
     assert_eq!(steps.load(Ordering::SeqCst), 0);
     assert_eq!(model.used.weight.val().into_data(), before);
 }
+
+/// A NaN or infinite loss was trained on: `Ok`, and every parameter NaN (found by a hostile
+/// pass of the glue). Refused before the update, naming the rows.
+#[test]
+fn a_loss_that_is_not_finite_is_refused() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let sim = oomguard::Device::sim(ByteSize::gib(1));
+    for bad in [f64::NAN, f64::INFINITY] {
+        let mut model = with_unused(&dev);
+        model.unused = model.unused.no_grad();
+        let before = model.used.weight.val().into_data();
+        let (mut opt, steps) = counting_sgd();
+        let r = train_step(
+            &RetryEngine::new(),
+            &sim,
+            8,
+            &mut model,
+            &mut opt,
+            0.05,
+            |m, c| {
+                let pred = m.used.forward(chunk_rows(&x, c)?);
+                Ok((pred - chunk_rows(&y, c)?)
+                    .powi_scalar(2)
+                    .mean()
+                    .mul_scalar(bad))
+            },
+        );
+        let e = step_error(r.unwrap_err());
+        assert!(matches!(e, Error::Loss(_)) && !e.is_oom(), "{e}");
+        assert!(e.to_string().contains("not trained on"), "{e}");
+        assert_eq!(steps.load(Ordering::SeqCst), 0);
+        assert_eq!(model.used.weight.val().into_data(), before);
+    }
+}

@@ -50,8 +50,9 @@ impl GradAccumulator {
     /// Backpropagates `chunk_loss`, the chunk's per-row *mean* loss (a scalar), and adds the
     /// trained variables' gradients weighted by `chunk.weight()`.
     ///
-    /// Errors: a loss with more than one element; chunks of different batches; a float
-    /// variable in the loss's graph that is neither trained nor frozen.
+    /// Errors: a loss with more than one element; a NaN or infinite loss
+    /// ([`oomguard::train::finite_loss`]); chunks of different batches; a float variable in the
+    /// loss's graph that is neither trained nor frozen.
     pub fn backward(&mut self, chunk_loss: &Tensor, chunk: &Chunk) -> candle_core::Result<()> {
         one_value(
             chunk_loss.elem_count(),
@@ -83,6 +84,7 @@ impl GradAccumulator {
             .to_dtype(DType::F64)?
             .flatten_all()?
             .to_vec1::<f64>()?[0];
+        oomguard::train::finite_loss(chunk, value).map_err(crate::oom::refusal)?;
         self.sum.add_mean(chunk, value);
         Ok(())
     }

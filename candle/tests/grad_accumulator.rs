@@ -162,6 +162,28 @@ fn a_loss_that_is_not_a_scalar_is_refused() {
     assert_eq!(acc.rows(), 8);
 }
 
+/// A NaN or infinite loss was accumulated, and `train_step` then stepped every parameter to NaN
+/// and returned `Ok` (found by a hostile pass of the glue): refused, naming the rows.
+#[test]
+fn a_loss_that_is_not_finite_is_refused() {
+    let w = Var::ones(4, DType::F32, &Device::Cpu).unwrap();
+    let (x, _) = batch(8);
+    let loss = x.broadcast_mul(w.as_tensor()).unwrap().mean_all().unwrap();
+    let plan = BatchPlan::new(8, 2).unwrap();
+    for bad in [f64::NAN, f64::INFINITY] {
+        let mut acc = GradAccumulator::new(&w);
+        let c = plan.chunk(1).unwrap();
+        let e = acc
+            .backward(&(&loss * bad).unwrap(), &c)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the loss of rows 4..8") && e.contains("not trained on"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn chunks_that_miss_rows_or_mix_batches_are_errors() {
     let w = Var::ones(4, DType::F32, &Device::Cpu).unwrap();

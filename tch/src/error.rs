@@ -32,7 +32,7 @@ pub enum Error {
     #[error("{0}")]
     Oomguard(#[from] oomguard::Error),
     /// The chunk's loss is not one value (give the chunk's per-row mean loss, e.g.
-    /// `loss.mean(Kind::Float)`); not retried.
+    /// `loss.mean(Kind::Float)`), or it is NaN or infinite; not retried, no update.
     #[error("{0}")]
     Loss(String),
     /// Variables of the `VarStore` that require a gradient got none from the backward passes of

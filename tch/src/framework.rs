@@ -142,6 +142,7 @@ where
         weighted.f_backward()?;
         // Reading the value waits for the device: this chunk's errors surface here.
         let value = loss.f_reshape([-1])?.f_double_value(&[0])?;
+        oomguard::train::finite_loss(c, value).map_err(Error::Loss)?;
         sum.add_mean(c, value);
         Ok(())
     }

@@ -483,6 +483,31 @@ fn a_loss_that_is_not_one_value_is_refused() {
     assert_eq!(params(&vs), before);
 }
 
+/// A NaN loss was trained on: `Ok`, and every parameter NaN (found by a hostile pass of the
+/// candle and burn glue; the same shared check here). Refused before the update.
+#[test]
+fn a_loss_that_is_not_finite_is_refused() {
+    let (x, y) = data();
+    let (vs, m, mut opt) = model();
+    let before = params(&vs);
+    let err = train_step(
+        &RetryEngine::new(),
+        &oomguard::Device::sim(ByteSize::gib(1)),
+        &[&x, &y],
+        &vs,
+        &mut opt,
+        |_, rows| {
+            let h = rows[0].f_matmul(&m.w1)?.f_relu()?.f_matmul(&m.w2)?;
+            Ok(h.f_sub(&rows[1])?.f_square()?.f_mean(tch::Kind::Float)? * f64::NAN)
+        },
+    )
+    .unwrap_err();
+    let e = step_error(err);
+    assert!(matches!(e, Error::Loss(_)) && !e.is_oom(), "{e}");
+    assert!(e.to_string().contains("is NaN: not trained on"), "{e}");
+    assert_eq!(params(&vs), before);
+}
+
 #[test]
 fn an_engine_whose_policy_drops_rows_is_refused_before_anything_runs() {
     let (x, y) = data();

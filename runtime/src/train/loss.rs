@@ -5,6 +5,30 @@ use std::ops::Range;
 
 use crate::retry::Chunk;
 
+/// `Err` (the refusal's text) when a chunk's loss is not finite: a NaN or infinite loss makes
+/// every gradient, and after the optimizer's step every parameter, NaN. The step is refused
+/// before its update, as a loss of the wrong shape is.
+///
+/// ```
+/// use oomguard_runtime::retry::BatchPlan;
+/// let plan = BatchPlan::new(8, 2).unwrap();
+/// let c = plan.chunk(1).unwrap();
+/// assert!(oomguard_runtime::train::finite_loss(&c, 0.5).is_ok());
+/// let e = oomguard_runtime::train::finite_loss(&c, f64::NAN).unwrap_err();
+/// assert!(e.contains("rows 4..8") && e.contains("NaN"), "{e}");
+/// ```
+pub fn finite_loss(chunk: &Chunk, value: f64) -> Result<(), String> {
+    if value.is_finite() {
+        return Ok(());
+    }
+    Err(format!(
+        "the loss of rows {:?} is {value}: not trained on (its gradients would make every \
+         parameter NaN); the optimizer did not step. Check the inputs and the learning rate, \
+         or skip the batch",
+        chunk.rows()
+    ))
+}
+
 /// Checks that a chunk's loss is one value (`elements == 1`), as the weighting needs: each
 /// chunk's gradients are weighted by its share of the batch, which turns per-chunk *means* into
 /// the batch's mean. Per-row losses (or a sum) would make the update depend on how an

@@ -41,7 +41,7 @@ pub use error::TrainStepError;
 pub use framework::{Gradients, SliceBatch, TrainFramework, TrainUpdate};
 pub use gradients::{missing_gradients, name_list, NAMED};
 pub use held_batch::HeldBatch;
-pub use loss::{one_value, LossSum};
+pub use loss::{finite_loss, one_value, LossSum};
 pub use loss_curve::{LossCurve, LossDidNotFall};
 pub use refusal::{drops_rows, keep_rows, DropsRows, KEEP_ROWS_HINT};
 pub use step::{attempt, find_max_batch_train, train_step, train_step_kept, StepFailure, Stepped};
