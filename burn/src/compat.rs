@@ -203,6 +203,14 @@ where
 
 /// The paths (`"blocks.3.attn.query.weight"`) of the float parameters of `model` that require a
 /// gradient and have none in `grads`.
+/// The elements of `model`'s float parameters that require a gradient (what one set of its
+/// gradients holds).
+pub(crate) fn trainable_elements<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> usize {
+    let mut v = Trainable::default();
+    model.visit(&mut v);
+    v.elements
+}
+
 /// The float parameters of `model`: how many, and how many require a gradient.
 pub(crate) fn trainable_params<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
@@ -216,12 +224,18 @@ pub(crate) fn trainable_params<B: AutodiffBackend, M: AutodiffModule<B>>(
 struct Trainable {
     floats: usize,
     trainable: usize,
+    /// Elements of the trainable ones.
+    elements: usize,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Trainable {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         self.floats += 1;
-        self.trainable += usize::from(param.val().is_require_grad());
+        let value = param.val();
+        if value.is_require_grad() {
+            self.trainable += 1;
+            self.elements += value.shape().num_elements();
+        }
     }
 }
 

@@ -125,8 +125,11 @@ where
     // runs out of memory would stay unallocated for good.
     let mut model = model.clone();
     catch_oom(|| compat::materialize::<B, M>(&mut model)).map_err(FinderError::Step)?;
-    // A split step holds the gradients accumulated so far while each later chunk runs.
-    let accumulation = Some((model.num_params() * std::mem::size_of::<B::FloatElem>()) as u64);
+    // A split step holds the gradients accumulated so far while each later chunk runs: those of
+    // the float parameters that are trained (a frozen embedding of 64 MiB made the seeded
+    // micro-batches 1 row where they could be 52).
+    let elements = compat::trainable_elements::<B, M>(&model);
+    let accumulation = Some((elements * std::mem::size_of::<B::FloatElem>()) as u64);
     let mut step = BurnStep {
         model: &model,
         chunk_loss,

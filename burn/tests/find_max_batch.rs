@@ -5,6 +5,7 @@
 //! step written by hand does.
 
 use burn::backend::{Autodiff, NdArray};
+use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::{Distribution, Tensor};
@@ -137,4 +138,49 @@ fn the_train_finder_refuses_a_batch_of_the_wrong_rows() {
         text.contains("shape [2, 4] has 2 rows; the plan splits a batch of 1"),
         "{text}"
     );
+}
+
+/// A model with a frozen table beside its trained head: one set of accumulated gradients holds
+/// the head's only. It counted every parameter (a frozen 1024 × 1024 f32 table: 4 MiB), which
+/// shrank the micro-batches a seeded engine starts from (found by a hostile pass of the glue).
+#[derive(Module, Debug)]
+struct FrozenBase<B: burn::tensor::backend::Backend> {
+    head: Linear<B>,
+    table: Linear<B>,
+}
+
+#[test]
+fn accumulation_counts_the_trained_parameters_only() {
+    let card = oomguard::Device::sim(ByteSize::mib(256));
+    let dev = Default::default();
+    let model = FrozenBase::<B> {
+        head: LinearConfig::new(4, 1).init(&dev),
+        table: LinearConfig::new(1024, 1024)
+            .with_bias(false)
+            .init(&dev)
+            .no_grad(),
+    };
+    let mut make_batch = |rows: usize| -> Result<Batch, Error> {
+        let memory = card.alloc::<u8>(rows << 20)?;
+        Ok(Batch {
+            x: Tensor::ones([rows, 4], &dev),
+            y: Tensor::zeros([rows, 1], &dev),
+            _memory: memory,
+        })
+    };
+    let mut loss = |m: &FrozenBase<B>, c: &Chunk, b: &Batch| -> Result<Tensor<B, 1>, Error> {
+        let _activations = card.alloc::<u8>(c.len() << 21)?;
+        let pred = m.head.forward(chunk_rows(&b.x, c)?);
+        Ok((pred - chunk_rows(&b.y, c)?).powi_scalar(2).mean())
+    };
+    let found = find_max_batch_train(
+        &card,
+        FinderOptions::default(),
+        &model,
+        &mut make_batch,
+        &mut loss,
+    )
+    .unwrap();
+    // the head: 4 weights and 1 bias, f32
+    assert_eq!(found.accumulation_bytes, Some(20), "{found}");
 }
