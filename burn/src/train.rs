@@ -75,6 +75,17 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         let device = chunk_loss.device();
         let weighted = compat::weighted_loss(chunk_loss, chunk.weight());
         let grads = compat::backward(&weighted, model);
+        // A loss of another model (or of none) gives `model` no gradient at all: its chunk would
+        // be dropped from the sum without a word (candle's accumulator, tied to its variables,
+        // refuses such a loss).
+        if grads.is_empty() && compat::trainable_params::<B, M>(model).1 > 0 {
+            return Err(Error::Loss(format!(
+                "the loss of rows {:?} reached none of the model's trained parameters: it was \
+                 computed from another model (or from none); each chunk's loss must come from \
+                 the `model` given to `backward`",
+                chunk.rows()
+            )));
+        }
         self.sum.add(model, grads);
         let value = compat::read_f64(weighted)?;
         compat::sync::<B>(&device)?;

@@ -694,3 +694,31 @@ fn a_loss_that_is_not_finite_is_refused() {
         assert_eq!(model.used.weight.val().into_data(), before);
     }
 }
+
+/// A chunk whose loss came from another model (equal values, other parameters) gave `model` no
+/// gradient and was dropped from the sum: `Ok`, and a gradient of the first chunk alone (found
+/// by a hostile pass of the glue). Refused now.
+#[test]
+fn a_chunk_whose_loss_is_of_another_model_is_refused() {
+    let dev = Default::default();
+    let (x, y) = data(&dev);
+    let model = Mlp::<B>::new(&dev);
+    let other = Mlp::<B>::new(&dev);
+    let plan = BatchPlan::new(8, 2).unwrap();
+    let (c0, c1) = (plan.chunk(0).unwrap(), plan.chunk(1).unwrap());
+    let loss = |m: &Mlp<B>, c: &oomguard::retry::Chunk| {
+        mse(m, chunk_rows(&x, c).unwrap(), chunk_rows(&y, c).unwrap())
+    };
+    let mut acc = GradAccumulator::<B, Mlp<B>>::new();
+    acc.backward(&model, loss(&model, &c0), &c0).unwrap();
+    let e = acc.backward(&model, loss(&other, &c1), &c1).unwrap_err();
+    assert!(matches!(e, Error::Loss(_)), "{e}");
+    assert!(
+        e.to_string()
+            .contains("reached none of the model's trained parameters"),
+        "{e}"
+    );
+    // the same chunk of the right model is then taken
+    acc.backward(&model, loss(&model, &c1), &c1).unwrap();
+    acc.into_grads(&model).unwrap();
+}
