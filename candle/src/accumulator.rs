@@ -61,6 +61,16 @@ impl GradAccumulator {
             "`.mean_all()`",
         )
         .map_err(crate::oom::refusal)?;
+        if !chunk_loss.dtype().is_float() {
+            // (an integer loss carries no gradient: it was "no gradient reached ...", which
+            // pointed at candle-nn's forward-only ops)
+            return Err(crate::oom::refusal(format!(
+                "the loss of rows {:?} is {:?}, not a float: backpropagation needs a float \
+                 loss (compute it in f32 or wider)",
+                chunk.rows(),
+                chunk_loss.dtype()
+            )));
+        }
         self.sum.admit(chunk).map_err(crate::oom::refusal)?;
         self.check_graph(chunk_loss)?;
 

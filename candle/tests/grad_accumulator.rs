@@ -184,6 +184,22 @@ fn a_loss_that_is_not_finite_is_refused() {
     }
 }
 
+/// An integer loss was accumulated by hand (`Ok`), and through `train_step` was refused as "no
+/// gradient reached ..." pointing at forward-only ops (found by a hostile pass of the glue).
+#[test]
+fn a_loss_that_is_not_a_float_is_refused() {
+    let w = Var::ones(4, DType::F32, &Device::Cpu).unwrap();
+    let (x, _) = batch(8);
+    let loss = x.broadcast_mul(w.as_tensor()).unwrap().mean_all().unwrap();
+    let plan = BatchPlan::whole(8).unwrap();
+    let mut acc = GradAccumulator::new(&w);
+    let e = acc
+        .backward(&loss.to_dtype(DType::U32).unwrap(), &plan.chunk(0).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is U32, not a float"), "{e}");
+}
+
 #[test]
 fn chunks_that_miss_rows_or_mix_batches_are_errors() {
     let w = Var::ones(4, DType::F32, &Device::Cpu).unwrap();
