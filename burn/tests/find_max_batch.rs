@@ -52,6 +52,17 @@ struct Batch {
     _memory: oomguard::DeviceBuffer<u8>,
 }
 
+/// A batch of `rows` rows on `card`.
+fn batch(card: &oomguard::Device, rows: usize) -> Result<Batch, Error> {
+    let dev = Default::default();
+    let memory = card.alloc::<u8>(rows << 20)?;
+    Ok(Batch {
+        x: Tensor::ones([rows, 4], &dev),
+        y: Tensor::zeros([rows, 1], &dev),
+        _memory: memory,
+    })
+}
+
 fn weights(model: &Linear<B>) -> Vec<f32> {
     model.weight.val().into_data().to_vec().unwrap()
 }
@@ -63,14 +74,7 @@ fn the_train_finder_measures_train_steps_attempt_and_its_seed_never_retries() {
     let card = oomguard::Device::sim(ByteSize::mib(256));
     let dev = Default::default();
     let mut model: Linear<B> = LinearConfig::new(4, 1).init(&dev);
-    let mut make_batch = |rows: usize| -> Result<Batch, Error> {
-        let memory = card.alloc::<u8>(rows << 20)?;
-        Ok(Batch {
-            x: Tensor::ones([rows, 4], &dev),
-            y: Tensor::zeros([rows, 1], &dev),
-            _memory: memory,
-        })
-    };
+    let mut make_batch = |rows: usize| batch(&card, rows);
     let mut loss = |m: &Linear<B>, c: &Chunk, b: &Batch| -> Result<Tensor<B, 1>, Error> {
         let _activations = card.alloc::<u8>(c.len() << 21)?;
         let pred = m.forward(chunk_rows(&b.x, c)?);
@@ -160,14 +164,7 @@ fn accumulation_counts_the_trained_parameters_only() {
             .init(&dev)
             .no_grad(),
     };
-    let mut make_batch = |rows: usize| -> Result<Batch, Error> {
-        let memory = card.alloc::<u8>(rows << 20)?;
-        Ok(Batch {
-            x: Tensor::ones([rows, 4], &dev),
-            y: Tensor::zeros([rows, 1], &dev),
-            _memory: memory,
-        })
-    };
+    let mut make_batch = |rows: usize| batch(&card, rows);
     let mut loss = |m: &FrozenBase<B>, c: &Chunk, b: &Batch| -> Result<Tensor<B, 1>, Error> {
         let _activations = card.alloc::<u8>(c.len() << 21)?;
         let pred = m.head.forward(chunk_rows(&b.x, c)?);

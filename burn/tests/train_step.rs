@@ -627,14 +627,12 @@ fn an_update_error_is_not_an_oom_boxed_either() {
     assert!(!boxed.is_oom() && !boxed.is_budget_exceeded(), "{boxed}");
 }
 
-/// A model whose every parameter is frozen (or that has none) trained nothing and `train_step`
-/// returned `Ok`: now refused before the first chunk, naming the count, and nothing steps.
-#[test]
-fn a_model_with_nothing_to_train_is_refused() {
+/// One `train_step` of `model`'s `used` head on the test batch, its loss times `scale`, that
+/// must be refused with nothing stepped or changed: the error and the chunks that ran.
+fn refused_step(mut model: WithUnused<B>, scale: f64) -> (Error, usize) {
     let dev = Default::default();
     let (x, y) = data(&dev);
     let sim = oomguard::Device::sim(ByteSize::gib(1));
-    let mut model = with_unused(&dev).no_grad();
     let before = model.used.weight.val().into_data();
     let (mut opt, steps) = counting_sgd();
     let chunks = AtomicUsize::new(0);
@@ -648,50 +646,41 @@ fn a_model_with_nothing_to_train_is_refused() {
         |m, c| {
             chunks.fetch_add(1, Ordering::SeqCst);
             let pred = m.used.forward(chunk_rows(&x, c)?);
-            Ok((pred - chunk_rows(&y, c)?).powi_scalar(2).mean())
+            let loss = (pred - chunk_rows(&y, c)?).powi_scalar(2).mean();
+            Ok(loss.mul_scalar(scale))
         },
     );
     let e = step_error(r.unwrap_err());
+    assert_eq!(steps.load(Ordering::SeqCst), 0, "the optimizer stepped");
+    assert_eq!(
+        model.used.weight.val().into_data(),
+        before,
+        "the model changed"
+    );
+    (e, chunks.load(Ordering::SeqCst))
+}
+
+/// A model whose every parameter is frozen (or that has none) trained nothing and `train_step`
+/// returned `Ok`: now refused before the first chunk, naming the count, and nothing steps.
+#[test]
+fn a_model_with_nothing_to_train_is_refused() {
+    let (e, chunks) = refused_step(with_unused(&Default::default()).no_grad(), 1.0);
     assert!(matches!(e, Error::NothingToTrain { params: 4 }), "{e}");
     assert!(e.to_string().contains("set_require_grad(true)"), "{e}");
     assert!(!e.is_oom());
-    assert_eq!(chunks.load(Ordering::SeqCst), 0);
-    assert_eq!(steps.load(Ordering::SeqCst), 0);
-    assert_eq!(model.used.weight.val().into_data(), before);
+    assert_eq!(chunks, 0);
 }
 
 /// A NaN or infinite loss was trained on: `Ok`, and every parameter NaN (found by a hostile
 /// pass of the glue). Refused before the update, naming the rows.
 #[test]
 fn a_loss_that_is_not_finite_is_refused() {
-    let dev = Default::default();
-    let (x, y) = data(&dev);
-    let sim = oomguard::Device::sim(ByteSize::gib(1));
     for bad in [f64::NAN, f64::INFINITY] {
-        let mut model = with_unused(&dev);
+        let mut model = with_unused(&Default::default());
         model.unused = model.unused.no_grad();
-        let before = model.used.weight.val().into_data();
-        let (mut opt, steps) = counting_sgd();
-        let r = train_step(
-            &RetryEngine::new(),
-            &sim,
-            8,
-            &mut model,
-            &mut opt,
-            0.05,
-            |m, c| {
-                let pred = m.used.forward(chunk_rows(&x, c)?);
-                Ok((pred - chunk_rows(&y, c)?)
-                    .powi_scalar(2)
-                    .mean()
-                    .mul_scalar(bad))
-            },
-        );
-        let e = step_error(r.unwrap_err());
+        let (e, _) = refused_step(model, bad);
         assert!(matches!(e, Error::Loss(_)) && !e.is_oom(), "{e}");
         assert!(e.to_string().contains("not trained on"), "{e}");
-        assert_eq!(steps.load(Ordering::SeqCst), 0);
-        assert_eq!(model.used.weight.val().into_data(), before);
     }
 }
 

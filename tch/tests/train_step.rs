@@ -460,8 +460,9 @@ fn variables_the_optimizer_does_not_update_are_refused() {
     assert_eq!(params(&vs), before);
 }
 
-#[test]
-fn a_loss_that_is_not_one_value_is_refused() {
+/// A `train_step` whose chunk loss is `loss(squared errors per row)`, which must be refused
+/// with no update: the error.
+fn refused_loss(loss: impl Fn(Tensor) -> Result<Tensor, tch::TchError>) -> Error {
     let (x, y) = data();
     let (vs, m, mut opt) = model();
     let before = params(&vs);
@@ -473,39 +474,29 @@ fn a_loss_that_is_not_one_value_is_refused() {
         &mut opt,
         |_, rows| {
             let h = rows[0].f_matmul(&m.w1)?.f_relu()?.f_matmul(&m.w2)?;
-            Ok(h.f_sub(&rows[1])?.f_square()?) // per-row losses, not their mean
+            Ok(loss(h.f_sub(&rows[1])?.f_square()?)?)
         },
     )
     .unwrap_err();
-    let e = step_error(err);
+    assert_eq!(params(&vs), before);
+    step_error(err)
+}
+
+#[test]
+fn a_loss_that_is_not_one_value_is_refused() {
+    // per-row losses, not their mean
+    let e = refused_loss(Ok);
     assert!(matches!(e, Error::Loss(_)) && !e.is_oom(), "{e}");
     assert!(e.to_string().contains("shape [64, 1]"), "{e}");
-    assert_eq!(params(&vs), before);
 }
 
 /// A NaN loss was trained on: `Ok`, and every parameter NaN (found by a hostile pass of the
 /// candle and burn glue; the same shared check here). Refused before the update.
 #[test]
 fn a_loss_that_is_not_finite_is_refused() {
-    let (x, y) = data();
-    let (vs, m, mut opt) = model();
-    let before = params(&vs);
-    let err = train_step(
-        &RetryEngine::new(),
-        &oomguard::Device::sim(ByteSize::gib(1)),
-        &[&x, &y],
-        &vs,
-        &mut opt,
-        |_, rows| {
-            let h = rows[0].f_matmul(&m.w1)?.f_relu()?.f_matmul(&m.w2)?;
-            Ok(h.f_sub(&rows[1])?.f_square()?.f_mean(tch::Kind::Float)? * f64::NAN)
-        },
-    )
-    .unwrap_err();
-    let e = step_error(err);
+    let e = refused_loss(|squares| Ok(squares.f_mean(tch::Kind::Float)? * f64::NAN));
     assert!(matches!(e, Error::Loss(_)) && !e.is_oom(), "{e}");
     assert!(e.to_string().contains("is NaN: not trained on"), "{e}");
-    assert_eq!(params(&vs), before);
 }
 
 #[test]
