@@ -815,10 +815,9 @@ fn c_strtol_base0(s: &str) -> Option<i64> {
         Some(b'+') => (false, &t[1..]),
         _ => (false, t),
     };
-    let hex = t
-        .get(..3)
-        .filter(|h| h[..2].eq_ignore_ascii_case("0x") && h.as_bytes()[2].is_ascii_hexdigit());
-    let (radix, digits) = if hex.is_some() {
+    // (bytes: the text may hold any character, and a `str` slice must not split one)
+    let hex = matches!(t.as_bytes(), [b'0', b'x' | b'X', h, ..] if h.is_ascii_hexdigit());
+    let (radix, digits) = if hex {
         (16, &t[2..])
     } else if t.starts_with('0') {
         (8, t)
@@ -1063,7 +1062,17 @@ mod tests {
         ] {
             assert_eq!(int(p), Ok(v), "{}", String::from_utf8_lossy(p));
         }
-        for bad in [&b"I1__0\n."[..], b"I_1\n.", b"I08\n.", b"L010L\n."] {
+        // found by the garbage fuzz test: "0" then a character of two bytes panicked (a slice
+        // through the character)
+        for bad in [
+            &b"I1__0\n."[..],
+            b"I_1\n.",
+            b"I08\n.",
+            b"L010L\n.",
+            "I0\u{e9}\n.".as_bytes(),
+            "I-0\u{e9}\n.".as_bytes(),
+            "L0\u{e9}L\n.".as_bytes(),
+        ] {
             let e = int(bad).unwrap_err();
             assert!(e.contains("bad integer"), "{e}");
         }
