@@ -203,29 +203,21 @@ where
 
 /// The paths (`"blocks.3.attn.query.weight"`) of the float parameters of `model` that require a
 /// gradient and have none in `grads`.
-/// The elements of `model`'s float parameters that require a gradient (what one set of its
-/// gradients holds).
-pub(crate) fn trainable_elements<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> usize {
+/// What `model`'s float parameters are: how many, how many require a gradient, and those
+/// ones' elements (what one set of its gradients holds).
+pub(crate) fn trainable<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Trainable {
     let mut v = Trainable::default();
     model.visit(&mut v);
-    v.elements
+    v
 }
 
-/// The float parameters of `model`: how many, and how many require a gradient.
-pub(crate) fn trainable_params<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-) -> (usize, usize) {
-    let mut v = Trainable::default();
-    model.visit(&mut v);
-    (v.floats, v.trainable)
-}
-
+/// See [`trainable`].
 #[derive(Default)]
-struct Trainable {
-    floats: usize,
-    trainable: usize,
+pub(crate) struct Trainable {
+    pub(crate) floats: usize,
+    pub(crate) trainable: usize,
     /// Elements of the trainable ones.
-    elements: usize,
+    pub(crate) elements: usize,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Trainable {

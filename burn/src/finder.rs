@@ -128,7 +128,7 @@ where
     // A split step holds the gradients accumulated so far while each later chunk runs: those of
     // the float parameters that are trained (a frozen embedding of 64 MiB made the seeded
     // micro-batches 1 row where they could be 52).
-    let elements = compat::trainable_elements::<B, M>(&model);
+    let elements = compat::trainable::<B, M>(&model).elements;
     let accumulation = Some((elements * std::mem::size_of::<B::FloatElem>()) as u64);
     let mut step = BurnStep {
         model: &model,

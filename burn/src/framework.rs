@@ -53,9 +53,9 @@ where
     }
 
     fn accumulator(&mut self) -> Result<GradAccumulator<B, M>, Error> {
-        let (params, trainable) = compat::trainable_params::<B, M>(self.model);
-        if trainable == 0 {
-            return Err(Error::NothingToTrain { params });
+        let t = compat::trainable::<B, M>(self.model);
+        if t.trainable == 0 {
+            return Err(Error::NothingToTrain { params: t.floats });
         }
         Ok(GradAccumulator::new())
     }

@@ -78,7 +78,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         // A loss of another model (or of none) gives `model` no gradient at all: its chunk would
         // be dropped from the sum without a word (candle's accumulator, tied to its variables,
         // refuses such a loss).
-        if grads.is_empty() && compat::trainable_params::<B, M>(model).1 > 0 {
+        if grads.is_empty() && compat::trainable::<B, M>(model).trainable > 0 {
             return Err(Error::Loss(format!(
                 "the loss of rows {:?} reached none of the model's trained parameters: it was \
                  computed from another model (or from none); each chunk's loss must come from \

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use oomguard_runtime::alloc::{peak_live, plan_static_layout_within, LifeSpan, StaticLayout};
+use oomguard_runtime::backend::sim::SIM_GRANULARITY;
 use serde::Serialize;
 
 use crate::replay::step_starts;
@@ -21,9 +22,6 @@ const WORK: u64 = 1_000_000_000;
 /// Bytes a block takes at least (the allocator's smallest block and rounding).
 const ROUND: u64 = 512;
 
-/// The page a layout is mapped in (the simulated device's and a CUDA card's granularity).
-pub const PAGE: u64 = 2 << 20;
-
 /// What `oomguard layout` found.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct LayoutReport {
@@ -37,8 +35,8 @@ pub struct LayoutReport {
     pub peak_live_bytes: u64,
     /// The height of the lowest static layout found.
     pub layout_bytes: u64,
-    /// That height in whole pages of [`PAGE`] bytes: the memory the layout maps, which a
-    /// capacity must hold.
+    /// That height in whole pages of the simulated device (`SIM_GRANULARITY`, 2 MiB, a CUDA
+    /// card's granularity too): the memory the layout maps, which a capacity must hold.
     pub layout_pages_bytes: u64,
     /// Block orders tried.
     pub tries: u32,
@@ -125,7 +123,10 @@ pub fn layout(trace: &Trace, steps: usize, tries: u32) -> Result<LayoutReport, L
         blocks: spans.len(),
         peak_live_bytes: peak,
         layout_bytes: l.height,
-        layout_pages_bytes: l.height.checked_next_multiple_of(PAGE).unwrap_or(u64::MAX),
+        layout_pages_bytes: l
+            .height
+            .checked_next_multiple_of(SIM_GRANULARITY)
+            .unwrap_or(u64::MAX),
         tries: l.tries,
     })
 }

@@ -212,11 +212,9 @@ impl AllocatorConfig {
         for w in &warnings {
             tracing::warn!("{w}");
         }
-        // Never silent: without a subscriber, said once on standard error, as `Device::sim`
-        // says a bad value (a configuration read at every device would repeat it otherwise).
-        if !warnings.is_empty() && !tracing::dispatcher::has_been_set() {
+        if !warnings.is_empty() {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("oomguard warning: {}", warnings.join("; ")));
+            say_once_without_subscriber(&SAID, "warning", || warnings.join("; "));
         }
         Ok(c)
     }
@@ -373,6 +371,19 @@ impl fmt::Display for AllocatorConfig {
             write!(f, ",step_plans:False")?;
         }
         Ok(())
+    }
+}
+
+/// Never silent: without a `tracing` subscriber (with one, the caller's `tracing` event says
+/// it), `text` on standard error as `oomguard LEVEL: TEXT`, once in the process for `said` (a
+/// configuration read at every device would repeat it otherwise).
+pub(crate) fn say_once_without_subscriber(
+    said: &'static std::sync::Once,
+    level: &str,
+    text: impl FnOnce() -> String,
+) {
+    if !tracing::dispatcher::has_been_set() {
+        said.call_once(|| eprintln!("oomguard {level}: {}", text()));
     }
 }
 

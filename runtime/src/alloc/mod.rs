@@ -219,14 +219,12 @@ impl CachingAllocator {
         let config = config.check().map(|()| config).unwrap_or_else(|e| {
             tracing::error!(error = %e, "ignoring the allocator configuration; using the default");
             static SAID: std::sync::Once = std::sync::Once::new();
-            if !tracing::dispatcher::has_been_set() {
-                SAID.call_once(|| {
-                    eprintln!(
-                        "oomguard error: ignoring the allocator configuration: {e}; using the \
-                         default (AllocatorConfig::check says this before a device is made)"
-                    );
-                });
-            }
+            crate::config::say_once_without_subscriber(&SAID, "error", || {
+                format!(
+                    "ignoring the allocator configuration: {e}; using the default \
+                     (AllocatorConfig::check says this before a device is made)"
+                )
+            });
             AllocatorConfig::default()
         });
         let growable =

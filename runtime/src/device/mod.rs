@@ -91,17 +91,14 @@ impl Device {
     pub fn sim(capacity: ByteSize) -> Self {
         let config = AllocatorConfig::from_env().unwrap_or_else(|e| {
             tracing::error!(error = %e, "ignoring {}; using the default configuration", crate::config::ENV_VAR);
-            // Never silent: without a `tracing` subscriber, said once on standard error.
             static SAID: std::sync::Once = std::sync::Once::new();
-            if !tracing::dispatcher::has_been_set() {
-                SAID.call_once(|| {
-                    eprintln!(
-                        "oomguard error: ignoring {}: {e}; using the default configuration \
-                         (Device::try_sim returns this error)",
-                        crate::config::ENV_VAR
-                    );
-                });
-            }
+            crate::config::say_once_without_subscriber(&SAID, "error", || {
+                format!(
+                    "ignoring {}: {e}; using the default configuration (Device::try_sim \
+                     returns this error)",
+                    crate::config::ENV_VAR
+                )
+            });
             AllocatorConfig::default()
         });
         Self::new(SimDevice::new(capacity), config)
