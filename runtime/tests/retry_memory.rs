@@ -397,3 +397,34 @@ fn the_default_mode_follows_the_grad_mode() {
     }
     assert_eq!(step(&engine).report.mode, StepMode::Train);
 }
+
+/// A seeded engine whose regrows reach the whole batch keeps the whole batch: a regrow that
+/// leaves no cap is what the memory says, not "nothing learned" (the seed applied again, and
+/// the loop cycled 4 × 25 → 2 × 50 → 1 × 100 → 4 × 25 every few steps).
+#[test]
+fn a_regrow_that_outgrows_the_seed_is_kept() {
+    let dev = Device::sim(ByteSize::mib(1024)); // the whole batch (100 rows × 1 MiB) fits
+    let engine = RetryEngine::new()
+        .start_from(BatchPlan::whole(32).unwrap())
+        .regrow_after(Some(2));
+    let mut plans = Vec::new();
+    for _ in 0..14 {
+        let out = engine
+            .run(&dev, 100, |plan| activations(&dev, plan, 1), |rows| rows)
+            .expect("the step completes");
+        assert_eq!(out.value, 100, "every row ran");
+        plans.push(out.report.final_plan.micro_batch());
+    }
+    let whole = plans
+        .iter()
+        .position(|&m| m == 100)
+        .expect("the regrows reach the whole batch");
+    assert!(
+        plans[whole..].iter().all(|&m| m == 100),
+        "the seed came back after the whole batch ran: {plans:?}"
+    );
+    assert_eq!(
+        plans[0], 25,
+        "the seed's 32-row cap gives 4 × 25: {plans:?}"
+    );
+}

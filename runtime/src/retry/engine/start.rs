@@ -144,7 +144,9 @@ impl RetryEngine {
                     .as_ref()
                     .map_or(m, |f| f.micro_batch_for(batch))
             })
-            .filter(|&m| !from_memory && m < batch && micro_cap.is_none_or(|c| m < c));
+            .filter(|&m| {
+                !from_memory && !e.seed_outgrown && m < batch && micro_cap.is_none_or(|c| m < c)
+            });
         if let Some(m) = seeded {
             limits.micro_batch = Some(m);
         }

@@ -78,6 +78,7 @@ impl RetryEngine {
         if let Some(up) = regrow {
             limits = up;
             e.failed_regrows = 0;
+            e.seed_outgrown = true;
         }
         if !report.attempts.is_empty() {
             limits = limits.learned(plan, batch);
@@ -96,6 +97,7 @@ impl RetryEngine {
                 elapsed,
             };
             limits = self.after_churn(t, &step, e, report, limits);
+            e.seed_outgrown |= report.speed.is_some();
         }
         if limits == e.limits {
             // nothing learned (the usual step): no second lookup, nothing to save

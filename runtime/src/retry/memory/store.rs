@@ -17,6 +17,10 @@ pub(crate) struct Entry {
     pub(crate) thrash_streak: u32,
     /// Failed regrows in a row (the wait before the next one doubles with each).
     pub(crate) failed_regrows: u32,
+    /// A regrow or a speed decision has spoken for this key: the engine's seed no longer
+    /// stands for what is not remembered (a regrow that reached the whole batch leaves no cap,
+    /// which must not read as "nothing learned yet").
+    pub(crate) seed_outgrown: bool,
 }
 
 /// The remembered plans. Kept in memory; with a file, every change is written to it: under a
