@@ -238,6 +238,58 @@ fn a_smaller_plan_slower_per_row_is_not_kept() {
         .contains("kept, as batch 16 in 2 micro-batches of ≤8 took 6.000ms per row"));
 }
 
+/// The same slower halves, with one batch of 15 rows during their trial (an epoch's last
+/// batch): the trial goes on through it (its limits are the trial's; per row, 15 rows compare
+/// with 16) and the engine still moves back to the whole batch. Before, the trial was dropped
+/// at the 15-row plan and the slower halves stayed for good, with no decision reported.
+#[test]
+fn a_smaller_batch_during_a_trial_does_not_keep_the_slower_plan() {
+    let (dev, _w) = device(Some(LIMIT));
+    let clock = Arc::new(ManualClock::new());
+    let engine = engine(&clock);
+    let per_row = |p: &BatchPlan| {
+        if p.num_chunks() == 1 {
+            Duration::from_millis(2)
+        } else {
+            Duration::from_millis(6)
+        }
+    };
+    let mut reports = Vec::new();
+    for step in 0..12 {
+        let batch = if step == 4 { ROWS - 1 } else { ROWS };
+        let r: Retried<usize> = engine
+            .run(
+                &dev,
+                batch,
+                |plan| timed_attempt(&dev, &clock, plan, per_row),
+                |rows| rows,
+            )
+            .expect("the step completes");
+        assert_eq!(r.value, batch, "every row ran");
+        reports.push(r.report);
+    }
+    assert_eq!(reports[2].thrash_moved_to, Some(halves()), "{}", reports[2]);
+    assert_eq!(reports[4].final_plan.num_chunks(), 2, "{}", reports[4]);
+    let chose = reports
+        .iter()
+        .position(|r| matches!(r.speed, Some(SpeedDecision::Chose { .. })))
+        .unwrap_or_else(|| {
+            panic!(
+                "no decision: {:?}",
+                reports.iter().map(|r| r.final_plan).collect::<Vec<_>>()
+            )
+        });
+    assert_eq!(
+        reports[chose].speed.and_then(|d| d.moves_to()),
+        Some(whole()),
+        "{}",
+        reports[chose]
+    );
+    for r in &reports[chose + 1..] {
+        assert_eq!(r.final_plan, whole(), "{r}");
+    }
+}
+
 /// With room (no memory limit), the whole batch maps its pages in its first step and then
 /// moves nothing: mapping is not churn, the plan is kept.
 #[test]

@@ -98,6 +98,9 @@ struct Trial {
     thrashing: BatchPlan,
     /// The limits that gave `thrashing`: restored if the smaller plan loses.
     limits: Limits,
+    /// The limits that give `smaller` (learned when the trial starts): while a step starts
+    /// from them the trial goes on, whatever its batch (the last batch of an epoch is smaller).
+    tried: Limits,
     thrashing_per_row: u64,
     smaller: BatchPlan,
     settle_left: u32,
@@ -153,6 +156,8 @@ pub(crate) struct Observed<'a> {
     pub tripped: bool,
     /// The limits in force after this step (before any thrash move).
     pub limits: Limits,
+    /// The rows the step was asked for.
+    pub batch: usize,
     /// The policy's next smaller plan for [`super::Pressure::Thrash`] (asked only when tripped).
     pub smaller: Option<BatchPlan>,
     /// Steps a trial measures.
@@ -225,6 +230,7 @@ impl SpeedBook {
         site.trial = Some(Trial {
             thrashing: o.plan,
             limits: o.limits,
+            tried: o.limits.learned(&smaller, o.batch),
             thrashing_per_row,
             smaller,
             settle_left: SETTLE_STEPS,
@@ -248,15 +254,15 @@ impl SpeedBook {
     /// abandoned because the plan changed under it.
     fn trial_step(&self, site: &mut SiteSpeed, o: &Observed<'_>) -> Option<SpeedAction> {
         let t = site.trial.as_mut()?;
-        if o.plan != t.smaller {
-            // the plan changed under the trial (an out-of-memory, a regrow, another rank):
-            // nothing to compare
+        if o.limits != t.tried {
+            // the limits changed under the trial (an out-of-memory, a regrow, another rank):
+            // nothing to compare; what changed them stays
             tracing::debug!(
                 target: "oomguard::retry",
                 site = %o.key.site,
                 plan = %o.plan,
                 trial = %t.smaller,
-                "speed trial abandoned: the plan changed"
+                "speed trial abandoned: the limits changed"
             );
             site.trial = None;
             self.trials.fetch_sub(1, Relaxed);

@@ -150,6 +150,7 @@ impl RetryEngine {
                 churn: s.churn,
                 tripped,
                 limits,
+                batch: s.batch,
                 smaller: if tripped { smaller() } else { None },
                 window: t.window(),
             });
