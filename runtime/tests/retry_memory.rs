@@ -428,3 +428,22 @@ fn a_regrow_that_outgrows_the_seed_is_kept() {
         "the seed's 32-row cap gives 4 × 25: {plans:?}"
     );
 }
+
+/// `regrow_after(Some(0))` waits for one clean step, as `Some(1)` does: a wait of 0 doubled
+/// after a failed regrow stayed 0, and every step ran out of memory on purpose.
+#[test]
+fn regrow_after_zero_is_one_clean_step() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let engine = two_retry_engine().regrow_after(Some(0));
+    let mut failed_regrows = 0;
+    for _ in 0..12 {
+        let out = step_here(&engine, &dev, 100);
+        assert_eq!(out.value, 100);
+        failed_regrows += usize::from(out.report.regrow.is_some_and(|g| !g.succeeded));
+    }
+    // waits of 1, 2, 4 clean steps after the first learning step: at most 4 tries in 12 steps
+    assert!(
+        (1..=4).contains(&failed_regrows),
+        "{failed_regrows} failed regrows in 12 steps"
+    );
+}

@@ -151,9 +151,12 @@ impl RetryEngine {
         self
     }
 
-    /// After `steps` clean steps at a site, try one size up (`None`: never).
+    /// After `steps` clean steps at a site, try one size up (`None`: never); the wait doubles
+    /// after each failed try. `Some(0)` is read as `Some(1)`: a regrow always waits for one
+    /// clean step (with no wait, a failed regrow would be tried again at once, an
+    /// out-of-memory in every step).
     pub fn regrow_after(mut self, steps: Option<u32>) -> Self {
-        Arc::make_mut(&mut self.inner).regrow_after = steps;
+        Arc::make_mut(&mut self.inner).regrow_after = steps.map(|s| s.max(1));
         self
     }
 
