@@ -302,7 +302,9 @@ pub use oomguard_macros::no_grad;
 /// A plan remembered by an `#[oom_retry]` function (see [`remembered_plans`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RememberedPlan {
-    /// The `persist` file it is saved in (`None`: remembered in memory only).
+    /// The `persist` file it is saved in (`None`: remembered in memory only: no `persist`, or
+    /// the file could not be read or its last write failed, which every step's
+    /// [`RetryReport::memory_error`](retry::RetryReport::memory_error) says).
     pub file: Option<&'static str>,
     /// Where it applies: the function (`file:line name`, with the generic instance in `<..>`),
     /// the device (name, ordinal, capacity) and the mode (train/eval) inside the function.

@@ -163,5 +163,11 @@ fn a_corrupt_plan_file_is_in_every_report() {
         assert!(m.contains("is not valid"), "{m}");
         assert!(r.to_string().contains("plan file:"), "{r}");
     }
+    // the plan it learned is remembered in memory only, and remembered_plans says so
+    let mine = oomguard::remembered_plans()
+        .into_iter()
+        .find(|p| p.key.site.ends_with(" corrupt_file_step"))
+        .expect("the learned plan is remembered");
+    assert_eq!(mine.file, None, "not saved in the corrupt file: {mine:?}");
     let _ = std::fs::remove_file("target/oomguard-test-corrupt-plans.json");
 }

@@ -43,7 +43,10 @@ fn engines() -> Vec<(Option<&'static str>, RetryEngine)> {
 pub fn remembered() -> Vec<(Option<&'static str>, MemoryKey, Limits)> {
     let mut out = Vec::new();
     for (file, engine) in engines() {
-        for (k, l) in engine.memory().iter() {
+        let mem = engine.memory();
+        // saved in the file only while it is the memory's and its last write succeeded
+        let file = file.filter(|_| mem.path().is_some() && mem.error().is_none());
+        for (k, l) in mem.iter() {
             if l != Limits::NONE {
                 out.push((file, k.clone(), l));
             }
