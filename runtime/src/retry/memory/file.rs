@@ -1,6 +1,6 @@
 //! The plan file: its JSON format, read and written (merged with other writers') under its lock.
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -45,13 +45,19 @@ struct FileEntry {
     limits: Limits,
 }
 
-/// Writes `ours` to the plan file at `path` under its lock, merged with what other writers
-/// saved since it was read when `keep_theirs` (their keys are kept, ours win).
+/// Writes the plan file at `path` under its lock. With `keep_theirs`, the file as it is now
+/// (other writers' saves since it was read) with `ours`' entries whose keys are in `changed`
+/// written over it: an entry this writer only read never overwrites a newer one. Without
+/// (after a clear), `ours` alone. A file that became one this oomguard cannot read (another
+/// version's) is not replaced: an error. A symbolic link is written through (its target is
+/// replaced, not the link); a file this process may not write is refused, not replaced.
 pub(super) fn write_file<'a>(
     path: &Path,
     ours: impl Iterator<Item = (&'a MemoryKey, Limits)>,
+    changed: &HashSet<MemoryKey>,
     keep_theirs: bool,
 ) -> Result<(), MemoryError> {
+    let path = &written_path(path)?;
     let io = |source| MemoryError::Io {
         path: path.to_path_buf(),
         source,
@@ -59,17 +65,22 @@ pub(super) fn write_file<'a>(
     let lock = FileLock::acquire(path).map_err(io)?;
     let mut merged: HashMap<MemoryKey, Limits> = HashMap::default();
     if keep_theirs {
-        // Another writer's plans since we read the file: keep them. A file that became
-        // unreadable is replaced (and said so).
-        match read_file(path) {
-            Ok(theirs) => merged.extend(theirs),
-            Err(e) => {
-                tracing::warn!(target: "oomguard::retry", error = %e, "replacing the plan file")
-            }
-        }
+        let theirs = read_file(path).map_err(|e| MemoryError::Format {
+            path: path.to_path_buf(),
+            message: format!(
+                "it changed since it was read and cannot be read now ({}): not replaced",
+                match &e {
+                    MemoryError::Io { source, .. } => source.to_string(),
+                    MemoryError::Format { message, .. } => message.clone(),
+                }
+            ),
+        })?;
+        merged.extend(theirs);
     }
     for (k, limits) in ours {
-        merged.insert(k.clone(), limits);
+        if !keep_theirs || changed.contains(k) {
+            merged.insert(k.clone(), limits);
+        }
     }
     let mut plans: Vec<FileEntry> = merged
         .into_iter()
@@ -123,8 +134,53 @@ pub(super) fn write_file<'a>(
     })
 }
 
-/// The entries of a plan file (none when it does not exist).
+/// The path a write replaces: `path`, or the file a symbolic link at `path` points to; an
+/// existing file must be one this process may write.
+fn written_path(path: &Path) -> Result<PathBuf, MemoryError> {
+    let io = |source| MemoryError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let is_link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let real = if is_link {
+        std::fs::canonicalize(path).map_err(io)?
+    } else {
+        path.to_path_buf()
+    };
+    // (its mode: a file marked read-only is kept as it is even by a process allowed to write
+    // it, root's)
+    if std::fs::metadata(&real).is_ok_and(|m| m.permissions().readonly()) {
+        return Err(MemoryError::Io {
+            path: real,
+            source: std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "the file is read-only: not replaced",
+            ),
+        });
+    }
+    match std::fs::OpenOptions::new().write(true).open(&real) {
+        // (opening for writing changes nothing: the temporary file is renamed over it)
+        Ok(_) => Ok(real),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(real),
+        Err(e) => Err(MemoryError::Io {
+            path: real,
+            source: std::io::Error::new(e.kind(), format!("{e}: not replaced")),
+        }),
+    }
+}
+
+/// The entries of a plan file (none when it does not exist). Anything but a regular file (a
+/// directory, a FIFO that would block the reader) is an error.
 pub(super) fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryError> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            return Err(MemoryError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
+            })
+        }
+        _ => {}
+    }
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -135,19 +191,26 @@ pub(super) fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryE
             })
         }
     };
-    let file: FileFormat = serde_json::from_str(&text).map_err(|e| MemoryError::Format {
+    let format = |e: serde_json::Error| MemoryError::Format {
         path: path.to_path_buf(),
         message: e.to_string(),
-    })?;
-    if file.version != VERSION {
+    };
+    // the version first: another version's entries need not parse as this one's
+    #[derive(Deserialize)]
+    struct Header {
+        version: u32,
+    }
+    let header: Header = serde_json::from_str(&text).map_err(format)?;
+    if header.version != VERSION {
         return Err(MemoryError::Format {
             path: path.to_path_buf(),
             message: format!(
                 "version {} (this oomguard reads version {VERSION})",
-                file.version
+                header.version
             ),
         });
     }
+    let file: FileFormat = serde_json::from_str(&text).map_err(format)?;
     // the engine never learns a cap of 0 rows: one in the file is a corrupted entry (it ran
     // every step at that call site as micro-batches of 1 row)
     if let Some(e) = file

@@ -1,6 +1,6 @@
 //! [`PlanMemory`]: the remembered plans, kept in memory and, with a file, saved on every change.
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::path::{Path, PathBuf};
 
 use super::file::{read_file, write_file, MemoryError};
@@ -25,8 +25,11 @@ pub(crate) struct Entry {
 
 /// The remembered plans. Kept in memory; with a file, every change is written to it: under a
 /// lock file (`<path>.lock`, waited for at most [`LOCK_WAIT`](crate::retry::advanced::LOCK_WAIT)), merged with what other writers
-/// (threads, processes) saved since (their keys are kept, ours win), through a temporary file
-/// of a unique name renamed over the old one.
+/// (threads, processes) saved since (the file's entries are kept; those this memory changed
+/// are written over them), through a temporary file of a unique name renamed over the old
+/// one. A symbolic link is written through to its target; a file this process may not write,
+/// or one that became unreadable (another version's), is not replaced: the save fails and
+/// [`PlanMemory::error`] says why.
 ///
 /// ```
 /// use oomguard_runtime::retry::advanced::{Limits, PlanMemory};
@@ -41,6 +44,9 @@ pub struct PlanMemory {
     path: Option<PathBuf>,
     /// `clear` was called: the next save drops what other writers saved too.
     cleared: bool,
+    /// Keys whose limits this memory set since its last successful save: only these are
+    /// written over the file's (an entry only read from it never overwrites a newer one).
+    changed: HashSet<MemoryKey>,
     /// The last error reading or writing the file, reported with every step.
     error: Option<String>,
     /// See [`PlanMemory::generation`].
@@ -60,6 +66,7 @@ impl Default for PlanMemory {
             entries: HashMap::default(),
             path: None,
             cleared: false,
+            changed: HashSet::default(),
             error: None,
             generation: next_generation(),
         }
@@ -90,6 +97,7 @@ impl PlanMemory {
             entries,
             path: Some(path),
             cleared: false,
+            changed: HashSet::default(),
             error: None,
             generation: next_generation(),
         })
@@ -133,6 +141,7 @@ impl PlanMemory {
             return Ok(());
         }
         e.limits = limits;
+        self.changed.insert(key.clone());
         self.save()
     }
 
@@ -140,6 +149,7 @@ impl PlanMemory {
     pub fn clear(&mut self) -> Result<(), MemoryError> {
         self.generation = next_generation();
         self.entries.clear();
+        self.changed.clear();
         self.cleared = true;
         self.save()
     }
@@ -200,6 +210,7 @@ impl PlanMemory {
             Ok(()) => {
                 self.error = None;
                 self.cleared = false;
+                self.changed.clear();
             }
             Err(e) => self.error = Some(e.to_string()),
         }
@@ -207,6 +218,6 @@ impl PlanMemory {
     }
 
     fn save_to(&self, path: &Path) -> Result<(), MemoryError> {
-        write_file(path, self.iter(), !self.cleared)
+        write_file(path, self.iter(), &self.changed, !self.cleared)
     }
 }

@@ -86,3 +86,133 @@ fn a_stale_lock_is_taken_over_by_exactly_one_writer() {
         "two writers held the lock at once"
     );
 }
+
+fn key(site: &str) -> MemoryKey {
+    MemoryKey::at(
+        site.to_string(),
+        &crate::Device::sim(crate::ByteSize::mib(64)),
+        crate::retry::StepMode::Train,
+    )
+}
+
+fn micro(m: usize) -> Limits {
+    Limits {
+        micro_batch: Some(m),
+        batch: None,
+    }
+}
+
+fn temp_file(name: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("oomguard-memory-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+/// Two writers of one file: an entry one of them only read never overwrites the other's newer
+/// lesson (it wrote back every entry it held, and a cap known to fail came back).
+#[test]
+fn an_entry_only_read_does_not_overwrite_a_newer_one() {
+    let p = temp_file("lost-update.json");
+    let (s, t) = (key("s"), key("t"));
+    PlanMemory::open(&p)
+        .unwrap()
+        .set_limits(&s, micro(50))
+        .unwrap();
+    let mut a = PlanMemory::open(&p).unwrap();
+    let mut b = PlanMemory::open(&p).unwrap();
+    b.set_limits(&s, micro(25)).unwrap();
+    a.set_limits(&t, micro(10)).unwrap();
+    let file = PlanMemory::open(&p).unwrap();
+    assert_eq!(file.limits(&s), micro(25), "B's lesson kept");
+    assert_eq!(file.limits(&t), micro(10), "A's own saved");
+    // what A changed itself still wins over the file
+    a.set_limits(&s, micro(12)).unwrap();
+    assert_eq!(PlanMemory::open(&p).unwrap().limits(&s), micro(12));
+    std::fs::remove_file(&p).unwrap();
+}
+
+/// A file that another oomguard rewrote in a format this one cannot read is not replaced by
+/// the next save (it was, with this memory's plans alone, and only a trace warning said so).
+#[test]
+fn a_file_of_another_version_is_not_replaced() {
+    let p = temp_file("other-version.json");
+    let mut a = PlanMemory::open(&p).unwrap();
+    let theirs = r#"{"version":2,"plans":[{"anything":1}]}"#;
+    std::fs::write(&p, theirs).unwrap();
+    let e = a.set_limits(&key("s"), micro(8)).unwrap_err();
+    assert!(e.to_string().contains("not replaced"), "{e}");
+    assert!(a.error().unwrap().contains("version 2"), "{:?}", a.error());
+    assert_eq!(std::fs::read_to_string(&p).unwrap(), theirs);
+    std::fs::remove_file(&p).unwrap();
+}
+
+/// A symbolic link is written through: its target gets the plans, the link stays a link (the
+/// rename replaced the link with a file, and the shared target never saw a plan).
+#[cfg(unix)]
+#[test]
+fn a_symbolic_link_is_written_through() {
+    let real = temp_file("link-target.json");
+    let link = temp_file("link.json");
+    std::fs::write(&real, r#"{"version":1,"plans":[]}"#).unwrap();
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let mut m = PlanMemory::open(&link).unwrap();
+    m.set_limits(&key("s"), micro(8)).unwrap();
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(PlanMemory::open(&real).unwrap().limits(&key("s")), micro(8));
+    std::fs::remove_file(&link).unwrap();
+    std::fs::remove_file(&real).unwrap();
+}
+
+/// A read-only file is not replaced (even by root, who may write it): the save fails and says
+/// so; the file keeps its plans and its mode.
+#[test]
+fn a_read_only_file_is_not_replaced() {
+    let p = temp_file("read-only.json");
+    PlanMemory::open(&p)
+        .unwrap()
+        .set_limits(&key("s"), micro(50))
+        .unwrap();
+    let before = std::fs::read_to_string(&p).unwrap();
+    let mut perm = std::fs::metadata(&p).unwrap().permissions();
+    perm.set_readonly(true);
+    std::fs::set_permissions(&p, perm.clone()).unwrap();
+    let mut m = PlanMemory::open(&p).unwrap();
+    let e = m.set_limits(&key("s"), micro(25)).unwrap_err();
+    assert!(e.to_string().contains("read-only: not replaced"), "{e}");
+    assert_eq!(std::fs::read_to_string(&p).unwrap(), before);
+    assert!(std::fs::metadata(&p).unwrap().permissions().readonly());
+    #[allow(clippy::permissions_set_readonly_false)]
+    perm.set_readonly(false);
+    std::fs::set_permissions(&p, perm).unwrap();
+    std::fs::remove_file(&p).unwrap();
+}
+
+/// A FIFO as the plan file is refused at once (reading it blocked until a writer came).
+#[cfg(unix)]
+#[test]
+fn a_fifo_is_not_read() {
+    let p = temp_file("fifo.json");
+    let made = std::process::Command::new("mkfifo").arg(&p).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("mkfifo is not available: skipped");
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = p.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(
+            PlanMemory::open(&path)
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        );
+    });
+    let got = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("open returns instead of blocking on the FIFO");
+    let e = got.unwrap_err();
+    assert!(e.contains("not a regular file"), "{e}");
+    std::fs::remove_file(&p).unwrap();
+}
