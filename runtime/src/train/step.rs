@@ -119,6 +119,7 @@ where
             source,
             rows,
             |plan: &BatchPlan| {
+                let _unwinding = DiscardOnUnwind(&parts);
                 let tried = F::catch(|| attempt(&mut **parts.borrow_mut(), batch, plan));
                 if tried.is_err() {
                     parts.borrow_mut().discard_gradients();
@@ -126,6 +127,7 @@ where
                 tried
             },
             |g: Gradients<F::Grads>| {
+                let _unwinding = DiscardOnUnwind(&parts);
                 let updated = F::catch(|| parts.borrow_mut().update(g.grads));
                 (updated, g.loss, g.rows)
             },
@@ -146,6 +148,22 @@ where
                 error,
                 report: Box::new(report),
             })
+        }
+    }
+}
+
+/// Discards the gradients when a panic that [`TrainFramework::catch`] let through unwinds out
+/// of an attempt or an update, as after any failure: a loop that catches the panic and steps
+/// its optimizer would otherwise apply part of a batch.
+struct DiscardOnUnwind<'a, 'p, F: TrainFramework>(&'a RefCell<&'p mut F>);
+
+impl<F: TrainFramework> Drop for DiscardOnUnwind<'_, '_, F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // (the attempt's borrow was dropped before this, unwinding)
+            if let Ok(mut parts) = self.0.try_borrow_mut() {
+                parts.discard_gradients();
+            }
         }
     }
 }
@@ -174,6 +192,9 @@ where
 {
     let held = HeldBatch::new();
     let found = crate::retry::find_max_batch(source, opts, |rows| {
+        let parts = RefCell::new(&mut *parts);
+        let _unwinding = DiscardOnUnwind(&parts);
+        let mut parts = parts.borrow_mut();
         let run = F::catch(|| {
             let batch = held.measure(source, rows, || make_batch(rows))?;
             let batch = batch.borrow();
@@ -188,7 +209,7 @@ where
             }
             let plan = BatchPlan::whole(rows)
                 .map_err(|e| F::batch_error(format!("a batch of {rows} rows: {e}")))?;
-            Ok(attempt(parts, batch, &plan)?.loss)
+            Ok(attempt(&mut **parts, batch, &plan)?.loss)
         });
         // Nothing steps after a run: no gradient is left for a later update.
         parts.discard_gradients();

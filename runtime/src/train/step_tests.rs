@@ -10,6 +10,8 @@ struct Toy<'d> {
     updates: Vec<f64>,
     discarded: usize,
     losses: usize,
+    /// The chunk loss that panics (not an out-of-memory), counting from 1.
+    panic_at: Option<usize>,
 }
 
 impl TrainFramework for Toy<'_> {
@@ -24,6 +26,11 @@ impl TrainFramework for Toy<'_> {
     }
     fn chunk_loss(&mut self, batch: &[f64], chunk: &Chunk) -> Result<Self::Loss, Error> {
         self.losses += 1;
+        assert_ne!(
+            Some(self.losses),
+            self.panic_at,
+            "a user's assertion in the loss"
+        );
         let rows = &batch[chunk.rows()];
         let mean = rows.iter().sum::<f64>() / rows.len() as f64;
         Ok((mean, self.card.alloc::<u8>(chunk.len() << 20)?))
@@ -76,6 +83,7 @@ fn an_out_of_memory_splits_the_batch_and_updates_once_on_every_row() {
         updates: Vec::new(),
         discarded: 0,
         losses: 0,
+        panic_at: None,
     };
     let batch: Vec<f64> = (1..=8).map(f64::from).collect();
     let done = train_step(&RetryEngine::new(), &card, &mut toy, &batch[..]).unwrap();
@@ -100,6 +108,7 @@ fn a_policy_that_drops_rows_is_refused_before_anything_runs() {
         updates: Vec::new(),
         discarded: 0,
         losses: 0,
+        panic_at: None,
     };
     let engine = RetryEngine::new().with_policy(inference_policy());
     let err = train_step(&engine, &card, &mut toy, &[1.0; 8][..]).unwrap_err();
@@ -119,6 +128,7 @@ fn the_finder_measures_the_attempt_and_updates_nothing() {
         updates: Vec::new(),
         discarded: 0,
         losses: 0,
+        panic_at: None,
     };
     let found = find_max_batch_train(
         &card,
@@ -136,4 +146,32 @@ fn the_finder_measures_the_attempt_and_updates_nothing() {
         found.step_runs() as u64,
         "a discard after every run"
     );
+}
+
+/// A panic that is not an out-of-memory, in the second chunk of a split attempt, after the first
+/// chunk's backward: the gradients are discarded as after any failure (they stayed, and a loop
+/// that caught the panic and stepped would apply half a batch).
+#[test]
+fn a_panic_in_an_attempt_discards_its_gradients() {
+    let card = Device::sim(ByteSize::mib(6));
+    let mut toy = Toy {
+        card: &card,
+        updates: Vec::new(),
+        discarded: 0,
+        losses: 0,
+        panic_at: None,
+    };
+    let batch: Vec<f64> = (1..=8).map(f64::from).collect();
+    // the whole batch fails (8 MiB in 6), then 2 × 4: its second chunk panics
+    toy.panic_at = Some(3);
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        train_step(&RetryEngine::new(), &card, &mut toy, &batch[..])
+    }));
+    assert!(out.is_err(), "the panic goes on");
+    assert_eq!(toy.losses, 3);
+    assert_eq!(
+        toy.discarded, 2,
+        "after the failed attempt, and after the panic"
+    );
+    assert!(toy.updates.is_empty());
 }
