@@ -52,11 +52,14 @@ pub enum Error {
         trained: usize,
     },
     /// Variables of the `VarStore` that require a gradient are not among the optimizer's (it was
-    /// built from another `VarStore`): their gradients would never be applied; not retried.
+    /// built from another `VarStore`, or before they were made, or they were made not trainable,
+    /// `zeros_no_train`, and given `requires_grad` by hand: tch's optimizer holds the store's
+    /// trainable variables only): their gradients would never be applied; not retried.
     #[error(
         "{} variable(s) of the VarStore require a gradient but are not the optimizer's ({}): \
          their gradients would never be applied. Build the optimizer from the VarStore given to \
-         train_step",
+         train_step after making every variable it trains, as a trainable one (a variable made \
+         with `*_no_train` and given `requires_grad` by hand is never the optimizer's)",
         .params.len(),
         oomguard::train::name_list(.params)
     )]

@@ -20,6 +20,9 @@ pub(crate) struct TchStep<'o, L> {
     pub(crate) variables: usize,
     pub(crate) optimizer: &'o mut nn::Optimizer,
     pub(crate) chunk_loss: L,
+    /// The batch's tensors that take a gradient (leaves, `requires_grad`: an input gradient),
+    /// reset with the variables' at every attempt and after a failure.
+    batch_leaves: Vec<Tensor>,
 }
 
 impl<'o, L> TchStep<'o, L> {
@@ -35,6 +38,7 @@ impl<'o, L> TchStep<'o, L> {
             variables,
             optimizer,
             chunk_loss,
+            batch_leaves: Vec::new(),
         }
     }
 
@@ -45,6 +49,14 @@ impl<'o, L> TchStep<'o, L> {
             .iter()
             .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
             .sum()
+    }
+
+    /// Zeroes the gradients of the batch's tensors that take one (as `zero_grad` does the
+    /// variables').
+    fn zero_batch_gradients(&mut self) {
+        for t in &mut self.batch_leaves {
+            t.zero_grad();
+        }
     }
 
     /// [`Error::NoGradient`] for `params` (names, sorted), against the variables that require
@@ -91,12 +103,31 @@ where
     type Grads = ();
 
     fn batch_rows(&self, batch: &[Tensor]) -> Result<Option<usize>, String> {
+        if let Some(i) = batch.iter().position(|t| t.requires_grad() && !t.is_leaf()) {
+            // each chunk of a split step backpropagates through its rows of the graph again:
+            // libtorch refuses the second ("backward through the graph a second time"), and only
+            // once an out-of-memory splits the batch
+            return Err(format!(
+                "batch tensor {i} carries autograd history (it requires a gradient and was \
+                 computed from other tensors, e.g. the model's embedding applied outside the \
+                 loss): compute it inside the loss closure, or pass `.detach()`"
+            ));
+        }
         let shapes: Vec<Vec<usize>> = batch.iter().map(dims).collect();
         let shapes: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
         batch_rows(&shapes).map(Some)
     }
 
     fn chunk_loss(&mut self, batch: &[Tensor], chunk: &Chunk) -> Result<Tensor, Error> {
+        if chunk.start() == 0 {
+            // an attempt starts: the input gradients restart with the variables'
+            self.batch_leaves = batch
+                .iter()
+                .filter(|t| t.requires_grad())
+                .map(Tensor::shallow_clone)
+                .collect();
+            self.zero_batch_gradients();
+        }
         let (start, len) = (chunk.start() as i64, chunk.len() as i64);
         let rows = batch
             .iter()
@@ -176,6 +207,7 @@ where
     fn discard_gradients(&mut self) {
         // It frees tensors and allocates nothing: a panic here is a bug, and continues.
         self.optimizer.zero_grad();
+        self.zero_batch_gradients();
     }
 }
 

@@ -14,8 +14,8 @@ pub use oomguard::train::TrainedStep;
 /// Why [`train_step`] failed. Nothing was updated, except after
 /// [`TrainStepError::Update`](oomguard::train::TrainStepError::Update) (the optimizer's `step`
 /// failed, perhaps after updating some variables). The gradients (`.grad`) of the `VarStore`'s
-/// variables are reset (undefined) after any failure, so no partial sum is left for a later
-/// `optimizer.step()` to apply.
+/// variables (and of the batch's tensors that require one) are reset after any failure, a
+/// panic included, so no partial sum is left for a later `optimizer.step()` to apply.
 ///
 /// In-attempt refusals are [`Error`]s inside
 /// [`TrainStepError::Retry`](oomguard::train::TrainStepError::Retry): [`Error::Loss`],
@@ -25,7 +25,11 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 /// One training step over a batch of tch tensors, kept alive through out-of-memory.
 ///
 /// - `batch`: the batch's tensors (inputs, targets, masks, ...), dimension 0 the row; they must
-///   agree on their rows, which is the step's batch.
+///   agree on their rows, which is the step's batch. A tensor with autograd history (it
+///   requires a gradient and was computed from others, e.g. the model's embedding applied
+///   outside `chunk_loss`) is refused ([`TrainStepError::InvalidBatch`](oomguard::train::TrainStepError::InvalidBatch)):
+///   a split step backpropagates through it once per chunk, which libtorch refuses. A leaf
+///   that requires a gradient (an input gradient) gets the step's, reset with the variables'.
 /// - `vs`: the `VarStore` of the model; `optimizer` must be built from it
 ///   (`nn::Sgd::default().build(&vs, lr)`), else [`Error::NotOptimized`].
 /// - `chunk_loss(chunk, rows)`: the loss of one micro-batch, given its rows of each of `batch`'s
@@ -36,8 +40,8 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 ///   [`Error`], so that `?` takes both tch's `TchError` and oomguard's errors (a simulated
 ///   card's out-of-memory in a CPU test, a budget's) and each stays classified.
 ///
-/// Each attempt resets the gradients of the optimizer's variables (libtorch's `zero_grad`,
-/// which sets them to undefined), then for every chunk of the engine's plan (the first attempt:
+/// Each attempt resets the gradients of the optimizer's variables (libtorch's `zero_grad`)
+/// and of the batch's tensors that require one, then for every chunk of the engine's plan (the first attempt:
 /// the plan remembered for this call site and source, else the whole batch) runs `chunk_loss`,
 /// backpropagates `loss × chunk.weight()` (the chunk's share of the batch; a half-precision loss
 /// is cast to `Float` first, so the weight is not rounded to 8 or 11 bits), and reads the loss.
@@ -70,7 +74,14 @@ pub type TrainStepError = oomguard::train::TrainStepError<Error>;
 /// The step always counts as training for the engine.
 ///
 /// After a successful step the gradients stay in `.grad` (as after a plain
-/// `backward`; the next step resets them); after a failed one they are reset.
+/// `backward`; the next step resets them); after a failed one (an error, or a panic that is not
+/// an out-of-memory) they are reset.
+///
+/// **Only `vs`'s variables and the batch's tensors are reset.** A tensor outside both that the
+/// loss depends on and that requires a gradient (a second `VarStore`'s variables, trained by
+/// another optimizer) keeps what a failed attempt's chunks added to its `.grad`: its gradient is
+/// then not the batch's. Give `train_step` one `VarStore` holding every variable the loss
+/// trains.
 ///
 /// Later steps at this call site start from the plan that worked (remembered per call site and
 /// memory source). After [`DEFAULT_REGROW_AFTER`](oomguard::retry::DEFAULT_REGROW_AFTER) (100)

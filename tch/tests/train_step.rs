@@ -692,3 +692,123 @@ fn a_budget_refusal_of_oomguards_allocator_skips_the_same_plan_retry() {
     );
     assert_eq!(done.report.final_plan.micro_batch(), 16, "{}", done.report);
 }
+
+/// One step of the perceptron over `x` (which may require a gradient) on a card of
+/// `card_mib` MiB, rows 32.. charging 4 MiB each and rows ..32 1 MiB: on 80 MiB the whole batch
+/// fails, then the 2 × 32 attempt fails in its second chunk after the first chunk's backward,
+/// then 4 × 16 runs.
+fn uneven_step(x: &Tensor, card_mib: u64) -> (nn::VarStore, TrainedStep) {
+    let (_, y) = data();
+    let (vs, m, mut opt) = model();
+    let card = oomguard::Device::sim(ByteSize::mib(card_mib));
+    let done = train_step(
+        &RetryEngine::new(),
+        &card,
+        &[x, &y],
+        &vs,
+        &mut opt,
+        |c, r| {
+            let bytes: usize = c
+                .rows()
+                .map(|i| if i < 32 { 1 << 20 } else { 4 << 20 })
+                .sum();
+            let _acts = oomguard_tch::charge(&card, bytes)?;
+            Ok(m.mse(&r[0], &r[1])?)
+        },
+    )
+    .unwrap();
+    (vs, done)
+}
+
+/// A batch tensor that requires a gradient (an input gradient, adversarial training) gets the
+/// batch's gradient whatever the split: its `.grad()` is reset with the variables' at each
+/// attempt (it kept the first chunk of a failed attempt: 1.5 × the gradient of those rows).
+#[test]
+fn an_input_gradient_is_the_batchs_whatever_the_split() {
+    let grad = |card_mib| {
+        let (x, _) = data();
+        let x = x.set_requires_grad(true);
+        let (_vs, done) = uneven_step(&x, card_mib);
+        (x.grad().copy(), done.report.retries())
+    };
+    let (full, r0) = grad(4096);
+    let (split, r1) = grad(80);
+    assert_eq!(r0, 0);
+    assert_eq!(r1, 2, "the whole batch, then 2 × 32 failed");
+    let diff = (&full - &split).abs().max().double_value(&[]);
+    let norm = full.abs().max().double_value(&[]);
+    assert!(
+        diff <= REL * norm,
+        "input gradients differ by {diff} (of {norm})"
+    );
+}
+
+/// A batch tensor with autograd history (computed from the model outside the loss) is refused
+/// before anything runs, whatever the card: it trained in one pass and failed with libtorch's
+/// "backward through the graph a second time" only once an out-of-memory split the batch.
+#[test]
+fn a_batch_tensor_with_autograd_history_is_refused() {
+    let (x, y) = data();
+    let (vs, m, mut opt) = model();
+    let features = x.matmul(&m.w1); // requires a gradient, not a leaf
+    let card = oomguard::Device::sim(ByteSize::gib(4));
+    let calls = AtomicUsize::new(0);
+    let err = train_step(
+        &RetryEngine::new(),
+        &card,
+        &[&features, &y],
+        &vs,
+        &mut opt,
+        |_, r| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            Ok(r[0]
+                .f_sum(Kind::Double)?
+                .f_sub(&r[1].f_sum(Kind::Double)?)?
+                .f_square()?)
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, TrainStepError::InvalidBatch(_)), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("batch tensor 0 carries autograd history"),
+        "{text}"
+    );
+    assert!(text.contains(".detach()"), "{text}");
+    assert_eq!(calls.load(Ordering::Relaxed), 0, "nothing ran");
+}
+
+/// A panic in the loss that is not an out-of-memory, after a chunk's backward: the gradients
+/// are reset when it unwinds, as after any failure (they stayed, and a loop that caught the
+/// panic could step on half a batch).
+#[test]
+fn a_panic_in_the_loss_leaves_no_gradient() {
+    let (x, y) = data();
+    let (vs, m, mut opt) = model();
+    let card = oomguard::Device::sim(ByteSize::mib(40));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        train_step(
+            &RetryEngine::new(),
+            &card,
+            &[&x, &y],
+            &vs,
+            &mut opt,
+            |c, r| {
+                let _acts = oomguard_tch::charge(&card, c.len() << 20)?;
+                assert!(
+                    c.index() == 0,
+                    "a user's check that fails on the second chunk"
+                );
+                Ok(m.mse(&r[0], &r[1])?)
+            },
+        )
+    }));
+    assert!(out.is_err(), "the panic goes on");
+    for (name, t) in vs.variables() {
+        let g = t.grad();
+        assert!(
+            !g.defined() || g.abs().sum(Kind::Double).double_value(&[]) == 0.0,
+            "{name} kept a gradient"
+        );
+    }
+}
