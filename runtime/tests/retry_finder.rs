@@ -145,6 +145,23 @@ fn errors_are_reported() {
     })
     .unwrap_err();
     assert!(matches!(nothing, FinderError::NothingFits(_)), "{nothing}");
+    // the 1-row run's request and the device's capacity, and what to change
+    let text = nothing.to_string();
+    assert!(
+        text.contains("the 1-row run made a request of 128.00 MiB against the device's whole capacity of 64.00 MiB: a larger device is needed"),
+        "{text}"
+    );
+    // a request that fits the card but not what the program holds: said so
+    let _held = dev.alloc::<u8>(48 << 20).unwrap();
+    let e = find_max_batch(&dev, FinderOptions::default(), |_| {
+        dev.alloc::<u8>(32 << 20).map(|_| ())
+    })
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("it fits the device's capacity but not what was free"),
+        "{text}"
+    );
     let bad = FinderOptions {
         start: 0,
         ..FinderOptions::default()
@@ -789,6 +806,7 @@ fn train_report(
             steps: 2,
             held_rise_bytes: 0,
             elapsed: std::time::Duration::from_millis(1),
+            oom_request: None,
         }],
         source: dev.info(),
         fit: None,

@@ -13,8 +13,10 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
     /// The step failed with an error that is not out-of-memory.
     #[error("the step failed: {0}")]
     Step(E),
-    /// Not even one row fits.
-    #[error("out of memory even with 1 row (after {} runs)", .0.len())]
+    /// Not even one row fits. The trials, the last one's
+    /// [`Trial::oom_request`] (the request that failed with 1 row, when the error tells it) in
+    /// the text with what to change.
+    #[error("{}", nothing_fits(.0))]
     NothingFits(Vec<Trial>),
     /// The options were wrong.
     #[error("invalid finder options: {0}")]
@@ -78,4 +80,30 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
         /// The rows of the trials that ran.
         rows: Vec<usize>,
     },
+}
+
+/// [`FinderError::NothingFits`]'s text.
+fn nothing_fits(trials: &[Trial]) -> String {
+    let runs = match trials.len() {
+        1 => "1 trial".to_string(),
+        n => format!("{n} trials"),
+    };
+    let mut text = format!("out of memory even with 1 row (after {runs})");
+    if let Some(r) = trials.last().and_then(|t| t.oom_request) {
+        let what = if r.budget { "the budget" } else { "the device" };
+        let advice = if r.exceeds_capacity() {
+            format!(
+                "a larger {} is needed",
+                if r.budget { "budget" } else { "device" }
+            )
+        } else {
+            format!(
+                "it fits {what}'s capacity but not what was free: free memory the program \
+                 holds outside the step, or use a larger {}",
+                if r.budget { "budget" } else { "device" }
+            )
+        };
+        text.push_str(&format!("; the 1-row run made {r}: {advice}"));
+    }
+    text
 }

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::retry_report::OomRequest;
+
 use super::fit::LinearFit;
 
 /// One trial: the step run [`FinderOptions::steps_per_trial`](crate::retry::FinderOptions::steps_per_trial) times back to back at one size.
@@ -25,6 +27,10 @@ pub struct Trial {
     pub held_rise_bytes: u64,
     /// How long it took.
     pub elapsed: Duration,
+    /// The request that ran out of memory and the most its device (or budget) could give, when
+    /// the step's error tells them ([`IsOom::oom_request`](crate::retry::IsOom::oom_request));
+    /// `None` when the trial ran, or the error does not say.
+    pub oom_request: Option<OomRequest>,
 }
 
 /// The share of the micro-batch [`FinderReport::micro_batch_for`] computes for a batch larger

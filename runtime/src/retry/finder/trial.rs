@@ -125,9 +125,9 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
                 kept_bytes: ran.kept,
             });
         }
-        let peak_bytes = match ran.result {
-            Ok(()) => Some(ran.peak),
-            Err(e) if e.is_oom() => None,
+        let (peak_bytes, oom_request) = match ran.result {
+            Ok(()) => (Some(ran.peak), None),
+            Err(e) if e.is_oom() => (None, e.oom_request()),
             Err(e) => return Err(FinderError::Step(e)),
         };
         trials.push(Trial {
@@ -137,6 +137,7 @@ impl<'a, S: MemorySource + ?Sized, F> TrialRunner<'a, S, F> {
             steps: ran.steps,
             held_rise_bytes: ran.rise,
             elapsed: t0.elapsed(),
+            oom_request,
         });
         tracing::debug!(target: "oomguard::retry", rows, ?peak_bytes, steps = ran.steps, "batch finder trial");
         // Nothing measured at two sizes (or at the only size there is): the search would
