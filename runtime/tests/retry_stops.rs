@@ -430,3 +430,29 @@ fn a_policy_out_of_plans_within_its_limit_is_not_stopped_by_it() {
         "{e}"
     );
 }
+
+/// A policy that never splits (a same-plan retry alone) gives up with the batch whole: the text
+/// does not say only "it needs a larger device" when smaller micro-batches were never tried.
+#[test]
+fn a_give_up_without_a_split_names_the_split_too() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let e = RetryEngine::new()
+        .with_policy(oomguard_runtime::retry::EmptyCacheRetry::once())
+        .run(
+            &dev,
+            8,
+            |plan| {
+                for c in plan.chunks() {
+                    dev.alloc::<u8>(c.len() * 10 * MIB)?;
+                }
+                Ok::<_, Error>(())
+            },
+            |()| (),
+        )
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("it needs a larger device, or a policy that splits the batch into smaller micro-batches (its plan had 8 rows at once)"),
+        "{text}"
+    );
+}

@@ -115,7 +115,11 @@ pub(crate) fn vote(
     } else {
         match (too_large, s.last_too_large) {
             (Some(r), Some((prev, prev_in_use, prev_plan)))
-                if same_allocation_again((r.requested, in_use), (prev.requested, prev_in_use)) =>
+                if shrank(prev_plan, s.plan)
+                    && same_allocation_again(
+                        (r.requested, in_use),
+                        (prev.requested, prev_in_use),
+                    ) =>
             {
                 Some(StopReason::TooLarge {
                     request: r,
@@ -158,6 +162,13 @@ pub(crate) fn vote(
         stop,
         last_too_large,
     }
+}
+
+/// Whether `now` runs fewer rows at once than `before` (a smaller micro-batch or batch): only
+/// then does a request that failed again say it does not depend on the plan (a policy that
+/// proposed the same plan again proved nothing).
+fn shrank(before: BatchPlan, now: BatchPlan) -> bool {
+    now.micro_batch() < before.micro_batch() || now.batch() < before.batch()
 }
 
 /// Whether a request larger than the whole capacity that failed after a smaller plan
@@ -416,6 +427,15 @@ mod tests {
         // an out-of-memory that is not too large forgets the last too-large request
         let v5 = vote(oom(), &second, halve);
         assert_eq!(v5.last_too_large, None);
+        // the same allocation after the same plan (a policy that proposed it again): the plan
+        // did not shrink, so nothing says no plan can serve it; the policy is asked
+        let same = Facts {
+            plan: first.plan,
+            last_too_large: v1.last_too_large,
+            ..state(&held)
+        };
+        let v6 = vote(too_large(200, Some(40)), &same, halve);
+        assert_eq!((v6.status, v6.stop), (OOM, None));
     }
 
     /// Every pair of statuses a rank can see: its own, and the worst of all ranks (never

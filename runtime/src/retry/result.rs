@@ -148,13 +148,25 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
                             failures.len()
                         )?;
                         // the smallest plan's request alone passed the whole: say what to raise
-                        if let Some(r) = report.attempts.last().and_then(|a| a.too_large) {
-                            let raise = if r.budget {
-                                "raise the budget"
-                            } else {
-                                "it needs a larger device"
-                            };
-                            write!(f, ", and its last plan made {r}: {raise}")?;
+                        if let Some(a) = report.attempts.last() {
+                            if let Some(r) = a.too_large {
+                                let raise = if r.budget {
+                                    "raise the budget"
+                                } else {
+                                    "it needs a larger device"
+                                };
+                                write!(f, ", and its last plan made {r}: {raise}")?;
+                                if a.plan.micro_batch() > 1 {
+                                    // a policy that stops before splitting (a same-plan retry
+                                    // alone) never tried smaller micro-batches
+                                    write!(
+                                        f,
+                                        ", or a policy that splits the batch into smaller \
+                                         micro-batches (its plan had {} rows at once)",
+                                        a.plan.micro_batch()
+                                    )?;
+                                }
+                            }
                         }
                     }
                 }
