@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 
 /// How long a save waits for another writer's lock on the plan file before it fails (it never
-/// hangs). A lock file older than [`STALE_LOCK`] is taken over (its writer died): by exactly
-/// one waiting writer, and a writer whose lock was taken over while it stalled writes nothing
+/// hangs). A lock file older than [`STALE_LOCK`] is taken over (its writer died), at once when
+/// its writer was a process of this machine that no longer exists (Linux): by exactly one
+/// waiting writer, and a writer whose lock was taken over while it stalled writes nothing
 /// and returns an error.
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// See [`LOCK_WAIT`].
@@ -38,7 +39,36 @@ fn lock_token() -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    format!("{}-{seq}-{nanos}", std::process::id())
+    let host = host_id().unwrap_or_default();
+    format!("{}-{seq}-{nanos}@{host}", std::process::id())
+}
+
+/// This machine's name where the system tells it (Linux: `/proc/sys/kernel/hostname`).
+pub(super) fn host_id() -> Option<String> {
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let h = h.trim();
+    // (it goes into file names: only a plain name)
+    let plain = h
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    (!h.is_empty() && plain).then(|| h.to_string())
+}
+
+/// Whether the writer of `token` is known to be gone: a process of this machine (the token
+/// names its host) that no longer exists (its `/proc` entry is gone: killed, `SIGKILL` by the
+/// out-of-memory killer included). Unknown (another machine, an older token, no `/proc`):
+/// `false`, and only the lock's age makes it stale.
+fn writer_is_gone(token: &str) -> bool {
+    let Some((head, host)) = token.rsplit_once('@') else {
+        return false;
+    };
+    let Some(pid) = head.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+        return false;
+    };
+    host_id().as_deref() == Some(host)
+        && pid != std::process::id()
+        && std::path::Path::new("/proc/self").exists()
+        && !std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// A file's name with `suffix` appended (`plans.json.lock` + `.end.T`).
@@ -72,11 +102,12 @@ impl FileLock {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     let theirs = std::fs::read_to_string(&lock).ok();
-                    let stale = std::fs::metadata(&lock)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|t| t.elapsed().ok())
-                        .is_some_and(|age| age > STALE_LOCK);
+                    let stale = theirs.as_deref().is_some_and(writer_is_gone)
+                        || std::fs::metadata(&lock)
+                            .and_then(|m| m.modified())
+                            .ok()
+                            .and_then(|t| t.elapsed().ok())
+                            .is_some_and(|age| age > STALE_LOCK);
                     if let (true, Some(theirs)) = (stale, theirs) {
                         #[cfg(test)]
                         if let Some(hook) = *STALE_HOOK.lock().unwrap_or_else(|e| e.into_inner()) {
@@ -86,7 +117,7 @@ impl FileLock {
                             tracing::warn!(
                                 target: "oomguard::retry",
                                 lock = %lock.display(),
-                                "took over a stale plan-file lock (its writer stopped more than {STALE_LOCK:?} ago)"
+                                "took over a stale plan-file lock (its writer's process is gone, or it stopped more than {STALE_LOCK:?} ago)"
                             );
                         }
                         continue;
@@ -103,7 +134,12 @@ impl FileLock {
                     }
                     std::thread::sleep(std::time::Duration::from_millis(2));
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!("cannot create the lock file {}: {e}", lock.display()),
+                    ))
+                }
             }
         }
     }

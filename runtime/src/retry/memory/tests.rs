@@ -216,3 +216,37 @@ fn a_fifo_is_not_read() {
     assert!(e.contains("not a regular file"), "{e}");
     std::fs::remove_file(&p).unwrap();
 }
+
+/// The lock of a writer of this machine whose process is gone (killed while it held the lock:
+/// the out-of-memory killer's `SIGKILL`) is taken over at once; each save waited 5 s and failed
+/// until the lock was 30 s old.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_lock_of_a_dead_process_is_taken_over_at_once() {
+    let Some(host) = super::lock::host_id() else {
+        eprintln!("no host name: skipped");
+        return;
+    };
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let p = temp_file("dead-writer.json");
+    let lock = p.with_extension("json.lock");
+    std::fs::write(&lock, format!("{dead}-0-1@{host}")).unwrap();
+    let started = std::time::Instant::now();
+    let mut m = PlanMemory::open(&p).unwrap();
+    m.set_limits(&key("s"), micro(8)).unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "waited {:?}",
+        started.elapsed()
+    );
+    assert!(!lock.exists(), "released");
+    // a live writer's lock (this process's own token format, another live pid) is waited for
+    let live = std::process::id();
+    std::fs::write(&lock, format!("{live}-0-1@{host}")).unwrap();
+    let e = m.set_limits(&key("s"), micro(4)).unwrap_err();
+    assert!(e.to_string().contains("held by another writer"), "{e}");
+    std::fs::remove_file(&lock).unwrap();
+    std::fs::remove_file(&p).unwrap();
+}
