@@ -147,6 +147,13 @@ fn written_path(path: &Path) -> Result<PathBuf, MemoryError> {
     } else {
         path.to_path_buf()
     };
+    // (not opened for writing below: a FIFO would block until a reader came)
+    if std::fs::metadata(&real).is_ok_and(|m| !m.is_file()) {
+        return Err(MemoryError::Io {
+            path: real,
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
+        });
+    }
     // (its mode: a file marked read-only is kept as it is even by a process allowed to write
     // it, root's)
     if std::fs::metadata(&real).is_ok_and(|m| m.permissions().readonly()) {

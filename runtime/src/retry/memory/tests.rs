@@ -214,6 +214,23 @@ fn a_fifo_is_not_read() {
         .expect("open returns instead of blocking on the FIFO");
     let e = got.unwrap_err();
     assert!(e.contains("not a regular file"), "{e}");
+    // a FIFO put where the file was after it was read: the save refuses it too
+    let q = temp_file("fifo-later.json");
+    let mut m = PlanMemory::open(&q).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&q)
+        .status()
+        .unwrap()
+        .success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(m.set_limits(&key("s"), micro(8)).map_err(|e| e.to_string()));
+    });
+    let got = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the save returns instead of blocking on the FIFO");
+    assert!(got.unwrap_err().contains("not a regular file"));
+    std::fs::remove_file(&q).unwrap();
     std::fs::remove_file(&p).unwrap();
 }
 
