@@ -489,3 +489,114 @@ fn two_threads_with_cross_thread_frees_report_the_true_high_water_mark() {
         });
     }
 }
+
+/// The simulated device, with a hook that runs once inside the next `map` (a block another
+/// thread frees while this one's allocation maps its pages).
+#[derive(Debug)]
+struct MapHook {
+    inner: SimDevice,
+    on_map: std::sync::Mutex<Option<mpsc::Sender<()>>>,
+}
+
+mod map_hook {
+    use super::MapHook;
+    use oomguard_runtime::backend::{Backend, BackendError, DevicePtr, MemInfo, StreamId};
+    impl Backend for MapHook {
+        fn name(&self) -> String {
+            self.inner.name()
+        }
+        fn mem_info(&self) -> Result<MemInfo, BackendError> {
+            self.inner.mem_info()
+        }
+        fn granularity(&self) -> u64 {
+            self.inner.granularity()
+        }
+        fn supports_growable(&self) -> bool {
+            self.inner.supports_growable()
+        }
+        fn alloc_segment(&self, b: u64, s: StreamId) -> Result<DevicePtr, BackendError> {
+            self.inner.alloc_segment(b, s)
+        }
+        fn free_segment(&self, p: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.free_segment(p, b)
+        }
+        fn reserve(&self, b: u64) -> Result<DevicePtr, BackendError> {
+            self.inner.reserve(b)
+        }
+        fn release(&self, p: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.release(p, b)
+        }
+        fn map(&self, a: DevicePtr, b: u64) -> Result<(), BackendError> {
+            if let Some(tx) = self.on_map.lock().unwrap().take() {
+                tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            self.inner.map(a, b)
+        }
+        fn unmap(&self, a: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.unmap(a, b)
+        }
+        fn copy_to_device(&self, d: DevicePtr, s: &[u8]) -> Result<(), BackendError> {
+            self.inner.copy_to_device(d, s)
+        }
+        fn copy_to_host(&self, d: &mut [u8], s: DevicePtr) -> Result<(), BackendError> {
+            self.inner.copy_to_host(d, s)
+        }
+        fn memset_zero(&self, d: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.memset_zero(d, b)
+        }
+        fn as_any(&self) -> Option<&dyn std::any::Any> {
+            Some(self)
+        }
+    }
+}
+
+/// A peak scope's block freed on another thread while this thread's next block maps its pages:
+/// the two were live together in the allocator, and the scope's peak says so (it read its live
+/// bytes after the allocation, when the free had been credited already: 4 MiB of 6).
+#[test]
+fn a_peak_scope_counts_a_block_freed_on_another_thread_during_an_allocation() {
+    let (tx, rx) = mpsc::channel();
+    let dev = Device::new(
+        MapHook {
+            inner: SimDevice::new(ByteSize::mib(64)),
+            on_map: std::sync::Mutex::new(None),
+        },
+        AllocatorConfig::default(),
+    );
+    let scope = dev.peak_scope();
+    let a = dev.alloc::<u8>(2 << 20).unwrap();
+    let hook: &MapHook = dev
+        .backend()
+        .as_any()
+        .and_then(|x| x.downcast_ref())
+        .unwrap();
+    *hook.on_map.lock().unwrap() = Some(tx);
+    let worker = std::thread::spawn(move || {
+        rx.recv().unwrap();
+        drop(a);
+    });
+    let b = dev.alloc::<u8>(4 << 20).unwrap(); // maps new pages: the worker frees `a` meanwhile
+    worker.join().unwrap();
+    let allocator_peak = dev.stats().allocated_bytes.all.peak;
+    assert_eq!(allocator_peak, 6 * MIB, "both were live in the allocator");
+    assert_eq!(scope.peak_bytes(), allocator_peak);
+    drop(b);
+}
+
+/// The finder resets the source's peak before each run: an open `UsagePeakScope` keeps the
+/// peak it saw before (it read 64 KiB, the finder's last run, instead of 64 MiB).
+#[test]
+fn the_finder_keeps_an_open_usage_peak_scope() {
+    use oomguard_runtime::retry::{find_max_batch, FinderOptions};
+    let dev = Device::sim(ByteSize::mib(256));
+    let scope = UsagePeakScope::new(&dev).unwrap();
+    drop(dev.alloc::<u8>(64 << 20).unwrap());
+    assert_eq!(scope.peak_bytes().unwrap(), 64 * MIB);
+    let opts = FinderOptions {
+        max: 64,
+        ..FinderOptions::default()
+    };
+    find_max_batch(&dev, opts, |n| dev.alloc::<u8>(n << 10).map(drop)).unwrap();
+    assert_eq!(scope.peak_bytes().unwrap(), 64 * MIB);
+}

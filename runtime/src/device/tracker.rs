@@ -319,10 +319,16 @@ impl Tracker {
             .unwrap_or(0);
         let total = allocator.device_total();
         let dev = self.id();
-        if let Err(e) = charge(&scopes, estimate, total, dev) {
-            self.budget_refusals.fetch_add(1, Relaxed);
-            return Err(Error::BudgetExceeded(e));
-        }
+        // Each scope's live bytes right after the charge: the block counted with every block of
+        // the scope still live at that instant (a block another thread is freeing is credited
+        // before the allocator frees it, so a later read could miss the two together).
+        let mut charged = match charge(&scopes, estimate, total, dev) {
+            Ok(after) => after,
+            Err(e) => {
+                self.budget_refusals.fetch_add(1, Relaxed);
+                return Err(Error::BudgetExceeded(e));
+            }
+        };
         let a = match allocator.allocate(bytes, stream) {
             Ok(a) => a,
             Err(e) => {
@@ -333,23 +339,28 @@ impl Tracker {
         // The block may be larger than the estimate (power-of-two rounding, an unsplit block):
         // charge the rest, and give the block back if that breaks a budget.
         if a.size > estimate {
-            if let Err(mut e) = charge(&scopes, a.size - estimate, total, dev) {
-                uncharge(&scopes, estimate, dev);
-                if let Err(fe) = allocator.free(a) {
-                    tracing::error!(error = %fe, "freeing an over-budget allocation failed");
+            match charge(&scopes, a.size - estimate, total, dev) {
+                Ok(after) => charged = after,
+                Err(mut e) => {
+                    uncharge(&scopes, estimate, dev);
+                    if let Err(fe) = allocator.free(a) {
+                        tracing::error!(error = %fe, "freeing an over-budget allocation failed");
+                    }
+                    e.requested = a.size;
+                    e.in_use = e.in_use.saturating_sub(estimate);
+                    self.budget_refusals.fetch_add(1, Relaxed);
+                    return Err(Error::BudgetExceeded(e));
                 }
-                e.requested = a.size;
-                e.in_use = e.in_use.saturating_sub(estimate);
-                self.budget_refusals.fetch_add(1, Relaxed);
-                return Err(Error::BudgetExceeded(e));
             }
         } else if a.size < estimate {
             uncharge(&scopes, estimate - a.size, dev);
+            for v in &mut charged {
+                *v -= estimate - a.size;
+            }
         }
         let mut want_backtrace = None;
-        for s in &scopes {
+        for (s, &live) in scopes.iter().zip(&charged) {
             // Loads first: a read-modify-write only when the peak moves.
-            let live = s.live.load(Relaxed);
             if live > s.peak.load(Relaxed) {
                 s.peak.fetch_max(live, Relaxed);
             }
@@ -499,15 +510,16 @@ fn remove_from_thread(scope: &Arc<Scope>) {
     });
 }
 
-/// Adds `n` bytes allocated on device `dev` (a tracker identity) to every scope; fails,
-/// changing nothing, when a budget would be exceeded. A fraction budget counts each device on
-/// its own, against that device's capacity.
+/// Adds `n` bytes allocated on device `dev` (a tracker identity) to every scope, returning each
+/// scope's live bytes right after; fails, changing nothing, when a budget would be exceeded. A
+/// fraction budget counts each device on its own, against that device's capacity.
 fn charge(
     scopes: &[Arc<Scope>],
     n: u64,
     device_total: u64,
     dev: usize,
-) -> Result<(), BudgetExceeded> {
+) -> Result<Vec<u64>, BudgetExceeded> {
+    let mut after = Vec::with_capacity(scopes.len());
     for (i, s) in scopes.iter().enumerate() {
         // A refusal carries the limit that refused it: only a scope with a limit refuses.
         let r = match (s.kind.limit, s.limit(device_total)) {
@@ -530,16 +542,19 @@ fn charge(
                 })
                 .map_err(|cur| (cur, limit)),
         };
-        if let Err((in_use, limit)) = r {
-            uncharge(&scopes[..i], n, dev);
-            return Err(BudgetExceeded {
-                requested: n,
-                in_use,
-                limit,
-            });
+        match r {
+            Ok(before) => after.push(before.saturating_add(n)),
+            Err((in_use, limit)) => {
+                uncharge(&scopes[..i], n, dev);
+                return Err(BudgetExceeded {
+                    requested: n,
+                    in_use,
+                    limit,
+                });
+            }
         }
     }
-    Ok(())
+    Ok(after)
 }
 
 /// Takes `n` bytes of device `dev` off every scope.

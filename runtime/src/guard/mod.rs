@@ -18,6 +18,12 @@
 //! [`Device::free_raw`](crate::Device::free_raw)), not through the allocator directly, so that
 //! guards see it. The memory guards are not `Send`: drop them on the thread that made them.
 //!
+//! **Not across an `.await`.** A guard held across an `.await` in async code charges every task
+//! the executor runs on that thread meanwhile: another task's allocation is refused by a budget
+//! it never opened, and a leak check reports another task's buffers. Open and drop the guards
+//! between two `.await`s (the attribute macros refuse `async fn` and `fn -> impl Future` for
+//! this reason).
+//!
 //! ```
 //! use oomguard_runtime::{no_grad, ByteSize, Device};
 //! let dev = Device::sim(ByteSize::gib(1));

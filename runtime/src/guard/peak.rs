@@ -22,6 +22,12 @@ use crate::ByteSize;
 /// - only this thread's allocations made inside the scope count, and freeing a buffer
 ///   allocated before it subtracts nothing (rmm's values can go negative).
 ///
+/// A buffer of the scope freed on another thread while this thread allocates counts as live
+/// until this thread's allocation is charged: when the two meet in the allocator the peak
+/// includes both; it may also include both when the other thread's free reached the allocator
+/// just before the allocation did (never below the true peak; above it by at most the buffer
+/// being freed at that instant).
+///
 /// An allocation of 0 bytes counts in [`PeakScope::allocations`], as rmm counts it, and takes
 /// no bytes (it is never live). For rmm's exact counters (requested bytes, every thread, frees
 /// of earlier allocations), use the allocator's statistics scopes

@@ -133,9 +133,30 @@ fn ledger() -> MutexGuard<'static, Option<Ledger>> {
     OPEN_PEAKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Resets `source`'s peak counter as opening a [`UsagePeakScope`] does: the scopes open on it
+/// first take the peak they had seen, so they stay exact (the finder's reset before each run).
+pub(crate) fn reset_peak_keeping_scopes<S: MemorySource + ?Sized>(source: &S) -> Result<()> {
+    let mut l = ledger();
+    if let Some(list) = l
+        .as_mut()
+        .and_then(|open| open.get_mut(&source.source_id()))
+    {
+        list.retain(|w| w.strong_count() > 0);
+        if !list.is_empty() {
+            let peak = source.usage()?.used_peak;
+            for s in list.iter().filter_map(Weak::upgrade) {
+                s.fetch_max(peak, Relaxed);
+            }
+        }
+    }
+    source.reset_peak()
+}
+
 /// The most bytes a source had in use while the scope was open. Opening one resets the source's
 /// peak counter; scopes already open on the same source first take the peak they had seen, so
-/// nesting stays exact. Other threads' allocations on the source count.
+/// nesting stays exact, and so do the finder's resets. Other threads' allocations on the source
+/// count. A reset of the source's peak by hand while the scope is open
+/// ([`MemorySource::reset_peak`], `Device::reset_peak_stats`) drops what it saw before.
 #[must_use = "the scope measures while it lives"]
 #[derive(Debug)]
 pub struct UsagePeakScope<'a, S: MemorySource + ?Sized> {

@@ -21,7 +21,7 @@ fn measure_peak<S: MemorySource + ?Sized, T>(
     baseline: u64,
     f: impl FnOnce() -> T,
 ) -> Result<(T, u64, u64), crate::Error> {
-    device.reset_peak()?;
+    crate::source::guards::reset_peak_keeping_scopes(device)?;
     let out = f();
     let after = device.usage()?;
     // (held: above what was in use, so that memory a kept cache already held counts)
