@@ -67,6 +67,19 @@ impl TrainFramework for Toy<'_> {
     }
 }
 
+impl<'d> Toy<'d> {
+    /// A toy that has run nothing, charging `card`.
+    fn on(card: &'d Device) -> Self {
+        Toy {
+            card,
+            updates: Vec::new(),
+            discarded: 0,
+            losses: 0,
+            panic_at: None,
+        }
+    }
+}
+
 impl TrainUpdate for Toy<'_> {
     type Updated = usize;
     fn update(&mut self, grads: f64) -> Result<usize, Error> {
@@ -78,13 +91,7 @@ impl TrainUpdate for Toy<'_> {
 #[test]
 fn an_out_of_memory_splits_the_batch_and_updates_once_on_every_row() {
     let card = Device::sim(ByteSize::mib(6));
-    let mut toy = Toy {
-        card: &card,
-        updates: Vec::new(),
-        discarded: 0,
-        losses: 0,
-        panic_at: None,
-    };
+    let mut toy = Toy::on(&card);
     let batch: Vec<f64> = (1..=8).map(f64::from).collect();
     let done = train_step(&RetryEngine::new(), &card, &mut toy, &batch[..]).unwrap();
     assert_eq!(done.step.rows, 8);
@@ -103,13 +110,7 @@ fn an_out_of_memory_splits_the_batch_and_updates_once_on_every_row() {
 #[test]
 fn a_policy_that_drops_rows_is_refused_before_anything_runs() {
     let card = Device::sim(ByteSize::mib(6));
-    let mut toy = Toy {
-        card: &card,
-        updates: Vec::new(),
-        discarded: 0,
-        losses: 0,
-        panic_at: None,
-    };
+    let mut toy = Toy::on(&card);
     let engine = RetryEngine::new().with_policy(inference_policy());
     let err = train_step(&engine, &card, &mut toy, &[1.0; 8][..]).unwrap_err();
     assert!(
@@ -123,13 +124,7 @@ fn a_policy_that_drops_rows_is_refused_before_anything_runs() {
 #[test]
 fn the_finder_measures_the_attempt_and_updates_nothing() {
     let card = Device::sim(ByteSize::mib(64));
-    let mut toy = Toy {
-        card: &card,
-        updates: Vec::new(),
-        discarded: 0,
-        losses: 0,
-        panic_at: None,
-    };
+    let mut toy = Toy::on(&card);
     let found = find_max_batch_train(
         &card,
         FinderOptions::default(),
@@ -154,13 +149,7 @@ fn the_finder_measures_the_attempt_and_updates_nothing() {
 #[test]
 fn a_panic_in_an_attempt_discards_its_gradients() {
     let card = Device::sim(ByteSize::mib(6));
-    let mut toy = Toy {
-        card: &card,
-        updates: Vec::new(),
-        discarded: 0,
-        losses: 0,
-        panic_at: None,
-    };
+    let mut toy = Toy::on(&card);
     let batch: Vec<f64> = (1..=8).map(f64::from).collect();
     // the whole batch fails (8 MiB in 6), then 2 × 4: its second chunk panics
     toy.panic_at = Some(3);
