@@ -124,6 +124,12 @@ impl LaunchEnv {
                 "{world_var}=0: a group needs at least one rank"
             )));
         }
+        if world_size > super::rendezvous::MAX_WORLD {
+            return Err(bad(format!(
+                "{world_var}={world_size}: more ranks than the rendezvous serves (at most {})",
+                super::rendezvous::MAX_WORLD
+            )));
+        }
         if rank >= world_size {
             return Err(bad(format!(
                 "{rank_var}={rank} is not below {world_var}={world_size}"
@@ -150,6 +156,22 @@ impl LaunchEnv {
         let master_addr = required("MASTER_ADDR")?;
         if master_addr.is_empty() {
             return Err(bad("MASTER_ADDR is empty".into()));
+        }
+        // An IPv6 address in brackets (`[::1]`, as in a URL) is the address inside them.
+        let master_addr = match master_addr
+            .strip_prefix('[')
+            .and_then(|a| a.strip_suffix(']'))
+        {
+            Some(inner) if inner.parse::<std::net::Ipv6Addr>().is_ok() => inner.to_string(),
+            _ => master_addr,
+        };
+        if let Some((host, port)) = master_addr.rsplit_once(':') {
+            // (an IPv6 address has colons too: only `name:digits` or `a.b.c.d:digits` is refused)
+            if !host.contains(':') && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad(format!(
+                    "MASTER_ADDR={master_addr:?} holds a port: set MASTER_ADDR={host:?} and the port in MASTER_PORT"
+                )));
+            }
         }
         let port = |name: &str, v: &str| -> Result<u16, Error> {
             match v.parse::<u16>() {
@@ -396,11 +418,39 @@ mod tests {
                 &[("OOMGUARD_RENDEZVOUS_TIMEOUT", "-3")],
                 "OOMGUARD_RENDEZVOUS_TIMEOUT",
             ),
+            // a world the rendezvous cannot hold (it aborted allocating 2^32 slots)
+            (
+                &[("WORLD_SIZE", "4294967295")],
+                "WORLD_SIZE=4294967295: more ranks than the rendezvous serves",
+            ),
+            (
+                &[("MASTER_ADDR", "127.0.0.1:29500")],
+                "MASTER_ADDR=\"127.0.0.1:29500\" holds a port: set MASTER_ADDR=\"127.0.0.1\"",
+            ),
+            (
+                &[("MASTER_ADDR", "node7:29500")],
+                "set MASTER_ADDR=\"node7\" and the port in MASTER_PORT",
+            ),
         ];
         for (over, want) in cases {
             let m = err(&with(over));
             assert!(m.contains(want), "{over:?}: {m}");
         }
+        // An IPv6 address in brackets is the address; one without them is taken as it is.
+        assert_eq!(
+            env(&with(&[("MASTER_ADDR", "[::1]")])).unwrap().master_addr,
+            "::1"
+        );
+        assert_eq!(
+            env(&with(&[("MASTER_ADDR", "::1")])).unwrap().master_addr,
+            "::1"
+        );
+        assert_eq!(
+            env(&with(&[("MASTER_ADDR", "fe80::1")]))
+                .unwrap()
+                .master_addr,
+            "fe80::1"
+        );
         // MASTER_PORT=65535 is fine with an explicit rendezvous port.
         let e = env(&with(&[
             ("MASTER_PORT", "65535"),

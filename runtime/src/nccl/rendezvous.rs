@@ -32,10 +32,13 @@
 //! (by claiming a missing rank), take a rank's place, or keep rank 0 waiting until its timeout by
 //! never sending the last hello. The job id keeps two jobs that share a port apart by accident;
 //! it is not a secret. What the design does bound is the harm of a peer that is merely not a
-//! rank: rank 0 binds the loopback address when `MASTER_ADDR` is one (a single-host run is not
-//! reachable from outside), reads at most 1 KiB per frame, holds at most 256 connections that
-//! have not said hello (the oldest is dropped first) each for at most 5 s, and never lets a
-//! stray or malformed hello end the rendezvous.
+//! rank: rank 0 binds the loopback address when `MASTER_ADDR` is one or `localhost` (a
+//! single-host run is not reachable from outside; a host name that resolves to loopback only on
+//! rank 0's machine binds every interface, as other machines reach it by its real address),
+//! reads at most 1 KiB per frame (a longer text it sends is cut and ends with "[cut]"), holds
+//! at most 256 connections that have not said hello (the oldest is dropped first) each for at
+//! most 5 s, keeps the first three refusals' reasons and a count, serves at most
+//! [`MAX_WORLD`] ranks, and never lets a stray or malformed hello end the rendezvous.
 
 use std::collections::VecDeque;
 use std::io::{self, ErrorKind, Read, Write};
@@ -80,6 +83,10 @@ const POLL: Duration = Duration::from_millis(5);
 const PROBE_WAIT: Duration = Duration::from_secs(2);
 /// How many refused peers rank 0's timeout message names (the rest are counted).
 const NAMED_REFUSALS: usize = 3;
+/// How many missing ranks rank 0's timeout message names (the rest are counted).
+const NAMED_MISSING: usize = 32;
+/// The most ranks a rendezvous serves (rank 0 holds a slot per rank).
+pub const MAX_WORLD: usize = 1 << 20;
 /// How often a liveness reader wakes up to see whether its links are closing.
 const READER_TICK: Duration = Duration::from_millis(200);
 
@@ -129,8 +136,11 @@ pub fn rendezvous(
             cfg.rank, cfg.world_size
         )));
     }
-    if cfg.world_size > u32::MAX as usize {
-        return Err(err(format!("a world of {} ranks", cfg.world_size)));
+    if cfg.world_size > MAX_WORLD {
+        return Err(err(format!(
+            "a world of {} ranks (the rendezvous serves at most {MAX_WORLD})",
+            cfg.world_size
+        )));
     }
     if cfg.timeout.is_zero() {
         return Err(err("the timeout is zero".into()));
@@ -149,15 +159,20 @@ pub fn rendezvous(
     }
 }
 
-/// The address rank 0 binds: the loopback address `host` names when it names one (so a
-/// single-host run is not reachable from outside), else every interface of `host`'s family.
+/// The address rank 0 binds: the loopback address when `host` is one (a literal loopback
+/// address, or `localhost`: a single-host run is not reachable from outside), else every
+/// interface of `host`'s family. A host name that resolves to loopback here only (Debian maps
+/// its own name to 127.0.1.1) is another machine's way to reach this one: every interface.
 fn bind_addr(cfg: &RendezvousConfig) -> Result<SocketAddr, Error> {
     let addrs: Vec<SocketAddr> = (cfg.host.as_str(), cfg.port)
         .to_socket_addrs()
         .map_err(|e| err(format!("cannot resolve rank 0's host {:?}: {e}", cfg.host)))?
         .collect();
-    if let Some(a) = addrs.iter().find(|a| a.ip().is_loopback()) {
-        return Ok(*a);
+    let literal = cfg.host.parse::<IpAddr>().is_ok();
+    if literal || cfg.host.eq_ignore_ascii_case("localhost") {
+        if let Some(a) = addrs.iter().find(|a| a.ip().is_loopback()) {
+            return Ok(*a);
+        }
     }
     let ip = match addrs.first() {
         Some(a) if a.is_ipv6() => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
@@ -261,8 +276,13 @@ struct Serving<'a> {
     peers: Vec<Option<(TcpStream, SocketAddr)>>,
     joined: usize,
     pending: VecDeque<Pending>,
-    /// Why peers were refused, first ones first (named in the timeout message).
+    /// Why the first peers were refused (named in the timeout message; at most
+    /// [`NAMED_REFUSALS`] kept), and how many were.
     refused: Vec<String>,
+    refusals: usize,
+    /// Ranks that joined and left before the group was complete (their own timeout, a stopped
+    /// process): not missing in the sense of never having come.
+    left: Vec<usize>,
     /// Connections dropped because they sent no hello in time, or not a frame.
     silent: usize,
     /// The first error `accept` gave (the loop goes on: a full fd table is no reason to stop).
@@ -343,7 +363,10 @@ impl Serving<'_> {
     fn refuse_peer(&mut self, s: TcpStream, version: u8, why: String) {
         self.warn(format!("refused a peer: {why}"));
         refuse(s, version, &why);
-        self.refused.push(why);
+        self.refusals += 1;
+        if self.refused.len() < NAMED_REFUSALS {
+            self.refused.push(why);
+        }
     }
 
     /// Settles a pending connection that said something (or nothing in time).
@@ -377,6 +400,7 @@ impl Serving<'_> {
                     if write_frame(&mut s, WAITING, waiting.as_bytes()).is_ok() {
                         self.peers[rank] = Some((s, from));
                         self.joined += 1;
+                        self.left.retain(|&r| r != rank);
                     }
                 }
             },
@@ -455,6 +479,9 @@ impl Serving<'_> {
             return false;
         };
         self.joined -= 1;
+        if !self.left.contains(&rank) {
+            self.left.push(rank);
+        }
         self.warn(format!(
             "rank {rank} (from {from}) left before the id was sent; waiting for it again"
         ));
@@ -467,21 +494,25 @@ impl Serving<'_> {
     /// The timeout: every connection rank 0 holds, or finds queued, is told why.
     fn give_up(mut self, listener: &TcpListener, limits: Limits, deadline: Instant) -> Error {
         let world = self.cfg.world_size;
-        let missing: Vec<String> = (1..world)
-            .filter(|r| self.peers[*r].is_none())
-            .map(|r| r.to_string())
-            .collect();
+        let missing = (1..world).filter(|r| self.peers[*r].is_none() && !self.left.contains(r));
         let mut m = format!(
             "timed out after {:.1} s on {}: {} of {world} ranks joined, missing rank(s) {}",
             self.cfg.timeout.as_secs_f64(),
             self.addr,
             self.joined,
-            missing.join(", ")
+            name_some(missing, NAMED_MISSING)
         );
-        if !self.refused.is_empty() {
-            m += &format!("; refused {} peer(s): ", self.refused.len());
-            m += &self.refused[..self.refused.len().min(NAMED_REFUSALS)].join("; ");
-            if self.refused.len() > NAMED_REFUSALS {
+        if !self.left.is_empty() {
+            m += &format!(
+                "; rank(s) {} joined and left before the group was complete (a shorter timeout \
+                 than rank 0's, or a stopped process)",
+                name_some(self.left.iter().copied(), NAMED_MISSING)
+            );
+        }
+        if self.refusals > 0 {
+            m += &format!("; refused {} peer(s): ", self.refusals);
+            m += &self.refused.join("; ");
+            if self.refusals > self.refused.len() {
                 m += "; ...";
             }
         }
@@ -504,6 +535,23 @@ impl Serving<'_> {
         }
         err(m)
     }
+}
+
+/// The first `most` of `items`, comma-separated, then how many more there are.
+fn name_some(items: impl Iterator<Item = usize>, most: usize) -> String {
+    let (mut named, mut more) = (Vec::new(), 0usize);
+    for i in items {
+        if named.len() < most {
+            named.push(i.to_string());
+        } else {
+            more += 1;
+        }
+    }
+    let mut out = named.join(", ");
+    if more > 0 {
+        out += &format!(" and {more} more");
+    }
+    out
 }
 
 /// Why rank 0 cannot bind its port, with what holds it when that can be learnt.
@@ -576,6 +624,8 @@ fn serve(cfg: &RendezvousConfig, id: [u8; ID_BYTES], limits: Limits) -> Result<R
         joined: 1,
         pending: VecDeque::new(),
         refused: Vec::new(),
+        refusals: 0,
+        left: Vec::new(),
         silent: 0,
         accept_error: None,
         warned: 0,
@@ -656,14 +706,17 @@ fn join(cfg: &RendezvousConfig) -> Result<Rendezvous, Error> {
     let mut buf = Vec::new();
     // Whether rank 0 accepted the hello (a waiting frame): a peer that never does is not one.
     let mut waiting = false;
+    // What rank 0 said when it accepted this rank ("rank 0 has 2 of 3 ranks").
+    let mut last_waiting = String::new();
     loop {
         let frame = match remaining(deadline) {
             Some(left) => read_frame(&mut s, &mut buf, Some(left)),
             None => Frame::TimedOut,
         };
         return match frame {
-            Frame::Msg(WAITING, _) => {
+            Frame::Msg(WAITING, p) => {
                 waiting = true;
+                last_waiting = String::from_utf8_lossy(&p).into_owned();
                 continue;
             }
             Frame::Msg(ID, p) if p.len() == 4 + ID_BYTES => {
@@ -695,12 +748,13 @@ fn join(cfg: &RendezvousConfig) -> Result<Rendezvous, Error> {
             ))),
             Frame::TimedOut if waiting => Err(err(format!(
                 "timed out after {secs:.1} s waiting for rank 0 at {at} to send the id (rank 0 \
-                 accepted this rank; the other ranks did not all join)"
+                 accepted this rank: \"{last_waiting}\" when it did; the other ranks did not \
+                 all join: rank 0's own error names the missing ones)"
             ))),
             Frame::TimedOut => Err(err(format!(
                 "{at} accepted the connection but never answered this rank's hello in {secs:.1} \
-                 s: it is not an oomguard rank 0 (another service on that port? set \
-                 OOMGUARD_RENDEZVOUS_PORT, the same on every rank)"
+                 s: it is not an oomguard rank 0, or one that is stalled (another service on \
+                 that port? set OOMGUARD_RENDEZVOUS_PORT, the same on every rank)"
             ))),
             Frame::Closed if waiting => Err(err(format!(
                 "rank 0 at {at} closed the connection before sending the id (its process exited?)"
@@ -759,14 +813,32 @@ fn write_frame(s: &mut TcpStream, kind: u8, payload: &[u8]) -> io::Result<()> {
 /// Writes a frame marked with `version` (a reject to a peer of another version is written in
 /// its version, so that it can read it).
 fn write_frame_as(s: &mut TcpStream, version: u8, kind: u8, payload: &[u8]) -> io::Result<()> {
-    let len = payload.len().min(MAX_PAYLOAD);
+    let payload = fit_payload(payload);
+    let len = payload.len();
     let mut buf = Vec::with_capacity(HEADER + len);
     buf.extend_from_slice(MAGIC);
     buf.push(version);
     buf.push(kind);
     buf.extend_from_slice(&(len as u16).to_be_bytes());
-    buf.extend_from_slice(&payload[..len]);
+    buf.extend_from_slice(&payload);
     s.write_all(&buf)
+}
+
+/// A payload of at most [`MAX_PAYLOAD`] bytes: a longer text is cut at a character boundary
+/// and ends with " [cut]", so that the reader knows.
+fn fit_payload(payload: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if payload.len() <= MAX_PAYLOAD {
+        return payload.into();
+    }
+    const MARK: &[u8] = b" [cut]";
+    let mut end = MAX_PAYLOAD - MARK.len();
+    // (a UTF-8 continuation byte is 0b10xx_xxxx: back up to the start of its character)
+    while end > 0 && payload[end] & 0xC0 == 0x80 {
+        end -= 1;
+    }
+    let mut out = payload[..end].to_vec();
+    out.extend_from_slice(MARK);
+    out.into()
 }
 
 /// One whole frame at the front of a buffer.
@@ -1101,5 +1173,78 @@ mod tests {
         assert_eq!(one.id, [9; ID_BYTES]);
         assert_eq!(server.join().unwrap().unwrap().id, [9; ID_BYTES]);
         drop(flood);
+    }
+
+    /// A rank that joined and gave up before the group was complete (its own, shorter timeout)
+    /// is said to have left, not to be missing: rank 0's error named it among the ranks that
+    /// never came.
+    #[test]
+    fn a_rank_that_joined_and_left_is_not_named_missing() {
+        let port = free_port();
+        let mut c0 = cfg(port, 0, 3);
+        c0.timeout = Duration::from_secs(2);
+        let server = thread::spawn(move || serve(&c0, [9; ID_BYTES], Limits::DEFAULT));
+        let mut c1 = cfg(port, 1, 3);
+        c1.timeout = Duration::from_millis(700);
+        let e1 = join(&c1).unwrap_err().to_string();
+        assert!(e1.contains("rank 0 has 2 of 3 ranks"), "{e1}");
+        let e0 = server.join().unwrap().unwrap_err().to_string();
+        assert!(e0.contains("missing rank(s) 2;"), "{e0}");
+        assert!(e0.contains("rank(s) 1 joined and left"), "{e0}");
+    }
+
+    /// A world the rendezvous cannot hold is refused at once (2^32 - 1 ranks aborted the
+    /// process allocating a slot per rank), and a long list of missing ranks is named in part.
+    #[test]
+    fn huge_worlds_are_refused_and_long_lists_are_cut() {
+        let mut c = cfg(free_port(), 0, u32::MAX as usize);
+        let e = rendezvous(&c, || Ok([0; ID_BYTES]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the rendezvous serves at most"), "{e}");
+        c.world_size = 100_000;
+        c.timeout = Duration::from_millis(300);
+        let e = rendezvous(&c, || Ok([0; ID_BYTES]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing rank(s) 1, 2, 3,"), "{e}");
+        assert!(e.contains(" and 99967 more"), "{e}");
+        assert!(e.len() < 1_000, "{} bytes", e.len());
+    }
+
+    /// A payload longer than a frame is cut at a character boundary and says so.
+    #[test]
+    fn a_long_payload_is_cut_visibly() {
+        let text = "é".repeat(600); // 1,200 bytes
+        let cut = fit_payload(text.as_bytes());
+        assert!(cut.len() <= MAX_PAYLOAD);
+        let cut = std::str::from_utf8(&cut).expect("cut between characters");
+        assert!(cut.ends_with("é [cut]"), "{cut}");
+        assert_eq!(&*fit_payload(b"short"), b"short");
+    }
+
+    /// `localhost` and literal loopback addresses bind loopback; any other name binds every
+    /// interface, even one that resolves to loopback on this machine (Debian's own name at
+    /// 127.0.1.1: other machines reach it by its real address).
+    #[test]
+    fn only_a_loopback_address_or_localhost_binds_loopback() {
+        let at = |host: &str| {
+            let c = RendezvousConfig {
+                host: host.into(),
+                ..cfg(29_999, 0, 2)
+            };
+            bind_addr(&c).unwrap()
+        };
+        assert!(at("127.0.0.1").ip().is_loopback());
+        assert!(at("localhost").ip().is_loopback());
+        if let Ok(name) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
+            let name = name.trim();
+            let loopback_here = (name, 1u16)
+                .to_socket_addrs()
+                .is_ok_and(|mut a| a.all(|a| a.ip().is_loopback()));
+            if loopback_here && !name.eq_ignore_ascii_case("localhost") {
+                assert!(at(name).ip().is_unspecified(), "{name}");
+            }
+        }
     }
 }
