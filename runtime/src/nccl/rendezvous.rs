@@ -35,7 +35,7 @@
 //! rank: rank 0 binds the loopback address when `MASTER_ADDR` is one or `localhost` (a
 //! single-host run is not reachable from outside; a host name that resolves to loopback only on
 //! rank 0's machine binds every interface, as other machines reach it by its real address),
-//! reads at most 1 KiB per frame (a longer text it sends is cut and ends with "[cut]"), holds
+//! reads at most 1 KiB per frame (a longer text it sends is cut and ends with `[cut]`), holds
 //! at most 256 connections that have not said hello (the oldest is dropped first) each for at
 //! most 5 s, keeps the first three refusals' reasons and a count, serves at most
 //! [`MAX_WORLD`] ranks, and never lets a stray or malformed hello end the rendezvous.
