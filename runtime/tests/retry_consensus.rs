@@ -338,3 +338,65 @@ fn ranks_that_all_come_are_not_stopped_by_the_timeout() {
         assert_eq!(sums, (1..=20).collect::<Vec<u64>>());
     }
 }
+
+/// A rank whose policy keeps every row (a training step's `KeepsRows`) never follows a peer
+/// whose `Shrink` drops rows: every rank gives up and says why (rank 0 trained 25 of its 100
+/// rows and returned `Ok`).
+#[test]
+fn a_rank_that_keeps_rows_does_not_follow_a_peer_that_drops_them() {
+    use oomguard_runtime::retry::{advanced::KeepsRows, Shrink, StopReason};
+    let out = on_ranks(2, |rank, group| {
+        let dev = Device::sim(ByteSize::mib(if rank == 0 { 1024 } else { 64 }));
+        let engine = if rank == 0 {
+            RetryEngine::new().with_policy(KeepsRows::new(Accumulate::halving()))
+        } else {
+            RetryEngine::new().with_policy(Shrink::halving())
+        }
+        .with_consensus(group);
+        engine
+            .run(&dev, 100, |plan| activations(&dev, plan), |rows| rows)
+            .map(|r| r.value)
+    });
+    for (rank, r) in out.iter().enumerate() {
+        let e = r.as_ref().expect_err("no rank trains part of its batch");
+        let report = e.report().expect("the step ran");
+        assert!(
+            matches!(
+                report.stopped,
+                Some(StopReason::RanksDisagreeOnRows { dropped: 50 })
+            ),
+            "rank {rank}: {e}"
+        );
+        assert!(
+            e.to_string().contains("no plan serves both"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// Two threads with handles of one rank in one round: an error for every rank, not a sum that
+/// silently lost one of them (1 + 10 + 100 came back as 110 on every thread).
+#[test]
+fn two_threads_on_one_rank_are_refused() {
+    let mut group = LocalGroup::new(2).into_iter();
+    let (zero, one) = (group.next().unwrap(), group.next().unwrap());
+    let zero_again = zero.clone();
+    let sum = |g: LocalGroup, v: f32| {
+        thread::spawn(move || {
+            let mut x = [v];
+            g.all_reduce_sum_f32(&mut x).map(|()| x[0])
+        })
+    };
+    let a = sum(zero, 1.0);
+    thread::sleep(Duration::from_millis(50));
+    let b = sum(zero_again, 10.0);
+    thread::sleep(Duration::from_millis(50));
+    let c = sum(one, 100.0);
+    let results = [a.join().unwrap(), b.join().unwrap(), c.join().unwrap()];
+    assert!(
+        results.iter().all(|r| r.is_err()),
+        "every thread is told: {results:?}"
+    );
+    let e = results[1].as_ref().unwrap_err().to_string();
+    assert!(e.contains("rank 0 took part twice in round"), "{e}");
+}

@@ -141,6 +141,18 @@ impl Shared {
         if let Some(why) = &st.poisoned {
             return Err(ConsensusError(why.clone()));
         }
+        if st.inputs[rank].is_some() {
+            // Two threads with handles of one rank in one round (two loops sharing a group):
+            // one's values would silently replace the other's.
+            let why = format!(
+                "rank {rank} took part twice in round {} (two threads with handles of one rank: \
+                 give each loop a group of its own)",
+                st.round
+            );
+            st.poisoned = Some(why.clone());
+            self.changed.notify_all();
+            return Err(ConsensusError(why));
+        }
         st.inputs[rank] = Some(input);
         if st.inputs.iter().all(Option::is_some) {
             st.result = reduce(&st.inputs);
@@ -296,6 +308,8 @@ impl LocalGroup {
 }
 
 /// Another handle of the same rank (e.g. for the engine and the gradient sync of one thread).
+/// Its rounds are the rank's: two threads taking part with handles of one rank in one round is
+/// an error for every rank (the group is poisoned), not two inputs of which one is lost.
 impl Clone for LocalGroup {
     fn clone(&self) -> Self {
         self.shared.lock().handles[self.rank] += 1;

@@ -93,6 +93,15 @@ pub trait RetryPolicy: Send + Sync + fmt::Debug {
     /// The next plan to run, or `None` to give up.
     fn next_plan(&self, ctx: &RetryContext) -> Option<BatchPlan>;
 
+    /// Whether this policy never runs fewer rows than the step asked for ([`KeepsRows`]: a
+    /// training step). With several ranks the agreed plan is the smallest of any rank's: when
+    /// another rank's plan drops rows, a rank whose policy keeps them does not follow it;
+    /// every rank gives up instead ([`StopReason::RanksDisagreeOnRows`](crate::retry::StopReason::RanksDisagreeOnRows)).
+    /// `false` by default; the combinators pass their inner policy's on.
+    fn keeps_rows(&self) -> bool {
+        false
+    }
+
     /// The most retries in one step after which this policy gives up whatever plans are
     /// left (`None`: no such limit, the default). The engine reports a step it gave up on
     /// past this many retries as stopped by the limit
@@ -129,6 +138,9 @@ impl<P: RetryPolicy + ?Sized> RetryPolicy for Arc<P> {
     fn retry_limit(&self) -> Option<u32> {
         (**self).retry_limit()
     }
+    fn keeps_rows(&self) -> bool {
+        (**self).keeps_rows()
+    }
 }
 
 impl<P: RetryPolicy + ?Sized> RetryPolicy for Box<P> {
@@ -137,6 +149,9 @@ impl<P: RetryPolicy + ?Sized> RetryPolicy for Box<P> {
     }
     fn retry_limit(&self) -> Option<u32> {
         (**self).retry_limit()
+    }
+    fn keeps_rows(&self) -> bool {
+        (**self).keeps_rows()
     }
 }
 
@@ -330,6 +345,9 @@ impl<P: RetryPolicy> RetryPolicy for KeepsRows<P> {
     fn retry_limit(&self) -> Option<u32> {
         self.inner.retry_limit()
     }
+    fn keeps_rows(&self) -> bool {
+        true
+    }
 }
 
 /// Filters another policy's plans: plans with smaller micro-batches or batches than the floor
@@ -350,6 +368,9 @@ impl<P: RetryPolicy> RetryPolicy for Floor<P> {
     }
     fn retry_limit(&self) -> Option<u32> {
         self.inner.retry_limit()
+    }
+    fn keeps_rows(&self) -> bool {
+        self.inner.keeps_rows()
     }
 }
 
@@ -374,6 +395,9 @@ impl<P: RetryPolicy> RetryPolicy for MaxRetries<P> {
                 .map_or(self.max, |m| m.min(self.max)),
         )
     }
+    fn keeps_rows(&self) -> bool {
+        self.inner.keeps_rows()
+    }
 }
 
 /// Tries `first`; when it gives up, `second`.
@@ -392,6 +416,9 @@ impl<A: RetryPolicy, B: RetryPolicy> RetryPolicy for Chain<A, B> {
     /// Both parts give up past their limits: the larger one, when both have one.
     fn retry_limit(&self) -> Option<u32> {
         Some(self.first.retry_limit()?.max(self.second.retry_limit()?))
+    }
+    fn keeps_rows(&self) -> bool {
+        self.first.keeps_rows() && self.second.keeps_rows()
     }
 }
 

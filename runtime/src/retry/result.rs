@@ -188,7 +188,15 @@ impl<E: fmt::Display> fmt::Display for RetryError<E> {
                 Ok(())
             }
             RetryError::PeerFailed { report } => {
-                write!(f, "another rank failed at {}; stopped with it", report.site)
+                write!(
+                    f,
+                    "another rank failed during the step at {}; stopped with it",
+                    report.site
+                )?;
+                match &report.stopped {
+                    Some(why) => write!(f, ": {why}"),
+                    None => Ok(()),
+                }
             }
             RetryError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             RetryError::Consensus(e) => write!(f, "{e}"),

@@ -41,6 +41,12 @@ impl fmt::Display for StopReason {
                 "the engine's cap of {max} failed attempts in one step was reached (the policy \
                  was not asked again)"
             ),
+            StopReason::RanksDisagreeOnRows { dropped } => write!(
+                f,
+                "a rank's plan drops {dropped} row(s) of its batch while a rank's policy keeps \
+                 every row (a training step): no plan serves both, so every rank stops; give \
+                 every rank a policy that keeps rows (`training_policy()`, `Accumulate`)"
+            ),
         }
     }
 }

@@ -76,6 +76,14 @@ pub enum StopReason {
         /// The cap.
         max: u32,
     },
+    /// With several ranks: another rank's plan runs fewer rows than its batch while a rank's
+    /// policy keeps every row ([`RetryPolicy::keeps_rows`](crate::retry::RetryPolicy::keeps_rows):
+    /// a training step), so no plan serves both; every rank gives up rather than train one rank
+    /// on part of its batch.
+    RanksDisagreeOnRows {
+        /// The most rows any rank's plan dropped.
+        dropped: usize,
+    },
 }
 
 /// A try of one size up after a run of clean steps.

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::consensus::ConsensusError;
-use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL};
+use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL, GIVE_UP};
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::{FailedAttempt, RetryError};
-use crate::retry_report::{BatchPlan, OomRequest, RetryReport};
+use crate::retry_report::{BatchPlan, OomRequest, RetryReport, StopReason};
 use crate::Device;
 
 use super::config::RetryEngine;
@@ -53,7 +53,7 @@ impl<E> Drop for FullLoop<E> {
     fn drop(&mut self) {
         if !self.done && self.engine.inner.consensus.world_size() > 1 {
             self.done = true;
-            let mut v = [FATAL, 0, 0];
+            let mut v = [FATAL, 0, 0, 0];
             if let Err(e) = self.engine.agree(&mut v) {
                 tracing::error!(target: "oomguard::retry", error = %e, "agreement failed while stopping");
             }
@@ -115,7 +115,16 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let seen = self.take_outcome(&result, nested_commit);
         let (status, proposal) = self.vote(seen.outcome, plan);
         let (agreed_status, next) = match self.engine.agree_on(status, proposal, self.batch) {
-            Ok(agreed) => agreed,
+            Ok(a) if a.rows_conflict > 0 => {
+                // no plan serves both a rank that keeps every row and one that drops some
+                let why = StopReason::RanksDisagreeOnRows {
+                    dropped: a.rows_conflict,
+                };
+                tracing::error!(target: "oomguard::retry", site = %self.key.site, "{why}");
+                self.report.stopped = Some(why);
+                (GIVE_UP, a.plan)
+            }
+            Ok(a) => (a.status, a.plan),
             Err(e) => return ControlFlow::Break(Err(self.consensus_failed(e, now))),
         };
         if matches!(self.target, Target::All) && Device::thread_device_addr() != self.device_addr {

@@ -9,7 +9,7 @@ use crate::retry::decision::{FATAL, OK};
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::RetryError;
-use crate::retry_report::{BatchPlan, RetryReport, StepMode};
+use crate::retry_report::{BatchPlan, RetryReport, StepMode, StopReason};
 use crate::Device;
 
 use super::config::RetryEngine;
@@ -29,7 +29,7 @@ impl RetryEngine {
         if batch == 0 {
             // Other ranks wait for this rank in the starting agreement: take part, so that they
             // stop too instead of waiting forever.
-            let mut v = [FATAL, 0, 0];
+            let mut v = [FATAL, 0, 0, 0];
             let _ = self.agree(&mut v);
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
@@ -64,14 +64,23 @@ impl RetryEngine {
             regrow = None;
         }
         let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
-        let (status, agreed) = self
+        let agreed = self
             .agree_on(OK, plan, batch)
             .map_err(RetryError::Consensus)?;
-        if status != OK {
+        if agreed.status != OK {
             return Err(RetryError::Consensus(ConsensusError(
                 "another rank cannot start this step (an empty batch): every rank stops".into(),
             )));
         }
+        if agreed.rows_conflict > 0 {
+            return Err(RetryError::Consensus(ConsensusError(format!(
+                "{}",
+                StopReason::RanksDisagreeOnRows {
+                    dropped: agreed.rows_conflict
+                }
+            ))));
+        }
+        let agreed = agreed.plan;
         if agreed != plan {
             // Another rank starts smaller: no regrow this step.
             regrow = None;
