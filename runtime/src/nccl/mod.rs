@@ -83,7 +83,7 @@ pub use rendezvous::{rendezvous, PeerLinks, Rendezvous, RendezvousConfig};
 pub use cudarc::nccl::safe::Id as NcclId;
 
 /// How many `u64`s the retry engine exchanges per agreement.
-const FLAGS: usize = 3;
+const FLAGS: usize = crate::retry::VOTE_WORDS;
 
 /// Checks that NCCL can be loaded with every entry point oomguard calls.
 pub fn nccl_available() -> Result<(), Error> {

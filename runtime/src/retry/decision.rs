@@ -16,6 +16,9 @@ pub const MAX_ATTEMPTS: u32 = 64;
 /// A rank's status, ordered so that the maximum over ranks is the one that counts.
 pub(crate) type Status = u64;
 /// The attempt succeeded.
+/// The `u64` words every rank sends in an agreement (status, micro-batch, rows dropped, keeps
+/// every row): the NCCL consensus allocates them on the device up front.
+pub(crate) const VOTE_WORDS: usize = 4;
 pub(crate) const OK: Status = 0;
 /// Out of memory: retry with the proposed plan.
 pub(crate) const OOM: Status = 1;

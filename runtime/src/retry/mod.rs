@@ -62,6 +62,7 @@ mod clock;
 mod commit;
 mod consensus;
 mod decision;
+pub(crate) use decision::VOTE_WORDS;
 mod engine;
 mod finder;
 mod gradients;

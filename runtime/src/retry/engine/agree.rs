@@ -7,7 +7,7 @@ use crate::retry_report::BatchPlan;
 use super::config::RetryEngine;
 
 /// What every rank sends after an attempt (see [`encode`]).
-pub(super) type Vote = [u64; 4];
+pub(super) type Vote = [u64; crate::retry::VOTE_WORDS];
 
 /// The agreement on an attempt: the worst status, the smallest plan, and whether a rank that
 /// keeps every row meets a plan that drops some.
