@@ -518,8 +518,9 @@ fn charge(
     n: u64,
     device_total: u64,
     dev: usize,
-) -> Result<Vec<u64>, BudgetExceeded> {
-    let mut after = Vec::with_capacity(scopes.len());
+) -> Result<SmallVec<[u64; 2]>, BudgetExceeded> {
+    // (as `Charged`: no heap allocation for the usual one or two scopes)
+    let mut after = SmallVec::new();
     for (i, s) in scopes.iter().enumerate() {
         // A refusal carries the limit that refused it: only a scope with a limit refuses.
         let r = match (s.kind.limit, s.limit(device_total)) {
