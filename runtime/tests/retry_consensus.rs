@@ -400,3 +400,61 @@ fn two_threads_on_one_rank_are_refused() {
     let e = results[1].as_ref().unwrap_err().to_string();
     assert!(e.contains("rank 0 took part twice in round"), "{e}");
 }
+
+/// Two ranks learn micro-batches of 25 in a step with a 30 MiB spike; rank 1 then restarts from
+/// its plan file (its limits kept, its clean-step count lost). Their regrows fall due one step
+/// apart: a regrow cancelled because the other rank starts smaller stays due, so the two regrow
+/// together (they took turns cancelling each other's, and stayed at 4 × 25 for good).
+#[test]
+fn ranks_whose_regrows_fall_due_apart_still_regrow() {
+    let dir = std::env::temp_dir().join(format!("oomguard-regrow-phase-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let dir2 = dir.clone();
+    let out = on_ranks(2, move |rank, group| {
+        let dev = Device::sim(ByteSize::mib(64));
+        let file = dir2.join(format!("plans{rank}.json"));
+        let make = || {
+            RetryEngine::new()
+                .with_policy(Accumulate::halving())
+                .regrow_after(Some(2))
+                .with_memory_file(&file)
+                .unwrap()
+                .with_consensus(group.clone())
+        };
+        let mut engine = make();
+        let mut regrown = Vec::new();
+        for s in 0..12 {
+            if rank == 1 && s == 2 {
+                engine = make(); // a restart: the plan file's limits, no clean steps
+            }
+            let r = engine
+                .run(
+                    &dev,
+                    100,
+                    |plan| {
+                        let _spike = if s == 0 {
+                            Some(dev.alloc::<u8>(30 * MIB)?)
+                        } else {
+                            None
+                        };
+                        let mut rows = 0;
+                        for c in plan.chunks() {
+                            rows += dev.alloc::<u8>(c.len() * MIB)?.len() / MIB;
+                        }
+                        Ok::<_, Error>(rows)
+                    },
+                    |rows| rows,
+                )
+                .unwrap();
+            assert_eq!(r.value, 100);
+            if r.report.regrow.is_some_and(|g| g.succeeded) {
+                regrown.push(s);
+            }
+        }
+        regrown
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!out[0].is_empty(), "the ranks regrew: {out:?}");
+    assert_eq!(out[0], out[1], "together: {out:?}");
+}

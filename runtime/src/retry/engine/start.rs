@@ -49,6 +49,7 @@ impl RetryEngine {
             from_memory,
             seeded,
             mut regrow,
+            clean_steps,
             memory_error,
         } = self.remembered_start(&key, batch, micro_cap);
         let capped = |p: BatchPlan| match micro_cap {
@@ -82,8 +83,12 @@ impl RetryEngine {
         }
         let agreed = agreed.plan;
         if agreed != plan {
-            // Another rank starts smaller: no regrow this step.
-            regrow = None;
+            // Another rank starts smaller: no regrow this step. A regrow this rank had due stays
+            // due: ranks whose clean steps are out of step (one restarted) would otherwise
+            // cancel each other's regrows for good, taking turns.
+            if regrow.take().is_some() {
+                self.memory().entry(&key).clean_steps = clean_steps;
+            }
             plan = agreed;
         }
         let report = RetryReport {
@@ -160,6 +165,7 @@ impl RetryEngine {
             limits.micro_batch = Some(m);
         }
         let mut regrow = None;
+        let clean_steps = e.clean_steps;
         if let Some(k) = self.inner.regrow_after {
             let wait = u64::from(k) << e.failed_regrows.min(16);
             if u64::from(e.clean_steps) >= wait {
@@ -172,6 +178,7 @@ impl RetryEngine {
             from_memory,
             seeded,
             regrow,
+            clean_steps,
             memory_error: mem.error().map(str::to_string),
         }
     }
@@ -186,6 +193,8 @@ struct Remembered {
     seeded: Option<usize>,
     /// The limits one size up, when a regrow is due.
     regrow: Option<Limits>,
+    /// The key's clean steps before a due regrow reset them (restored when the ranks cancel it).
+    clean_steps: u32,
     /// The plan file's error, to report.
     memory_error: Option<String>,
 }
