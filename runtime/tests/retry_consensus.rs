@@ -458,3 +458,27 @@ fn ranks_whose_regrows_fall_due_apart_still_regrow() {
     assert!(!out[0].is_empty(), "the ranks regrew: {out:?}");
     assert_eq!(out[0], out[1], "together: {out:?}");
 }
+
+/// Ranks whose batches differ drop the same share of their own batch, not the same count: a
+/// 40-row rank beside a 100-row rank that shrank to 50 runs 20 rows (it ran 1).
+#[test]
+fn ranks_with_other_batches_drop_the_same_share() {
+    use oomguard_runtime::retry::Shrink;
+    let out = on_ranks(2, |rank, group| {
+        let (mib, batch) = if rank == 0 { (64, 100) } else { (1024, 40) };
+        let dev = Device::sim(ByteSize::mib(mib));
+        let engine = RetryEngine::new()
+            .with_policy(Shrink::halving())
+            .with_consensus(group);
+        let r = engine
+            .run(&dev, batch, |plan| activations(&dev, plan), |rows| rows)
+            .unwrap();
+        (r.value, r.report.final_plan.batch())
+    });
+    let (rows0, kept0) = out[0];
+    assert_eq!(rows0, kept0);
+    assert!(kept0 < 100, "rank 0 shrank: {out:?}");
+    let share_dropped = (100 - kept0) as f64 / 100.0;
+    let want = 40 - (40.0 * share_dropped).ceil() as usize;
+    assert_eq!(out[1], (want, want), "{out:?}");
+}

@@ -45,7 +45,7 @@ impl RetryEngine {
         let keeps = self.inner.policy.keeps_rows();
         let mut v = encode(status, &plan, batch, keeps);
         self.inner.consensus.all_reduce_max(&mut v)?;
-        let dropped = v[2] as usize;
+        let dropped = dropped_rows(v[2], batch);
         Ok(Agreed {
             status: v[0],
             plan: decode(&v, batch),
@@ -54,19 +54,51 @@ impl RetryEngine {
     }
 }
 
-/// `[status, u64::MAX - micro_batch, rows dropped, keeps every row]`: the max over ranks is the
-/// worst status, the smallest micro-batch and batch, and whether any rank keeps every row.
+/// `[status, u64::MAX - micro_batch, share of the batch dropped, keeps every row]`: the max over
+/// ranks is the worst status, the smallest micro-batch, the largest share of its batch a rank
+/// drops (in 2^-32 units: ranks whose batches differ each drop that share of their own, not a
+/// count — a 40-row rank beside a 100-row one that dropped 50 ran 1 row), and whether any rank
+/// keeps every row.
 fn encode(status: u64, plan: &BatchPlan, batch: usize, keeps_rows: bool) -> Vote {
+    let dropped = (batch - plan.batch()) as u128;
     [
         status,
         u64::MAX - plan.micro_batch() as u64,
-        (batch - plan.batch()) as u64,
+        ((dropped << 32) / batch.max(1) as u128) as u64,
         u64::from(keeps_rows),
     ]
 }
 
+/// The rows of its `batch` a rank drops for a share `share` (2^-32 units) of the batch: rounded
+/// up, so that ranks with equal batches drop exactly what the rank that proposed it dropped.
+fn dropped_rows(share: u64, batch: usize) -> usize {
+    (((batch as u128) * (share as u128)).div_ceil(1 << 32)) as usize
+}
+
 fn decode(v: &Vote, batch: usize) -> BatchPlan {
     let micro = (u64::MAX - v[1]).max(1) as usize;
-    let rows = batch.saturating_sub(v[2] as usize).max(1);
+    let rows = batch.saturating_sub(dropped_rows(v[2], batch)).max(1);
     BatchPlan::with_micro_batch(rows, micro).expect("rows >= 1 and micro >= 1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Equal batches: what one rank dropped, every rank drops (the share round-trips to the
+    /// count); other batches drop the same share of theirs, rounded up.
+    #[test]
+    fn a_dropped_share_round_trips_and_scales() {
+        for batch in [1usize, 2, 3, 7, 100, 1_000, 65_537, 4_000_000] {
+            for kept in [1, batch / 3, batch / 2, batch - 1, batch] {
+                let kept = kept.max(1);
+                let plan = BatchPlan::whole(kept).unwrap();
+                let v = encode(0, &plan, batch, false);
+                assert_eq!(decode(&v, batch).batch(), kept, "{kept} of {batch}");
+            }
+        }
+        let half = encode(0, &BatchPlan::whole(50).unwrap(), 100, false);
+        assert_eq!(decode(&half, 40).batch(), 20);
+        assert_eq!(decode(&half, 7).batch(), 3);
+    }
 }
