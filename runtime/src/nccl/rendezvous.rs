@@ -537,7 +537,7 @@ impl Serving<'_> {
     }
 }
 
-/// The first `most` of `items`, comma-separated, then how many more there are.
+/// The first `most` of `items`, comma-separated, then how many more there are (`none`: no item).
 fn name_some(items: impl Iterator<Item = usize>, most: usize) -> String {
     let (mut named, mut more) = (Vec::new(), 0usize);
     for i in items {
@@ -546,6 +546,9 @@ fn name_some(items: impl Iterator<Item = usize>, most: usize) -> String {
         } else {
             more += 1;
         }
+    }
+    if named.is_empty() {
+        return "none".into();
     }
     let mut out = named.join(", ");
     if more > 0 {
