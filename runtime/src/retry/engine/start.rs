@@ -66,22 +66,8 @@ impl RetryEngine {
         }
         let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
         let agreed = self
-            .agree_on(OK, plan, batch)
+            .agree_to_start(plan, batch)
             .map_err(RetryError::Consensus)?;
-        if agreed.status != OK {
-            return Err(RetryError::Consensus(ConsensusError(
-                "another rank cannot start this step (an empty batch): every rank stops".into(),
-            )));
-        }
-        if agreed.rows_conflict > 0 {
-            return Err(RetryError::Consensus(ConsensusError(format!(
-                "{}",
-                StopReason::RanksDisagreeOnRows {
-                    dropped: agreed.rows_conflict
-                }
-            ))));
-        }
-        let agreed = agreed.plan;
         if agreed != plan {
             // Another rank starts smaller: no regrow this step. A regrow this rank had due stays
             // due: ranks whose clean steps are out of step (one restarted) would otherwise
@@ -121,6 +107,25 @@ impl RetryEngine {
             commits_before: commit::commits(),
             done: false,
         }))
+    }
+
+    /// The ranks' agreement on the first plan: the smallest of every rank's `plan`; an error on
+    /// every rank when one cannot start (an empty batch) or when a rank that keeps every row
+    /// meets one whose plan drops rows.
+    fn agree_to_start(&self, plan: BatchPlan, batch: usize) -> Result<BatchPlan, ConsensusError> {
+        let agreed = self.agree_on(OK, plan, batch)?;
+        if agreed.status != OK {
+            return Err(ConsensusError(
+                "another rank cannot start this step (an empty batch): every rank stops".into(),
+            ));
+        }
+        if agreed.rows_conflict > 0 {
+            let why = StopReason::RanksDisagreeOnRows {
+                dropped: agreed.rows_conflict,
+            };
+            return Err(ConsensusError(why.to_string()));
+        }
+        Ok(agreed.plan)
     }
 
     /// What is remembered for `key` as the step's starting limits: the remembered ones (a
