@@ -133,23 +133,33 @@ fn ledger() -> MutexGuard<'static, Option<Ledger>> {
     OPEN_PEAKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Resets `source`'s peak counter as opening a [`UsagePeakScope`] does: the scopes open on it
-/// first take the peak they had seen, so they stay exact (the finder's reset before each run).
-pub(crate) fn reset_peak_keeping_scopes<S: MemorySource + ?Sized>(source: &S) -> Result<()> {
-    let mut l = ledger();
-    if let Some(list) = l
-        .as_mut()
-        .and_then(|open| open.get_mut(&source.source_id()))
-    {
-        list.retain(|w| w.strong_count() > 0);
-        if !list.is_empty() {
-            let peak = source.usage()?.used_peak;
-            for s in list.iter().filter_map(Weak::upgrade) {
-                s.fetch_max(peak, Relaxed);
-            }
+/// Resets `source`'s peak counter, the scopes open on it (`open`, its ledger entry) first
+/// taking the peak they had seen, so that they stay exact.
+fn fold_and_reset<S: MemorySource + ?Sized>(
+    source: &S,
+    open: &mut Vec<Weak<AtomicU64>>,
+) -> Result<()> {
+    open.retain(|w| w.strong_count() > 0);
+    if !open.is_empty() {
+        let peak = source.usage()?.used_peak;
+        for s in open.iter().filter_map(Weak::upgrade) {
+            s.fetch_max(peak, Relaxed);
         }
     }
     source.reset_peak()
+}
+
+/// Resets `source`'s peak counter as opening a [`UsagePeakScope`] does: the scopes open on it
+/// stay exact (the finder's reset before each run).
+pub(crate) fn reset_peak_keeping_scopes<S: MemorySource + ?Sized>(source: &S) -> Result<()> {
+    let mut l = ledger();
+    match l
+        .as_mut()
+        .and_then(|open| open.get_mut(&source.source_id()))
+    {
+        Some(open) => fold_and_reset(source, open),
+        None => source.reset_peak(),
+    }
 }
 
 /// The most bytes a source had in use while the scope was open. Opening one resets the source's
@@ -171,14 +181,7 @@ impl<'a, S: MemorySource + ?Sized> UsagePeakScope<'a, S> {
         let mut l = ledger();
         let open = l.get_or_insert_with(HashMap::new);
         let list = open.entry(source.source_id()).or_default();
-        list.retain(|w| w.strong_count() > 0);
-        if !list.is_empty() {
-            let peak = source.usage()?.used_peak;
-            for s in list.iter().filter_map(Weak::upgrade) {
-                s.fetch_max(peak, Relaxed);
-            }
-        }
-        source.reset_peak()?;
+        fold_and_reset(source, list)?;
         seen.store(source.usage()?.used, Relaxed);
         list.push(Arc::downgrade(&seen));
         Ok(Self { source, seen })

@@ -2,7 +2,7 @@
 
 use crate::retry::consensus::ConsensusError;
 use crate::retry::decision::Status;
-use crate::retry_report::BatchPlan;
+use crate::retry_report::{BatchPlan, StopReason};
 
 use super::config::RetryEngine;
 
@@ -11,12 +11,13 @@ pub(super) type Vote = [u64; crate::retry::VOTE_WORDS];
 
 /// The agreement on an attempt: the worst status, the smallest plan, and whether a rank that
 /// keeps every row meets a plan that drops some.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Agreed {
     pub(super) status: Status,
     pub(super) plan: BatchPlan,
-    /// Rows the smallest plan drops while some rank's policy keeps every row (`0`: none).
-    pub(super) rows_conflict: usize,
+    /// [`StopReason::RanksDisagreeOnRows`] when the smallest plan drops rows while some rank's
+    /// policy keeps every row: every rank stops.
+    pub(super) rows_conflict: Option<StopReason>,
 }
 
 impl RetryEngine {
@@ -39,7 +40,7 @@ impl RetryEngine {
             return Ok(Agreed {
                 status,
                 plan,
-                rows_conflict: 0,
+                rows_conflict: None,
             });
         }
         let keeps = self.inner.policy.keeps_rows();
@@ -49,7 +50,8 @@ impl RetryEngine {
         Ok(Agreed {
             status: v[0],
             plan: decode(&v, batch),
-            rows_conflict: if v[3] == 1 { dropped } else { 0 },
+            rows_conflict: (v[3] == 1 && dropped > 0)
+                .then_some(StopReason::RanksDisagreeOnRows { dropped }),
         })
     }
 }

@@ -11,9 +11,10 @@ use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL, GIVE_
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::{FailedAttempt, RetryError};
-use crate::retry_report::{BatchPlan, OomRequest, RetryReport, StopReason};
+use crate::retry_report::{BatchPlan, OomRequest, RetryReport};
 use crate::Device;
 
+use super::agree::Agreed;
 use super::config::RetryEngine;
 use super::target::{ChurnMark, Target};
 use super::thread_device::thread_device_key;
@@ -115,14 +116,15 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let seen = self.take_outcome(&result, nested_commit);
         let (status, proposal) = self.vote(seen.outcome, plan);
         let (agreed_status, next) = match self.engine.agree_on(status, proposal, self.batch) {
-            Ok(a) if a.rows_conflict > 0 => {
+            Ok(Agreed {
+                rows_conflict: Some(why),
+                plan,
+                ..
+            }) => {
                 // no plan serves both a rank that keeps every row and one that drops some
-                let why = StopReason::RanksDisagreeOnRows {
-                    dropped: a.rows_conflict,
-                };
                 tracing::error!(target: "oomguard::retry", site = %self.key.site, "{why}");
                 self.report.stopped = Some(why);
-                (GIVE_UP, a.plan)
+                (GIVE_UP, plan)
             }
             Ok(a) => (a.status, a.plan),
             Err(e) => return ControlFlow::Break(Err(self.consensus_failed(e, now))),

@@ -9,7 +9,7 @@ use crate::retry::decision::{FATAL, OK};
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::RetryError;
-use crate::retry_report::{BatchPlan, RetryReport, StepMode, StopReason};
+use crate::retry_report::{BatchPlan, RetryReport, StepMode};
 use crate::Device;
 
 use super::config::RetryEngine;
@@ -119,10 +119,7 @@ impl RetryEngine {
                 "another rank cannot start this step (an empty batch): every rank stops".into(),
             ));
         }
-        if agreed.rows_conflict > 0 {
-            let why = StopReason::RanksDisagreeOnRows {
-                dropped: agreed.rows_conflict,
-            };
+        if let Some(why) = agreed.rows_conflict {
             return Err(ConsensusError(why.to_string()));
         }
         Ok(agreed.plan)

@@ -90,17 +90,13 @@ fn nothing_fits(trials: &[Trial]) -> String {
     };
     let mut text = format!("out of memory even with 1 row (after {runs})");
     if let Some(r) = trials.last().and_then(|t| t.oom_request) {
-        let what = if r.budget { "the budget" } else { "the device" };
+        let whole = if r.budget { "budget" } else { "device" };
         let advice = if r.exceeds_capacity() {
-            format!(
-                "a larger {} is needed",
-                if r.budget { "budget" } else { "device" }
-            )
+            format!("a larger {whole} is needed")
         } else {
             format!(
-                "it fits {what}'s capacity but not what was free: free memory the program \
-                 holds outside the step, or use a larger {}",
-                if r.budget { "budget" } else { "device" }
+                "it fits the {whole}'s capacity but not what was free: free memory the program \
+                 holds outside the step, or use a larger {whole}"
             )
         };
         text.push_str(&format!("; the 1-row run made {r}: {advice}"));

@@ -147,16 +147,10 @@ fn written_path(path: &Path) -> Result<PathBuf, MemoryError> {
     } else {
         path.to_path_buf()
     };
-    // (not opened for writing below: a FIFO would block until a reader came)
-    if std::fs::metadata(&real).is_ok_and(|m| !m.is_file()) {
-        return Err(MemoryError::Io {
-            path: real,
-            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
-        });
-    }
-    // (its mode: a file marked read-only is kept as it is even by a process allowed to write
+    // (not opened for writing below unless regular: a FIFO would block until a reader came;
+    // its mode: a file marked read-only is kept as it is even by a process allowed to write
     // it, root's)
-    if std::fs::metadata(&real).is_ok_and(|m| m.permissions().readonly()) {
+    if regular_file(&real)?.is_some_and(|m| m.permissions().readonly()) {
         return Err(MemoryError::Io {
             path: real,
             source: std::io::Error::new(
@@ -176,18 +170,24 @@ fn written_path(path: &Path) -> Result<PathBuf, MemoryError> {
     }
 }
 
-/// The entries of a plan file (none when it does not exist). Anything but a regular file (a
-/// directory, a FIFO that would block the reader) is an error.
-pub(super) fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryError> {
+/// The metadata of the regular file at `path` (`None`: nothing there, or it cannot be read,
+/// which the caller's open then says); anything but a regular file (a directory, a FIFO that
+/// would block its reader or writer) is an error.
+fn regular_file(path: &Path) -> Result<Option<std::fs::Metadata>, MemoryError> {
     match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => {
-            return Err(MemoryError::Io {
-                path: path.to_path_buf(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
-            })
-        }
-        _ => {}
+        Ok(m) if !m.is_file() => Err(MemoryError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
+        }),
+        Ok(m) => Ok(Some(m)),
+        Err(_) => Ok(None),
     }
+}
+
+/// The entries of a plan file (none when it does not exist). Anything but a regular file is an
+/// error ([`regular_file`]).
+pub(super) fn read_file(path: &Path) -> Result<Vec<(MemoryKey, Limits)>, MemoryError> {
+    regular_file(path)?;
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),

@@ -43,15 +43,20 @@ fn lock_token() -> String {
     format!("{}-{seq}-{nanos}@{host}", std::process::id())
 }
 
-/// This machine's name where the system tells it (Linux: `/proc/sys/kernel/hostname`).
-pub(super) fn host_id() -> Option<String> {
-    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
-    let h = h.trim();
-    // (it goes into file names: only a plain name)
-    let plain = h
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
-    (!h.is_empty() && plain).then(|| h.to_string())
+/// This machine's name where the system tells it (Linux: `/proc/sys/kernel/hostname`), read
+/// once (a waiting writer asks at every poll).
+pub(super) fn host_id() -> Option<&'static str> {
+    static HOST: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let h = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+        let h = h.trim();
+        // (it goes into file names: only a plain name)
+        let plain = h
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+        (!h.is_empty() && plain).then(|| h.to_string())
+    })
+    .as_deref()
 }
 
 /// Whether the writer of `token` is known to be gone: a process of this machine (the token
@@ -65,7 +70,7 @@ fn writer_is_gone(token: &str) -> bool {
     let Some(pid) = head.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
         return false;
     };
-    host_id().as_deref() == Some(host)
+    host_id() == Some(host)
         && pid != std::process::id()
         && std::path::Path::new("/proc/self").exists()
         && !std::path::Path::new(&format!("/proc/{pid}")).exists()
