@@ -67,10 +67,12 @@ pub fn parse(data: &[u8]) -> Result<Trace, ReadError> {
     // id -> (bytes, line of its allocation); ids once freed stay reserved.
     let mut live: HashMap<u64, u64> = HashMap::new();
     let mut used: std::collections::HashSet<u64> = std::collections::HashSet::new();
-    events
-        .try_reserve_exact(lines)
-        .and_then(|()| used.try_reserve(lines / 2))
-        .map_err(|_| ReadError::OutOfMemory { events: lines })?;
+    crate::host_memory::fallible(|| {
+        events
+            .try_reserve_exact(lines)
+            .and_then(|()| used.try_reserve(lines / 2))
+    })
+    .map_err(|_| ReadError::OutOfMemory { events: lines })?;
     for item in body_lines(data) {
         let (n, line) = item?;
         let fields: Vec<&str> = line.split(',').collect();

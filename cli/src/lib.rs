@@ -23,6 +23,7 @@ pub mod device;
 mod error;
 mod event;
 pub mod gen;
+pub mod host_memory;
 pub mod layout;
 mod lines;
 pub mod mincap;

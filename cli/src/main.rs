@@ -18,6 +18,11 @@ use oomguard_cli::replay::{replay, ReplayOptions, ReplayReport};
 use oomguard_cli::{detect, plot, Trace};
 use oomguard_runtime::{AllocatorConfig, ByteSize};
 
+// Host memory the machine refuses ends the command with one line and exit 2, not an abort.
+#[global_allocator]
+static ALLOCATOR: oomguard_cli::host_memory::ExitOnRefusal =
+    oomguard_cli::host_memory::ExitOnRefusal;
+
 /// Replay GPU allocation traces through oomguard's caching allocator: why did a program run out
 /// of memory with memory free?
 #[derive(Parser, Debug)]

@@ -891,3 +891,35 @@ fn plot_view_and_replay_replay_alike() {
         );
     }
 }
+
+/// A trace that parses but whose replay needs more host memory than the machine gives (a million
+/// blocks live at once under a 200 MB address-space limit) aborted with exit 134 and a
+/// backtrace; it is one line and exit 2 now, whichever allocation is refused (the reader's
+/// reservation says it in its own words).
+#[cfg(unix)]
+#[test]
+fn a_replay_larger_than_the_machines_memory_is_one_line_and_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = write(
+        dir.path(),
+        "live.csv",
+        allocations_csv(1_000_000, 512, |_| 0).as_bytes(),
+    );
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 200000 && exec \"$0\" replay \"$1\"")
+        .arg(env!("CARGO_BIN_EXE_oomguard"))
+        .arg(&f)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run sh");
+    let r = wait(child, "replay under ulimit -v");
+    let needle = if r.stderr.contains("to read the trace's") {
+        "not enough memory on this machine"
+    } else {
+        "out of host memory"
+    };
+    assert_error(&r, 2, needle);
+}

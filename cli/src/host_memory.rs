@@ -1,0 +1,154 @@
+//! The command's allocator: the system's, except that host memory the machine refuses ends the
+//! command with one line and exit status 2, not Rust's abort (exit 134 and a backtrace).
+//!
+//! A trace can parse and still need more of this machine's memory to replay than it has (millions
+//! of blocks live at once), and nothing bounds that in advance without refusing traces that do
+//! fit. Readers that can recover from a refusal (`Vec::try_reserve`) do so under [`fallible`],
+//! where a refusal is returned to them as usual.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+thread_local! {
+    /// Inside [`fallible`] on this thread: a refusal goes back to the caller. A `const` cell:
+    /// reading it allocates nothing, so the allocator may read it.
+    static FALLIBLE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with refused allocations returned to it (for `try_reserve`), not ending the command.
+pub fn fallible<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FALLIBLE.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(FALLIBLE.with(|c| c.replace(true)));
+    f()
+}
+
+/// The `oomguard` binary's global allocator (see the module doc).
+pub struct ExitOnRefusal;
+
+impl ExitOnRefusal {
+    /// `ptr`, or the end of the command when the system refused `bytes` outside [`fallible`].
+    fn checked(ptr: *mut u8, bytes: usize) -> *mut u8 {
+        if ptr.is_null() && !FALLIBLE.with(Cell::get) {
+            out_of_host_memory(bytes);
+        }
+        ptr
+    }
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged and returns
+// what it returned (or does not return at all), so `System`'s guarantees are ours.
+unsafe impl GlobalAlloc for ExitOnRefusal {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `alloc`'s contract (a non-zero size), passed on unchanged.
+        Self::checked(unsafe { System.alloc(layout) }, layout.size())
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as `alloc`.
+        Self::checked(unsafe { System.alloc_zeroed(layout) }, layout.size())
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator, that is from `System`, with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from `System` with `layout`; the caller upholds `new_size`'s rules.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        Self::checked(p, new_size)
+    }
+}
+
+/// Writes the one line and ends the process with status 2. It allocates nothing (the line is
+/// formatted on the stack) and runs no exit handler (another thread may hold a lock that one
+/// would take).
+fn out_of_host_memory(bytes: usize) -> ! {
+    let mut line = StackLine::default();
+    let _ = std::fmt::Write::write_fmt(
+        &mut line,
+        format_args!(
+            "oomguard: out of host memory: this machine refused {bytes} bytes ({} MiB) more; \
+             the input needs more of the machine's memory than it has (or than a limit such as \
+             `ulimit -v` allows): use a machine with more memory, or a shorter trace\n",
+            bytes.div_ceil(1 << 20)
+        ),
+    );
+    exit_now(line.as_bytes())
+}
+
+#[cfg(unix)]
+fn exit_now(line: &[u8]) -> ! {
+    // SAFETY: `write` reads `line.len()` initialised bytes of a live slice; `_exit` takes an
+    // integer and does not return. Both are async-signal-safe and allocate nothing.
+    unsafe {
+        let _ = libc::write(2, line.as_ptr().cast(), line.len());
+        libc::_exit(2)
+    }
+}
+
+#[cfg(not(unix))]
+fn exit_now(line: &[u8]) -> ! {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(line);
+    std::process::exit(2)
+}
+
+/// A line formatted into a fixed buffer (what does not fit is cut).
+struct StackLine {
+    buf: [u8; 512],
+    len: usize,
+}
+
+impl Default for StackLine {
+    fn default() -> Self {
+        Self {
+            buf: [0; 512],
+            len: 0,
+        }
+    }
+}
+
+impl StackLine {
+    fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl std::fmt::Write for StackLine {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fmt::Write as _;
+
+    #[test]
+    fn a_refusal_inside_fallible_is_returned_to_the_caller() {
+        // Not the global allocator in unit tests, so this checks the flag's scoping: set inside,
+        // restored after, also when `f` panics.
+        assert!(!FALLIBLE.with(Cell::get));
+        assert!(fallible(|| FALLIBLE.with(Cell::get)));
+        assert!(!FALLIBLE.with(Cell::get));
+        let _ = std::panic::catch_unwind(|| fallible(|| panic!("inside")));
+        assert!(!FALLIBLE.with(Cell::get));
+    }
+
+    #[test]
+    fn the_stack_line_cuts_what_does_not_fit() {
+        let mut line = StackLine::default();
+        write!(line, "{}", "x".repeat(600)).unwrap();
+        assert_eq!(line.as_bytes().len(), 512);
+    }
+}
