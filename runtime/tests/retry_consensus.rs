@@ -482,3 +482,68 @@ fn ranks_with_other_batches_drop_the_same_share() {
     let want = 40 - (40.0 * share_dropped).ceil() as usize;
     assert_eq!(out[1], (want, want), "{out:?}");
 }
+
+/// Ranks at different call sites (one rank ran a step the others did not) agreed silently and
+/// went on with each other's plans; every rank stops now, saying why.
+#[test]
+fn ranks_at_different_steps_stop_every_rank() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        let dev = Device::sim(ByteSize::mib(64));
+        let engine = RetryEngine::new().with_consensus(group);
+        let step = |plan: &BatchPlan| activations(&dev, plan);
+        let r = if rank == 0 {
+            engine.run(&dev, 10, step, |r| r)
+        } else {
+            engine.run(&dev, 10, step, |r| r)
+        };
+        r.map(|r| r.value).map_err(|e| e.to_string())
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let e = r
+            .unwrap()
+            .expect_err("ranks at different steps must not commit");
+        assert!(e.contains("from different steps"), "rank {rank}: {e}");
+    }
+}
+
+/// A step nested on one rank only: its agreement meets the other rank's outer one. Both stop
+/// (no rank commits a step the other did not run), and nothing hangs.
+#[test]
+fn a_step_nested_on_one_rank_only_stops_every_rank() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        // rank 1 needs a retry (16 MiB): its agreement after the failed attempt meets rank 0's
+        // inner step's start
+        let dev = Device::sim(ByteSize::mib(if rank == 0 { 1024 } else { 16 }));
+        let engine = RetryEngine::new()
+            .with_policy(Accumulate::halving())
+            .with_consensus(group);
+        let mut inner_commits = 0;
+        let r = engine.run(
+            &dev,
+            10,
+            |plan| {
+                if rank == 0 {
+                    engine
+                        .run(&dev, 4, |p| activations(&dev, p), |_| inner_commits += 1)
+                        .map_err(|_| Error::InvalidArgument("inner step failed".into()))?;
+                }
+                activations(&dev, plan)
+            },
+            |r| r,
+        );
+        (r.map(|r| r.value).map_err(|e| e.to_string()), inner_commits)
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(out[0].1, 0, "rank 0's inner step committed alone: {out:?}");
+    for (rank, (r, _)) in out.iter().enumerate() {
+        assert!(
+            r.is_err(),
+            "rank {rank} committed a step the other did not run: {out:?}"
+        );
+    }
+    assert!(
+        out.iter()
+            .any(|(r, _)| r.as_ref().unwrap_err().contains("from different steps")),
+        "{out:?}"
+    );
+}

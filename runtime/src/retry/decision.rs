@@ -17,8 +17,9 @@ pub const MAX_ATTEMPTS: u32 = 64;
 pub(crate) type Status = u64;
 /// The attempt succeeded.
 /// The `u64` words every rank sends in an agreement (status, micro-batch, rows dropped, keeps
-/// every row): the NCCL consensus allocates them on the device up front.
-pub(crate) const VOTE_WORDS: usize = 4;
+/// every row, the step's tag and its complement): the NCCL consensus allocates them on the
+/// device up front.
+pub(crate) const VOTE_WORDS: usize = 6;
 pub(crate) const OK: Status = 0;
 /// Out of memory: retry with the proposed plan.
 pub(crate) const OOM: Status = 1;

@@ -47,6 +47,12 @@ impl fmt::Display for StopReason {
                  every row (a training step): no plan serves both, so every rank stops; give \
                  every rank a policy that keeps rows (`training_policy()`, `Accumulate`)"
             ),
+            StopReason::RanksAtDifferentSteps => write!(
+                f,
+                "the ranks met in one agreement from different steps (another call site, or \
+                 train beside eval): every rank must run the same retried steps in the same \
+                 order (the same program), so every rank stops"
+            ),
         }
     }
 }

@@ -84,6 +84,10 @@ pub enum StopReason {
         /// The most rows any rank's plan dropped.
         dropped: usize,
     },
+    /// With several ranks: the ranks met in one agreement from different steps (another call
+    /// site, or train beside eval: one rank ran a step the others did not, or in another
+    /// order), so what they would agree on belongs to different steps; every rank stops.
+    RanksAtDifferentSteps,
 }
 
 /// A try of one size up after a run of clean steps.

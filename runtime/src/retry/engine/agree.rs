@@ -2,22 +2,33 @@
 
 use crate::retry::consensus::ConsensusError;
 use crate::retry::decision::Status;
-use crate::retry_report::{BatchPlan, StopReason};
+use crate::retry::memory::MemoryKey;
+use crate::retry::VOTE_WORDS;
+use crate::retry_report::{BatchPlan, StepMode, StopReason};
 
 use super::config::RetryEngine;
 
 /// What every rank sends after an attempt (see [`encode`]).
-pub(super) type Vote = [u64; crate::retry::VOTE_WORDS];
+pub(super) type Vote = [u64; VOTE_WORDS];
 
-/// The agreement on an attempt: the worst status, the smallest plan, and whether a rank that
-/// keeps every row meets a plan that drops some.
+/// A vote that only says "this rank fails" (a loop dropped, an empty batch): the other words
+/// are 0, which changes nothing in a maximum.
+pub(super) const FAILED_VOTE: Vote = {
+    let mut v = [0; VOTE_WORDS];
+    v[0] = crate::retry::decision::FATAL;
+    v
+};
+
+/// The agreement on an attempt: the worst status, the smallest plan, and whether the ranks
+/// cannot go on together.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Agreed {
     pub(super) status: Status,
     pub(super) plan: BatchPlan,
-    /// [`StopReason::RanksDisagreeOnRows`] when the smallest plan drops rows while some rank's
-    /// policy keeps every row: every rank stops.
-    pub(super) rows_conflict: Option<StopReason>,
+    /// Why every rank stops although none gave up: [`StopReason::RanksAtDifferentSteps`] when
+    /// the ranks came from different steps; [`StopReason::RanksDisagreeOnRows`] when the
+    /// smallest plan drops rows while some rank's policy keeps every row.
+    pub(super) conflict: Option<StopReason>,
 }
 
 impl RetryEngine {
@@ -35,40 +46,63 @@ impl RetryEngine {
         status: Status,
         plan: BatchPlan,
         batch: usize,
+        key: &MemoryKey,
     ) -> Result<Agreed, ConsensusError> {
         if self.inner.consensus.world_size() <= 1 {
             return Ok(Agreed {
                 status,
                 plan,
-                rows_conflict: None,
+                conflict: None,
             });
         }
         let keeps = self.inner.policy.keeps_rows();
-        let mut v = encode(status, &plan, batch, keeps);
+        let mut v = encode(status, &plan, batch, keeps, step_tag(&key.site, key.mode));
         self.inner.consensus.all_reduce_max(&mut v)?;
         let dropped = dropped_rows(v[2], batch);
+        // max(tag) is !max(!tag) = min(tag) only when every rank sent the same tag
+        let conflict = if v[4] != !v[5] {
+            Some(StopReason::RanksAtDifferentSteps)
+        } else if v[3] == 1 && dropped > 0 {
+            Some(StopReason::RanksDisagreeOnRows { dropped })
+        } else {
+            None
+        };
         Ok(Agreed {
             status: v[0],
             plan: decode(&v, batch),
-            rows_conflict: (v[3] == 1 && dropped > 0)
-                .then_some(StopReason::RanksDisagreeOnRows { dropped }),
+            conflict,
         })
     }
 }
 
-/// `[status, u64::MAX - micro_batch, share of the batch dropped, keeps every row]`: the max over
-/// ranks is the worst status, the smallest micro-batch, the largest share of its batch a rank
-/// drops (in 2^-32 units: ranks whose batches differ each drop that share of their own, not a
-/// count — a 40-row rank beside a 100-row one that dropped 50 ran 1 row), and whether any rank
-/// keeps every row.
-fn encode(status: u64, plan: &BatchPlan, batch: usize, keeps_rows: bool) -> Vote {
+/// `[status, u64::MAX - micro_batch, share of the batch dropped, keeps every row, tag, !tag]`:
+/// the max over ranks is the worst status, the smallest micro-batch, the largest share of its
+/// batch a rank drops (in 2^-32 units: ranks whose batches differ each drop that share of their
+/// own, not a count — a 40-row rank beside a 100-row one that dropped 50 ran 1 row), whether any
+/// rank keeps every row, and the largest and (complemented) smallest step tag.
+fn encode(status: u64, plan: &BatchPlan, batch: usize, keeps_rows: bool, tag: u64) -> Vote {
     let dropped = (batch - plan.batch()) as u128;
     [
         status,
         u64::MAX - plan.micro_batch() as u64,
         ((dropped << 32) / batch.max(1) as u128) as u64,
         u64::from(keeps_rows),
+        tag,
+        !tag,
     ]
+}
+
+/// The step a vote comes from: its call site and mode, hashed (FNV-1a: the same on every rank
+/// and every build of the same source, unlike `std`'s seeded hashers). The device is left out:
+/// each rank has its own.
+fn step_tag(site: &str, mode: StepMode) -> u64 {
+    let mode = [u8::from(mode == StepMode::Train)];
+    site.as_bytes()
+        .iter()
+        .chain(&mode)
+        .fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
 }
 
 /// The rows of its `batch` a rank drops for a share `share` (2^-32 units) of the batch: rounded
@@ -95,12 +129,21 @@ mod tests {
             for kept in [1, batch / 3, batch / 2, batch - 1, batch] {
                 let kept = kept.max(1);
                 let plan = BatchPlan::whole(kept).unwrap();
-                let v = encode(0, &plan, batch, false);
+                let v = encode(0, &plan, batch, false, 7);
                 assert_eq!(decode(&v, batch).batch(), kept, "{kept} of {batch}");
             }
         }
-        let half = encode(0, &BatchPlan::whole(50).unwrap(), 100, false);
+        let half = encode(0, &BatchPlan::whole(50).unwrap(), 100, false, 7);
         assert_eq!(decode(&half, 40).batch(), 20);
         assert_eq!(decode(&half, 7).batch(), 3);
+    }
+
+    /// Another site or mode is another tag; the same step gives the same tag.
+    #[test]
+    fn steps_differ_in_tag_by_site_and_mode() {
+        let a = step_tag("src/main.rs:10:5", StepMode::Train);
+        assert_eq!(a, step_tag("src/main.rs:10:5", StepMode::Train));
+        assert_ne!(a, step_tag("src/main.rs:10:6", StepMode::Train));
+        assert_ne!(a, step_tag("src/main.rs:10:5", StepMode::Eval));
     }
 }

@@ -7,14 +7,14 @@ use std::time::{Duration, Instant};
 use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::consensus::ConsensusError;
-use crate::retry::decision::{self, Facts, Outcome, Settled, Status, FATAL, GIVE_UP};
+use crate::retry::decision::{self, Facts, Outcome, Settled, Status, GIVE_UP};
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::{FailedAttempt, RetryError};
 use crate::retry_report::{BatchPlan, OomRequest, RetryReport};
 use crate::Device;
 
-use super::agree::Agreed;
+use super::agree::{Agreed, FAILED_VOTE};
 use super::config::RetryEngine;
 use super::target::{ChurnMark, Target};
 use super::thread_device::thread_device_key;
@@ -54,7 +54,7 @@ impl<E> Drop for FullLoop<E> {
     fn drop(&mut self) {
         if !self.done && self.engine.inner.consensus.world_size() > 1 {
             self.done = true;
-            let mut v = [FATAL, 0, 0, 0];
+            let mut v = FAILED_VOTE;
             if let Err(e) = self.engine.agree(&mut v) {
                 tracing::error!(target: "oomguard::retry", error = %e, "agreement failed while stopping");
             }
@@ -115,9 +115,12 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let nested_commit = result.is_err() && commit::commits() != self.commits_before;
         let seen = self.take_outcome(&result, nested_commit);
         let (status, proposal) = self.vote(seen.outcome, plan);
-        let (agreed_status, next) = match self.engine.agree_on(status, proposal, self.batch) {
+        let (agreed_status, next) = match self
+            .engine
+            .agree_on(status, proposal, self.batch, &self.key)
+        {
             Ok(Agreed {
-                rows_conflict: Some(why),
+                conflict: Some(why),
                 plan,
                 ..
             }) => {

@@ -5,13 +5,14 @@ use std::fmt;
 use crate::retry::classify::IsOom;
 use crate::retry::commit;
 use crate::retry::consensus::ConsensusError;
-use crate::retry::decision::{FATAL, OK};
+use crate::retry::decision::OK;
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::RetryError;
 use crate::retry_report::{BatchPlan, RetryReport, StepMode};
 use crate::Device;
 
+use super::agree::FAILED_VOTE;
 use super::config::RetryEngine;
 use super::full_loop::FullLoop;
 use super::retry_loop::RetryLoop;
@@ -29,7 +30,7 @@ impl RetryEngine {
         if batch == 0 {
             // Other ranks wait for this rank in the starting agreement: take part, so that they
             // stop too instead of waiting forever.
-            let mut v = [FATAL, 0, 0, 0];
+            let mut v = FAILED_VOTE;
             let _ = self.agree(&mut v);
             return Err(RetryError::InvalidArgument(
                 "a step of 0 rows: the batch must have at least one row".into(),
@@ -66,7 +67,7 @@ impl RetryEngine {
         }
         let mut plan = up.filter(|_| regrow.is_some()).unwrap_or(good);
         let agreed = self
-            .agree_to_start(plan, batch)
+            .agree_to_start(plan, batch, &key)
             .map_err(RetryError::Consensus)?;
         if agreed != plan {
             // Another rank starts smaller: no regrow this step. A regrow this rank had due stays
@@ -112,14 +113,19 @@ impl RetryEngine {
     /// The ranks' agreement on the first plan: the smallest of every rank's `plan`; an error on
     /// every rank when one cannot start (an empty batch) or when a rank that keeps every row
     /// meets one whose plan drops rows.
-    fn agree_to_start(&self, plan: BatchPlan, batch: usize) -> Result<BatchPlan, ConsensusError> {
-        let agreed = self.agree_on(OK, plan, batch)?;
+    fn agree_to_start(
+        &self,
+        plan: BatchPlan,
+        batch: usize,
+        key: &MemoryKey,
+    ) -> Result<BatchPlan, ConsensusError> {
+        let agreed = self.agree_on(OK, plan, batch, key)?;
         if agreed.status != OK {
             return Err(ConsensusError(
                 "another rank cannot start this step (an empty batch): every rank stops".into(),
             ));
         }
-        if let Some(why) = agreed.rows_conflict {
+        if let Some(why) = agreed.conflict {
             return Err(ConsensusError(why.to_string()));
         }
         Ok(agreed.plan)
