@@ -617,7 +617,7 @@ impl CachingAllocator {
             device_free: info.free,
             allocated,
             reserved_unallocated: st.reserved().saturating_sub(allocated),
-            largest_free_block: st.largest_free(),
+            largest_free_block: st.largest_free_block(),
             cause: Some(cause.to_string()),
             expandable_segments: st.growable,
         })
@@ -861,7 +861,7 @@ impl CachingAllocator {
         // A parked large block is free memory, counted as merged; it stays parked, so that
         // reading the statistics changes nothing the allocator does next (it was merged here,
         // and a replay that read them at every event reserved 8 MiB more on resnet50).
-        s.largest_free_block = st.largest_free().max(st.parked_large_merged());
+        s.largest_free_block = st.largest_free_block();
         let live = st.multi.then_some(&*st.live);
         st.peaks.apply_floors(&mut s, live);
         s
@@ -956,9 +956,22 @@ impl CachingAllocator {
             .unwrap_or(at_least);
         let mut st = self.lock();
         let mut grown = st.grow_exact(&*self.backend, PoolKind::Large, 0, size);
-        if matches!(&grown, Err(GrowError::Backend(e)) if e.is_oom()) {
+        let room_cached = |g: &Result<BlockId, GrowError>| match g {
+            Err(GrowError::Backend(e)) => e.is_oom(),
+            Err(GrowError::Limit) => true,
+            _ => false,
+        };
+        if room_cached(&grown) {
+            // As an allocation's last resort: every cached block, also those parked or in a
+            // thread's cache, merged so that whole free segments go back.
             st.stats.num_alloc_retries += 1;
-            self.release_cache(&mut st, false);
+            let waited = !st.pending.is_empty();
+            if waited {
+                self.process_events(&mut st, true);
+            }
+            self.drain_all_caches(&mut st);
+            st.flush_parked();
+            self.release_cache(&mut st, waited);
             grown = st.grow_exact(&*self.backend, PoolKind::Large, 0, size);
         }
         let r = match grown {

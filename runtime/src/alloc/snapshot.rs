@@ -58,8 +58,10 @@ impl CachingAllocator {
     /// The segments and their blocks, in address order.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
         let st = self.lock();
-        // A parked block is listed as the free block it is (it has no free neighbour of its
-        // mapped state: a neighbour's free merges it), and stays parked: reading changes nothing.
+        // A parked block is listed as the free block it is, and stays parked: reading changes
+        // nothing. (A parked large block has no free neighbour: a neighbour's free merges it. A
+        // parked small block may sit beside a free one; both are listed until a flush merges
+        // them.)
         self.with_caches_locked(|locked| snapshot(&st, locked))
     }
 

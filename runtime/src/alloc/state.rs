@@ -681,6 +681,12 @@ impl State {
         })
     }
 
+    /// The largest free block as figures report it: the free lists' largest, or the parked
+    /// large block as it would be merged.
+    pub fn largest_free_block(&self) -> u64 {
+        self.largest_free().max(self.parked_large_merged())
+    }
+
     /// The largest mapped free block.
     pub fn largest_free(&self) -> u64 {
         let versions = self.free_versions();
