@@ -776,8 +776,9 @@ fn tf_custom_memory_limit() {
         d.allocator().set_memory_limit(Some(2 * MIB));
         assert_eq!(d.allocator().memory_limit(), Some(2 * MIB));
         let first = d.alloc::<f32>(1 << 6).unwrap();
-        let second = d.alloc::<f32>(2 << 20);
-        let e = second.err().expect("8 MiB passed a 2 MiB limit");
+        let Err(e) = d.alloc::<f32>(2 << 20) else {
+            panic!("{mode}: 8 MiB passed a 2 MiB limit");
+        };
         assert!(e.is_oom(), "{mode}: {e}");
         assert!(e.to_string().contains("limit of 2.00 MiB"), "{mode}: {e}");
         assert!(total(&d) <= 2 * MIB, "{mode}");
