@@ -62,18 +62,48 @@ impl Payload {
             Payload::SumF32(v) => v.len(),
         }
     }
+
+    /// What a rank called, as an error names it: "6 u64 (max)".
+    fn describe(&self) -> String {
+        match self {
+            Payload::Max(v) => format!("{} u64 (max)", v.len()),
+            Payload::SumF32(v) => format!("{} f32 (sum)", v.len()),
+        }
+    }
 }
 
 /// The round's inputs, reduced by the last rank to arrive.
 fn reduce(inputs: &[Option<Payload>]) -> Result<Payload, ConsensusError> {
-    let inputs: Vec<&Payload> = inputs.iter().flatten().collect();
-    let lens: Vec<usize> = inputs.iter().map(|p| p.len()).collect();
-    if lens.windows(2).any(|w| w[0] != w[1]) {
+    let ranked: Vec<(usize, &Payload)> = inputs
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, p)| p.as_ref().map(|p| (rank, p)))
+        .collect();
+    let same_call = ranked.windows(2).all(|w| {
+        w[0].1.len() == w[1].1.len()
+            && std::mem::discriminant(w[0].1) == std::mem::discriminant(w[1].1)
+    });
+    if !same_call {
+        // Name what each rank called (at most 8): the rank whose call differs is the one that
+        // ran a collective the others did not (a commit that failed before its own, a step
+        // one rank skipped).
+        let mut calls: Vec<String> = ranked
+            .iter()
+            .take(8)
+            .map(|(rank, p)| format!("rank {rank}: {}", p.describe()))
+            .collect();
+        if ranked.len() > 8 {
+            calls.push(format!("{} more", ranked.len() - 8));
+        }
         return Err(ConsensusError(format!(
-            "ranks passed different numbers of values: {lens:?}"
+            "ranks made different calls in one round ({}): a rank ran a collective the others \
+             did not (a step or a commit that one rank skipped or failed before its own); every \
+             rank stops",
+            calls.join(", ")
         )));
     }
-    let n = lens.first().copied().unwrap_or(0);
+    let inputs: Vec<&Payload> = ranked.iter().map(|&(_, p)| p).collect();
+    let n = inputs.first().map_or(0, |p| p.len());
     match inputs.first() {
         Some(Payload::Max(_)) => {
             let mut out = vec![0u64; n];
@@ -424,7 +454,38 @@ mod tests {
             })
             .collect();
         for h in handles {
-            assert!(h.join().unwrap().is_err());
+            let e = h.join().unwrap().unwrap_err().to_string();
+            // each rank's call named, so that the odd one is found
+            assert!(
+                e.contains("rank 0: 1 u64 (max), rank 1: 2 u64 (max)"),
+                "{e}"
+            );
+        }
+    }
+
+    /// A rank summing gradients (a commit) while the other agrees on a step: both named.
+    #[test]
+    fn a_sum_beside_a_max_names_both_calls() {
+        let handles: Vec<_> = LocalGroup::new(2)
+            .into_iter()
+            .map(|r| {
+                std::thread::spawn(move || {
+                    if r.rank() == 0 {
+                        let mut v = [0u64; 6];
+                        r.all_reduce_max(&mut v).map_err(|e| e.to_string())
+                    } else {
+                        let mut g = [1.0f32; 6];
+                        r.all_reduce_sum_f32(&mut g).map_err(|e| e.to_string())
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            let e = h.join().unwrap().unwrap_err();
+            assert!(
+                e.contains("rank 0: 6 u64 (max), rank 1: 6 f32 (sum)"),
+                "{e}"
+            );
         }
     }
 }
