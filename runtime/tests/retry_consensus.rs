@@ -547,3 +547,63 @@ fn a_step_nested_on_one_rank_only_stops_every_rank() {
         "{out:?}"
     );
 }
+
+/// A step nested in a retried one gives up for lack of memory on one rank only: the other rank's
+/// inner step stopped with `PeerFailed`, which was not an out-of-memory, so its outer step
+/// stopped for good while the first rank's outer step retried (every rank stopped). Both outer
+/// steps retry with a smaller plan now and commit together.
+#[test]
+fn a_nested_give_up_on_one_rank_retries_the_outer_step_on_every_rank() {
+    let out = on_ranks_no_hang(2, |rank, group| {
+        // 2 MiB a row: rank 0 fits 50 rows, not 100; rank 1 fits both
+        let dev = Device::sim(ByteSize::mib(if rank == 0 { 128 } else { 1024 }));
+        let outer = RetryEngine::new()
+            .with_policy(Accumulate::halving())
+            .with_consensus(group.clone());
+        let inner = RetryEngine::new()
+            .with_policy(Accumulate::halving().max_retries(0))
+            .with_consensus(group);
+        let mut inner_errors = Vec::new();
+        let r = outer.run(
+            &dev,
+            100,
+            |plan| {
+                let mut rows = 0;
+                for c in plan.chunks() {
+                    match inner.run(&dev, c.len(), |p| activations(&dev, p), |r| r) {
+                        Ok(r) => rows += r.value,
+                        Err(e) => {
+                            inner_errors
+                                .push((e.to_string(), oomguard_runtime::retry::IsOom::is_oom(&e)));
+                            return Err(e);
+                        }
+                    }
+                }
+                Ok(rows)
+            },
+            |r| r,
+        );
+        (
+            r.map(|r| (r.value, r.report.final_plan))
+                .map_err(|e| e.to_string()),
+            inner_errors,
+        )
+    });
+    let out: Vec<_> = out.into_iter().map(|r| r.unwrap()).collect();
+    for (rank, (r, inner_errors)) in out.iter().enumerate() {
+        let (rows, plan) = r
+            .as_ref()
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}; {out:?}"));
+        assert_eq!(*rows, 100, "rank {rank}: every row once");
+        assert_eq!(*plan, BatchPlan::new(100, 2).unwrap(), "rank {rank}");
+        assert_eq!(inner_errors.len(), 1, "rank {rank}: {inner_errors:?}");
+        assert!(
+            inner_errors[0].1,
+            "rank {rank}: an out-of-memory: {inner_errors:?}"
+        );
+    }
+    assert!(
+        out[1].1[0].0.contains("gave up for lack of memory"),
+        "{out:?}"
+    );
+}

@@ -5,7 +5,7 @@ use std::fmt;
 
 use crate::retry::classify::IsOom;
 use crate::retry::consensus::ConsensusError;
-use crate::retry_report::{held_path, message_line, BatchPlan, RetryReport};
+use crate::retry_report::{held_path, message_line, BatchPlan, RetryReport, StopReason};
 
 /// A step's value with the report of how it was obtained.
 #[derive(Clone, Debug)]
@@ -64,7 +64,10 @@ pub enum RetryError<E> {
         /// How the step went.
         report: Box<RetryReport>,
     },
-    /// Another rank failed (with a non-OOM error, or gave up); this rank stopped with it.
+    /// Another rank failed (with a non-OOM error, or gave up); this rank stopped with it. An
+    /// out-of-memory ([`IsOom`]) when the peer gave up for lack of memory
+    /// ([`StopReason::PeerGaveUp`] in the report's `stopped`), as the peer's own
+    /// [`RetryError::GaveUp`] is: every rank's caller sees the same kind of failure.
     PeerFailed {
         /// How the step went.
         report: Box<RetryReport>,
@@ -210,6 +213,8 @@ impl<E: IsOom> IsOom for RetryError<E> {
     fn is_oom(&self) -> bool {
         match self {
             RetryError::GaveUp { .. } => true,
+            // a peer's out-of-memory give-up: every rank's caller sees an out-of-memory
+            RetryError::PeerFailed { report } => report.stopped == Some(StopReason::PeerGaveUp),
             // after a nested commit: never retryable
             RetryError::Step { error, report } => report.nested_commit.is_none() && error.is_oom(),
             _ => false,

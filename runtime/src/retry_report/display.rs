@@ -47,6 +47,11 @@ impl fmt::Display for StopReason {
                  every row (a training step): no plan serves both, so every rank stops; give \
                  every rank a policy that keeps rows (`training_policy()`, `Accumulate`)"
             ),
+            StopReason::PeerGaveUp => write!(
+                f,
+                "another rank gave up for lack of memory (no plan of its policy fit), so this \
+                 step is an out-of-memory on every rank"
+            ),
             StopReason::RanksAtDifferentSteps => write!(
                 f,
                 "the ranks met in one agreement from different steps (another call site, or \

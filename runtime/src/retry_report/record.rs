@@ -88,6 +88,12 @@ pub enum StopReason {
     /// site, or train beside eval: one rank ran a step the others did not, or in another
     /// order), so what they would agree on belongs to different steps; every rank stops.
     RanksAtDifferentSteps,
+    /// With several ranks: another rank gave up for lack of memory (no plan of its policy
+    /// fit), so this rank stopped with it ([`RetryError::PeerFailed`](crate::retry::RetryError::PeerFailed)).
+    /// That error is an out-of-memory like the peer's give-up, so that every rank's caller
+    /// sees the same kind of failure: a step nested in a retried one fails on every rank as an
+    /// out-of-memory, and every rank's outer step retries with a smaller plan together.
+    PeerGaveUp,
 }
 
 /// A try of one size up after a run of clean steps.

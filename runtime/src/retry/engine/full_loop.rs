@@ -11,7 +11,7 @@ use crate::retry::decision::{self, Facts, Outcome, Settled, Status, GIVE_UP};
 use crate::retry::last_report;
 use crate::retry::memory::{Limits, MemoryKey};
 use crate::retry::result::{FailedAttempt, RetryError};
-use crate::retry_report::{BatchPlan, OomRequest, RetryReport};
+use crate::retry_report::{BatchPlan, OomRequest, RetryReport, StopReason};
 use crate::Device;
 
 use super::agree::{Agreed, FAILED_VOTE};
@@ -145,6 +145,13 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
             };
             self.committed(plan, churn, elapsed, now);
             return ControlFlow::Break(Ok(value));
+        }
+        if settled == Settled::PeerFailed
+            && agreed_status == GIVE_UP
+            && self.report.stopped.is_none()
+        {
+            // a peer's policy ran out of plans: this rank's step failed for lack of memory too
+            self.report.stopped = Some(StopReason::PeerGaveUp);
         }
         let attempt = Attempted {
             plan,
