@@ -93,11 +93,14 @@ fn encode(status: u64, plan: &BatchPlan, batch: usize, keeps_rows: bool, tag: u6
 }
 
 /// The step a vote comes from: its call site and mode, hashed (FNV-1a: the same on every rank
-/// and every build of the same source, unlike `std`'s seeded hashers). The device is left out:
-/// each rank has its own.
+/// and every build of the same source, unlike `std`'s seeded hashers). Of the site's file only
+/// its name counts: a dependency's path is where cargo put its source on that host (another
+/// `CARGO_HOME` on each node of a job), and the line and column tell the sites apart. The
+/// device is left out: each rank has its own.
 fn step_tag(site: &str, mode: StepMode) -> u64 {
     let mode = [u8::from(mode == StepMode::Train)];
-    site.as_bytes()
+    let name = site.rsplit(['/', '\\']).next().unwrap_or(site);
+    name.as_bytes()
         .iter()
         .chain(&mode)
         .fold(0xcbf2_9ce4_8422_2325, |h, &b| {
@@ -145,5 +148,15 @@ mod tests {
         assert_eq!(a, step_tag("src/main.rs:10:5", StepMode::Train));
         assert_ne!(a, step_tag("src/main.rs:10:6", StepMode::Train));
         assert_ne!(a, step_tag("src/main.rs:10:5", StepMode::Eval));
+        // a dependency built under another CARGO_HOME on another node: the same step
+        let dep = |home: &str| format!("{home}/registry/src/index/trainer-1.0/src/step.rs:40:9");
+        assert_eq!(
+            step_tag(&dep("/home/a/.cargo"), StepMode::Train),
+            step_tag(&dep("/opt/cargo"), StepMode::Train)
+        );
+        assert_eq!(
+            step_tag("C:\\cargo\\trainer\\src\\step.rs:40:9", StepMode::Train),
+            step_tag(&dep("/opt/cargo"), StepMode::Train)
+        );
     }
 }
