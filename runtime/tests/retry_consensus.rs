@@ -607,3 +607,43 @@ fn a_nested_give_up_on_one_rank_retries_the_outer_step_on_every_rank() {
         "{out:?}"
     );
 }
+
+/// A rank on the default training policy (empty the cache once, then accumulate) beside a rank
+/// whose inference policy shrinks its batch: the training rank followed and trained 8 of its 16
+/// rows with `Ok` (only `KeepsRows` said it keeps rows). Every rank stops now.
+#[test]
+fn a_rank_on_the_training_policy_does_not_follow_a_peer_that_shrinks() {
+    use oomguard_runtime::retry::{inference_policy, StopReason};
+    let out = on_ranks_no_hang(2, |rank, group| {
+        let dev = Device::sim(ByteSize::mib(if rank == 0 { 4 } else { 1024 }));
+        let engine = if rank == 0 {
+            RetryEngine::new().with_policy(inference_policy())
+        } else {
+            RetryEngine::new()
+        }
+        .with_consensus(group);
+        engine
+            .run(
+                &dev,
+                16,
+                |plan| {
+                    // the inputs, held for the whole step: micro-batches cannot shrink them
+                    let _inputs = dev.alloc::<u8>(plan.batch() * MIB / 4)?;
+                    for c in plan.chunks() {
+                        dev.alloc::<u8>(c.len() * MIB / 4)?;
+                    }
+                    Ok::<_, Error>(plan.batch())
+                },
+                |rows| rows,
+            )
+            .map(|r| r.value)
+            .map_err(|e| (e.to_string(), e.report().and_then(|r| r.stopped.clone())))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let (e, stopped) = r.unwrap().expect_err("no rank trains part of its batch");
+        assert!(
+            matches!(stopped, Some(StopReason::RanksDisagreeOnRows { .. })),
+            "rank {rank}: {e}"
+        );
+    }
+}

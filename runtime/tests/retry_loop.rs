@@ -74,3 +74,42 @@ fn any_device_loop_keeps_the_callers_chunking() {
         .begin_any::<Error>("x", BatchPlan::whole(3).unwrap())
         .is_ok());
 }
+
+/// A step that holds no source is measured on the device its thread allocates on: another
+/// thread allocating on another device between its attempts (a data loader, a second model, a
+/// parallel test) made the step look as if it kept memory across attempts, and it stopped
+/// with `HeldGrew` ("a leak") before trying the plan that fits; the report's figures were the
+/// other device's too.
+#[test]
+fn another_threads_device_is_not_this_steps_memory() {
+    let dev = Device::sim(ByteSize::mib(16));
+    let other = Device::sim(ByteSize::gib(1));
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let engine = RetryEngine::new().with_policy(Accumulate::halving());
+    let start = BatchPlan::whole(100).unwrap();
+    let mut lp = engine
+        .begin_any::<Error>("loop.rs:2 other thread", start)
+        .unwrap();
+    let (rows, report) = loop {
+        // another thread takes 16 MiB more of its own device during every attempt
+        let (o, k) = (other.clone(), kept.clone());
+        std::thread::spawn(move || k.lock().unwrap().push(o.alloc::<u8>(16 << 20).unwrap()))
+            .join()
+            .unwrap();
+        let plan = lp.plan();
+        match lp.next(step(&dev, &plan)) {
+            ControlFlow::Break(Ok((rows, report))) => break (Ok(rows), report),
+            ControlFlow::Break(Err(e)) => {
+                let report = e.report().cloned().expect("the step ran");
+                break (Err(e.to_string()), report);
+            }
+            ControlFlow::Continue(()) => {}
+        }
+    };
+    assert_eq!(rows, Ok(100), "{report}");
+    assert!(report.stopped.is_none(), "{report}");
+    // what the report says was in use is this device's (at most its 16 MiB), not the other's
+    for a in &report.attempts {
+        assert!(a.allocated_bytes <= 16 << 20, "{report}");
+    }
+}

@@ -97,7 +97,9 @@ pub trait RetryPolicy: Send + Sync + fmt::Debug {
     /// training step). With several ranks the agreed plan is the smallest of any rank's: when
     /// another rank's plan drops rows, a rank whose policy keeps them does not follow it;
     /// every rank gives up instead ([`StopReason::RanksDisagreeOnRows`](crate::retry::StopReason::RanksDisagreeOnRows)).
-    /// `false` by default; the combinators pass their inner policy's on.
+    /// `false` by default; `true` for [`EmptyCacheRetry`], [`Accumulate`] and [`KeepsRows`] (so
+    /// for `training_policy()`); [`Shrink`] drops rows; the combinators pass their inner
+    /// policies' on (a chain keeps rows when every link does).
     fn keeps_rows(&self) -> bool {
         false
     }
@@ -181,6 +183,10 @@ impl RetryPolicy for EmptyCacheRetry {
     fn retry_limit(&self) -> Option<u32> {
         Some(self.times)
     }
+    /// The same plan again: never fewer rows.
+    fn keeps_rows(&self) -> bool {
+        true
+    }
 }
 
 /// Gradient accumulation: keeps the batch, divides the micro-batch by `factor` (2: halves it),
@@ -233,6 +239,10 @@ impl RetryPolicy for Accumulate {
             return None;
         }
         BatchPlan::new(batch, chunks).ok()
+    }
+    /// The plan's rows in more micro-batches: never fewer rows.
+    fn keeps_rows(&self) -> bool {
+        true
     }
 }
 

@@ -45,9 +45,27 @@ impl Target {
             }
         }
     }
+    /// The sources a step's memory is read from (`bytes`, `held`): the step's own; for a step
+    /// that holds none, the device this thread allocates on (none before its first allocation)
+    /// and the registered sources. Not another thread's device: its allocations made a step
+    /// here look as if it kept memory across attempts, and put that device's bytes in the
+    /// report.
+    fn measured(&self) -> Vec<Arc<dyn MemorySource>> {
+        match self {
+            Target::One(s) => vec![s.clone()],
+            Target::All => {
+                let mut v: Vec<Arc<dyn MemorySource>> = Device::last_used_on_thread()
+                    .into_iter()
+                    .map(|d| Arc::new(d) as Arc<dyn MemorySource>)
+                    .collect();
+                v.extend(crate::source::registered());
+                v
+            }
+        }
+    }
     /// Used and reserved bytes now (sources that cannot be read count 0).
     pub(super) fn bytes(&self) -> (u64, u64) {
-        self.sources().iter().fold((0, 0), |(a, r), s| {
+        self.measured().iter().fold((0, 0), |(a, r), s| {
             let u = s.usage().unwrap_or_default();
             (a + u.used, r + u.reserved)
         })
@@ -55,7 +73,7 @@ impl Target {
     /// Bytes used now, after the device ran every queued free (each source synchronised; those
     /// that cannot be read count 0).
     pub(super) fn held(&self) -> u64 {
-        self.sources().iter().fold(0, |a, s| {
+        self.measured().iter().fold(0, |a, s| {
             if let Err(e) = s.synchronize() {
                 tracing::warn!(target: "oomguard::retry", error = %e, source = %s.info(), "synchronize failed");
             }
