@@ -36,6 +36,10 @@ pub(crate) struct FreeIndex {
     /// Entries visited by whole-index scans ([`FreeIndex::ids`], [`FreeIndex::largest`]): a
     /// count, not a clock, for tests that a path does not rescan every free block.
     scanned: std::cell::Cell<u64>,
+    /// The largest free size and how many free blocks have it, kept on insert and remove; `None`
+    /// once the last block of that size left (the next [`FreeIndex::largest`] scans). Without
+    /// it, statistics read at every event (`oomguard plot`) scanned every free block each time.
+    largest: std::cell::Cell<Option<(u64, usize)>>,
 }
 
 impl FreeIndex {
@@ -61,6 +65,13 @@ impl FreeIndex {
         let fresh = self.set.insert((stream, size, addr, id));
         debug_assert!(fresh, "block {id} was already free-listed");
         self.version = self.version.wrapping_add(1);
+        if let Some((max, n)) = self.largest.get() {
+            if size > max {
+                self.largest.set(Some((size, 1)));
+            } else if size == max {
+                self.largest.set(Some((max, n + 1)));
+            }
+        }
         if fresh && self.holds_a_page(size, addr) {
             self.with_pages += 1;
         }
@@ -70,6 +81,11 @@ impl FreeIndex {
         let was = self.set.remove(&(stream, size, addr, id));
         debug_assert!(was, "block {id} was not free-listed");
         self.version = self.version.wrapping_add(1);
+        if let Some((max, n)) = self.largest.get() {
+            if was && size == max {
+                self.largest.set((n > 1).then_some((max, n - 1)));
+            }
+        }
         if was && self.holds_a_page(size, addr) {
             self.with_pages -= 1;
         }
@@ -99,9 +115,30 @@ impl FreeIndex {
         self.set.contains(&(stream, size, addr, id))
     }
     pub fn largest(&self) -> u64 {
+        if let Some((max, _)) = self.largest.get() {
+            return max;
+        }
         self.scanned
             .set(self.scanned.get().wrapping_add(self.set.len() as u64));
-        self.set.iter().map(|e| e.1).max().unwrap_or(0)
+        let max = self.set.iter().map(|e| e.1).max().unwrap_or(0);
+        let n = self.set.iter().filter(|e| e.1 == max).count();
+        self.largest.set(Some((max, n)));
+        max
+    }
+    /// Whether the kept largest size and its count (when known) are the index's.
+    pub fn check_largest(&self) -> Result<(), String> {
+        let Some((max, n)) = self.largest.get() else {
+            return Ok(());
+        };
+        let true_max = self.set.iter().map(|e| e.1).max().unwrap_or(0);
+        let true_n = self.set.iter().filter(|e| e.1 == true_max).count();
+        if (max, n) != (true_max, true_n) {
+            return Err(format!(
+                "the free index keeps {n} block(s) of {max} bytes as its largest; it has \
+                 {true_n} of {true_max}"
+            ));
+        }
+        Ok(())
     }
     /// Every free block's id (a whole-index scan: counted in [`FreeIndex::scanned`]).
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {

@@ -329,6 +329,9 @@ impl State {
                 self.blocks.len() - seen.len()
             ));
         }
+        for f in &self.free {
+            f.check_largest()?;
+        }
         let indexed = self.free[0].len()
             + self.free[1].len()
             + self.unmapped[0].len()
