@@ -8,6 +8,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::fmt::Write as _;
 
 thread_local! {
     /// Inside [`fallible`] on this thread: a refusal goes back to the caller. A `const` cell:
@@ -70,16 +71,25 @@ unsafe impl GlobalAlloc for ExitOnRefusal {
 /// would take).
 fn out_of_host_memory(bytes: usize) -> ! {
     let mut line = StackLine::default();
-    let _ = std::fmt::Write::write_fmt(
-        &mut line,
-        format_args!(
-            "oomguard: out of host memory: this machine refused {bytes} bytes ({} MiB) more; \
-             the input needs more of the machine's memory than it has (or than a limit such as \
-             `ulimit -v` allows): use a machine with more memory, or a shorter trace\n",
-            bytes.div_ceil(1 << 20)
-        ),
-    );
+    let _ = refusal_line(&mut line, bytes);
     exit_now(line.as_bytes())
+}
+
+/// The line for a refusal of `bytes` (MiB beside bytes from 1 MiB on).
+fn refusal_line(line: &mut impl std::fmt::Write, bytes: usize) -> std::fmt::Result {
+    write!(
+        line,
+        "oomguard: out of host memory: this machine refused {bytes} bytes"
+    )?;
+    if bytes >= 1 << 20 {
+        write!(line, " ({:.1} MiB)", bytes as f64 / (1u64 << 20) as f64)?;
+    }
+    writeln!(
+        line,
+        " more; the command needs more of the machine's memory than it has (or than a limit \
+         such as `ulimit -v` allows): use a machine with more memory, or a smaller input (a \
+         shorter trace, fewer `--steps`)"
+    )
 }
 
 #[cfg(unix)]
@@ -132,7 +142,6 @@ impl std::fmt::Write for StackLine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::fmt::Write as _;
 
     #[test]
     fn a_refusal_inside_fallible_is_returned_to_the_caller() {
@@ -143,6 +152,20 @@ mod tests {
         assert!(!FALLIBLE.with(Cell::get));
         let _ = std::panic::catch_unwind(|| fallible(|| panic!("inside")));
         assert!(!FALLIBLE.with(Cell::get));
+    }
+
+    #[test]
+    fn the_line_says_mib_only_from_one_mib() {
+        let mut small = String::new();
+        refusal_line(&mut small, 180).unwrap();
+        assert!(small.contains("refused 180 bytes more"), "{small}");
+        let mut large = String::new();
+        refusal_line(&mut large, 100_663_296).unwrap();
+        assert!(
+            large.contains("refused 100663296 bytes (96.0 MiB) more"),
+            "{large}"
+        );
+        assert_eq!(large.lines().count(), 1);
     }
 
     #[test]

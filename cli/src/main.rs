@@ -505,6 +505,13 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
                 check_steps(&trace, n)?;
             }
             let r = replay_with_progress(&trace, &opts);
+            if let Some(why) = &r.stopped {
+                // not the trace's doing, nor the allocator's: no figures to report
+                return Err(Fail(
+                    format!("{}: the replay could not go on at {why}", file.display()),
+                    2,
+                ));
+            }
             if json {
                 let mut v = serde_json::to_value(&r).map_err(input)?;
                 if let Some(o) = v.as_object_mut() {

@@ -115,6 +115,13 @@ pub struct ReplayReport {
     /// succeeded): the allocator switches to its multi-thread mode (thread caches) when a
     /// second thread allocates, so from 2 on it ran in that mode.
     pub allocating_threads: usize,
+    /// Why the replay stopped before the trace's end for a reason of its own, not the
+    /// allocator's (with [`ReplayOptions::threads`]: a thread for a recorded thread could not
+    /// start, or stopped answering): the event and the cause. The figures cover the events
+    /// before it ([`ReplayReport::events`]); `completed` is false. Absent from the JSON when
+    /// `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
 }
 
 /// What one step of a replayed training loop made growable segments do: a settled loop maps
@@ -363,6 +370,7 @@ fn run(
     // the next step's first event (`starts` rises): one comparison an event, not a search
     let mut next_start = 1;
     let start = Instant::now();
+    let mut stopped = None;
     for (i, e) in trace.events.iter().enumerate() {
         if starts.get(next_start) == Some(&i) {
             next_start += 1;
@@ -387,6 +395,10 @@ fn run(
                         peak_event = i;
                     }
                 }
+                Err(err) if err.replay => {
+                    stopped = Some(format!("event {i}: {}", err.message));
+                    break;
+                }
                 Err(err) => {
                     failures.push(Failure {
                         index: i,
@@ -402,6 +414,10 @@ fn run(
                 if let Some(a) = live.remove(&e.id) {
                     live_bytes = live_bytes.saturating_sub(a.requested);
                     if let Err(err) = callers.free(e.thread, a) {
+                        if err.replay {
+                            stopped = Some(format!("event {i}: {}", err.message));
+                            break;
+                        }
                         failures.push(Failure {
                             index: i,
                             id: e.id,
@@ -487,13 +503,14 @@ fn run(
         },
         num_alloc_retries: st.num_alloc_retries,
         num_ooms: st.num_ooms,
-        completed: failures.is_empty() && done == n,
+        completed: failures.is_empty() && done == n && stopped.is_none(),
         failures,
         backend_calls: calls,
         seconds,
         per_step,
         threads,
         allocating_threads,
+        stopped,
     };
     (report, samples, peak_event, segments)
 }
@@ -538,6 +555,7 @@ fn unavailable(trace: &Trace, opts: &ReplayOptions, message: String) -> RunOutpu
         per_step: Vec::new(),
         threads: 0,
         allocating_threads: 0,
+        stopped: None,
     };
     (report, Vec::new(), 0, Vec::new())
 }

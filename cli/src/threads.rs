@@ -50,6 +50,9 @@ enum Answer {
 pub(crate) struct CallError {
     /// An out-of-memory error of the allocator.
     pub oom: bool,
+    /// The replay's own failure (a worker that could not start or stopped answering), not the
+    /// allocator's: the replay stops, since what follows would not be the trace's.
+    pub replay: bool,
     /// What failed.
     pub message: String,
 }
@@ -58,6 +61,7 @@ impl From<Error> for CallError {
     fn from(e: Error) -> Self {
         Self {
             oom: e.is_oom(),
+            replay: false,
             message: e.to_string(),
         }
     }
@@ -66,6 +70,7 @@ impl From<Error> for CallError {
 fn replay_error(message: String) -> CallError {
     CallError {
         oom: false,
+        replay: true,
         message,
     }
 }

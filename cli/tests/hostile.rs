@@ -923,3 +923,40 @@ fn a_replay_larger_than_the_machines_memory_is_one_line_and_exit_2() {
     };
     assert_error(&r, 2, needle);
 }
+
+/// `--threads` with more recorded threads than the machine lets the replay start (1,024 under
+/// a 300 MB address-space limit): a worker that could not start was counted as a failed
+/// allocation, the replay went on without it (a free routed to it lost its block, which stayed
+/// reserved) and printed wrong figures with exit 1. It stops now: one line, exit 2 (or the
+/// host-memory line, when memory runs out first).
+#[cfg(unix)]
+#[test]
+fn a_thread_the_replay_cannot_start_stops_it_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut csv = String::from("op,id,bytes,stream,thread\n");
+    for i in 0..1024 {
+        csv.push_str(&format!("a,{i},4096,0,{}\n", i + 1));
+    }
+    for i in 0..1024 {
+        csv.push_str(&format!("f,{i},4096,0,{}\n", i + 1));
+    }
+    let f = write(dir.path(), "threads.csv", csv.as_bytes());
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 300000 && exec \"$0\" replay --threads \"$1\"")
+        .arg(env!("CARGO_BIN_EXE_oomguard"))
+        .arg(&f)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run sh");
+    let r = wait(child, "replay --threads under ulimit -v");
+    let needle = if r.stderr.contains("out of host memory") {
+        "out of host memory"
+    } else {
+        "could not start a thread for recorded thread"
+    };
+    assert_error(&r, 2, needle);
+    assert!(r.stdout.is_empty(), "no figures: {}", r.stdout);
+}
