@@ -8,7 +8,6 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::fmt::Write as _;
 
 thread_local! {
     /// Inside [`fallible`] on this thread: a refusal goes back to the caller. A `const` cell:
@@ -142,6 +141,7 @@ impl std::fmt::Write for StackLine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fmt::Write as _;
 
     #[test]
     fn a_refusal_inside_fallible_is_returned_to_the_caller() {

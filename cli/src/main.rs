@@ -219,7 +219,7 @@ fn main() -> ExitCode {
             } else {
                 eprintln!(
                     "oomguard: {} (see `oomguard --help`)",
-                    clap_line(&e.to_string())
+                    one_line(&clap_line(&e.to_string()))
                 );
             }
             return ExitCode::from(2);
@@ -243,11 +243,24 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(Fail(msg, code)) => {
-            eprintln!("oomguard: {}", msg.replace('\n', " "));
+            eprintln!("oomguard: {}", one_line(&msg));
             ExitCode::from(code)
         }
     }
 }
+
+/// A message as the one line the command prints: newlines made spaces, and at most
+/// [`MAX_LINE`] characters (an argument of megabytes, quoted back, made a line of megabytes).
+fn one_line(msg: &str) -> String {
+    let line = msg.replace('\n', " ");
+    match line.char_indices().nth(MAX_LINE) {
+        None => line,
+        Some((end, _)) => format!("{}… (cut: {} bytes in all)", &line[..end], line.len()),
+    }
+}
+
+/// Most characters of an error line (the longest the commands write is under 1,000).
+const MAX_LINE: usize = 2_000;
 
 /// clap's error as one line: its message and the arguments it names (a missing `<FILE>` is on
 /// the line after "the following required arguments were not provided:"), without the usage.

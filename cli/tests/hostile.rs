@@ -960,3 +960,27 @@ fn a_thread_the_replay_cannot_start_stops_it_with_one_line() {
     assert_error(&r, 2, needle);
     assert!(r.stdout.is_empty(), "no figures: {}", r.stdout);
 }
+
+/// Arguments of 100,000 characters came back whole in the error line (a 200 KB line for an
+/// unknown configuration key, quoted twice): the line is cut at 2,000 characters now, and the
+/// configuration error clips the key and value it quotes.
+#[test]
+fn long_arguments_are_cut_in_the_error_line() {
+    let trace = real("gpt2.trace.csv");
+    let trace = trace.to_str().unwrap();
+    let long = |prefix: &str, c: char| format!("{prefix}{}", c.to_string().repeat(100_000));
+    let cases = [
+        ("--config", long("k", 'k')),
+        ("--config", long("max_split_size_mb:", 'x')),
+        ("--capacity", long("", '9')),
+        ("--steps", long("", '9')),
+        ("--device", long("", 'c')),
+    ];
+    for (option, value) in &cases {
+        let r = oomguard(&["replay", trace, option, value]);
+        assert_eq!(r.code, Some(2), "{}", &r.stderr[..r.stderr.len().min(300)]);
+        assert_eq!(r.stderr.trim_end().lines().count(), 1);
+        assert!(r.stderr.len() < 2_200, "{} bytes", r.stderr.len());
+        assert!(r.stderr.starts_with("oomguard: "));
+    }
+}

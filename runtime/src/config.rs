@@ -53,11 +53,25 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // a hostile key or value of megabytes must not become a megabyte-long message
+        let message = clipped(&self.message, 300);
         match &self.key {
-            Some(k) => write!(f, "invalid allocator config at `{k}`: {}", self.message)?,
-            None => write!(f, "invalid allocator config: {}", self.message)?,
+            Some(k) => write!(
+                f,
+                "invalid allocator config at `{}`: {message}",
+                clipped(k, 60)
+            )?,
+            None => write!(f, "invalid allocator config: {message}")?,
         }
         write!(f, " (valid keys: {})", VALID_KEYS.join(", "))
+    }
+}
+
+/// `s`, or its first `max` characters and how long it was.
+fn clipped(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match s.char_indices().nth(max) {
+        None => s.into(),
+        Some((end, _)) => format!("{}… ({} bytes)", &s[..end], s.len()).into(),
     }
 }
 
@@ -531,6 +545,22 @@ fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
 
 #[cfg(test)]
 mod tests {
+    /// A key or value of megabytes is quoted clipped: the message stays short.
+    #[test]
+    fn long_keys_and_values_are_clipped_in_the_message() {
+        let key = "k".repeat(100_000);
+        let e = AllocatorConfig::parse(&format!("{key}:1"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.len() < 1_000, "{} bytes", e.len());
+        assert!(e.contains("(100000 bytes)"), "{e}");
+        let value = "x".repeat(100_000);
+        let e = AllocatorConfig::parse(&format!("max_split_size_mb:{value}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.len() < 1_000, "{} bytes", e.len());
+    }
+
     use super::*;
 
     #[test]
