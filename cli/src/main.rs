@@ -340,7 +340,9 @@ fn check_steps(trace: &Trace, n: usize) -> Result<(), Fail> {
     if n > 1 && cut < n {
         return Err(Fail(
             format!(
-                "--steps {n}: the trace's {} events could be cut into {cut} step(s) only",
+                "--steps {n}: the trace's {} events could be cut into {cut} step(s) only (each \
+                 step has an event and ends where the fewest bytes are live near its share of \
+                 the trace); ask for fewer steps",
                 trace.events.len()
             ),
             2,

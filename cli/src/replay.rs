@@ -174,11 +174,12 @@ pub fn step_starts(trace: &Trace, steps: usize) -> Vec<usize> {
     let mut starts = vec![0];
     for k in 1..steps {
         let mid = k * n / steps;
-        let lo = mid
-            .saturating_sub(per / 4)
-            .max(starts[starts.len() - 1] + 1);
-        // a step ends before the last event: each step has at least one event
-        let hi = (mid + per / 4).min(n.saturating_sub(2));
+        // a step has at least one event: it ends at its start or later
+        let lo = mid.saturating_sub(per / 4).max(starts[starts.len() - 1]);
+        // the window slides on when the step before ended past it (steps of one or two
+        // events: cutting 1,000 events into 666 steps stopped at 3), and a step ends before
+        // the last event
+        let hi = (mid + per / 4).max(lo).min(n.saturating_sub(2));
         if lo > hi {
             break;
         }

@@ -984,3 +984,20 @@ fn long_arguments_are_cut_in_the_error_line() {
         assert!(r.stderr.starts_with("oomguard: "));
     }
 }
+
+/// Cutting 1,000 events into 666 steps stopped at 3 (the search window did not move on once
+/// the step before ended past it) and the refusal said the trace "could be cut into 3 step(s)
+/// only" while 500 worked; steps of one or two events are cut now.
+#[test]
+fn short_steps_are_cut_as_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut csv = String::from("op,id,bytes,stream\n");
+    for i in 0..500 {
+        csv.push_str(&format!("a,{i},4096,0\nf,{i},0,0\n"));
+    }
+    let f = write(dir.path(), "e1000.csv", csv.as_bytes());
+    for steps in ["500", "666", "999"] {
+        let r = oomguard(&["replay", &f, "--steps", steps]);
+        assert_eq!(r.code, Some(0), "--steps {steps}: {}", r.stderr);
+    }
+}
