@@ -119,7 +119,9 @@ enum Cmd {
         #[arg(long, default_value = "80GiB")]
         capacity: String,
     },
-    /// Find the smallest device capacity on which the trace replays without out-of-memory.
+    /// Find the smallest device capacity on which the trace replays without out-of-memory, by
+    /// bisection (one that fits with one failing just below it: replays are not monotone in the
+    /// capacity, so a smaller one may fit too).
     Mincap {
         /// The trace file (`-`: standard input).
         file: PathBuf,
@@ -173,7 +175,7 @@ enum Cmd {
         /// A tiny workload (for tests).
         #[arg(long)]
         tiny: bool,
-        /// Output file (default: standard output).
+        /// Output file (default, or `-`: standard output).
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
@@ -687,8 +689,9 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             let trace = load(&file)?;
             let r = replay_with_progress(&trace, &opts);
             let data = oomguard_cli::viewdata::ViewData::record(&trace, &opts);
-            let title = file
-                .file_name()
+            let title = Some(file.as_os_str())
+                .filter(|f| *f != "-")
+                .and_then(|_| file.file_name())
                 .map(|f| f.to_string_lossy().to_string())
                 .unwrap_or_else(|| "standard input".into());
             let page = oomguard_cli::view::html(&title, &trace, &r, &data);
@@ -722,7 +725,7 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             } else {
                 outln!(
                     out,
-                    "{}: smallest capacity {} ({} bytes), {:.4} x peak live {} ({} replays, {})",
+                    "{}: smallest capacity found {} ({} bytes), {:.4} x peak live {} ({} replays, {})",
                     file.display(),
                     ByteSize(m.min_capacity_bytes),
                     m.min_capacity_bytes,
@@ -836,9 +839,13 @@ fn run(cmd: Cmd, out: &mut String) -> Result<u8, Fail> {
             }
             let t = generate(&spec);
             let text = oomguard_cli::csv_trace::write(&t.events);
-            match output {
+            // the events are not needed once written out: the text alone is held from here
+            drop(t);
+            match output.filter(|p| p.as_os_str() != "-") {
                 Some(p) => std::fs::write(&p, text)
                     .map_err(|e| Fail(format!("{}: {e}", p.display()), 2))?,
+                // (`-o -` is standard output, as for the trace readers' `-`)
+                None if out.is_empty() => *out = text,
                 None => out.push_str(&text),
             }
             Ok(0)

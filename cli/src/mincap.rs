@@ -16,7 +16,8 @@ pub const MAX_CAPACITY: u64 = 1 << 40;
 /// The result of [`min_capacity`].
 #[derive(Clone, Debug, Serialize)]
 pub struct MinCapacity {
-    /// The smallest capacity found on which the replay completes.
+    /// The smallest capacity the bisection found on which the replay completes (a smaller one
+    /// may complete too: see [`min_capacity`]).
     pub min_capacity_bytes: u64,
     /// The largest capacity found on which it fails (`min_capacity_bytes` is within the
     /// tolerance of it); `None` when the trace's own peak live bytes suffice.
@@ -69,8 +70,11 @@ pub struct Progress {
 /// Bisects the device capacity between the trace's peak live bytes and a capacity that works,
 /// until the gap between the largest failing and the smallest working capacity is at most
 /// `tolerance` (a fraction, e.g. 0.001) of the latter. Replays are deterministic, so the answer is
-/// too; it assumes that more capacity never hurts, which holds for this allocator up to the
-/// capacity-dependent size of growable address ranges.
+/// too. The answer is a capacity that fits with one failing within `tolerance` below it, not
+/// always the smallest that fits: a replay is not monotone in the capacity (the size of
+/// growable address ranges and the memory limit depend on it), and `traces/gpt2.trace.csv`,
+/// found at 8,240,575,527 bytes with 8,235,031,309 failing, also fits at 8,227,353,288 (and
+/// fails from 8,229 to 8,234 MB).
 ///
 /// ```
 /// use oomguard_cli::{mincap::min_capacity, Event, Trace, TraceFormat};

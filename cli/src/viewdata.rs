@@ -117,6 +117,13 @@ impl ViewData {
     /// pages at every event of one growable segment took quadratic time (38,000 events: 38 s);
     /// the real traces of the repository's anchors read at most 150,000.
     pub const MAX_LAYOUT_BLOCKS: usize = 20_000_000;
+    /// Most segment-layout entries kept per event of the trace (with at least
+    /// [`ViewData::MIN_LAYOUT_SEGMENTS`]), so that the page stays proportional to the trace: 2,100
+    /// allocations on as many streams (27 KB) made a page of 133 MB, each allocation a new
+    /// segment and a layout of every segment so far.
+    pub const LAYOUT_SEGMENTS_PER_EVENT: usize = 64;
+    /// The layout entries kept whatever the trace's length.
+    pub const MIN_LAYOUT_SEGMENTS: usize = 100_000;
 
     /// Replays `trace` with `opts` (timeline and stopping options are ignored) and records what
     /// the viewer shows.
@@ -143,6 +150,9 @@ impl ViewData {
         let mut calls = u64::MAX;
         let mut layout_segments = 0usize;
         let mut layout_blocks = 0usize;
+        let max_segments = n
+            .saturating_mul(Self::LAYOUT_SEGMENTS_PER_EVENT)
+            .clamp(Self::MIN_LAYOUT_SEGMENTS, Self::MAX_LAYOUT_SEGMENTS);
         for (i, e) in trace.events.iter().take(n).enumerate() {
             match e.op {
                 Op::Alloc => match alloc.allocate(e.bytes, e.stream) {
@@ -187,9 +197,7 @@ impl ViewData {
                     .sum::<usize>();
                 let segments = layout(&snapshot);
                 layout_segments += segments.len().max(1);
-                if layout_segments > Self::MAX_LAYOUT_SEGMENTS
-                    || layout_blocks > Self::MAX_LAYOUT_BLOCKS
-                {
+                if layout_segments > max_segments || layout_blocks > Self::MAX_LAYOUT_BLOCKS {
                     v.layouts_truncated = true;
                 } else {
                     v.layouts.push(Layout {
