@@ -892,6 +892,22 @@ fn plot_view_and_replay_replay_alike() {
     }
 }
 
+/// `oomguard args` under an address-space limit of `kib` KiB (`ulimit -v`, through `sh`).
+#[cfg(unix)]
+fn oomguard_under_ulimit(kib: u32, args: &[&str]) -> Run {
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_oomguard"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run sh");
+    wait(child, &format!("{} under ulimit -v {kib}", args.join(" ")))
+}
+
 /// A trace that parses but whose replay needs more host memory than the machine gives (a million
 /// blocks live at once under a 200 MB address-space limit) aborted with exit 134 and a
 /// backtrace; it is one line and exit 2 now, whichever allocation is refused (the reader's
@@ -905,17 +921,7 @@ fn a_replay_larger_than_the_machines_memory_is_one_line_and_exit_2() {
         "live.csv",
         allocations_csv(1_000_000, 512, |_| 0).as_bytes(),
     );
-    let child = Command::new("sh")
-        .arg("-c")
-        .arg("ulimit -v 200000 && exec \"$0\" replay \"$1\"")
-        .arg(env!("CARGO_BIN_EXE_oomguard"))
-        .arg(&f)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run sh");
-    let r = wait(child, "replay under ulimit -v");
+    let r = oomguard_under_ulimit(200_000, &["replay", &f]);
     let needle = if r.stderr.contains("to read the trace's") {
         "not enough memory on this machine"
     } else {
@@ -941,17 +947,7 @@ fn a_thread_the_replay_cannot_start_stops_it_with_one_line() {
         csv.push_str(&format!("f,{i},4096,0,{}\n", i + 1));
     }
     let f = write(dir.path(), "threads.csv", csv.as_bytes());
-    let child = Command::new("sh")
-        .arg("-c")
-        .arg("ulimit -v 300000 && exec \"$0\" replay --threads \"$1\"")
-        .arg(env!("CARGO_BIN_EXE_oomguard"))
-        .arg(&f)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run sh");
-    let r = wait(child, "replay --threads under ulimit -v");
+    let r = oomguard_under_ulimit(300_000, &["replay", "--threads", &f]);
     let needle = if r.stderr.contains("out of host memory") {
         "out of host memory"
     } else {
