@@ -13,7 +13,9 @@ use crate::source::MemorySource;
 
 /// One attempt over `plan`: every chunk's loss, backpropagated weighted into one accumulator,
 /// then the gradients checked and taken (not under [`TrainFramework::catch`]: the callers
-/// wrap it).
+/// wrap it). Gradients whose [`Gradients::rows`] are not the plan's rows are
+/// [`TrainFramework::batch_error`] (the framework counted some chunk's rows wrong, or not at
+/// all: the step's report would say a batch its gradients do not cover).
 pub fn attempt<F: TrainFramework>(
     parts: &mut F,
     batch: &F::Batch,
@@ -24,7 +26,16 @@ pub fn attempt<F: TrainFramework>(
         let loss = parts.chunk_loss(batch, &c)?;
         parts.backward(&mut acc, loss, &c)?;
     }
-    parts.gradients(acc)
+    let g = parts.gradients(acc)?;
+    if g.rows != plan.batch() {
+        return Err(F::batch_error(format!(
+            "the framework's gradients say {} rows were backpropagated for a plan of {} rows \
+             ({plan}): its accumulator must count every chunk's rows",
+            g.rows,
+            plan.batch()
+        )));
+    }
+    Ok(g)
 }
 
 /// What a successful [`train_step`] gives: what the step did, and the update's value.
@@ -162,7 +173,18 @@ impl<F: TrainFramework> Drop for DiscardOnUnwind<'_, '_, F> {
         if std::thread::panicking() {
             // (the attempt's borrow was dropped before this, unwinding)
             if let Ok(mut parts) = self.0.try_borrow_mut() {
-                parts.discard_gradients();
+                // a framework that panics here too (the first panic left its device broken)
+                // must not escape a destructor while unwinding: that aborts the process
+                let discarded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    parts.discard_gradients();
+                }));
+                if discarded.is_err() {
+                    tracing::error!(
+                        target: "oomguard::train",
+                        "discarding the gradients panicked while an earlier panic unwound: they \
+                         may be left filled"
+                    );
+                }
             }
         }
     }

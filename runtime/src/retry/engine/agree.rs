@@ -56,8 +56,18 @@ impl RetryEngine {
             });
         }
         let keeps = self.inner.policy.keeps_rows();
-        let mut v = encode(status, &plan, batch, keeps, step_tag(&key.site, key.mode));
+        let sent = encode(status, &plan, batch, keeps, step_tag(&key.site, key.mode));
+        let mut v = sent;
         self.inner.consensus.all_reduce_max(&mut v)?;
+        if v.iter().zip(&sent).any(|(agreed, own)| agreed < own) {
+            // a maximum over the ranks is never below this rank's own value: the ranks would go
+            // different ways (one commits, another retries)
+            return Err(ConsensusError(format!(
+                "the consensus returned {v:?} for this rank's {sent:?}: a value below this \
+                 rank's own, so it does not take the maximum over the ranks (a minimum, a sum \
+                 that wrapped, a broadcast?); `Consensus::all_reduce_max` must; every rank stops"
+            )));
+        }
         let dropped = dropped_rows(v[2], batch);
         // max(tag) is !max(!tag) = min(tag) only when every rank sent the same tag
         let conflict = if v[4] != !v[5] {

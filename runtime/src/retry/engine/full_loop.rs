@@ -52,11 +52,28 @@ pub(super) struct FullLoop<E> {
 /// and they stop with [`RetryError::PeerFailed`] instead of waiting forever.
 impl<E> Drop for FullLoop<E> {
     fn drop(&mut self) {
-        if !self.done && self.engine.inner.consensus.world_size() > 1 {
-            self.done = true;
-            let mut v = FAILED_VOTE;
-            if let Err(e) = self.engine.agree(&mut v) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        // A consensus that panics here (its transport broken by the panic that is unwinding)
+        // must not escape a destructor: that would abort the process.
+        let engine = &self.engine;
+        let voted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if engine.inner.consensus.world_size() > 1 {
+                let mut v = FAILED_VOTE;
+                engine.agree(&mut v)
+            } else {
+                Ok(())
+            }
+        }));
+        match voted {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
                 tracing::error!(target: "oomguard::retry", error = %e, "agreement failed while stopping");
+            }
+            Err(_) => {
+                tracing::error!(target: "oomguard::retry", "the consensus panicked while this rank stopped");
             }
         }
     }
@@ -141,7 +158,13 @@ impl<E: IsOom + fmt::Display> FullLoop<E> {
         let settled = decision::settle(status, agreed_status);
         if settled == Settled::Commit {
             let Ok(value) = result else {
-                unreachable!("status OK on all ranks means this rank succeeded")
+                // (a true maximum never agrees OK over this rank's failure: `agree_on` checks)
+                let e = ConsensusError(
+                    "the ranks agreed that every attempt succeeded, but this rank's failed: the \
+                     consensus does not take the maximum over the ranks"
+                        .into(),
+                );
+                return ControlFlow::Break(Err(self.consensus_failed(e, now)));
             };
             self.committed(plan, churn, elapsed, now);
             return ControlFlow::Break(Ok(value));

@@ -67,7 +67,8 @@ impl Target {
     pub(super) fn bytes(&self) -> (u64, u64) {
         self.measured().iter().fold((0, 0), |(a, r), s| {
             let u = s.usage().unwrap_or_default();
-            (a + u.used, r + u.reserved)
+            // saturating: a source may report u64::MAX for "unknown"
+            (a.saturating_add(u.used), r.saturating_add(u.reserved))
         })
     }
     /// Bytes used now, after the device ran every queued free (each source synchronised; those
@@ -77,7 +78,7 @@ impl Target {
             if let Err(e) = s.synchronize() {
                 tracing::warn!(target: "oomguard::retry", error = %e, source = %s.info(), "synchronize failed");
             }
-            a + s.usage().map_or(0, |u| u.used)
+            a.saturating_add(s.usage().map_or(0, |u| u.used))
         })
     }
     /// Empties the caches of the sources that want it after an out-of-memory

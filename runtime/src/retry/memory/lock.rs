@@ -94,7 +94,10 @@ fn create_exclusive(path: &Path, contents: &str) -> std::io::Result<()> {
 
 impl FileLock {
     pub(super) fn acquire(path: &Path) -> std::io::Result<FileLock> {
-        let lock = path.with_extension("json.lock");
+        // `<path>.lock`, as documented: `with_extension` replaced the file's own extension, so
+        // `plans.v1` and `plans.v2` shared `plans.json.lock` (and tests' `x.json-<pid>` files
+        // of two processes one lock)
+        let lock = with_suffix(path, ".lock");
         let token = lock_token();
         let started = std::time::Instant::now();
         loop {

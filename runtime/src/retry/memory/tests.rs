@@ -103,7 +103,8 @@ fn micro(m: usize) -> Limits {
 }
 
 fn temp_file(name: &str) -> std::path::PathBuf {
-    let p = std::env::temp_dir().join(format!("oomguard-memory-{name}-{}", std::process::id()));
+    // the process id before the name: the lock is `<file>.lock`, one per process's file
+    let p = std::env::temp_dir().join(format!("oomguard-memory-{}-{name}", std::process::id()));
     let _ = std::fs::remove_file(&p);
     p
 }
@@ -266,4 +267,20 @@ fn the_lock_of_a_dead_process_is_taken_over_at_once() {
     assert!(e.to_string().contains("held by another writer"), "{e}");
     std::fs::remove_file(&lock).unwrap();
     std::fs::remove_file(&p).unwrap();
+}
+
+/// The lock is `<file>.lock`, as documented: it replaced the file's own extension, so two plan
+/// files `plans.v1` and `plans.v2` shared `plans.json.lock` (one writer of each waited 5 s for
+/// the other and failed).
+#[test]
+fn plan_files_that_differ_in_extension_have_their_own_locks() {
+    let base = std::env::temp_dir().join(format!("oomguard-memory-{}-ext", std::process::id()));
+    let v1 = base.with_extension("v1");
+    let v2 = base.with_extension("v2");
+    let held = FileLock::acquire(&v1).unwrap();
+    let started = std::time::Instant::now();
+    let other = FileLock::acquire(&v2).expect("another file's lock is free");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(held.held() && other.held());
+    assert!(std::path::Path::new(&format!("{}.lock", v1.display())).exists());
 }
