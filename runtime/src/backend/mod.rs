@@ -115,12 +115,15 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Whether [`Backend::reserve`]/[`Backend::map`] are supported (growable segments).
     fn supports_growable(&self) -> bool;
 
-    /// Allocates a physical segment of `bytes` (a multiple of 512).
+    /// Allocates a physical segment of `bytes` (a multiple of 512). The range must not overlap
+    /// any segment or reserved range of this backend that is still live: the allocator hands
+    /// out blocks by address and does not check, so an overlap makes two buffers share memory.
     fn alloc_segment(&self, bytes: u64, stream: StreamId) -> Result<DevicePtr, BackendError>;
     /// Frees a segment from [`Backend::alloc_segment`].
     fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
 
-    /// Reserves `bytes` of virtual address space (no memory behind it yet).
+    /// Reserves `bytes` of virtual address space (no memory behind it yet), overlapping no live
+    /// segment or reservation of this backend (see [`Backend::alloc_segment`]).
     fn reserve(&self, bytes: u64) -> Result<DevicePtr, BackendError>;
     /// Releases an address range from [`Backend::reserve`]; all its pages must be unmapped.
     fn release(&self, base: DevicePtr, bytes: u64) -> Result<(), BackendError>;
