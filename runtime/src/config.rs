@@ -124,9 +124,10 @@ pub struct AllocatorConfig {
     /// the higher of that share and the high-water mark of reserved memory); `0` moves them
     /// before reserved memory passes its high-water mark (the tight mode). Figures
     /// (docs/BENCHMARKS.md, "One default allocator"): without a memory limit, peak reserved /
-    /// peak live on the recorded traces resnet50 / gpt2 / vit_b16 / bert_infer is 1.026 / 1.088 /
-    /// 1.041 / 1.239 by default and 1.003 / 1.013 / 1.005 / 1.022 with 0, while the smallest
-    /// capacity that runs them is 1.003–1.017 × peak live either way; on an H100, candle's
+    /// peak live on the recorded traces resnet50 / gpt2 / vit_b16 / bert_infer is 1.0165 /
+    /// 1.0875 / 1.0194 / 1.2890 by default and 1.003 / 1.013 / 1.005 / 1.022 with 0 (`oomguard
+    /// replay`, 2026-11-29), while the smallest capacity `mincap` finds for them is 1.003–1.020 ×
+    /// peak live either way (bert_infer 1.0192 by default, 1.0196 with 0); on an H100, candle's
     /// GPT-2 loop maps no page after its first step by default (0.995–0.997 × the driver pool's
     /// step time, GPU.md runs 26–27), where the former default, like 0, moved 5–10 GiB of pages
     /// per step and took 1.4–1.6 × the pool's time (runs 12, 17). By default a map backs each

@@ -21,8 +21,9 @@
 //! **Not across an `.await`.** A guard held across an `.await` in async code charges every task
 //! the executor runs on that thread meanwhile: another task's allocation is refused by a budget
 //! it never opened, and a leak check reports another task's buffers. Open and drop the guards
-//! between two `.await`s (the attribute macros refuse `async fn` and `fn -> impl Future` for
-//! this reason).
+//! between two `.await`s. (On an `async fn` the attribute macros hold their guards during each
+//! poll of its future; a plain `fn` returning `impl Future` is refused: its guards would end
+//! when the future is made, before it runs.)
 //!
 //! ```
 //! use oomguard_runtime::{no_grad, ByteSize, Device};
