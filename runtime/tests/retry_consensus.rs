@@ -647,3 +647,24 @@ fn a_rank_on_the_training_policy_does_not_follow_a_peer_that_shrinks() {
         );
     }
 }
+
+/// A 7-row rank (one pass) beside a 100-row rank that must split into micro-batches of 25: the
+/// agreement took the smallest micro-batch of any plan, 7, so the large rank ran 15
+/// micro-batches of 7. A plan of one pass limits no one now: 4 × 25 and 1 × 7.
+#[test]
+fn a_small_batch_in_one_pass_does_not_split_a_large_one_finer() {
+    let out = on_ranks(2, |rank, group| {
+        // 2 MiB a row: rank 0 fits 25 rows at once (64 MiB), rank 1 all of its 7
+        let (mib, batch) = if rank == 0 { (64, 100) } else { (1024, 7) };
+        let dev = Device::sim(ByteSize::mib(mib));
+        let engine = RetryEngine::new()
+            .with_policy(Accumulate::halving())
+            .with_consensus(group);
+        let r = engine
+            .run(&dev, batch, |plan| activations(&dev, plan), |rows| rows)
+            .unwrap();
+        (r.value, r.report.final_plan)
+    });
+    assert_eq!(out[0], (100, BatchPlan::new(100, 4).unwrap()), "{out:?}");
+    assert_eq!(out[1], (7, BatchPlan::whole(7).unwrap()), "{out:?}");
+}

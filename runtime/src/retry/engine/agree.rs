@@ -86,15 +86,22 @@ impl RetryEngine {
 }
 
 /// `[status, u64::MAX - micro_batch, share of the batch dropped, keeps every row, tag, !tag]`:
-/// the max over ranks is the worst status, the smallest micro-batch, the largest share of its
+/// the max over ranks is the worst status, the smallest micro-batch of a rank that splits its
+/// rows (a plan of one pass sends 0: it limits no one, so a 7-row rank beside a 100-row one
+/// split in 4 × 25 no longer made that one run 15 micro-batches of 7), the largest share of its
 /// batch a rank drops (in 2^-32 units: ranks whose batches differ each drop that share of their
 /// own, not a count — a 40-row rank beside a 100-row one that dropped 50 ran 1 row), whether any
 /// rank keeps every row, and the largest and (complemented) smallest step tag.
 fn encode(status: u64, plan: &BatchPlan, batch: usize, keeps_rows: bool, tag: u64) -> Vote {
     let dropped = (batch - plan.batch()) as u128;
+    let micro = if plan.num_chunks() > 1 {
+        u64::MAX - plan.micro_batch() as u64
+    } else {
+        0
+    };
     [
         status,
-        u64::MAX - plan.micro_batch() as u64,
+        micro,
         ((dropped << 32) / batch.max(1) as u128) as u64,
         u64::from(keeps_rows),
         tag,
