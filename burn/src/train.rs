@@ -28,6 +28,10 @@ pub struct GradAccumulator<B: AutodiffBackend, M> {
     sum: compat::Summed<M>,
     losses: LossSum,
     pub(crate) device: Option<B::Device>,
+    /// Why a chunk failed after its gradients were added (its loss read or synchronised, an
+    /// out-of-memory or a NaN): the sum holds a chunk the losses do not count, so every later
+    /// call refuses.
+    failed: Option<String>,
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Default for GradAccumulator<B, M> {
@@ -52,18 +56,34 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
             sum: compat::Summed::new(),
             losses: LossSum::new(),
             device: None,
+            failed: None,
+        }
+    }
+
+    /// The refusal once a chunk failed after its gradients were added.
+    fn refuse_if_failed(&self) -> Result<(), Error> {
+        match &self.failed {
+            Some(why) => Err(Error::Loss(format!(
+                "an earlier chunk failed after its gradients were added to this accumulator \
+                 ({why}): its sum is not the batch's; start a new `GradAccumulator` (and run \
+                 the batch's chunks again)"
+            ))),
+            None => Ok(()),
         }
     }
 
     /// Backpropagates `chunk_loss` (the chunk's *mean* loss, one element) weighted by
     /// `chunk.weight()`, adds the parameters' gradients, then reads the weighted loss and
-    /// synchronises the device (so that an error of this micro-batch is returned here).
+    /// synchronises the device (so that an error of this micro-batch is returned here). An
+    /// error after the gradients were added (the read, the synchronisation, a NaN loss) leaves
+    /// the accumulator refusing every later call: start a new one.
     pub fn backward(
         &mut self,
         model: &M,
         chunk_loss: Tensor<B, 1>,
         chunk: &Chunk,
     ) -> Result<(), Error> {
+        self.refuse_if_failed()?;
         one_value(
             chunk_loss.shape().num_elements(),
             &chunk_loss.dims(),
@@ -81,17 +101,27 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         if grads.is_empty() && compat::trainable::<B, M>(model).trainable > 0 {
             return Err(Error::Loss(format!(
                 "the loss of rows {:?} reached none of the model's trained parameters: it was \
-                 computed from another model (or from none); each chunk's loss must come from \
-                 the `model` given to `backward`",
+                 computed from another model (or from none: a constant); each chunk's loss \
+                 must come from the `model` given to `backward`",
                 chunk.rows()
             )));
         }
         self.sum.add(model, grads);
-        let value = compat::read_f64(weighted)?;
-        compat::sync::<B>(&device)?;
+        let read = (|| -> Result<f64, Error> {
+            let value = compat::read_f64(weighted)?;
+            compat::sync::<B>(&device)?;
+            // (the weighted value is finite exactly when the chunk's mean loss is)
+            oomguard::train::finite_loss(chunk, value).map_err(Error::Loss)?;
+            Ok(value)
+        })();
+        let value = match read {
+            Ok(value) => value,
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                return Err(e);
+            }
+        };
         self.device = Some(device);
-        // (the weighted value is finite exactly when the chunk's mean loss is)
-        oomguard::train::finite_loss(chunk, value).map_err(Error::Loss)?;
         self.losses.add_weighted(chunk, value);
         Ok(())
     }
@@ -111,6 +141,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
     /// [`Error::NoGradient`] names every float parameter of `model` that requires a gradient
     /// and got none.
     pub fn into_grads(self, model: &M) -> Result<GradientsParams, Error> {
+        self.refuse_if_failed()?;
         self.losses.covers_batch().map_err(Error::Rows)?;
         let grads = self.sum.take();
         let missing = compat::missing_gradients(model, &grads);

@@ -34,6 +34,9 @@ pub struct GradAccumulator {
     params: Params,
     grads: Vec<Option<Tensor>>,
     sum: LossSum,
+    /// Why a chunk failed after its gradients were added (its loss read, an out-of-memory or
+    /// a NaN): the sum holds a chunk the losses do not count, so every later call refuses.
+    failed: Option<String>,
 }
 
 impl GradAccumulator {
@@ -44,6 +47,19 @@ impl GradAccumulator {
             grads: vec![None; params.trained.len()],
             params,
             sum: LossSum::new(),
+            failed: None,
+        }
+    }
+
+    /// The refusal once a chunk failed after its gradients were added.
+    fn refuse_if_failed(&self) -> candle_core::Result<()> {
+        match &self.failed {
+            Some(why) => Err(crate::oom::refusal(format!(
+                "an earlier chunk failed after its gradients were added to this accumulator \
+                 ({why}): its sum is not the batch's; start a new `GradAccumulator` (and run \
+                 the batch's chunks again)"
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -52,8 +68,11 @@ impl GradAccumulator {
     ///
     /// Errors: a loss with more than one element; a NaN or infinite loss
     /// ([`oomguard::train::finite_loss`]); chunks of different batches; a float variable in the
-    /// loss's graph that is neither trained nor frozen.
+    /// loss's graph that is neither trained nor frozen. An error after the gradients were
+    /// added (reading the loss, a NaN) leaves the accumulator refusing every later call: start
+    /// a new one.
     pub fn backward(&mut self, chunk_loss: &Tensor, chunk: &Chunk) -> candle_core::Result<()> {
+        self.refuse_if_failed()?;
         one_value(
             chunk_loss.elem_count(),
             chunk_loss.dims(),
@@ -90,13 +109,24 @@ impl GradAccumulator {
             });
         }
         drop(g);
-        let value = chunk_loss
-            .to_dtype(DType::F64)?
-            .flatten_all()?
-            .to_vec1::<f64>()?[0];
-        oomguard::train::finite_loss(chunk, value).map_err(crate::oom::refusal)?;
-        self.sum.add_mean(chunk, value);
-        Ok(())
+        let read = (|| -> candle_core::Result<f64> {
+            let value = chunk_loss
+                .to_dtype(DType::F64)?
+                .flatten_all()?
+                .to_vec1::<f64>()?[0];
+            oomguard::train::finite_loss(chunk, value).map_err(crate::oom::refusal)?;
+            Ok(value)
+        })();
+        match read {
+            Ok(value) => {
+                self.sum.add_mean(chunk, value);
+                Ok(())
+            }
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                Err(e)
+            }
+        }
     }
 
     /// A float variable the loss depends on that is in neither list would silently stay as it
@@ -140,6 +170,7 @@ impl GradAccumulator {
     /// Errors: a trained variable received no gradient in any chunk (they are named: index
     /// among the trained variables, name, shape, dtype); the chunks did not cover the batch.
     pub fn into_grads(self) -> candle_core::Result<GradStore> {
+        self.refuse_if_failed()?;
         self.sum.covers_batch().map_err(crate::oom::refusal)?;
         let missing: Vec<(usize, &Param)> = self
             .params

@@ -299,3 +299,36 @@ fn a_bf16_loss_is_weighted_in_f32_or_better() {
         .unwrap()[0];
     assert!((v - 0.5).abs() < 1e-2, "{v}");
 }
+
+/// A chunk whose loss is NaN was refused after its gradients were added; retrying the chunk on
+/// the same accumulator then returned `Ok` with NaN gradients (the refused chunk's rows were
+/// never counted, so nothing looked wrong). The accumulator refuses every later call now.
+#[test]
+fn an_accumulator_refuses_everything_after_a_chunk_failed_past_its_gradients() {
+    let (x, y) = batch(8);
+    let w = Var::from_tensor(&Tensor::new(&[[0.1f32], [0.2], [0.3], [0.4]], &Device::Cpu).unwrap())
+        .unwrap();
+    let mut acc = GradAccumulator::new(std::slice::from_ref(&w));
+    let plan = BatchPlan::new(8, 2).unwrap();
+    let (c0, c1) = (plan.chunk(0).unwrap(), plan.chunk(1).unwrap());
+    let part = |c: &oomguard::retry::Chunk| {
+        let xs = x.narrow(0, c.start(), c.len()).unwrap();
+        let ys = y.narrow(0, c.start(), c.len()).unwrap();
+        (xs.matmul(w.as_tensor()).unwrap() - ys)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap()
+    };
+    let nan = (part(&c0) * f64::NAN).unwrap();
+    assert!(acc
+        .backward(&nan, &c0)
+        .unwrap_err()
+        .to_string()
+        .contains("NaN"));
+    let again = acc.backward(&part(&c0), &c0).unwrap_err().to_string();
+    assert!(again.contains("start a new `GradAccumulator`"), "{again}");
+    assert!(acc.backward(&part(&c1), &c1).is_err());
+    assert!(acc.into_grads().is_err());
+}
