@@ -546,6 +546,8 @@ fn parse_divisions(v: &str) -> Result<[u64; ROUNDUP_INTERVALS], String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// A key or value of megabytes is quoted clipped: the message stays short.
     #[test]
     fn long_keys_and_values_are_clipped_in_the_message() {
@@ -561,8 +563,6 @@ mod tests {
             .to_string();
         assert!(e.len() < 1_000, "{} bytes", e.len());
     }
-
-    use super::*;
 
     #[test]
     fn parses_pytorch_syntax() {

@@ -120,18 +120,26 @@ impl FreeIndex {
         }
         self.scanned
             .set(self.scanned.get().wrapping_add(self.set.len() as u64));
-        let max = self.set.iter().map(|e| e.1).max().unwrap_or(0);
-        let n = self.set.iter().filter(|e| e.1 == max).count();
+        let (max, n) = self.scan_largest();
         self.largest.set(Some((max, n)));
         max
+    }
+    /// The largest free size and how many free blocks have it, by a scan of every block.
+    fn scan_largest(&self) -> (u64, usize) {
+        self.set
+            .iter()
+            .fold((0, 0), |(max, n), e| match e.1.cmp(&max) {
+                std::cmp::Ordering::Greater => (e.1, 1),
+                std::cmp::Ordering::Equal => (max, n + 1),
+                std::cmp::Ordering::Less => (max, n),
+            })
     }
     /// Whether the kept largest size and its count (when known) are the index's.
     pub fn check_largest(&self) -> Result<(), String> {
         let Some((max, n)) = self.largest.get() else {
             return Ok(());
         };
-        let true_max = self.set.iter().map(|e| e.1).max().unwrap_or(0);
-        let true_n = self.set.iter().filter(|e| e.1 == true_max).count();
+        let (true_max, true_n) = self.scan_largest();
         if (max, n) != (true_max, true_n) {
             return Err(format!(
                 "the free index keeps {n} block(s) of {max} bytes as its largest; it has \

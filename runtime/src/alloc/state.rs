@@ -49,10 +49,6 @@ pub(crate) struct State {
     pub segs: Arena<Segment>,
     /// Mapped free blocks, per pool.
     pub free: [FreeIndex; 2],
-    /// `largest_free` as of the free lists' versions: out-of-memory errors and statistics read
-    /// it, and after the first failure nothing changes between failing allocations (scanning
-    /// every free block each time was quadratic in a run of failures).
-    largest_memo: std::cell::Cell<Option<([u64; 2], u64)>>,
     /// [`State::releasable_pages`] at the free lists' versions (a run of failures asks on
     /// every failure; the free blocks change only when something is freed or split).
     pub(super) releasable_memo: std::cell::Cell<Option<([u64; 2], u64)>>,
@@ -129,7 +125,6 @@ impl State {
                 FreeIndex::with_page(granularity),
                 FreeIndex::with_page(granularity),
             ],
-            largest_memo: std::cell::Cell::new(None),
             releasable_memo: std::cell::Cell::new(None),
             segments_scanned: 0,
             fixed_clean_at: None,
@@ -687,17 +682,10 @@ impl State {
         self.largest_free().max(self.parked_large_merged())
     }
 
-    /// The largest mapped free block.
+    /// The largest mapped free block (each free index keeps its own as blocks come and go:
+    /// out-of-memory errors and statistics read it without scanning).
     pub fn largest_free(&self) -> u64 {
-        let versions = self.free_versions();
-        if let Some((at, largest)) = self.largest_memo.get() {
-            if at == versions {
-                return largest;
-            }
-        }
-        let largest = self.free[0].largest().max(self.free[1].largest());
-        self.largest_memo.set(Some((versions, largest)));
-        largest
+        self.free[0].largest().max(self.free[1].largest())
     }
 
     /// Moves cache `index`'s statistics deltas into the shared statistics (see `peaks`; `own`:
