@@ -91,6 +91,60 @@ fn refusal_line(line: &mut impl std::fmt::Write, bytes: usize) -> std::fmt::Resu
     )
 }
 
+/// Makes every thread take its memory from the process's one heap (glibc's main arena) instead
+/// of a heap of its own, before the command starts threads (`replay --threads` starts one per
+/// recorded thread).
+///
+/// glibc gives each new thread an arena that reserves 64 MiB of address space on its first
+/// allocation. Under an address-space limit (`ulimit -v`) that reservation can fail inside the
+/// thread's start, where glibc registers the thread's destructors and aborts the process
+/// ("Fatal glibc error: failed to register TLS destructor: out of memory", exit 134; 9 runs in
+/// 40 at `ulimit -v 280000` with 1,024 recorded threads) instead of the command's one line.
+/// With one arena a thread's start costs its stack alone, so the limit is met where the thread
+/// is created and the replay stops with its error. The replay calls the allocator from one
+/// thread at a time, so one arena costs it no contention. Elsewhere than glibc: nothing.
+pub fn one_heap_for_all_threads() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` takes two integers and changes only the arena limit of glibc's
+    // allocator, which every later allocation of any thread honours; it is called before this
+    // command starts its worker threads.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
+/// Whether the process can map `bytes` more of address space now: a mapping of that size that
+/// reserves nothing (no access, no swap) is made and unmapped at once. What a limit such as
+/// `ulimit -v` allows is then known before a thread is started, whose own start (its signal
+/// stack, its destructors) has no way to report a refusal but a panic or an abort.
+pub fn address_space_for(bytes: usize) -> bool {
+    #[cfg(unix)]
+    {
+        // SAFETY: a new anonymous mapping with no access at an address the kernel picks touches
+        // no existing memory; it is unmapped with the address and length `mmap` returned.
+        unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if p == libc::MAP_FAILED {
+                return false;
+            }
+            libc::munmap(p, bytes);
+        }
+        true
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = bytes;
+        true
+    }
+}
+
 #[cfg(unix)]
 fn exit_now(line: &[u8]) -> ! {
     // SAFETY: `write` reads `line.len()` initialised bytes of a live slice; `_exit` takes an

@@ -19,6 +19,14 @@ use oomguard_runtime::{Allocation, CachingAllocator, Error};
 /// than a training process has, few enough that a trace naming millions cannot exhaust the host.
 pub const MAX_THREADS: usize = 1024;
 
+/// A worker's stack: Rust's default for a new thread, set here so that the room checked before
+/// a start is the room the start takes.
+const WORKER_STACK: usize = 2 << 20;
+
+/// Address space a worker's start takes beside its stack (the signal stack Rust maps for it,
+/// glibc's record of its destructors), with room to spare.
+const WORKER_START: usize = 1 << 20;
+
 /// The number of distinct threads the events of `events` name.
 ///
 /// ```
@@ -99,6 +107,9 @@ pub(crate) struct Callers {
 impl Callers {
     /// Calls on `alloc`, from worker threads when `threads` is set.
     pub fn new(alloc: Arc<CachingAllocator>, threads: bool) -> Self {
+        if threads {
+            crate::host_memory::one_heap_for_all_threads();
+        }
         Self {
             alloc,
             workers: threads.then(HashMap::new),
@@ -152,14 +163,23 @@ impl Callers {
                 let (calls, calls_rx) = channel::<Call>();
                 let (answers_tx, answers) = channel::<Answer>();
                 let alloc = Arc::clone(&self.alloc);
+                let cannot_start = |why: String| {
+                    replay_error(format!(
+                        "could not start a thread for recorded thread {thread}: {why}"
+                    ))
+                };
+                if !crate::host_memory::address_space_for(WORKER_STACK + WORKER_START) {
+                    return Err(cannot_start(format!(
+                        "the machine (or a limit such as `ulimit -v`) leaves less than {} MiB \
+                         of address space for its stack",
+                        (WORKER_STACK + WORKER_START) >> 20
+                    )));
+                }
                 let handle = std::thread::Builder::new()
                     .name(format!("replay-thread-{thread}"))
+                    .stack_size(WORKER_STACK)
                     .spawn(move || serve(&alloc, &calls_rx, &answers_tx))
-                    .map_err(|e| {
-                        replay_error(format!(
-                            "could not start a thread for recorded thread {thread}: {e}"
-                        ))
-                    })?;
+                    .map_err(|e| cannot_start(e.to_string()))?;
                 v.insert(Worker {
                     calls,
                     answers,
