@@ -9,6 +9,8 @@
 # expandable segments, each model; the candidate splits timed by hand as plain steps (976 rows
 # for VGG-16, 40 rows for tch_gpt; the 1,951- and 80-row steps come from `tch`); candle_gpt frag
 # at 24 rows, oomguard's native mode and its default, native / default / default / native.
+# `candle`: candle_gpt frag at 27 and 28 rows, native / default / default / native; candle_llm
+# serving, 80 requests a process, after one warm-up, native / default / default / native twice.
 . "$(dirname "$0")/prelude.sh" zb "${1:-tch}"
 run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
 native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
@@ -31,5 +33,11 @@ oom)
     under $al 60 tch_gpt --phase plain --batch 40 --steps 4 --warmup 2
   done
   for c in native default default native; do $c ./candle_gpt frag --batch 24 --steps 6; done ;;
+candle)
+  for b in 27 28; do for c in native default default native; do
+    $c ./candle_gpt frag --batch $b --steps 6
+  done; done
+  ./candle_llm serve --requests 5 --allocator oomguard > /dev/null 2>&1 # the kernels' JIT, once
+  for r in 1 2; do for c in native default default native; do $c ./candle_llm serve --requests 80; done; done ;;
 esac
 date -u | tee -a "$log"
