@@ -930,6 +930,29 @@ fn a_replay_larger_than_the_machines_memory_is_one_line_and_exit_2() {
     assert_error(&r, 2, needle);
 }
 
+/// 1,024 recorded threads, each allocating 4 KiB and freeing it after all have allocated.
+fn thousand_threads_csv() -> String {
+    let mut csv = String::from("op,id,bytes,stream,thread\n");
+    for i in 0..1024 {
+        csv.push_str(&format!("a,{i},4096,0,{}\n", i + 1));
+    }
+    for i in 0..1024 {
+        csv.push_str(&format!("f,{i},4096,0,{}\n", i + 1));
+    }
+    csv
+}
+
+/// One line and exit 2: a worker that could not start, or the host-memory line when memory ran
+/// out first.
+fn assert_thread_refusal(r: &Run) {
+    let needle = if r.stderr.contains("out of host memory") {
+        "out of host memory"
+    } else {
+        "could not start a thread for recorded thread"
+    };
+    assert_error(r, 2, needle);
+}
+
 /// `--threads` with more recorded threads than the machine lets the replay start (1,024 under
 /// a 300 MB address-space limit): a worker that could not start was counted as a failed
 /// allocation, the replay went on without it (a free routed to it lost its block, which stayed
@@ -939,21 +962,9 @@ fn a_replay_larger_than_the_machines_memory_is_one_line_and_exit_2() {
 #[test]
 fn a_thread_the_replay_cannot_start_stops_it_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
-    let mut csv = String::from("op,id,bytes,stream,thread\n");
-    for i in 0..1024 {
-        csv.push_str(&format!("a,{i},4096,0,{}\n", i + 1));
-    }
-    for i in 0..1024 {
-        csv.push_str(&format!("f,{i},4096,0,{}\n", i + 1));
-    }
-    let f = write(dir.path(), "threads.csv", csv.as_bytes());
+    let f = write(dir.path(), "threads.csv", thousand_threads_csv().as_bytes());
     let r = oomguard_under_ulimit(300_000, &["replay", "--threads", &f]);
-    let needle = if r.stderr.contains("out of host memory") {
-        "out of host memory"
-    } else {
-        "could not start a thread for recorded thread"
-    };
-    assert_error(&r, 2, needle);
+    assert_thread_refusal(&r);
     assert!(r.stdout.is_empty(), "no figures: {}", r.stdout);
 }
 
@@ -967,22 +978,10 @@ fn a_thread_the_replay_cannot_start_stops_it_with_one_line() {
 #[test]
 fn a_thread_start_never_aborts_under_any_address_space_limit() {
     let dir = tempfile::tempdir().unwrap();
-    let mut csv = String::from("op,id,bytes,stream,thread\n");
-    for i in 0..1024 {
-        csv.push_str(&format!("a,{i},4096,0,{}\n", i + 1));
-    }
-    for i in 0..1024 {
-        csv.push_str(&format!("f,{i},4096,0,{}\n", i + 1));
-    }
-    let f = write(dir.path(), "threads.csv", csv.as_bytes());
+    let f = write(dir.path(), "threads.csv", thousand_threads_csv().as_bytes());
     for kib in (250_000..=400_000).step_by(3_000) {
         let r = oomguard_under_ulimit(kib, &["replay", "--threads", &f]);
-        let needle = if r.stderr.contains("out of host memory") {
-            "out of host memory"
-        } else {
-            "could not start a thread for recorded thread"
-        };
-        assert_error(&r, 2, needle);
+        assert_thread_refusal(&r);
     }
 }
 

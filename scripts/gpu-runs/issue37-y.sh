@@ -7,9 +7,6 @@
 # `after`: the suites, tch_gpt at 44 and candle_gpt at 24/28 NDDN after a32aebe. `tchstep`:
 # tch's train_step on the card after d93fa84 (tch_gpt and VGG-16 OOM at twice their largest).
 . "$(dirname "$0")/prelude.sh" y "${1:-verify}"
-run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
-native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
-default() { run env -u OOMGUARD_ALLOC_CONF "$@" --allocator oomguard; }
 case $mode in
 verify)
   for al in oomguard expandable; do under $al 90 tch_gpt --phase plain --batch 44 --steps 6 --warmup 3; done

@@ -12,9 +12,6 @@
 # `candle`: candle_gpt frag at 27 and 28 rows, native / default / default / native; candle_llm
 # serving, 80 requests a process, after one warm-up, native / default / default / native twice.
 . "$(dirname "$0")/prelude.sh" zb "${1:-tch}"
-run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
-native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
-default() { run env -u OOMGUARD_ALLOC_CONF "$@" --allocator oomguard; }
 case $mode in
 tch)
   under oomguard 150 tch_convnet --check --batch 1951 --steps 6 --warmup 4

@@ -29,3 +29,8 @@ suites() {
     grep -E "^test result|FAILED|panicked" "$out/$t.txt" | head -20 | tee -a "$log"
   done
 }
+# run COMMAND...: a candle program's RESULT lines (and errors) to the log; `native` and `default`
+# run it under oomguard's native mode (fixed segments) or its default (growable segments).
+run() { echo "=== $*" | tee -a "$log"; timeout 100 "$@" 2>&1 | grep -E "RESULT|rror|panick" | cut -c1-600 | tee -a "$log"; date -u +%T | tee -a "$log"; }
+native() { run env OOMGUARD_ALLOC_CONF=expandable_segments:False "$@" --allocator oomguard; }
+default() { run env -u OOMGUARD_ALLOC_CONF "$@" --allocator oomguard; }
