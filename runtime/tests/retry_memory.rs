@@ -34,6 +34,24 @@ fn two_retry_engine() -> RetryEngine {
     RetryEngine::new().with_policy(Accumulate::halving())
 }
 
+/// A remembered micro-batch cap of 25 rows says nothing about a step of 20 rows: its plan is the
+/// one it would have without memory (1 × 20), and its report said "from memory" all the same.
+#[test]
+fn a_remembered_cap_that_does_not_bind_is_not_from_memory() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let engine = two_retry_engine();
+    let first = step_here(&engine, &dev, 100);
+    assert_eq!(first.report.final_plan, BatchPlan::new(100, 4).unwrap());
+    let small = step_here(&engine, &dev, 20);
+    assert_eq!(small.report.initial_plan, BatchPlan::new(20, 1).unwrap());
+    assert_eq!(small.report.retries(), 0);
+    assert!(!small.report.from_memory, "{}", small.report);
+    // where the cap binds, it is
+    let bound = step_here(&engine, &dev, 30);
+    assert_eq!(bound.report.initial_plan, BatchPlan::new(30, 2).unwrap());
+    assert!(bound.report.from_memory, "{}", bound.report);
+}
+
 #[test]
 fn second_call_makes_no_retry() {
     let dev = Device::sim(ByteSize::mib(64));

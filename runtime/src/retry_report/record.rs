@@ -116,7 +116,9 @@ pub struct RetryReport {
     pub requested_batch: usize,
     /// The plan of the first attempt.
     pub initial_plan: BatchPlan,
-    /// Whether the first plan came from remembered limits.
+    /// Whether remembered limits set the first plan: false when nothing is remembered for the
+    /// step, and when what is remembered does not bind at this batch (a micro-batch cap above
+    /// it, or above the caller's own cap), so that the plan is the one it would be without.
     pub from_memory: bool,
     /// The plan that succeeded (or the last one tried).
     pub final_plan: BatchPlan,

@@ -60,6 +60,9 @@ impl RetryEngine {
             _ => p,
         };
         let good = capped(limits.plan_for(batch).expect("batch >= 1 gives a plan"));
+        // Remembered limits that do not bind at this batch (a cap above it, or above the
+        // caller's own cap) leave the plan what it would be without them: not "from memory".
+        let from_memory = from_memory && Some(good) != Limits::NONE.plan_for(batch).map(capped);
         let up = regrow.and_then(|l| l.plan_for(batch)).map(capped);
         if up == Some(good) {
             // the caller's micro-batch cap already binds: nothing to grow into
