@@ -113,8 +113,9 @@ pub fn one_heap_for_all_threads() {
     }
 }
 
-/// Whether the process can map `bytes` more of address space now: a mapping of that size that
-/// reserves nothing (no access, no swap) is made and unmapped at once. What a limit such as
+/// Whether the process can map `bytes` more of address space now: a mapping of that size with
+/// no access (no memory behind it: Linux charges no commit for it) is made and unmapped at once
+/// (`MAP_NORESERVE` is left out: FreeBSD has none). What a limit such as
 /// `ulimit -v` allows is then known before a thread is started, whose own start (its signal
 /// stack, its destructors) has no way to report a refusal but a panic or an abort.
 pub fn address_space_for(bytes: usize) -> bool {
@@ -127,7 +128,7 @@ pub fn address_space_for(bytes: usize) -> bool {
                 std::ptr::null_mut(),
                 bytes,
                 libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             );
