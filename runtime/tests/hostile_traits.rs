@@ -312,3 +312,100 @@ fn gradients_that_miss_rows_are_an_error() {
         .expect_err("4 of 8 rows");
     assert!(e.to_string().contains("rows were backpropagated"), "{e}");
 }
+
+/// A backend that hands out the same range again: every `alloc_segment` and `reserve` after the
+/// first returns the first one's address (a user's backend with a stale pool, say).
+#[derive(Debug)]
+struct RepeatsItsFirstRange {
+    inner: oomguard_runtime::backend::sim::SimDevice,
+    first_segment: std::sync::Mutex<Option<u64>>,
+    first_reserve: std::sync::Mutex<Option<u64>>,
+}
+
+mod repeats {
+    use super::RepeatsItsFirstRange;
+    use oomguard_runtime::backend::{Backend, BackendError, DevicePtr, MemInfo, StreamId};
+
+    fn again(first: &std::sync::Mutex<Option<u64>>, p: DevicePtr) -> DevicePtr {
+        *first.lock().unwrap().get_or_insert(p)
+    }
+
+    impl Backend for RepeatsItsFirstRange {
+        fn name(&self) -> String {
+            self.inner.name()
+        }
+        fn mem_info(&self) -> Result<MemInfo, BackendError> {
+            self.inner.mem_info()
+        }
+        fn granularity(&self) -> u64 {
+            self.inner.granularity()
+        }
+        fn supports_growable(&self) -> bool {
+            self.inner.supports_growable()
+        }
+        fn alloc_segment(&self, b: u64, s: StreamId) -> Result<DevicePtr, BackendError> {
+            Ok(again(&self.first_segment, self.inner.alloc_segment(b, s)?))
+        }
+        fn free_segment(&self, p: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.free_segment(p, b)
+        }
+        fn reserve(&self, b: u64) -> Result<DevicePtr, BackendError> {
+            Ok(again(&self.first_reserve, self.inner.reserve(b)?))
+        }
+        fn release(&self, p: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.release(p, b)
+        }
+        fn map(&self, a: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.map(a, b)
+        }
+        fn unmap(&self, a: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.unmap(a, b)
+        }
+        fn copy_to_device(&self, d: DevicePtr, s: &[u8]) -> Result<(), BackendError> {
+            self.inner.copy_to_device(d, s)
+        }
+        fn copy_to_host(&self, d: &mut [u8], s: DevicePtr) -> Result<(), BackendError> {
+            self.inner.copy_to_host(d, s)
+        }
+        fn memset_zero(&self, d: DevicePtr, b: u64) -> Result<(), BackendError> {
+            self.inner.memset_zero(d, b)
+        }
+    }
+}
+
+/// A backend that handed out a range overlapping a live one: the allocator placed blocks in it,
+/// and two live buffers shared memory (the second's write showed in the first) with `Ok`. The
+/// range is refused now, with an error that says the backend is at fault, in both segment kinds.
+#[test]
+fn a_backend_range_overlapping_a_live_one_is_refused() {
+    use oomguard_runtime::backend::sim::SimDevice;
+    use oomguard_runtime::{AllocatorConfig, CachingAllocator};
+    for cfg in ["expandable_segments:False", "expandable_segments:True"] {
+        let backend = RepeatsItsFirstRange {
+            inner: SimDevice::new(ByteSize::mib(256)),
+            first_segment: std::sync::Mutex::new(None),
+            first_reserve: std::sync::Mutex::new(None),
+        };
+        let a = CachingAllocator::new(Arc::new(backend), AllocatorConfig::parse(cfg).unwrap());
+        let first = a.allocate(30 << 20, 0).unwrap();
+        // fixed segments: another 30 MiB needs a second segment; growable: another stream
+        // needs a range of its own
+        let (bytes, stream) = if cfg.ends_with("False") {
+            (30 << 20, 0)
+        } else {
+            (1 << 20, 1)
+        };
+        match a.allocate(bytes, stream) {
+            Ok(second) => panic!(
+                "{cfg}: Ok at {:#x} beside the live block at {:#x}",
+                second.ptr, first.ptr
+            ),
+            Err(e) => {
+                let text = e.to_string();
+                assert!(!e.is_oom(), "{cfg}: {text}");
+                assert!(text.contains("overlaps the live range"), "{cfg}: {text}");
+            }
+        }
+        a.free(first).unwrap();
+    }
+}

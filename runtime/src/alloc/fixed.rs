@@ -52,8 +52,9 @@ impl State {
     ) -> Result<BlockId, GrowError> {
         self.check_limit(seg_size)?;
         let base = backend.alloc_segment(seg_size, stream)?;
+        self.check_new_range("alloc_segment", base, seg_size)?;
         let small = pool.is_small();
-        let seg = self.segs.insert(Segment {
+        let seg = self.add_segment(Segment {
             base,
             size: seg_size,
             stream,
@@ -138,7 +139,7 @@ impl State {
             self.trace(TraceAction::SegmentFree, addr, size, stream);
             self.index_remove(id);
             self.blocks.remove(id);
-            self.segs.remove(seg);
+            self.remove_segment(seg);
             let s = &mut self.stats;
             s.reserved_bytes.sub(small, size);
             s.segment.sub(small, 1);

@@ -348,13 +348,14 @@ impl State {
         total: u64,
     ) -> Result<BlockId, GrowError> {
         let base = backend.reserve(va)?;
+        self.check_new_range("reserve", base, va)?;
         // With a `page_recycle_threshold`, pages: that mode trades moves for memory that
         // follows live bytes, which whole handles would hold back.
         let handle = match self.cfg.page_recycle_threshold {
             None => handle_size(self.granularity, self.cap(total)),
             Some(_) => self.granularity,
         };
-        let seg = self.segs.insert(Segment {
+        let seg = self.add_segment(Segment {
             base,
             size: va,
             stream,
@@ -541,7 +542,7 @@ impl State {
             }
             self.index_remove(first);
             self.blocks.remove(first);
-            self.segs.remove(seg);
+            self.remove_segment(seg);
             self.stats.segment.sub(small, 1);
         }
     }

@@ -125,6 +125,10 @@ impl State {
             return None;
         }
         let home = backend.reserve(home_bytes).ok()?;
+        if let Err(e) = self.check_new_range("reserve", home, home_bytes) {
+            tracing::warn!(error = %e, "a shared plan's home range was refused");
+            return None;
+        }
         // The driver maps a handle at a second address only whole (`cuMemMap`'s offset must be
         // 0): a group of pages becomes one larger handle only when every slot that uses it
         // takes it whole, the rest are single pages. Fewer handles, fewer driver calls.

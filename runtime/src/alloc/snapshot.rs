@@ -178,6 +178,7 @@ fn check_caches(st: &State, caches: &[(u32, &mut CacheState)]) -> Result<(), Str
 impl State {
     fn check(&self, caches: &[(u32, &mut CacheState)]) -> Result<(), String> {
         check_caches(self, caches)?;
+        self.check_seg_ranges()?;
         let mut seen = HashSet::new();
         // Recounts, per pool (0: small, 1: large).
         let mut c = Recount::default();

@@ -1,7 +1,7 @@
 //! The allocator's state under its lock: blocks, segments, free indexes and statistics, with the
 //! operations every path shares (take a free block, split, free, coalesce).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap;
 
@@ -47,6 +47,10 @@ pub(crate) struct State {
     pub handles: HandleRuns,
     pub blocks: Arena<Block>,
     pub segs: Arena<Segment>,
+    /// The address range of every segment in `segs`: start -> end, for
+    /// [`State::check_new_range`] (kept with `segs` by [`State::add_segment`] and
+    /// [`State::remove_segment`]).
+    seg_ranges: BTreeMap<u64, u64>,
     /// Mapped free blocks, per pool.
     pub free: [FreeIndex; 2],
     /// [`State::releasable_pages`] at the free lists' versions (a run of failures asks on
@@ -121,6 +125,7 @@ impl State {
             handles: HandleRuns::default(),
             blocks: Arena::default(),
             segs: Arena::default(),
+            seg_ranges: BTreeMap::new(),
             free: [
                 FreeIndex::with_page(granularity),
                 FreeIndex::with_page(granularity),
@@ -578,6 +583,83 @@ impl State {
     pub fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
         if let Some(h) = &mut self.history {
             h.record(action, addr, size, stream, None);
+        }
+    }
+
+    /// Refuses a range a backend call just handed out (`op`: `alloc_segment`, `reserve`) when it
+    /// overlaps a live range of this allocator: every block is placed by address, so two
+    /// buffers would share memory ([`Backend::alloc_segment`] forbids it). The range is not
+    /// given back: a backend that returned it may free the live one instead. A lookup in the
+    /// ordered index of the segments' ranges, on the path of a driver call.
+    pub fn check_new_range(
+        &self,
+        op: &'static str,
+        base: u64,
+        bytes: u64,
+    ) -> Result<(), BackendError> {
+        let end = base.saturating_add(bytes);
+        let below = self
+            .seg_ranges
+            .range(..end)
+            .next_back()
+            .map(|(&b, &e)| (b, e));
+        let homes = [
+            self.steps.plan.as_ref().and_then(|p| p.shared.as_ref()),
+            self.steps.draining.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|s| (s.home, s.home.saturating_add(s.home_bytes)));
+        match below
+            .into_iter()
+            .chain(homes)
+            .find(|&(b, e)| b < end && base < e)
+        {
+            None => Ok(()),
+            Some((b, e)) => Err(BackendError::new(
+                crate::backend::BackendErrorKind::Other,
+                op,
+                format!(
+                    "the backend handed out [{base:#x}, {end:#x}), which overlaps the live range \
+                     [{b:#x}, {e:#x}) of this allocator: two buffers would share memory (a bug \
+                     in the backend; the range was not used)"
+                ),
+            )),
+        }
+    }
+
+    /// Adds a segment, its range indexed.
+    pub fn add_segment(&mut self, seg: Segment) -> SegId {
+        self.seg_ranges
+            .insert(seg.base, seg.base.saturating_add(seg.size));
+        self.segs.insert(seg)
+    }
+
+    /// Removes a segment and its range.
+    pub fn remove_segment(&mut self, seg: SegId) -> Segment {
+        let s = self.segs.remove(seg);
+        self.seg_ranges.remove(&s.base);
+        s
+    }
+
+    /// Whether the index of ranges holds every segment's range and nothing else, no two
+    /// overlapping (for `check_invariants`).
+    pub fn check_seg_ranges(&self) -> Result<(), String> {
+        let mut want: Vec<(u64, u64)> = self
+            .segs
+            .iter()
+            .map(|(_, s)| (s.base, s.base.saturating_add(s.size)))
+            .collect();
+        want.sort_unstable();
+        let have: Vec<(u64, u64)> = self.seg_ranges.iter().map(|(&b, &e)| (b, e)).collect();
+        if have != want {
+            return Err(format!(
+                "segment ranges {have:x?} against segments {want:x?}"
+            ));
+        }
+        match want.windows(2).find(|w| w[1].0 < w[0].1) {
+            Some(w) => Err(format!("segments overlap: {:x?} and {:x?}", w[0], w[1])),
+            None => Ok(()),
         }
     }
 
