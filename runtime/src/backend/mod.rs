@@ -117,7 +117,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Allocates a physical segment of `bytes` (a multiple of 512). The range must not overlap
     /// any segment or reserved range of this backend that is still live: the allocator hands
-    /// out blocks by address and does not check, so an overlap makes two buffers share memory.
+    /// out blocks by address, so an overlap would make two buffers share memory. The allocator
+    /// refuses such a range (a non-OOM [`BackendError`] naming both ranges; the range is not
+    /// freed, since a backend that returned it might free the live one instead).
     fn alloc_segment(&self, bytes: u64, stream: StreamId) -> Result<DevicePtr, BackendError>;
     /// Frees a segment from [`Backend::alloc_segment`].
     fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> Result<(), BackendError>;
