@@ -28,10 +28,6 @@ pub struct GradAccumulator<B: AutodiffBackend, M> {
     sum: compat::Summed<M>,
     losses: LossSum,
     pub(crate) device: Option<B::Device>,
-    /// Why a chunk failed after its gradients were added (its loss read or synchronised, an
-    /// out-of-memory or a NaN): the sum holds a chunk the losses do not count, so every later
-    /// call refuses.
-    failed: Option<String>,
 }
 
 impl<B: AutodiffBackend, M: AutodiffModule<B>> Default for GradAccumulator<B, M> {
@@ -56,19 +52,6 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
             sum: compat::Summed::new(),
             losses: LossSum::new(),
             device: None,
-            failed: None,
-        }
-    }
-
-    /// The refusal once a chunk failed after its gradients were added.
-    fn refuse_if_failed(&self) -> Result<(), Error> {
-        match &self.failed {
-            Some(why) => Err(Error::Loss(format!(
-                "an earlier chunk failed after its gradients were added to this accumulator \
-                 ({why}): its sum is not the batch's; start a new `GradAccumulator` (and run \
-                 the batch's chunks again)"
-            ))),
-            None => Ok(()),
         }
     }
 
@@ -83,7 +66,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         chunk_loss: Tensor<B, 1>,
         chunk: &Chunk,
     ) -> Result<(), Error> {
-        self.refuse_if_failed()?;
+        self.losses.check_usable().map_err(Error::Loss)?;
         one_value(
             chunk_loss.shape().num_elements(),
             &chunk_loss.dims(),
@@ -117,7 +100,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
         let value = match read {
             Ok(value) => value,
             Err(e) => {
-                self.failed = Some(e.to_string());
+                self.losses.fail_after_gradients(&e);
                 return Err(e);
             }
         };
@@ -141,7 +124,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> GradAccumulator<B, M> {
     /// [`Error::NoGradient`] names every float parameter of `model` that requires a gradient
     /// and got none.
     pub fn into_grads(self, model: &M) -> Result<GradientsParams, Error> {
-        self.refuse_if_failed()?;
+        self.losses.check_usable().map_err(Error::Loss)?;
         self.losses.covers_batch().map_err(Error::Rows)?;
         let grads = self.sum.take();
         let missing = compat::missing_gradients(model, &grads);

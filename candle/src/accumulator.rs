@@ -34,9 +34,6 @@ pub struct GradAccumulator {
     params: Params,
     grads: Vec<Option<Tensor>>,
     sum: LossSum,
-    /// Why a chunk failed after its gradients were added (its loss read, an out-of-memory or
-    /// a NaN): the sum holds a chunk the losses do not count, so every later call refuses.
-    failed: Option<String>,
 }
 
 impl GradAccumulator {
@@ -47,19 +44,6 @@ impl GradAccumulator {
             grads: vec![None; params.trained.len()],
             params,
             sum: LossSum::new(),
-            failed: None,
-        }
-    }
-
-    /// The refusal once a chunk failed after its gradients were added.
-    fn refuse_if_failed(&self) -> candle_core::Result<()> {
-        match &self.failed {
-            Some(why) => Err(crate::oom::refusal(format!(
-                "an earlier chunk failed after its gradients were added to this accumulator \
-                 ({why}): its sum is not the batch's; start a new `GradAccumulator` (and run \
-                 the batch's chunks again)"
-            ))),
-            None => Ok(()),
         }
     }
 
@@ -72,7 +56,7 @@ impl GradAccumulator {
     /// added (reading the loss, a NaN) leaves the accumulator refusing every later call: start
     /// a new one.
     pub fn backward(&mut self, chunk_loss: &Tensor, chunk: &Chunk) -> candle_core::Result<()> {
-        self.refuse_if_failed()?;
+        self.sum.check_usable().map_err(crate::oom::refusal)?;
         one_value(
             chunk_loss.elem_count(),
             chunk_loss.dims(),
@@ -123,7 +107,7 @@ impl GradAccumulator {
                 Ok(())
             }
             Err(e) => {
-                self.failed = Some(e.to_string());
+                self.sum.fail_after_gradients(&e);
                 Err(e)
             }
         }
@@ -170,7 +154,7 @@ impl GradAccumulator {
     /// Errors: a trained variable received no gradient in any chunk (they are named: index
     /// among the trained variables, name, shape, dtype); the chunks did not cover the batch.
     pub fn into_grads(self) -> candle_core::Result<GradStore> {
-        self.refuse_if_failed()?;
+        self.sum.check_usable().map_err(crate::oom::refusal)?;
         self.sum.covers_batch().map_err(crate::oom::refusal)?;
         let missing: Vec<(usize, &Param)> = self
             .params

@@ -75,6 +75,10 @@ pub fn one_value(
 /// assert_eq!(sum.rows(), 10);
 /// // a chunk that ran already is refused before its backward
 /// assert!(sum.admit(&plan.chunk(0).unwrap()).is_err());
+/// // a chunk that failed after its gradients were added: the accumulator refuses from then on
+/// assert!(sum.check_usable().is_ok());
+/// sum.fail_after_gradients("a NaN loss");
+/// assert!(sum.check_usable().unwrap_err().contains("(a NaN loss)"));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -87,6 +91,8 @@ pub struct LossSum {
     ranges: Vec<Range<usize>>,
     /// The batch of a chunk added (without [`LossSum::admit`]) to a sum of another batch.
     other_batch: Option<usize>,
+    /// Why a chunk failed after its gradients were added ([`LossSum::fail_after_gradients`]).
+    failed: Option<String>,
 }
 
 impl LossSum {
@@ -157,6 +163,27 @@ impl LossSum {
     /// The batch of the admitted chunks (`None` before the first).
     pub fn batch(&self) -> Option<usize> {
         self.batch
+    }
+
+    /// Marks the accumulator this sum belongs to as unusable: a chunk failed after its
+    /// gradients were added to the framework's sum (reading or synchronising its loss, an
+    /// out-of-memory, a NaN), so that sum holds a chunk this one does not count. Every later
+    /// [`LossSum::check_usable`] refuses, saying `why`.
+    pub fn fail_after_gradients(&mut self, why: impl std::fmt::Display) {
+        self.failed = Some(why.to_string());
+    }
+
+    /// The refusal once [`LossSum::fail_after_gradients`] was called (the framework crates'
+    /// accumulators check it before each chunk and before their gradients are taken).
+    pub fn check_usable(&self) -> Result<(), String> {
+        match &self.failed {
+            Some(why) => Err(format!(
+                "an earlier chunk failed after its gradients were added to this accumulator \
+                 ({why}): its sum is not the batch's; start a new `GradAccumulator` (and run \
+                 the batch's chunks again)"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Checks that the chunks added cover their whole batch, every row exactly once (every chunk
