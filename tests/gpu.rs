@@ -700,6 +700,42 @@ fn page_recycle_threshold_maps_new_pages_below_it() -> TestResult {
     Ok(())
 }
 
+/// Fragmentation under a memory limit on the card, in native mode: five 4 MiB buffers fill a
+/// 20 MiB segment under a 20 MiB limit, two are freed; 6 MiB cannot be served (no hole is large
+/// enough, the limit leaves no room) while the card has gigabytes free. The error names the
+/// limit ("20.00 MiB allowed;") and says the memory is fragmented; 9 MiB (more than the holes
+/// and the room together) is not called fragmented.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_oom_at_the_memory_limit_with_room_in_holes_is_fragmentation() -> TestResult {
+    let dev = cuda(AllocatorConfig::native());
+    dev.allocator().set_memory_limit(Some(20 * MIB));
+    let mut v: Vec<_> = (0..5)
+        .map(|_| dev.alloc::<u8>((4 * MIB) as usize))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(dev.stats().reserved_bytes.all.current, 20 * MIB);
+    drop(v.remove(3));
+    drop(v.remove(1));
+    let err = dev.alloc::<u8>((6 * MIB) as usize).unwrap_err();
+    println!("6 MiB: {err}");
+    let Error::Oom(o) = &err else {
+        panic!("expected an out-of-memory error, got {err}")
+    };
+    assert!(o.device_free > GIB, "the card has room: {err}");
+    assert_eq!((o.memory_limit, o.room_to_grow()), (Some(20 * MIB), 0));
+    assert!(o.likely_fragmentation(), "{err}");
+    assert!(err.to_string().contains("20.00 MiB allowed;"), "{err}");
+    assert!(err.to_string().contains("memory is fragmented"), "{err}");
+    let big = dev.alloc::<u8>((9 * MIB) as usize).unwrap_err();
+    println!("9 MiB: {big}");
+    assert!(!big.to_string().contains("fragmented"), "{big}");
+    drop(v);
+    dev.allocator().set_memory_limit(None);
+    dev.empty_cache()?;
+    assert_eq!(dev.stats().reserved_bytes.all.current, 0);
+    Ok(())
+}
+
 /// A ballast leaves only the room asked for free on the device (within a driver page), an
 /// allocator that asks past it runs out of memory, and dropping it gives the memory back.
 #[test]

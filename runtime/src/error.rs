@@ -35,16 +35,31 @@ pub struct OomError {
     /// Whether the allocator used growable (expandable) segments, so that the message does not
     /// recommend turning them on when they are on.
     pub expandable_segments: bool,
+    /// The memory limit in force (`set_memory_limit`, `set_memory_fraction`, or the
+    /// configuration's `per_process_memory_fraction`): the bytes the allocator may reserve.
+    /// `None` without one. PyTorch's message prints it as "… allowed;".
+    pub memory_limit: Option<u64>,
 }
 
 impl OomError {
-    /// Whether fragmentation is the likely cause: the device's free memory and the cache's free
-    /// bytes together would hold the request, but neither the device nor any free block of the
-    /// cache alone can.
+    /// Whether fragmentation is the likely cause: the room to grow and the cache's free bytes
+    /// together would hold the request, but neither the room nor any free block of the cache
+    /// alone can. The room is the device's free memory, or under [`OomError::memory_limit`]
+    /// what the limit leaves above the reserved bytes, if less.
     pub fn likely_fragmentation(&self) -> bool {
-        self.device_free < self.requested
+        let room = self.room_to_grow();
+        room < self.requested
             && self.largest_free_block < self.requested
-            && self.device_free.saturating_add(self.reserved_unallocated) >= self.requested
+            && room.saturating_add(self.reserved_unallocated) >= self.requested
+    }
+
+    /// The bytes the allocator could still reserve: the device's free memory, capped by what
+    /// the memory limit leaves above the reserved bytes.
+    pub fn room_to_grow(&self) -> u64 {
+        let reserved = self.allocated.saturating_add(self.reserved_unallocated);
+        self.memory_limit.map_or(self.device_free, |l| {
+            self.device_free.min(l.saturating_sub(reserved))
+        })
     }
 }
 
@@ -83,21 +98,32 @@ impl fmt::Display for OomError {
         }
         write!(
             f,
-            " Device {} has a total capacity of {} of which {} \
-             is free. Of the allocated memory {} is allocated by oomguard and {} is reserved but \
-             unallocated (largest free block {}).",
+            " Device {} has a total capacity of {} of which {} is free.",
             self.device,
             PtSize(self.device_total),
             PtSize(self.device_free),
+        )?;
+        if let Some(limit) = self.memory_limit {
+            write!(f, " {} allowed;", PtSize(limit))?;
+        }
+        write!(
+            f,
+            " Of the allocated memory {} is allocated by oomguard and {} is reserved but \
+             unallocated (largest free block {}).",
             PtSize(self.allocated),
             PtSize(self.reserved_unallocated),
             PtSize(self.largest_free_block),
         )?;
         if self.likely_fragmentation() {
+            let room = if self.room_to_grow() < self.device_free {
+                "The room under the memory limit"
+            } else {
+                "Free device memory"
+            };
             write!(
                 f,
-                " Free device memory and reserved but unallocated memory together exceed the \
-                 request: memory is fragmented."
+                " {room} and reserved but unallocated memory together exceed the request: memory \
+                 is fragmented."
             )?;
             if self.expandable_segments {
                 write!(
@@ -267,6 +293,7 @@ mod tests {
             largest_free_block: 100 << 20,
             cause: None,
             expandable_segments: false,
+            memory_limit: None,
         };
         let m = e.to_string();
         assert!(m.contains("Tried to allocate 3.00 GiB. Device 0 has a total capacity of 8.00 GiB of which 1.10 GiB is free."), "{m}");

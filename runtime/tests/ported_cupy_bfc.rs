@@ -1095,6 +1095,47 @@ fn tf_contention() {
     }
 }
 
+/// The same fragmentation under a memory limit (TF's test: a 20 MiB limit) on a card with room
+/// to spare: the limit, not the device, is what is full, so the error compares the request with
+/// the room the limit leaves (none), says the memory is fragmented, and names the limit as
+/// PyTorch does ("20.00 MiB allowed;"). Before, it compared with the device's 44 MiB free and
+/// said nothing of fragmentation.
+#[test]
+fn tf_fragmentation_under_a_memory_limit_is_fragmentation() {
+    let d = addr_device(ByteSize::mib(64), NATIVE);
+    d.allocator().set_memory_limit(Some(20 * MIB));
+    let v: Vec<Allocation> = (0..5).map(|_| a(&d, 4 * MIB)).collect();
+    assert_eq!(total(&d), 20 * MIB);
+    f(&d, v[1]);
+    f(&d, v[3]);
+    let e = d.alloc_raw(6 * MIB, 0).unwrap_err();
+    let Error::Oom(o) = &e else { panic!("{e}") };
+    assert_eq!(o.memory_limit, Some(20 * MIB), "{e}");
+    assert_eq!(o.device_free, 44 * MIB, "{e}");
+    assert_eq!(o.room_to_grow(), 0, "{e}");
+    assert_eq!(o.reserved_unallocated, 8 * MIB, "{e}");
+    assert!(o.likely_fragmentation(), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("of which 44.00 MiB is free. 20.00 MiB allowed;"),
+        "{text}"
+    );
+    assert!(
+        text.contains("The room under the memory limit and reserved"),
+        "{text}"
+    );
+    assert!(text.contains("memory is fragmented"), "{text}");
+    // a request larger than the limit's room and every free byte is not fragmentation
+    let big = d.alloc_raw(9 * MIB, 0).unwrap_err();
+    let Error::Oom(o) = &big else { panic!("{big}") };
+    assert!(!o.likely_fragmentation(), "{big}");
+    assert!(!big.to_string().contains("fragmented"), "{big}");
+    for i in [0, 2, 4] {
+        f(&d, v[i]);
+    }
+    d.allocator().check_invariants().unwrap();
+}
+
 /// A fragmentation experiment (the idea of PhysicalAllocatorOomsFragmentation, on a full card):
 /// a 20 MiB card holding five 4 MiB blocks in one segment, two of them freed (8 MiB free, in
 /// two holes). A 6 MiB request: native mode runs out of memory and the error says the memory is

@@ -620,6 +620,7 @@ impl CachingAllocator {
             largest_free_block: st.largest_free_block(),
             cause: Some(cause.to_string()),
             expandable_segments: st.growable,
+            memory_limit: st.limit,
         })
     }
 

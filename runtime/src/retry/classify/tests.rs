@@ -36,6 +36,7 @@ fn oom() -> OomError {
         largest_free_block: 0,
         cause: None,
         expandable_segments: false,
+        memory_limit: None,
     }
 }
 
