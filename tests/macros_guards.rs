@@ -71,6 +71,22 @@ fn memory_budget_refuses_what_exceeds_it_and_only_inside() {
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
 }
 
+/// A `#[memory_budget]`'s refusal names the function's file as where its budget was opened.
+#[test]
+fn a_memory_budget_refusal_names_the_functions_file() {
+    let dev = Device::sim(ByteSize::gib(1));
+    let Error::BudgetExceeded(b) = allocate_within(&dev, 2 << 20).unwrap_err() else {
+        panic!("not a budget's refusal")
+    };
+    let at = b.opened_at.expect("the budget's site");
+    assert_eq!(at.file(), file!(), "{b}");
+    assert!(
+        b.to_string()
+            .contains("(the budget opened at tests/macros_guards.rs:"),
+        "{b}"
+    );
+}
+
 #[leak_check(action = error, allow = "1 KiB")]
 fn keeps(dev: &Device, keep: &mut Vec<oomguard::DeviceBuffer<u8>>, n: usize) -> Result<(), Error> {
     keep.push(dev.alloc::<u8>(n)?);
@@ -235,4 +251,40 @@ fn budget_and_leak_check_on_one_function_both_act() {
     assert!(fraction_and_checked(&dev, (256 << 20) + 1).is_err());
     drop((keep, before));
     assert_eq!(dev.stats().allocated_bytes.all.current, 0);
+}
+
+/// Under `#[oom_retry]`, with `#[leak_check]` on the same function (one scope for both), a
+/// budget's refusal still names the function's file as where its budget was opened.
+#[test]
+fn a_retried_budget_refusal_names_the_functions_file() {
+    let dev = Device::sim(ByteSize::gib(1));
+    let mut keep = Vec::new();
+    let e = budgeted_and_checked(&dev, &mut keep, 2 << 20, 512).unwrap_err();
+    let Error::RetriesExhausted { error, .. } = &e else {
+        panic!("{e}")
+    };
+    let Error::BudgetExceeded(b) = &**error else {
+        panic!("{e}")
+    };
+    assert_eq!(b.opened_at.map(|a| a.file()), Some(file!()), "{e}");
+    let e = fraction_and_checked(&dev, (256 << 20) + 1).unwrap_err();
+    let Error::RetriesExhausted { error, .. } = &e else {
+        panic!("{e}")
+    };
+    let Error::BudgetExceeded(b) = &**error else {
+        panic!("{e}")
+    };
+    assert_eq!(b.opened_at.map(|a| a.file()), Some(file!()), "{e}");
+}
+
+/// An async `#[memory_budget]` function's refusal names its file too (the budget is opened at
+/// each poll, from where the attribute is).
+#[test]
+fn an_async_budget_refusal_names_the_functions_file() {
+    let dev = Device::sim(ByteSize::gib(1));
+    let e = block_on(async_step(dev, 2 << 20)).unwrap_err();
+    let Error::BudgetExceeded(b) = &e else {
+        panic!("{e}")
+    };
+    assert_eq!(b.opened_at.map(|a| a.file()), Some(file!()), "{e}");
 }

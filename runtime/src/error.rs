@@ -150,10 +150,13 @@ impl std::error::Error for OomError {}
 
 /// A memory budget (a scoped guard, or a device-wide limit) would be exceeded. An out-of-memory
 /// kind: retry policies treat it like a device OOM.
+///
+/// Its `Display`: "memory budget exceeded: tried to allocate 16.00 MiB, 0 B of the 8.00 MiB
+/// budget already in use (the budget opened at src/main.rs:12:18)".
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "memory budget exceeded: tried to allocate {}, {} of the {} budget already in use",
-    ByteSize(*requested), ByteSize(*in_use), ByteSize(*limit)
+    "memory budget exceeded: tried to allocate {}, {} of the {} budget already in use{}",
+    ByteSize(*requested), ByteSize(*in_use), ByteSize(*limit), OpenedAt(*opened_at)
 )]
 pub struct BudgetExceeded {
     /// Bytes the caller asked for (after rounding).
@@ -162,6 +165,22 @@ pub struct BudgetExceeded {
     pub in_use: u64,
     /// The budget's limit.
     pub limit: u64,
+    /// Where the budget that refused was opened: the call that made its guard (the function
+    /// of a `#[memory_budget]`), so that among nested budgets the one to raise is known.
+    /// `None` when not known.
+    pub opened_at: Option<&'static std::panic::Location<'static>>,
+}
+
+/// " (the budget opened at FILE:LINE:COLUMN)", or nothing.
+struct OpenedAt(Option<&'static std::panic::Location<'static>>);
+
+impl fmt::Display for OpenedAt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(at) => write!(f, " (the budget opened at {at})"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Every error oomguard returns.

@@ -91,3 +91,46 @@ fn a_small_fraction_is_a_small_budget_not_zero() {
     let e = thread_budget_fraction(1e-300).unwrap_err();
     assert!(e.to_string().contains("below 2^-53"), "{e}");
 }
+
+/// A refusal says where the budget that refused was opened (the guard's call), so that among
+/// nested budgets the one to raise is known: here the outer, tighter one refuses a request the
+/// inner one would allow. Before, the error named only the sizes.
+#[test]
+fn a_refusal_names_where_its_budget_was_opened() {
+    let dev = Device::sim(ByteSize::mib(64));
+    let outer_line = line!() + 1;
+    let _outer = dev.thread_budget(ByteSize::mib(8));
+    let inner_line = line!() + 1;
+    let _inner = thread_budget(ByteSize::mib(32));
+    let e = budget_error(dev.alloc::<u8>(16 << 20).unwrap_err());
+    let at = e.opened_at.expect("the refusing budget's site");
+    assert_eq!((at.file(), at.line()), (file!(), outer_line), "{e}");
+    assert_ne!(at.line(), inner_line, "{e}");
+    let text = e.to_string();
+    assert!(
+        text.ends_with(&format!(
+            "budget already in use (the budget opened at {}:{outer_line}:{})",
+            file!(),
+            at.column()
+        )),
+        "{text}"
+    );
+    // the inner budget refuses what passes the outer one's room but not its own
+    drop(_outer);
+    let e = budget_error(dev.alloc::<u8>(33 << 20).unwrap_err());
+    assert_eq!(e.opened_at.map(|a| a.line()), Some(inner_line), "{e}");
+}
+
+/// A device-wide budget opened through `dyn MemorySource` names its caller too (the trait's
+/// method is `#[track_caller]`), not a line inside oomguard.
+#[test]
+fn a_source_budget_refusal_names_its_caller() {
+    use oomguard_runtime::MemorySource;
+    let dev = Device::sim(ByteSize::mib(64));
+    let src: std::sync::Arc<dyn MemorySource> = std::sync::Arc::new(dev.clone());
+    let line = line!() + 1;
+    let _b = src.budget(8 << 20).unwrap();
+    let e = budget_error(dev.alloc::<u8>(16 << 20).unwrap_err());
+    let at = e.opened_at.expect("the budget's site");
+    assert_eq!((at.file(), at.line()), (file!(), line), "{e}");
+}

@@ -551,6 +551,7 @@ fn charge(
                     requested: n,
                     in_use,
                     limit,
+                    opened_at: Some(s.opened_at),
                 });
             }
         }

@@ -55,7 +55,9 @@ pub fn budget_bytes(b: impl BudgetBytes) -> u64 {
     b.budget_bytes()
 }
 
-/// `#[memory_budget]`: a budget over this thread's allocations on every device.
+/// `#[memory_budget]`: a budget over this thread's allocations on every device, opened where
+/// the attribute is (the caller's location).
+#[track_caller]
 pub fn budget(limit: BudgetLimit) -> Option<ThreadBudget> {
     match limit {
         BudgetLimit::Bytes(n) => Some(guard::thread_budget(ByteSize(n))),

@@ -141,6 +141,11 @@ pub trait MemorySource: Send + Sync + fmt::Debug + 'static {
     /// driver pool cannot cap at 0 bytes: `maxSize = 0` means no cap); implementations should
     /// do the same. [`Device::thread_budget`] (a per-thread guard) takes 0 and refuses every
     /// allocation.
+    ///
+    /// `#[track_caller]` (every implementation inherits it): a budget that records where it
+    /// was opened ([`crate::BudgetExceeded::opened_at`]) records the caller of this method,
+    /// also through `dyn MemorySource`.
+    #[track_caller]
     fn budget(&self, limit: u64) -> Result<SourceBudget>;
     /// Identity: two handles of one source return the same value.
     fn source_id(&self) -> usize;

@@ -46,7 +46,8 @@ fn own_types() {
     assert!(IsOom::is_oom(&Error::BudgetExceeded(BudgetExceeded {
         requested: 1,
         in_use: 1,
-        limit: 1
+        limit: 1,
+        opened_at: None,
     })));
     assert!(!IsOom::is_oom(&Error::InvalidArgument("x".into())));
     assert!(IsOom::is_oom(&BackendError::oom("alloc", "x")));
