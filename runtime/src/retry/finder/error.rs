@@ -13,9 +13,11 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
     /// The step failed with an error that is not out-of-memory.
     #[error("the step failed: {0}")]
     Step(E),
-    /// Not even one row fits. The trials, the last one's
-    /// [`Trial::oom_request`] (the request that failed with 1 row, when the error tells it) in
-    /// the text with what to change.
+    /// Not even one row fits: every size tried ran out of memory, 1 row included; or, when
+    /// [`FinderOptions::max_trials`](crate::retry::FinderOptions::max_trials) ended the search
+    /// before 1 row was tried, every size tried (the text says so). The trials, the smallest
+    /// one's [`Trial::oom_request`] (the request that failed with the fewest rows, when the
+    /// error tells it) in the text with what to change.
     #[error("{}", nothing_fits(.0))]
     NothingFits(Vec<Trial>),
     /// The options were wrong.
@@ -64,7 +66,7 @@ pub enum FinderError<E: fmt::Debug + fmt::Display> {
     LoopFails {
         /// The batch the search found.
         found: usize,
-        /// The smallest batch verified.
+        /// The smallest batch the verification tried (its loop failed too).
         smallest: usize,
         /// Steps each verification ran for.
         steps: u32,
@@ -88,18 +90,33 @@ fn nothing_fits(trials: &[Trial]) -> String {
         1 => "1 trial".to_string(),
         n => format!("{n} trials"),
     };
-    let mut text = format!("out of memory even with 1 row (after {runs})");
-    if let Some(r) = trials.last().and_then(|t| t.oom_request) {
+    // The search ends at 1 row unless `max_trials` ended it first: then the smallest size
+    // tried is more, and fewer rows may fit.
+    let smallest = trials.iter().min_by_key(|t| t.rows);
+    let rows = smallest.map_or(1, |t| t.rows);
+    let mut text = if rows <= 1 {
+        format!("out of memory even with 1 row (after {runs})")
+    } else {
+        format!(
+            "out of memory at every size tried, down to {rows} rows (after {runs}): max_trials \
+             ended the search before 1 row was tried; raise max_trials or lower start"
+        )
+    };
+    if let Some(r) = smallest.and_then(|t| t.oom_request) {
         let whole = if r.budget { "budget" } else { "device" };
         let advice = if r.exceeds_capacity() {
-            format!("a larger {whole} is needed")
+            if rows <= 1 {
+                format!("a larger {whole} is needed")
+            } else {
+                format!("fewer rows, or a larger {whole}")
+            }
         } else {
             format!(
                 "it fits the {whole}'s capacity but not what was free: free memory the program \
                  holds outside the step, or use a larger {whole}"
             )
         };
-        text.push_str(&format!("; the 1-row run made {r}: {advice}"));
+        text.push_str(&format!("; the {rows}-row run made {r}: {advice}"));
     }
     text
 }

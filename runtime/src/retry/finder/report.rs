@@ -116,12 +116,22 @@ impl FinderReport {
 
     /// Bytes per row of the step's peak: the verified run's peak over its rows, else the fit's
     /// (a fit through the first probes can be far off: 12 MB a row for a step that took 86 KB
-    /// a row at its largest batch, on an H100).
+    /// a row at its largest batch, on an H100), else the peak over its rows of the search's
+    /// trial at `max_batch` (no verification, and no fit when the second probe failed).
     fn bytes_per_row(&self) -> Option<f64> {
+        let per_row = |t: &Trial| Some(t.peak_bytes? as f64 / t.rows.max(1) as f64);
         self.verified()
-            .and_then(|t| Some(t.peak_bytes? as f64 / t.rows.max(1) as f64))
+            .and_then(per_row)
             .filter(|p| *p > 0.0)
             .or_else(|| self.fit.map(|f| f.per_row_bytes).filter(|p| *p > 0.0))
+            .or_else(|| {
+                self.trials
+                    .iter()
+                    .rev()
+                    .filter(|t| t.rows == self.max_batch)
+                    .find_map(per_row)
+                    .filter(|p| *p > 0.0)
+            })
     }
 
     /// The verification run that `max_batch` passed (`None`: verification was off).
@@ -214,17 +224,36 @@ impl FinderReport {
     /// What `max_batch` is safe for, in words: consecutive steps on the measured source, with
     /// nothing else allocating more than when it was measured.
     pub fn safe_for(&self) -> String {
-        let steps = match (self.verified_steps(), self.steps_per_trial) {
+        // A search trial's steps count only where a trial ran all of them at `max_batch`: a
+        // batch the verification's step-down found ran only its verification.
+        let searched = self
+            .trials
+            .iter()
+            .any(|t| t.rows == self.max_batch && t.peak_bytes.is_some());
+        let trial_steps = if searched { self.steps_per_trial } else { 0 };
+        let steps = match (self.verified_steps(), trial_steps) {
             (v, _) if v > 1 => format!(
                 "a loop of steps: {v} consecutive steps ran at it without emptying the cache \
                  between them (verification)"
             ),
-            (_, 1) => "single steps, each from an emptied cache (steps_per_trial 1, no \
-                  verification: a loop of steps may run out of memory)"
-                .to_string(),
-            (_, n) => format!(
+            (_, n) if n > 1 => format!(
                 "a loop of steps: {n} consecutive steps ran at it without emptying the cache \
                  between them"
+            ),
+            // (not "each from an emptied cache": a source whose free pages serve any request,
+            // growable segments, keeps its cache between trials)
+            _ if self.verification.is_empty() => "single steps (steps_per_trial 1, no \
+                  verification: a loop of steps, which keeps what each step cached, may run out \
+                  of memory)"
+                .to_string(),
+            _ => format!(
+                "single steps: one step ran at it (a verification of 1 step{}: a loop of \
+                 steps may run out of memory)",
+                if searched {
+                    ", steps_per_trial 1"
+                } else {
+                    "; no search trial ran at it"
+                }
             ),
         };
         let mut said = format!(
