@@ -33,7 +33,9 @@ impl LifeSpan {
 pub struct StaticLayout {
     /// The offset of each block, in the order of the spans given.
     pub offsets: Vec<u64>,
-    /// The end of the highest block: the memory the layout needs.
+    /// The end of the highest block: the memory the layout needs; `u64::MAX` when that end is
+    /// 2^64 or more. Past 2^64 the layout does not fit in 64-bit offsets: they saturate and
+    /// blocks overlap ([`StaticLayout::conflict`] says which).
     pub height: u64,
     /// Block orders tried to find it.
     pub tries: u32,
@@ -41,13 +43,15 @@ pub struct StaticLayout {
 
 impl StaticLayout {
     /// The first two blocks that are live at the same time and overlap in memory, if any (a
-    /// layout from [`plan_static_layout`] has none).
+    /// layout from [`plan_static_layout`] has none, unless it does not fit in 64-bit offsets:
+    /// see [`StaticLayout::height`]).
     pub fn conflict(&self, spans: &[LifeSpan]) -> Option<(usize, usize)> {
         for i in 0..spans.len() {
             for j in i + 1..spans.len() {
                 let (a, b) = (&spans[i], &spans[j]);
-                let (oa, ob) = (self.offsets[i], self.offsets[j]);
-                if a.overlaps_in_time(b) && oa < ob + b.bytes && ob < oa + a.bytes {
+                // in u128: a block may end at 2^64 (a top block of a valid layout)
+                let (oa, ob) = (self.offsets[i] as u128, self.offsets[j] as u128);
+                if a.overlaps_in_time(b) && oa < ob + b.bytes as u128 && ob < oa + a.bytes as u128 {
                     return Some((i, j));
                 }
             }
@@ -56,10 +60,12 @@ impl StaticLayout {
     }
 }
 
-/// The most bytes live at once: a lower bound of every layout's height.
+/// The most bytes live at once: a lower bound of every layout's height. A span that ends at
+/// or before its start is live at no event and counts for nothing.
 pub fn peak_live(spans: &[LifeSpan]) -> u64 {
     let mut events: Vec<(usize, bool, u64)> = spans
         .iter()
+        .filter(|s| s.start < s.end)
         .flat_map(|s| [(s.start, true, s.bytes), (s.end, false, s.bytes)])
         .collect();
     // frees before allocations at the same event: a block freed at `e` and one made at `e` do
@@ -81,7 +87,9 @@ pub fn peak_live(spans: &[LifeSpan]) -> u64 {
 /// then orders by size scaled by a seeded random factor in [0.7, 1.3). Each order places every
 /// block at the lowest offset where it overlaps no block already placed that is live at the
 /// same time. Deterministic for a given `seed`. Stops early when a layout reaches
-/// [`peak_live`] (no layout is lower).
+/// [`peak_live`] (no layout is lower). Blocks live at once whose sizes add up past 2^64 have
+/// no layout in 64-bit offsets: the height is then `u64::MAX` and blocks overlap (the CLI's
+/// `layout` refuses such a step).
 pub fn plan_static_layout(spans: &[LifeSpan], tries: u32, seed: u64) -> StaticLayout {
     plan_static_layout_within(spans, tries, seed, u64::MAX)
 }
