@@ -264,7 +264,8 @@ impl Tracker {
     }
 
     /// Bytes the budgets that apply to an allocation on this thread (its own and device-wide
-    /// ones) still allow, the tightest of them (`None`: no budget applies). `device_total`:
+    /// ones) still allow, the tightest of them, in whole blocks of `MIN_BLOCK` bytes (`None`:
+    /// no budget applies). `device_total`:
     /// the device's capacity, for fraction budgets.
     pub fn budget_room(&self, device_total: u64) -> Option<u64> {
         if !self.scopes_open() {
@@ -280,7 +281,9 @@ impl Tracker {
                     Some(Limit::Fraction(_)) => lock(&s.per_device).get(&dev).copied().unwrap_or(0),
                     _ => s.live.load(Relaxed),
                 };
-                Some(limit.saturating_sub(used))
+                // Budgets count blocks of MIN_BLOCK bytes at least: only whole blocks of the
+                // remainder can be allocated (a room of 1000 bytes lets 512 through, not 1000).
+                Some(limit.saturating_sub(used) / MIN_BLOCK * MIN_BLOCK)
             })
             .min()
     }
