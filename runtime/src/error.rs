@@ -151,7 +151,7 @@ impl std::error::Error for OomError {}
 /// A memory budget (a scoped guard, or a device-wide limit) would be exceeded. An out-of-memory
 /// kind: retry policies treat it like a device OOM.
 ///
-/// Its `Display`: "memory budget exceeded: tried to allocate 16.00 MiB, 0 B of the 8.00 MiB
+/// Its `Display`: "memory budget exceeded: tried to allocate 16.00 MiB, 0 bytes of the 8.00 MiB
 /// budget already in use (the budget opened at src/main.rs:12:18)".
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
